@@ -1,0 +1,159 @@
+"""Loading checkpoints: both layouts, shards, and a clear one-line error for every bad input."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from minfer.config import GPT2Config
+from minfer.loader import ModelNotFoundError, load_model_weights, resolve_model_dir
+from minfer.model import GPT2
+
+
+def copy_checkpoint(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def one_line(message: str):
+    assert "\n" not in message and "Traceback" not in message and len(message) < 400, message
+
+
+def test_both_layouts_give_the_same_model(make_checkpoint):
+    hub = GPT2.from_pretrained(make_checkpoint("tiny", "hub"))
+    tf = GPT2.from_pretrained(make_checkpoint("tiny", "transformers"))
+    for (name, a), (_, b) in zip(hub.state_dict().items(), tf.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_conv1d_weights_are_transposed(tiny_checkpoint):
+    raw = load_file(str(tiny_checkpoint / "model.safetensors"))
+    model = GPT2.from_pretrained(tiny_checkpoint)
+    assert raw["h.0.attn.c_attn.weight"].shape == (64, 192)  # stored [in, out]
+    assert torch.equal(model.h[0].attn.c_attn.weight, raw["h.0.attn.c_attn.weight"].t())
+
+
+def test_sharded_checkpoint_loads(tiny_checkpoint, tmp_path):
+    tensors = load_file(str(tiny_checkpoint / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(tmp_path / file))
+        weight_map.update({k: file for k in keys})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    shutil.copy(tiny_checkpoint / "config.json", tmp_path)
+    sharded = GPT2.from_pretrained(tmp_path)
+    single = GPT2.from_pretrained(tiny_checkpoint)
+    ids = torch.arange(10)[None]
+    with torch.inference_mode():
+        assert torch.equal(sharded(ids), single(ids))
+
+
+def test_tied_lm_head_tensor_is_accepted_only_if_equal(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "ck")
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["wte.weight"].clone()
+    save_file(tensors, str(d / "model.safetensors"))
+    GPT2.from_pretrained(d)
+    tensors["lm_head.weight"] += 1
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match="lm_head.weight differs from wte.weight"):
+        GPT2.from_pretrained(d)
+
+
+def edit_tensors(d, edit):
+    tensors = load_file(str(d / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(d / "model.safetensors"))
+
+
+def truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def other_architecture(d):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+BAD_CHECKPOINTS = {
+    "no safetensors": (lambda d: (d / "model.safetensors").unlink(), FileNotFoundError, "no model.safetensors"),
+    "truncated": (lambda d: truncate(d / "model.safetensors"), ValueError, "truncated or corrupt"),
+    "not safetensors": (lambda d: (d / "model.safetensors").write_text("hello"), ValueError, "not a readable"),
+    "other architecture": (other_architecture, ValueError, "'llama' model; minfer runs GPT-2"),
+    "no config": (lambda d: (d / "config.json").unlink(), FileNotFoundError, "no config.json"),
+    "broken config": (lambda d: (d / "config.json").write_text("{"), ValueError, "not valid JSON"),
+    "missing tensor": (
+        lambda d: edit_tensors(d, lambda t: t.pop("h.1.mlp.c_fc.bias")), ValueError, "lacks tensor 'h.1.mlp.c_fc.bias'"
+    ),
+    "unexpected tensor": (
+        lambda d: edit_tensors(d, lambda t: t.update(extra=torch.zeros(2))), ValueError, "unexpected tensor 'extra'"
+    ),
+    "wrong shape": (
+        lambda d: edit_tensors(d, lambda t: t.update({"ln_f.bias": torch.zeros(65)})),
+        ValueError,
+        r"'ln_f.bias' .* has shape \[65\], but config.json implies \[64\]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
+def test_bad_checkpoint_gives_a_clear_error(tiny_checkpoint, tmp_path, case):
+    damage, error, message = BAD_CHECKPOINTS[case]
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "ck")
+    damage(d)
+    with pytest.raises(error, match=message) as info:
+        GPT2.from_pretrained(d)
+    one_line(str(info.value))
+
+
+def test_missing_local_path_is_not_sent_to_the_hub(tmp_path):
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        resolve_model_dir(str(tmp_path / "nope"))
+
+
+def test_unreachable_hub_id_offline(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model_dir("someone/not-cached-model")
+    message = str(info.value)
+    one_line(message)
+    assert "HF_HUB_OFFLINE" in message and "local checkpoint directory" in message
+
+
+def test_hub_id_found_in_cache_offline(monkeypatch, tiny_checkpoint):
+    """An id resolves through huggingface_hub, which also serves its cache when offline."""
+    calls = {}
+
+    def fake_snapshot_download(repo_id, allow_patterns):
+        calls.update(repo_id=repo_id, allow_patterns=allow_patterns)
+        return str(tiny_checkpoint)
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", fake_snapshot_download)
+    assert resolve_model_dir("gpt2") == tiny_checkpoint
+    assert calls["repo_id"] == "openai-community/gpt2"
+    assert "model.safetensors" in calls["allow_patterns"] and "*.bin" not in calls["allow_patterns"]
+
+
+def test_cli_error_is_one_line_without_traceback(tmp_path):
+    env_cmd = [sys.executable, "-m", "minfer.generate", "--model", str(tmp_path), "hello"]
+    result = subprocess.run(env_cmd, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    err = result.stderr.strip()
+    assert err.startswith("error: no config.json") and "Traceback" not in err
+    one_line(err)
+
+
+def test_load_model_weights_casts_dtype(tiny_checkpoint):
+    config = GPT2Config.from_json(tiny_checkpoint)
+    state = load_model_weights(tiny_checkpoint, config, dtype=torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in state.values())
+    assert all(t.is_contiguous() for t in state.values())

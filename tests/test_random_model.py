@@ -1,0 +1,50 @@
+"""The random checkpoints everything offline depends on."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from safetensors import safe_open
+
+from minfer.config import GPT2Config
+from minfer.random_model import random_state_dict, make_config, train_tokenizer
+from minfer.tokenizer import Tokenizer
+
+
+@pytest.mark.parametrize("layout", ["hub", "transformers"])
+def test_cli_writes_a_complete_checkpoint(tmp_path, layout):
+    out = tmp_path / "ck"
+    cmd = [sys.executable, "-m", "minfer.random_model", str(out), "--config", "tiny", "--layout", layout]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    config = GPT2Config.from_json(out / "config.json")
+    tokenizer = Tokenizer.from_dir(out)
+    assert tokenizer.vocab_size == config.vocab_size == 512
+    assert tokenizer.eos_token_id == config.eos_token_id == 511
+    assert tokenizer.decode(tokenizer.encode("Hello, 世界")) == "Hello, 世界"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    prefix = "transformer." if layout == "transformers" else ""
+    assert prefix + "h.1.mlp.c_proj.weight" in keys and "lm_head.weight" not in keys
+    assert (prefix + "h.0.attn.bias" in keys) == (layout == "hub")  # the Hub file's mask buffer
+
+
+def test_weights_are_seeded():
+    config = make_config("tiny")
+    a, b, c = (random_state_dict(config, "hub", seed) for seed in (0, 0, 1))
+    assert all((a[k] == b[k]).all() for k in a)
+    assert not (a["wte.weight"] == c["wte.weight"]).all()
+
+
+def test_gpt2_sized_vocabulary_is_exact():
+    assert make_config("gpt2")["vocab_size"] == 50257
+    tok = train_tokenizer(2000)  # the synthetic words make large vocabularies reachable
+    assert tok.get_vocab_size() == 2000 and tok.token_to_id("<|endoftext|>") == 1999
+
+
+def test_config_json_is_what_transformers_expects():
+    config = make_config("tiny", n_head=8)
+    assert config["model_type"] == "gpt2" and config["n_head"] == 8
+    json.dumps(config)
+    with pytest.raises(ValueError, match="divisible by n_head"):
+        make_config("tiny", n_head=5)

@@ -1,0 +1,297 @@
+import math
+
+import pytest
+import torch
+
+from minfer.sampling import SamplingParams, apply_top_k_top_p, make_generator, sample
+
+SP = SamplingParams
+
+
+def _gens(params):
+    return [make_generator(p.seed, "cpu") for p in params]
+
+
+def _counts(tokens, V):
+    return torch.bincount(tokens, minlength=V).double()
+
+
+def _chi2(counts, probs):
+    expected = probs.double() * counts.sum()
+    keep = expected > 0
+    return (((counts - expected) ** 2)[keep] / expected[keep]).sum().item()
+
+
+# --- greedy -------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_per_row():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    params = [SP(temperature=0)] * 5
+    out = sample(logits, params, [None] * 5)
+    assert out.dtype == torch.int64 and out.shape == (5,)
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_top_k_1_equals_greedy():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    params = [SP(temperature=1.0, top_k=1, seed=i) for i in range(4)]
+    assert all(p.is_greedy for p in params)
+    for _ in range(5):
+        assert torch.equal(sample(logits, params, _gens(params)), logits.argmax(-1))
+
+
+def test_sample_does_not_sync(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("sample() must not sync with the host")
+
+    monkeypatch.setattr(torch.Tensor, "item", boom)
+    monkeypatch.setattr(torch.Tensor, "tolist", boom)
+    params = [SP(temperature=0), SP(top_k=3, seed=1), SP(top_p=0.5), SP(temperature=0.7)]
+    sample(torch.randn(4, 30), params, _gens(params))
+
+
+# --- seeds --------------------------------------------------------------------
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    V, steps = 200, 6
+    g = torch.Generator().manual_seed(42)
+    target_logits = [torch.randn(V, generator=g) * 0.5 for _ in range(steps)]  # flat-ish
+    target = SP(temperature=0.9, top_p=0.95, seed=123)
+
+    def stream(neighbours, position):
+        gens = [make_generator(p.seed, "cpu") for p in neighbours]
+        target_gen = make_generator(target.seed, "cpu")
+        tokens = []
+        for t in range(steps):
+            rows = [torch.randn(V) for _ in neighbours]
+            rows.insert(position, target_logits[t])
+            params = list(neighbours)
+            params.insert(position, target)
+            row_gens = list(gens)
+            row_gens.insert(position, target_gen)
+            tokens.append(int(sample(torch.stack(rows), params, row_gens)[position]))
+        return tokens
+
+    alone = stream([], 0)
+    torch.manual_seed(7)  # neighbours without a seed use the global RNG
+    crowded = stream([SP(temperature=0), SP(top_k=5), SP(temperature=2.0, seed=9)], 2)
+    other = stream([SP(top_p=0.3, seed=5)], 0)
+    first_of_many = stream([SP()] * 7, 0)
+    assert alone == crowded == other == first_of_many
+    assert len(set(alone)) > 1  # really sampling, not stuck on one token
+
+
+def test_different_seeds_give_different_streams():
+    V, steps = 1000, 8
+    logits = torch.zeros(1, V)  # uniform
+    streams = set()
+    for seed in range(5):
+        g = make_generator(seed, "cpu")
+        streams.add(tuple(int(sample(logits, [SP(seed=seed)], [g])) for _ in range(steps)))
+    assert len(streams) == 5
+
+
+def test_make_generator():
+    assert make_generator(None, "cpu") is None
+    a, b = make_generator(3, "cpu"), make_generator(3, "cpu")
+    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+    make_generator(-1, "cpu")  # any int is accepted
+    make_generator(2**70, "cpu")
+
+
+# --- top-p / top-k --------------------------------------------------------------
+
+# Tokens are shuffled so the test also checks the mask is mapped back to vocab order.
+PROBS = torch.tensor([0.15, 0.5, 0.05, 0.3])
+
+
+@pytest.mark.parametrize(
+    "top_p, kept",
+    [
+        (0.5, {1}),
+        (0.51, {1, 3}),
+        (0.6, {1, 3}),
+        (0.8, {1, 3}),
+        (0.81, {1, 3, 0}),
+        (0.95, {1, 3, 0}),
+        (0.96, {1, 3, 0, 2}),
+        (1.0, {1, 3, 0, 2}),
+        (0.01, {1}),  # the top token always survives
+    ],
+)
+def test_top_p_keeps_smallest_set_reaching_p(top_p, kept):
+    logits = PROBS.log()[None]  # (1, 4)
+    filtered = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([top_p]))
+    assert set(torch.isfinite(filtered[0]).nonzero().flatten().tolist()) == kept
+    assert torch.equal(filtered[0][list(kept)], logits[0][list(kept)])  # kept logits untouched
+
+    n = 400
+    g = make_generator(0, "cpu")
+    tokens = sample(logits.expand(n, 4), [SP(top_p=top_p, seed=0)] * n, [g] * n)
+    assert set(tokens.tolist()) == kept  # never a filtered token, every kept one shows up
+
+
+def test_top_p_boundary_survives_float_rounding():
+    # Ten tokens of 0.1: six reach p=0.6 exactly, although float32 sums them to 0.59999996.
+    logits = torch.full((1, 10), 0.1).log()
+    filtered = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.6]))
+    assert torch.isfinite(filtered).sum() == 6
+
+
+def test_top_k_keeps_k_tokens():
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(2))
+    filtered = apply_top_k_top_p(logits, torch.tensor([1, 5, 0]), torch.ones(3))
+    for row, k in zip(range(3), [1, 5, 20]):
+        kept = torch.isfinite(filtered[row]).nonzero().flatten()
+        assert set(kept.tolist()) == set(logits[row].topk(k).indices.tolist())
+
+    n = 300
+    params = [SP(top_k=3)] * n
+    tokens = sample(logits[:1].expand(n, 20), params, [None] * n)
+    assert set(tokens.tolist()) == set(logits[0].topk(3).indices.tolist())
+
+
+def test_top_k_then_top_p_renormalises():
+    # top_k=3 leaves [0.5, 0.3, 0.15] / 0.95; top_p=0.8 then needs 0.5/0.95 + 0.3/0.95 = 0.84.
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    filtered = apply_top_k_top_p(logits, torch.tensor([3]), torch.tensor([0.8]))
+    assert torch.isfinite(filtered[0]).tolist() == [True, True, False, False]
+
+
+# --- distributions --------------------------------------------------------------
+
+
+def test_samples_match_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    probs = logits.softmax(-1)
+    n = 20000
+    torch.manual_seed(0)
+    unseeded = sample(logits.expand(n, 6), [SP()] * n, [None] * n)
+    # df = 5: chi2 > 25 has p < 1.4e-4, so a correct sampler fails only by bad luck.
+    assert _chi2(_counts(unseeded, 6), probs) < 25
+
+    n = 4000
+    g = make_generator(0, "cpu")
+    seeded = sample(logits.expand(n, 6), [SP(seed=0)] * n, [g] * n)
+    assert _chi2(_counts(seeded, 6), probs) < 25
+
+
+def test_filtered_samples_match_renormalised_probs():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    n = 10000
+    torch.manual_seed(1)
+    tokens = sample(logits.expand(n, 4), [SP(top_p=0.9)] * n, [None] * n)
+    assert _chi2(_counts(tokens, 4), torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95) < 20
+
+
+def test_lower_temperature_concentrates_mass():
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5])
+    n = 5000
+    torch.manual_seed(2)
+    top_share = []
+    for temp in [3.0, 1.0, 0.3]:
+        tokens = sample(logits.expand(n, 4), [SP(temperature=temp)] * n, [None] * n)
+        counts = _counts(tokens, 4)
+        assert _chi2(counts, (logits / temp).softmax(-1)) < 25
+        top_share.append(counts[0].item() / n)
+    assert top_share[0] < top_share[1] < top_share[2]
+    assert top_share[2] > 0.75  # softmax(logits / 0.3)[0] ~= 0.8
+
+
+# --- mixed batch / dtypes ----------------------------------------------------------
+
+
+def test_mixed_batch_each_row_keeps_its_behaviour():
+    V = 50
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(V, generator=g)
+    peaked = torch.full((V,), -10.0)
+    peaked[7], peaked[8] = 1.0, 0.9  # top_p=0.5 keeps only token 7
+    rows = [base, base, base, base, peaked, base]
+    params = [
+        SP(temperature=0),
+        SP(top_k=1, temperature=1.5),
+        SP(temperature=1.0),
+        SP(top_k=2, seed=11),
+        SP(top_p=0.5),
+        SP(temperature=0.8, seed=5),
+    ]
+    logits = torch.stack(rows)
+    gens = _gens(params)
+    alone_gen = make_generator(5, "cpu")
+    top2 = set(base.topk(2).indices.tolist())
+    seen_free, seen_top2 = set(), set()
+    for _ in range(100):
+        out = sample(logits, params, gens).tolist()
+        alone = int(sample(base[None], [params[5]], [alone_gen])[0])
+        assert out[0] == out[1] == int(base.argmax())
+        seen_free.add(out[2])
+        seen_top2.add(out[3])
+        assert out[4] == 7
+        assert out[5] == alone
+    assert seen_top2 == top2
+    assert len(seen_free) > 5
+
+
+def test_bf16_logits():
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    params = [SP(temperature=0), SP(top_k=10, top_p=0.9, seed=1), SP(temperature=0.7, seed=2)]
+    out = sample(logits, params, _gens(params))
+    assert out.dtype == torch.int64 and out.shape == (3,)
+    assert int(out[0]) == int(logits[0].float().argmax())
+    # Same draws as the float32 copy: the sampler works in float32 either way.
+    assert torch.equal(out, sample(logits.float(), params, _gens(params)))
+
+
+def test_empty_filter_free_batch_of_one():
+    out = sample(torch.randn(1, 10), [SP(temperature=0.5)], [None])
+    assert out.shape == (1,) and 0 <= int(out[0]) < 10
+
+
+# --- SamplingParams ---------------------------------------------------------------
+
+
+def test_params_defaults_and_normalisation():
+    p = SP()
+    assert (p.max_tokens, p.temperature, p.top_k, p.top_p) == (16, 1.0, 0, 1.0)
+    assert p.seed is None and p.stop is None and p.stop_token_ids is None and not p.ignore_eos
+    assert not p.is_greedy
+    assert SP(temperature=0).is_greedy and SP(top_k=1).is_greedy
+    assert SP(stop="\n").stop == ["\n"]
+    assert SP(stop=("a", "bc")).stop == ["a", "bc"]
+    assert SP(stop_token_ids=(50256,)).stop_token_ids == [50256]
+    assert SP(temperature=1).temperature == 1.0 and isinstance(SP(temperature=1).temperature, float)
+    assert SP(seed=-5).seed == -5
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": 2.0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"seed": 1.0}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"stop": ""}, "stop"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"stop": [1]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+    ],
+)
+def test_invalid_params_raise_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError) as err:
+        SP(**kwargs)
+    assert str(err.value).startswith(field + " ")
