@@ -7,6 +7,8 @@ the token embedding matrix.
 
 `GPT2.forward` is the plain, cache-free forward pass over a padded [B, T] batch:
 the reference the tutorials start from and the parity tests check.
+`GPT2.forward_paged` is the engine's path: every token scheduled this step,
+flattened to (N, C), reading and writing the paged KV cache (paged_attention.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import GPT2Config
+from .paged_attention import AttentionMetadata, paged_attention
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -49,6 +52,12 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, C)  # heads side by side again
         return self.c_proj(y)
 
+    def forward_paged(self, x: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        N, C = x.shape  # N tokens from any number of sequences, no padding
+        q, k, v = self.c_attn(x).view(N, 3, self.n_head, self.head_dim).unbind(1)  # 3 x (N, nh, hd)
+        y = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (N, nh, hd)
+        return self.c_proj(y.reshape(N, C))
+
 
 class MLP(nn.Module):
     def __init__(self, config: GPT2Config):
@@ -76,6 +85,11 @@ class Block(nn.Module):
         x = x + self.mlp(self.ln_2(x))
         return x
 
+    def forward_paged(self, x: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.attn.forward_paged(self.ln_1(x), k_cache, v_cache, meta)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
 
 class GPT2(nn.Module):
     def __init__(self, config: GPT2Config):
@@ -100,6 +114,24 @@ class GPT2(nn.Module):
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+    def forward_paged(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions (N,) -> final hidden states (N, C), before ln_f and the LM head.
+
+        kv_cache holds k and v tensors (n_layer, num_slots, n_head, head_dim); meta says
+        where each token's keys go and which context each sequence attends to.
+        """
+        x = self.wte(input_ids) + self.wpe(positions)  # (N, C)
+        for i, block in enumerate(self.h):
+            x = block.forward_paged(x, kv_cache.k[i], kv_cache.v[i], meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(S, C) hidden states of the positions that sample -> (S, V) logits.
+        The LM head is a third of GPT-2-small's weights: run it only where a token is drawn."""
+        return self.lm_head(self.ln_f(hidden))
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,102 @@
+"""LLM: offline batch generation on top of the OnlineScheduler.
+
+    from minfer import LLM, SamplingParams
+    llm = LLM("gpt2")
+    for out in llm.generate(["Hello, my name is", "The sky is"], SamplingParams(temperature=0)):
+        print(out.text)
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from tqdm import tqdm
+
+from .model import GPT2
+from .sampling import SamplingParams
+from .scheduler import OnlineScheduler
+from .sequence import RequestOutput
+from .tokenizer import Tokenizer
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}  # fmt: skip
+
+Completion = RequestOutput  # what generate returns: text, token_ids, prompt_token_ids, finish_reason, ...
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "gpt2",
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory: int | None = None,
+        kv_cache_fraction: float | None = None,
+        num_threads: int | None = None,
+    ):
+        device = torch.device(device)
+        if device.type == "cpu":
+            # Use every core: decode is memory-bound and prefill compute-bound, both want them all.
+            torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+        self.model = GPT2.from_pretrained(model, device=device, dtype=resolve_dtype(dtype))
+        self.tokenizer = Tokenizer.from_dir(self.model.model_dir)
+        self.scheduler = OnlineScheduler(
+            self.model,
+            self.tokenizer,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory=kv_cache_memory,
+            kv_cache_fraction=kv_cache_fraction,
+        )
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[Completion]:
+        """Run every prompt to completion, all together; results come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt given bare
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                if isinstance(prompt, str):
+                    ids.append(self.scheduler.add_request(prompt, sampling_params=params))
+                else:
+                    ids.append(self.scheduler.add_request(prompt_token_ids=prompt, sampling_params=params))
+            with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+                while self.scheduler.has_unfinished():
+                    self.scheduler.step()
+                    bar.update(len(self.scheduler.pop_finished_ids()))
+            return [self.scheduler.pop_response(i) for i in ids]
+        finally:  # an error (or Ctrl-C) must not leave requests holding KV blocks
+            for i in ids:
+                self.scheduler.discard_request(i)
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()

@@ -1,0 +1,195 @@
+"""The paged KV cache: preallocated tensors, a block allocator and the prefix-cache index.
+
+Every layer's keys and values live in one preallocated tensor of
+`num_blocks * block_size` token slots. A sequence owns a *block table*: the list
+of block ids that hold its tokens, in order, so token `p` of a sequence lives in
+slot `table[p // block_size] * block_size + p % block_size` — the same trick as
+virtual memory pages.
+
+Prefix caching: a full block is named by a hash chained over (parent block's
+hash, the block's token ids). When a new request starts with the same tokens,
+it reuses those blocks instead of recomputing them. A block that nobody
+references any more keeps its contents and its hash, and sits in the free queue
+until the allocator needs it (least recently freed first), so cached blocks are
+always reclaimable and the cache can never cause an out-of-blocks failure.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import GPT2Config
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and registered in the prefix index
+    token_ids: tuple[int, ...] = field(default=())  # kept to verify a hash hit, never trusted blindly
+
+
+def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained hash: a block's identity includes every token before it."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockAllocator:
+    """Hands out block ids, counts references, and indexes full blocks for prefix reuse."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks with ref_count 0, least recently freed first. An OrderedDict gives O(1)
+        # pop-from-front, append and removal from the middle (when a cached block is hit).
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now: truly empty ones plus unreferenced cached ones."""
+        return len(self.free_queue)
+
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Block ids of the longest run of cached full blocks that starts `token_ids`. No side effects."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent, bs = [], None, self.block_size
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            chunk = tuple(token_ids[start : start + bs])
+            h = block_hash(parent, chunk)
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break  # a miss, or a hash collision caught by comparing the tokens
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def num_unreferenced(self, block_ids: list[int]) -> int:
+        """How many of these (cached) blocks sit in the free queue; reusing them uses up free blocks."""
+        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
+
+    def share(self, block_ids: list[int]) -> None:
+        """Take a reference to blocks that already hold the right tokens (prefix-cache hits)."""
+        for b in block_ids:
+            block = self.blocks[b]
+            if block.ref_count == 0:
+                del self.free_queue[b]
+            block.ref_count += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """n empty blocks with one reference each; evicts the least recently used cached blocks."""
+        if n > len(self.free_queue):
+            raise RuntimeError(f"asked for {n} KV blocks, only {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            b, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[b]
+            if block.hash is not None:  # evict: its old contents are about to be overwritten
+                if self.cached.get(block.hash) == b:
+                    del self.cached[block.hash]
+                block.hash, block.token_ids = None, ()
+            block.ref_count = 1
+            out.append(b)
+        return out
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block. Freed in reverse, so a sequence's tail is evicted
+        before its head: the head is the part other requests are likeliest to share."""
+        for b in reversed(block_ids):
+            block = self.blocks[b]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"KV block {b} freed more often than it was allocated")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None or not self.enable_prefix_caching:
+                    block.hash, block.token_ids = None, ()
+                self.free_queue[b] = None
+
+    def register(self, block_id: int, parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+        """Name a block that just became full, so later requests can find it. Returns its hash."""
+        h = block_hash(parent_hash, token_ids)
+        if self.enable_prefix_caching and h not in self.cached:
+            block = self.blocks[block_id]
+            block.hash, block.token_ids = h, token_ids
+            self.cached[h] = block_id
+        return h
+
+    def check_invariants(self, live_tables: list[list[int]] = ()) -> None:
+        """Assert the bookkeeping is consistent (tests call this; cheap enough for debugging)."""
+        refs = [0] * self.num_blocks
+        for table in live_tables:
+            for b in table:
+                refs[b] += 1
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], f"block {block.block_id}: ref count mismatch"
+            assert (block.ref_count == 0) == (block.block_id in self.free_queue), f"block {block.block_id}"
+        for h, b in self.cached.items():
+            assert self.blocks[b].hash == h and len(self.blocks[b].token_ids) == self.block_size
+
+
+class KVCache:
+    """The preallocated key/value tensors: (n_layer, num_blocks * block_size, n_head, head_dim) each."""
+
+    def __init__(self, config: GPT2Config, num_blocks: int, block_size: int, device, dtype):
+        shape = (config.n_layer, num_blocks * block_size, config.n_head, config.head_dim)
+        # Zeroed, not empty: padded gather positions read real (finite) memory, and a
+        # NaN there would poison the masked attention (0 * NaN = NaN).
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @staticmethod
+    def bytes_per_block(config: GPT2Config, block_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.n_layer * block_size * config.n_embd * element  # keys + values
+
+
+def available_memory(device: torch.device) -> int:
+    """Free bytes on the device: free GPU memory, or MemAvailable from /proc/meminfo on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def choose_num_blocks(
+    config: GPT2Config,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_num_seqs: int,
+    memory_bytes: int | None = None,
+    memory_fraction: float | None = None,
+) -> int:
+    """Size the cache from a budget: bytes, or a fraction of free memory (default 0.9 on a GPU,
+    0.25 on CPU). Never more than every running sequence at full context could use
+    (plus as much again to keep prefixes cached) — more would be memory held for nothing."""
+    per_block = KVCache.bytes_per_block(config, block_size, dtype)
+    if memory_bytes is None:
+        fraction = memory_fraction if memory_fraction is not None else (0.9 if device.type == "cuda" else 0.25)
+        if not 0 < fraction <= 1:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {fraction}")
+        memory_bytes = int(available_memory(device) * fraction)
+    blocks_per_seq = -(-config.n_positions // block_size)
+    num_blocks = min(memory_bytes // per_block, 2 * max_num_seqs * blocks_per_seq)
+    if num_blocks < blocks_per_seq:
+        raise ValueError(
+            f"the KV cache budget of {memory_bytes / 2**20:.0f} MiB holds {num_blocks} blocks, "
+            f"fewer than the {blocks_per_seq} one full-length sequence needs; give more memory or num_kv_blocks"
+        )
+    return int(num_blocks)

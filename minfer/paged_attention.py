@@ -1,0 +1,76 @@
+"""Paged attention in pure torch: write new keys/values into their slots, read context by block table.
+
+One forward pass carries every token scheduled this step, flattened into rows
+(N tokens, no padding). The linear layers treat them all alike; attention is the
+only per-sequence part, in two groups:
+- decode rows (one new token per sequence) are batched: their contexts are
+  gathered from the cache into a padded (S, L) grid and masked;
+- prefill chunks (several new tokens of one sequence) attend causally, one
+  sdpa call per chunk. A chunk with no earlier context (a fresh prompt) attends
+  to its own new keys directly and skips the gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of this chunk in the flattened batch
+    end: int  # one past its last row
+    context_slots: torch.Tensor | None  # (L,) cache slots of positions 0..L-1; None: no earlier context
+    mask: torch.Tensor | None  # (T, L) bool, True where query i may attend to position j
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (N,) cache slot for every new token's key/value
+    decode_rows: torch.Tensor | None  # (S,) rows of the single-token (decode) sequences
+    decode_slots: torch.Tensor | None  # (S, L) cache slots of each decode sequence's context, padded
+    decode_mask: torch.Tensor | None  # (S, 1, 1, L) bool, False on padding
+    prefills: list[PrefillChunk]
+    all_decode: bool = False  # every row is a decode row, in order: no scatter needed
+
+
+def paged_attention(
+    q: torch.Tensor,  # (N, H, D)
+    k: torch.Tensor,  # (N, H, D)
+    v: torch.Tensor,  # (N, H, D)
+    k_cache: torch.Tensor,  # (num_slots, H, D) this layer's keys
+    v_cache: torch.Tensor,  # (num_slots, H, D)
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # (N, H, D)
+    # Store this step's keys and values first: the queries below attend to them too.
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+
+    if meta.all_decode:
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    if meta.decode_rows is not None:
+        out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+    for chunk in meta.prefills:
+        qs = q[chunk.start : chunk.end].transpose(0, 1)  # (H, T, D)
+        if chunk.context_slots is None:  # fresh prompt: its own keys are the whole context
+            ks = k[chunk.start : chunk.end].transpose(0, 1)  # (H, T, D)
+            vs = v[chunk.start : chunk.end].transpose(0, 1)
+            y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        else:  # continuing a prompt (chunked prefill, prefix-cache hit): read the cache
+            ks = k_cache[chunk.context_slots].transpose(0, 1)  # (H, L, D)
+            vs = v_cache[chunk.context_slots].transpose(0, 1)
+            y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.mask, scale=scale)
+        out[chunk.start : chunk.end] = y.transpose(0, 1)  # (T, H, D)
+    return out
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q (S, H, D): one query per sequence against its whole context. Returns (S, H, D)."""
+    ks = k_cache[meta.decode_slots].transpose(1, 2)  # (S, L, H, D) -> (S, H, L, D)
+    vs = v_cache[meta.decode_slots].transpose(1, 2)
+    y = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask, scale=scale)
+    return y.squeeze(2)  # (S, H, 1, D) -> (S, H, D)
