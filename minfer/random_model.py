@@ -23,7 +23,7 @@ CONFIGS = {
     # The shape of openai-community/gpt2 (124M parameters).
     "gpt2": dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12),
     # Small enough that a test runs in milliseconds.
-    "tiny": dict(vocab_size=512, n_positions=512, n_embd=64, n_layer=2, n_head=4, initializer_range=0.1),
+    "tiny": dict(vocab_size=512, n_positions=512, n_embd=64, n_layer=2, n_head=4),
 }
 LAYOUTS = ("hub", "transformers")
 EOS_TOKEN = "<|endoftext|>"

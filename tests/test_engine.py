@@ -1,0 +1,238 @@
+"""The continuous-batching engine: batching, chunked prefill, preemption and prefix caching must
+never change a greedy result, and every KV block must come back."""
+
+import pytest
+import torch
+
+from minfer import LLM, SamplingParams
+from minfer.model import GPT2
+
+transformers = pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0)
+
+
+def random_prompts(n, vocab, seed=0, min_len=1, max_len=200, shared_prefix=48):
+    """Mixed lengths; a third share a common prefix so the prefix cache has something to find."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, vocab - 1, (shared_prefix,), generator=g).tolist()
+    prompts = []
+    for i in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        ids = torch.randint(0, vocab - 1, (length,), generator=g).tolist()
+        prompts.append(prefix + ids[: max(1, length - shared_prefix)] if i % 3 == 0 else ids)
+    return prompts
+
+
+def assert_all_free(llm):
+    stats = llm.stats()
+    assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert all(b.ref_count == 0 for b in llm.scheduler.allocator.blocks)
+    assert not llm.scheduler.requests
+    llm.scheduler.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_checkpoint):
+    return transformers.GPT2LMHeadModel.from_pretrained(tiny_checkpoint, torch_dtype=torch.float32).eval()
+
+
+def hf_greedy(hf_model, prompt, max_new_tokens=32):
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        pad_token_id=hf_model.config.eos_token_id,
+    )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def test_32_prompts_together_equal_alone_and_transformers(tiny_checkpoint, hf_model):
+    prompts = random_prompts(32, 512)
+    # Small budgets force every mechanism: chunked prefill (64 tokens a step, prompts up
+    # to 200), preemption (45 blocks of 16 for 32 sequences of up to 232 tokens), prefix reuse.
+    busy = LLM(tiny_checkpoint, num_kv_blocks=45, max_num_seqs=32, max_num_batched_tokens=64)
+    together = busy.generate(prompts, GREEDY, use_tqdm=False)
+    stats = busy.stats()
+    assert stats["num_preemptions"] > 0, "the cache was meant to be too small to avoid preemption"
+    assert stats["prefix_cache_hit_tokens"] > 0
+    assert_all_free(busy)
+
+    alone_llm = LLM(tiny_checkpoint, num_kv_blocks=64, enable_prefix_caching=False)
+    for prompt, out in zip(prompts, together):
+        alone = alone_llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        expected = hf_greedy(hf_model, prompt)
+        assert out.token_ids == alone.token_ids == expected
+        assert out.prompt_token_ids == prompt
+        assert out.finish_reason == ("stop" if expected[-1] == 511 and len(expected) < 32 else "length")
+    assert sum(len(set(o.token_ids)) > 4 for o in together) > 16  # real continuations, not one token
+    assert_all_free(alone_llm)
+
+
+def test_invariants_hold_after_every_step(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, num_kv_blocks=30, max_num_seqs=8, max_num_batched_tokens=40)
+    sched = llm.scheduler
+    prompts = random_prompts(12, 512, seed=1, max_len=120)
+    ids = [sched.add_request(prompt_token_ids=p, sampling_params=GREEDY) for p in prompts]
+    finished = []
+    while sched.has_unfinished():
+        sched.step()
+        sched.check_invariants()
+        finished += sched.pop_finished_ids()
+    assert sorted(finished) == sorted(ids) and sched.num_preemptions > 0
+    assert sched.pop_finished_ids() == []  # finished events are handed out once
+    for i in ids:
+        assert sched.is_finished(i) and len(sched.get_generated_ids(i)) <= 32
+        sched.pop_response(i)
+    assert_all_free(llm)
+
+
+def test_discard_frees_blocks_at_once(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, num_kv_blocks=64, max_num_seqs=4)
+    sched = llm.scheduler
+    ids = [sched.add_request(prompt_token_ids=p, sampling_params=GREEDY) for p in random_prompts(8, 512, seed=2)]
+    for _ in range(3):
+        sched.step()
+    running = [i for i in ids if sched.get_step_count(i) > 0 and not sched.is_finished(i)]
+    waiting = [i for i in ids if sched.get_step_count(i) == 0]
+    assert running and waiting
+    for i in running[:2] + waiting[:2]:
+        assert sched.discard_request(i)
+        sched.check_invariants()
+    assert not sched.discard_request(running[0])  # already gone
+    assert not sched.discard_request("no-such-request")
+    with pytest.raises(KeyError, match="unknown request id"):
+        sched.get_generated_ids(running[0])
+    for i in ids:  # discard everything else mid-flight too
+        sched.discard_request(i)
+    assert_all_free(llm)
+
+
+def test_prefix_cache_hit_gives_same_output(tiny_checkpoint):
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 511, (150,), generator=g).tolist()
+    first, second = prefix + [1, 2, 3], prefix + [4, 5]
+    cached = LLM(tiny_checkpoint, num_kv_blocks=64)
+    cached.generate([first], GREEDY, use_tqdm=False)
+    hits_before = cached.stats()["prefix_cache_hit_tokens"]
+    out = cached.generate([second], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 144 == cached.stats()["prefix_cache_hit_tokens"] - hits_before  # 9 blocks
+    uncached = LLM(tiny_checkpoint, num_kv_blocks=64, enable_prefix_caching=False)
+    assert out.token_ids == uncached.generate([second], GREEDY, use_tqdm=False)[0].token_ids
+    assert uncached.stats()["prefix_cache_hit_tokens"] == 0
+    # The same prompt again: everything but the last token comes from the cache.
+    again = cached.generate([second], GREEDY, use_tqdm=False)[0]
+    assert again.token_ids == out.token_ids and again.num_cached_tokens == 144
+    assert_all_free(cached)
+
+
+def test_seeded_sampling_ignores_batch_neighbours(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, num_kv_blocks=64)
+    seeded = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=42)
+    prompt = [5, 6, 7, 8]
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].token_ids
+    others = random_prompts(7, 512, seed=3, max_len=40)
+    params = [SamplingParams(max_tokens=20, temperature=1.0)] * 7
+    batch = llm.generate(others[:3] + [prompt] + others[3:], params[:3] + [seeded] + params[3:], use_tqdm=False)
+    assert batch[3].token_ids == alone
+    assert llm.generate([prompt], SamplingParams(max_tokens=20, seed=43), use_tqdm=False)[0].token_ids != alone
+
+
+def test_stops(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, num_kv_blocks=64)
+    prompt = "The cache is cut into blocks"
+    free_run = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert free_run.finish_reason == "length" and len(free_run.token_ids) == 40
+    assert free_run.text == llm.tokenizer.decode(free_run.token_ids)
+
+    stop_token = free_run.token_ids[10]
+    first = free_run.token_ids.index(stop_token)
+    out = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop_token]),
+                       use_tqdm=False)[0]  # fmt: skip
+    assert out.finish_reason == "stop" and out.token_ids == free_run.token_ids[: first + 1]
+    assert out.text == llm.tokenizer.decode(free_run.token_ids[:first])  # the stop token's text is left out
+
+    text = free_run.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    out = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, stop=["\x00never", stop]),
+                       use_tqdm=False)[0]  # fmt: skip
+    assert out.finish_reason == "stop" and out.text == text[: text.index(stop)]
+
+
+def test_streamed_text_holds_back_a_possible_stop_string(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, num_kv_blocks=64)
+    free_run = llm.generate(["Hello"], SamplingParams(max_tokens=30, temperature=0), use_tqdm=False)[0]
+    stop = free_run.text[-6:-1]
+    sched = llm.scheduler
+    rid = sched.add_request("Hello", sampling_params=SamplingParams(max_tokens=30, temperature=0, stop=stop))
+    pieces = []
+    while sched.has_unfinished():
+        sched.step()
+        pieces.append(sched.get_new_text(rid))
+        assert stop not in "".join(pieces)
+    response = sched.pop_response(rid)
+    assert "".join(pieces) == response.text == free_run.text[: free_run.text.index(stop)]
+    assert response.first_token_time >= response.arrival_time
+    assert len(response.token_times) == len(response.token_ids) and response.finish_time >= response.token_times[-1]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompt_token_ids=[]), "prompt is empty"),
+        (dict(prompt=""), "prompt is empty"),
+        (dict(prompt_token_ids=[1, 512]), "token id 512 is not in the vocabulary"),
+        (dict(prompt_token_ids=[-1]), "token id -1"),
+        (dict(prompt="a", prompt_token_ids=[1]), "exactly one of"),
+        (dict(prompt_token_ids=[1] * 500, sampling_params=SamplingParams(max_tokens=13)), "exceeds the model's context"),
+        (dict(prompt_token_ids=[1] * 300, sampling_params=SamplingParams(max_tokens=100)), "needs 25 KV blocks"),
+    ],
+)
+def test_requests_that_can_never_run_are_refused(tiny_checkpoint, kwargs, message):
+    llm = LLM(tiny_checkpoint, num_kv_blocks=24)
+    with pytest.raises(ValueError, match=message):
+        llm.scheduler.add_request(**kwargs)
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_engine(tiny_checkpoint, dtype):
+    llm = LLM(tiny_checkpoint, dtype=dtype, num_kv_blocks=64, max_num_batched_tokens=64)
+    assert llm.scheduler.kv_cache.k.dtype == getattr(torch, dtype)
+    prompts = random_prompts(6, 512, seed=4, max_len=100)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.token_ids) == 12 for o in outs)
+    assert_all_free(llm)
+
+
+@torch.inference_mode()
+def test_paged_forward_equals_dense_forward(tiny_checkpoint):
+    """Chunked paged prefill + decode reproduce the plain forward's logits at every position."""
+    llm = LLM(tiny_checkpoint, num_kv_blocks=32, max_num_batched_tokens=37)
+    model: GPT2 = llm.model
+    prompt = torch.randint(0, 511, (100,), generator=torch.Generator().manual_seed(9)).tolist()
+    dense = model(torch.tensor([prompt]))[0]  # (T, V)
+    sched = llm.scheduler
+    rid = sched.add_request(prompt_token_ids=prompt[:90], sampling_params=SamplingParams(max_tokens=20))
+    seq = sched.requests[rid]
+    logits = []
+    original = model.compute_logits
+
+    def capture(hidden):
+        out = original(hidden)
+        logits.append(out)
+        return out
+
+    model.compute_logits = capture
+    try:
+        while seq.num_computed_tokens < 90:
+            sched.step()  # 37 + 37 + 16 tokens: the last chunk samples position 89
+        for t in prompt[90:]:  # teacher-force the rest through decode steps
+            seq.token_ids[-1] = t
+            sched.step()
+    finally:
+        model.compute_logits = original
+    paged = torch.cat(logits)  # rows for positions 89, 90, ..., 99
+    torch.testing.assert_close(paged, dense[89:], atol=1e-4, rtol=0)
+    sched.discard_request(rid)
+    assert_all_free(llm)

@@ -1,0 +1,115 @@
+"""The block allocator and prefix-cache index, on their own."""
+
+import random
+
+import pytest
+import torch
+
+from minfer.config import GPT2Config
+from minfer.kv_cache import BlockAllocator, KVCache, choose_num_blocks
+
+
+def test_allocate_share_free_counts():
+    alloc = BlockAllocator(num_blocks=8, block_size=4)
+    a = alloc.allocate(3)
+    assert len(set(a)) == 3 and alloc.num_free_blocks == 5
+    alloc.share(a[:2])
+    assert [alloc.blocks[b].ref_count for b in a] == [2, 2, 1]
+    alloc.free(a)
+    assert alloc.num_free_blocks == 6  # a[2] is free again; a[0], a[1] still shared
+    alloc.free(a[:2])
+    assert alloc.num_free_blocks == 8
+    with pytest.raises(RuntimeError, match="freed more often"):
+        alloc.free([a[0]])
+    with pytest.raises(RuntimeError, match="only 8 free"):
+        alloc.allocate(9)
+    alloc.check_invariants()
+
+
+def test_prefix_match_and_lru_eviction():
+    alloc = BlockAllocator(num_blocks=4, block_size=2)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    table = alloc.allocate(4)
+    parent = None
+    for i in range(3):  # three full blocks of the sequence are computed
+        parent = alloc.register(table[i], parent, tuple(tokens[2 * i : 2 * i + 2]))
+    assert alloc.match_prefix(tokens) == table[:3]
+    assert alloc.match_prefix([1, 2, 3, 9]) == table[:1]
+    assert alloc.match_prefix([9, 2, 3, 4]) == []
+    alloc.free(table)
+    assert alloc.num_free_blocks == 4 and alloc.match_prefix(tokens) == table[:3]  # still cached
+    # Freed tail-first: the unhashed last block goes first, then the deepest cached block.
+    got = alloc.allocate(2)
+    assert got == [table[3], table[2]]
+    assert alloc.match_prefix(tokens) == table[:2]
+    alloc.check_invariants([got])
+
+
+def test_hash_collision_is_caught_by_comparing_tokens(monkeypatch):
+    monkeypatch.setattr("minfer.kv_cache.block_hash", lambda parent, tokens: 7)  # everything collides
+    alloc = BlockAllocator(num_blocks=2, block_size=2)
+    [b] = alloc.allocate(1)
+    alloc.register(b, None, (1, 2))
+    assert alloc.match_prefix([1, 2, 0]) == [b]
+    assert alloc.match_prefix([3, 4, 0]) == []
+
+
+def test_caching_off_never_matches():
+    alloc = BlockAllocator(num_blocks=2, block_size=2, enable_prefix_caching=False)
+    [b] = alloc.allocate(1)
+    alloc.register(b, None, (1, 2))
+    assert alloc.match_prefix([1, 2, 3]) == [] and not alloc.cached
+
+
+def test_randomized_allocator_keeps_its_invariants():
+    """Long random runs of allocate / share (prefix hits) / register / free."""
+    rng = random.Random(0)
+    for trial in range(20):
+        bs = rng.choice([1, 2, 4])
+        alloc = BlockAllocator(num_blocks=rng.randint(4, 40), block_size=bs, enable_prefix_caching=trial % 4 != 0)
+        live: list[tuple[list[int], list[int]]] = []  # (block table, tokens)
+        for _ in range(400):
+            op = rng.random()
+            if op < 0.45:  # a new sequence: reuse a cached prefix, allocate the rest
+                tokens = [rng.randint(0, 3) for _ in range(rng.randint(1, 6 * bs))]
+                hits = alloc.match_prefix(tokens)
+                need = -(-len(tokens) // bs) - len(hits)
+                if need + alloc.num_unreferenced(hits) > alloc.num_free_blocks:
+                    with pytest.raises(RuntimeError):
+                        alloc.allocate(alloc.num_free_blocks + 1)
+                    continue
+                free_before = alloc.num_free_blocks
+                alloc.share(hits)
+                table = hits + alloc.allocate(need)
+                assert free_before - alloc.num_free_blocks == need + sum(
+                    1 for b in hits if alloc.blocks[b].ref_count == 1
+                )
+                parent = None
+                for i in range(len(tokens) // bs):  # its full blocks are computed and registered
+                    parent = alloc.register(table[i], parent, tuple(tokens[i * bs : (i + 1) * bs]))
+                live.append((table, tokens))
+            elif live:  # a sequence ends
+                table, _ = live.pop(rng.randrange(len(live)))
+                alloc.free(table)
+            alloc.check_invariants([t for t, _ in live])
+            for table, tokens in live:  # a live sequence's cached prefix really holds its tokens
+                for b in alloc.match_prefix(tokens):
+                    assert alloc.blocks[b].token_ids in {tuple(tokens[i : i + bs]) for i in range(0, len(tokens), bs)}
+        for table, _ in live:
+            alloc.free(table)
+        assert alloc.num_free_blocks == alloc.num_blocks
+        assert all(b.ref_count == 0 for b in alloc.blocks)
+        alloc.check_invariants()
+
+
+def test_cache_size_from_a_memory_budget():
+    config = GPT2Config(vocab_size=512, n_positions=512, n_embd=64, n_layer=2, n_head=4)
+    per_block = KVCache.bytes_per_block(config, 16, torch.float32)
+    assert per_block == 2 * 2 * 16 * 64 * 4
+    cpu = torch.device("cpu")
+    assert choose_num_blocks(config, 16, torch.float32, cpu, max_num_seqs=64, memory_bytes=100 * per_block) == 100
+    # Capped at what the sequences could ever use (2x for prefix reuse): 2 * 2 seqs * 32 blocks.
+    assert choose_num_blocks(config, 16, torch.float32, cpu, max_num_seqs=2, memory_bytes=10**9) == 128
+    assert choose_num_blocks(config, 16, torch.float32, cpu, max_num_seqs=2, memory_fraction=0.5) > 0
+    with pytest.raises(ValueError, match="fewer than the 32 one full-length sequence needs"):
+        choose_num_blocks(config, 16, torch.float32, cpu, max_num_seqs=2, memory_bytes=10 * per_block)
