@@ -15,7 +15,7 @@ import torch
 
 from .kv_cache import KVCache
 from .model import GPT2
-from .paged_attention import AttentionMetadata, PrefillChunk
+from .paged_attention import AttentionMetadata, DecodeGroup, GatherBuffer, PrefillChunk
 from .sampling import sample
 from .sequence import Sequence
 
@@ -40,6 +40,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = model.device
+        self.k_buffer, self.v_buffer = GatherBuffer(), GatherBuffer()
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> list[int]:
@@ -79,24 +80,18 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
 
         # One host->device copy for all the flat per-token integers.
-        N, S, D = len(input_ids), len(sample_rows), len(decode_rows)
-        flat = torch.tensor(input_ids + positions + slots + sample_rows + decode_rows + decode_lens)
-        flat = flat.to(self.device, non_blocking=True)
-        ids_t, pos_t, slots_t, sample_t, drows_t, dlens_t = flat.split([N, N, N, S, D, D])
+        N, S = len(input_ids), len(sample_rows)
+        flat = torch.tensor(input_ids + positions + slots + sample_rows).to(self.device, non_blocking=True)
+        ids_t, pos_t, slots_t, sample_t = flat.split([N, N, N, S])
 
-        meta = AttentionMetadata(
-            slot_mapping=slots_t, decode_rows=None, decode_slots=None, decode_mask=None, prefills=[]
-        )
-        if D:
-            max_len = max(decode_lens)
-            max_blocks = -(-max_len // bs)
-            padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in decode_tables]
-            tables = torch.tensor(padded).to(self.device, non_blocking=True)  # (D, max_blocks)
-            pos = torch.arange(max_len, device=self.device)  # (L,)
-            meta.decode_rows = drows_t
-            meta.decode_slots = tables[:, pos // bs] * bs + pos % bs  # (D, L)
-            meta.decode_mask = (pos[None, :] < dlens_t[:, None])[:, None, None, :]  # (D, 1, 1, L)
-            meta.all_decode = D == N
+        meta = AttentionMetadata(slot_mapping=slots_t, decode_groups=[], prefills=[])
+        meta.k_buffer, meta.v_buffer = self.k_buffer, self.v_buffer
+        for group in group_by_length(decode_lens):
+            meta.decode_groups.append(
+                self.decode_group([decode_rows[i] for i in group], [decode_lens[i] for i in group],
+                                  [decode_tables[i] for i in group])
+            )  # fmt: skip
+        meta.all_decode = len(meta.decode_groups) == 1 and len(decode_rows) == N
         for row, num, start, table in prefills:
             if start == 0:  # a fresh prompt needs no cache reads
                 meta.prefills.append(PrefillChunk(row, row + num, None, None))
@@ -109,3 +104,33 @@ class ModelRunner:
             mask = pos[None, :] <= query_pos[:, None]  # (T, L) causal over the whole context
             meta.prefills.append(PrefillChunk(row, row + num, context_slots, mask))
         return ids_t, pos_t, meta, sample_t
+
+    def decode_group(self, rows: list[int], lens: list[int], tables: list[list[int]]) -> DecodeGroup:
+        """Slots of each sequence's context, padded to the group's longest, and the padding mask."""
+        bs = self.block_size
+        max_len = max(lens)
+        max_blocks = -(-max_len // bs)
+        padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables]
+        ints = torch.tensor([rows, lens]).to(self.device, non_blocking=True)  # (2, S)
+        tables_t = torch.tensor(padded).to(self.device, non_blocking=True)  # (S, max_blocks)
+        pos = torch.arange(max_len, device=self.device)  # (L,)
+        slots = tables_t[:, pos // bs] * bs + pos % bs  # (S, L); padding reads block 0, masked out
+        mask = (pos[None, :] < ints[1][:, None])[:, None, None, :]  # (S, 1, 1, L)
+        return DecodeGroup(rows=ints[0], slots=slots, mask=mask)
+
+
+def group_by_length(lens: list[int], max_waste: float = 1.25) -> list[list[int]]:
+    """Split sequences (indices into lens) into groups that each pad to their longest member,
+    keeping padded size <= max_waste x the real size: each group costs a few extra kernel calls,
+    but gathering and attending over padding costs memory bandwidth, the scarce resource."""
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    groups: list[list[int]] = []
+    longest = total = 0
+    for i in order:
+        if groups and longest * (len(groups[-1]) + 1) <= max_waste * (total + lens[i]):
+            groups[-1].append(i)
+            total += lens[i]
+        else:
+            groups.append([i])
+            longest = total = lens[i]
+    return [sorted(g) for g in groups]  # in batch order: one group of every row needs no scatter

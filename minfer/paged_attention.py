@@ -4,7 +4,8 @@ One forward pass carries every token scheduled this step, flattened into rows
 (N tokens, no padding). The linear layers treat them all alike; attention is the
 only per-sequence part, in two groups:
 - decode rows (one new token per sequence) are batched: their contexts are
-  gathered from the cache into a padded (S, L) grid and masked;
+  gathered from the cache into a padded (S, L) grid and masked (sequences of
+  very different lengths go in separate groups, so little of the grid is padding);
 - prefill chunks (several new tokens of one sequence) attend causally, one
   sdpa call per chunk. A chunk with no earlier context (a fresh prompt) attends
   to its own new keys directly and skips the gather.
@@ -27,13 +28,38 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # (S,) rows of these single-token sequences in the flattened batch
+    slots: torch.Tensor  # (S, L) cache slots of each sequence's context, padded to the longest
+    mask: torch.Tensor  # (S, 1, 1, L) bool, False on padding
+
+
+class GatherBuffer:
+    """Reused memory for gathered context. A fresh tensor of this size (tens of MB) comes
+    from mmap and pays a page fault per 4 KB on first touch: several times the copy itself."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+
+    def gather(self, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """cache (num_slots, H, D), slots (...) -> cache[slots], shape (..., H, D), in this buffer."""
+        row = cache[0].numel()
+        n = slots.numel() * row
+        if self.buffer is None or self.buffer.numel() < n or self.buffer.dtype != cache.dtype:
+            self.buffer = torch.empty(n, dtype=cache.dtype, device=cache.device)
+        out = self.buffer[:n].view(slots.numel(), row)
+        torch.index_select(cache.view(cache.shape[0], row), 0, slots.reshape(-1), out=out)
+        return out.view(*slots.shape, *cache.shape[1:])
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (N,) cache slot for every new token's key/value
-    decode_rows: torch.Tensor | None  # (S,) rows of the single-token (decode) sequences
-    decode_slots: torch.Tensor | None  # (S, L) cache slots of each decode sequence's context, padded
-    decode_mask: torch.Tensor | None  # (S, 1, 1, L) bool, False on padding
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
-    all_decode: bool = False  # every row is a decode row, in order: no scatter needed
+    all_decode: bool = False  # one decode group holding every row, in order: no scatter needed
+    k_buffer: GatherBuffer | None = None  # set by the runner, reused across layers and steps
+    v_buffer: GatherBuffer | None = None
 
 
 def paged_attention(
@@ -50,10 +76,10 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
 
     if meta.all_decode:
-        return _decode_attention(q, k_cache, v_cache, meta, scale)
+        return _decode_attention(q, k_cache, v_cache, meta.decode_groups[0], meta, scale)
     out = torch.empty_like(q)
-    if meta.decode_rows is not None:
-        out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+    for group in meta.decode_groups:
+        out[group.rows] = _decode_attention(q[group.rows], k_cache, v_cache, group, meta, scale)
     for chunk in meta.prefills:
         qs = q[chunk.start : chunk.end].transpose(0, 1)  # (H, T, D)
         if chunk.context_slots is None:  # fresh prompt: its own keys are the whole context
@@ -61,16 +87,16 @@ def paged_attention(
             vs = v[chunk.start : chunk.end].transpose(0, 1)
             y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
         else:  # continuing a prompt (chunked prefill, prefix-cache hit): read the cache
-            ks = k_cache[chunk.context_slots].transpose(0, 1)  # (H, L, D)
-            vs = v_cache[chunk.context_slots].transpose(0, 1)
+            ks = meta.k_buffer.gather(k_cache, chunk.context_slots).transpose(0, 1)  # (H, L, D)
+            vs = meta.v_buffer.gather(v_cache, chunk.context_slots).transpose(0, 1)
             y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.mask, scale=scale)
         out[chunk.start : chunk.end] = y.transpose(0, 1)  # (T, H, D)
     return out
 
 
-def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_attention(q, k_cache, v_cache, group: DecodeGroup, meta: AttentionMetadata, scale: float):
     """q (S, H, D): one query per sequence against its whole context. Returns (S, H, D)."""
-    ks = k_cache[meta.decode_slots].transpose(1, 2)  # (S, L, H, D) -> (S, H, L, D)
-    vs = v_cache[meta.decode_slots].transpose(1, 2)
-    y = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask, scale=scale)
+    ks = meta.k_buffer.gather(k_cache, group.slots).transpose(1, 2)  # (S, L, H, D) -> (S, H, L, D)
+    vs = meta.v_buffer.gather(v_cache, group.slots).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=group.mask, scale=scale)
     return y.squeeze(2)  # (S, H, 1, D) -> (S, H, D)

@@ -113,3 +113,17 @@ def test_cache_size_from_a_memory_budget():
     assert choose_num_blocks(config, 16, torch.float32, cpu, max_num_seqs=2, memory_fraction=0.5) > 0
     with pytest.raises(ValueError, match="fewer than the 32 one full-length sequence needs"):
         choose_num_blocks(config, 16, torch.float32, cpu, max_num_seqs=2, memory_bytes=10 * per_block)
+
+
+def test_decode_groups_bound_padding():
+    from minfer.model_runner import group_by_length
+
+    lens = [300, 20, 290, 25, 150, 18, 160]
+    groups = group_by_length(lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    for g in groups:
+        assert g == sorted(g)  # batch order inside a group
+        padded, real = max(lens[i] for i in g) * len(g), sum(lens[i] for i in g)
+        assert padded <= 1.25 * real
+    assert len(groups) == 3  # ~300, ~155, ~20
+    assert group_by_length([7] * 10) == [list(range(10))]  # equal lengths: one group, no padding
