@@ -13,7 +13,7 @@ import os
 import torch
 from tqdm import tqdm
 
-from .model import GPT2
+from .model import GPT2, cpu_has_native_bf16
 from .sampling import SamplingParams
 from .scheduler import OnlineScheduler
 from .sequence import RequestOutput
@@ -28,11 +28,16 @@ DTYPES = {
 Completion = RequestOutput  # what generate returns: text, token_ids, prompt_token_ids, finish_reason, ...
 
 
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device = torch.device("cpu")) -> torch.dtype:
+    """A torch dtype from a dtype or a name; "auto" picks bf16 where it is fast, else fp32."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
 
 
@@ -55,7 +60,7 @@ class LLM:
         if device.type == "cpu":
             # Use every core: decode is memory-bound and prefill compute-bound, both want them all.
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
-        self.model = GPT2.from_pretrained(model, device=device, dtype=resolve_dtype(dtype))
+        self.model = GPT2.from_pretrained(model, device=device, dtype=resolve_dtype(dtype, device))
         self.tokenizer = Tokenizer.from_dir(self.model.model_dir)
         self.scheduler = OnlineScheduler(
             self.model,

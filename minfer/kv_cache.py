@@ -137,14 +137,22 @@ class BlockAllocator:
 
 
 class KVCache:
-    """The preallocated key/value tensors: (n_layer, num_blocks * block_size, n_head, head_dim) each."""
+    """The preallocated key/value tensors: (n_layer, (num_blocks + 1) * block_size, n_head, head_dim).
+
+    Block `num_blocks` is an extra, never-allocated *null block*, kept zeroed: padded
+    positions of a batched gather read it. Everything else starts uninitialised
+    (torch.empty): a slot is always written before attention reads it unmasked, and
+    untouched memory costs no RAM until used. Masked reads must still be finite
+    (0 * NaN = NaN in the attention sum), hence the zeroed null block.
+    """
 
     def __init__(self, config: GPT2Config, num_blocks: int, block_size: int, device, dtype):
-        shape = (config.n_layer, num_blocks * block_size, config.n_head, config.head_dim)
-        # Zeroed, not empty: padded gather positions read real (finite) memory, and a
-        # NaN there would poison the masked attention (0 * NaN = NaN).
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (config.n_layer, (num_blocks + 1) * block_size, config.n_head, config.head_dim)
+        self.null_block = num_blocks
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.k[:, num_blocks * block_size :].zero_()
+        self.v[:, num_blocks * block_size :].zero_()
 
     @staticmethod
     def bytes_per_block(config: GPT2Config, block_size: int, dtype: torch.dtype) -> int:

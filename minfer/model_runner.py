@@ -110,12 +110,14 @@ class ModelRunner:
         bs = self.block_size
         max_len = max(lens)
         max_blocks = -(-max_len // bs)
-        padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables]
+        null = self.kv_cache.null_block
+        padded = [t[:max_blocks] + [null] * (max_blocks - min(len(t), max_blocks)) for t in tables]
         ints = torch.tensor([rows, lens]).to(self.device, non_blocking=True)  # (2, S)
         tables_t = torch.tensor(padded).to(self.device, non_blocking=True)  # (S, max_blocks)
         pos = torch.arange(max_len, device=self.device)  # (L,)
-        slots = tables_t[:, pos // bs] * bs + pos % bs  # (S, L); padding reads block 0, masked out
-        mask = (pos[None, :] < ints[1][:, None])[:, None, None, :]  # (S, 1, 1, L)
+        slots = tables_t[:, pos // bs] * bs + pos % bs  # (S, L); padding reads the null block, masked
+        # (S, 1, 1, L); no mask at all when nothing is padded (sdpa is faster without one)
+        mask = None if min(lens) == max_len else (pos[None, :] < ints[1][:, None])[:, None, None, :]
         return DecodeGroup(rows=ints[0], slots=slots, mask=mask)
 
 

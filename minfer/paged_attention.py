@@ -31,7 +31,7 @@ class PrefillChunk:
 class DecodeGroup:
     rows: torch.Tensor  # (S,) rows of these single-token sequences in the flattened batch
     slots: torch.Tensor  # (S, L) cache slots of each sequence's context, padded to the longest
-    mask: torch.Tensor  # (S, 1, 1, L) bool, False on padding
+    mask: torch.Tensor | None  # (S, 1, 1, L) bool, False on padding; None when nothing is padded
 
 
 class GatherBuffer:
@@ -46,7 +46,9 @@ class GatherBuffer:
         row = cache[0].numel()
         n = slots.numel() * row
         if self.buffer is None or self.buffer.numel() < n or self.buffer.dtype != cache.dtype:
-            self.buffer = torch.empty(n, dtype=cache.dtype, device=cache.device)
+            # Contexts grow a token per step: grow by half again, not by the few bytes asked for.
+            capacity = max(n, 3 * self.buffer.numel() // 2 if self.buffer is not None else 0)
+            self.buffer = torch.empty(capacity, dtype=cache.dtype, device=cache.device)
         out = self.buffer[:n].view(slots.numel(), row)
         torch.index_select(cache.view(cache.shape[0], row), 0, slots.reshape(-1), out=out)
         return out.view(*slots.shape, *cache.shape[1:])

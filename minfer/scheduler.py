@@ -73,6 +73,11 @@ class OnlineScheduler:
 
     # ---- public API ------------------------------------------------------------------
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest request (prompt + max_tokens) add_request can accept."""
+        return min(self.config.n_positions, self.allocator.num_blocks * self.block_size)
+
     def add_request(
         self,
         prompt: str | None = None,
@@ -142,6 +147,8 @@ class OnlineScheduler:
         sampled = iter(tokens)
         for chunk in chunks:
             seq = chunk.seq
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = start
             seq.num_steps += 1
             seq.num_computed_tokens += chunk.num_tokens
             self._register_full_blocks(seq)

@@ -38,6 +38,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     num_preemptions: int = 0
     arrival_time: float = 0.0  # time.perf_counter() values, for benchmarks
+    first_scheduled_time: float | None = None  # when its first engine step began
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
@@ -73,6 +74,7 @@ class Sequence:
         self.text = ""
         self.num_streamed_chars = 0  # how much of `text` get_new_text has handed out
         self.arrival_time = time.perf_counter()
+        self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
         self.finish_time: float | None = None
@@ -150,6 +152,7 @@ class Sequence:
             num_cached_tokens=self.num_cached_tokens,
             num_preemptions=self.num_preemptions,
             arrival_time=self.arrival_time,
+            first_scheduled_time=self.first_scheduled_time,
             first_token_time=self.first_token_time,
             token_times=list(self.token_times),
             finish_time=self.finish_time,
