@@ -1,0 +1,362 @@
+"""The OpenAI-compatible API: parse and validate requests, render chat prompts, build responses.
+
+Everything here is plain data in, plain data out — no sockets, no threads — so
+each rule can be tested on its own. A request is checked completely before it
+reaches the engine: the scheduler gets token ids and a SamplingParams it will
+accept, and every mistake becomes an APIError naming the offending `param`.
+
+GPT-2 has no chat template, so chat messages are rendered as one
+`role: content` line each, followed by `assistant:` for the model to continue:
+
+    system: You are terse.
+    user: Hi!
+    assistant:
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+from .sampling import SamplingParams
+from .sequence import RequestOutput
+from .tokenizer import Tokenizer
+
+ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    405: "invalid_request_error", 411: "invalid_request_error", 413: "invalid_request_error",
+    429: "rate_limit_error", 500: "server_error", 503: "server_error",
+}  # fmt: skip
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    """An error the client caused (4xx) or should retry (429, 503): becomes an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ModelInfo:
+    """What request validation needs to know about the served model."""
+
+    name: str  # the name clients must use in "model"
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int  # prompt + output tokens one request may use
+
+
+@dataclass
+class ParsedRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+
+
+# ---- field checks --------------------------------------------------------------------
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+KINDS = {  # name -> (description for the error message, check)
+    "int": ("an integer", _is_int),
+    "number": ("a number", _is_number),
+    "bool": ("a boolean", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "object": ("an object", lambda v: isinstance(v, dict)),
+}
+
+
+def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _show(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _get(body: dict, name: str, kind: str, default=None):
+    """body[name] if present and of the right kind; `default` if absent or null; else a 400."""
+    value = body.get(name)
+    if value is None:
+        return default
+    description, check = KINDS[kind]
+    if not check(value):
+        raise invalid(name, f"'{name}' must be {description}, got {_show(value)}", "invalid_type")
+    return value
+
+
+def _reject_unsupported(body: dict, allowed: dict[str, tuple]) -> None:
+    """Fields minfer does not implement are fine at their default value and refused otherwise."""
+    for name, defaults in allowed.items():
+        value = body.get(name)
+        if value is not None and not any(value == d and type(value) is type(d) for d in defaults):
+            raise invalid(name, f"'{name}' = {_show(value)} is not supported by this server", "unsupported_parameter")
+
+
+def parse_json_body(raw: bytes) -> dict:
+    def reject_constant(name):  # json accepts NaN and Infinity; JSON does not
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=reject_constant)
+    except (ValueError, RecursionError) as e:  # ValueError covers UnicodeDecodeError
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+def _check_model(body: dict, info: ModelInfo) -> None:
+    model = _get(body, "model", "str")
+    if model is not None and model != info.name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {info.name!r}",
+                       param="model", code="model_not_found")  # fmt: skip
+
+
+# ---- sampling parameters -------------------------------------------------------------
+
+
+def _max_tokens(value, name: str, num_prompt_tokens: int, info: ModelInfo, default: int | None) -> int:
+    """Check the output budget against the context; `default` None means "all the room left"."""
+    room = info.max_model_len - num_prompt_tokens
+    if value is None:
+        return room if default is None else min(default, room)
+    if value < 1:
+        raise invalid(name, f"'{name}' must be at least 1, got {value}")
+    if value > room:
+        raise invalid(
+            name,
+            f"the prompt ({num_prompt_tokens} tokens) + '{name}' ({value}) exceeds the model's context of "
+            f"{info.max_model_len} tokens",
+            "context_length_exceeded",
+        )
+    return value
+
+
+def _sampling(body: dict, max_tokens: int, *, ignore_eos: bool | None = None) -> SamplingParams:
+    """temperature, top_p, top_k, seed, stop, ignore_eos: checked one by one so the 400 names the param."""
+    temperature = _get(body, "temperature", "number", 1.0)
+    if temperature < 0:
+        raise invalid("temperature", f"'temperature' must be >= 0, got {temperature}")
+    top_p = _get(body, "top_p", "number", 1.0)
+    if not 0 < top_p <= 1:
+        raise invalid("top_p", f"'top_p' must be in (0, 1], got {top_p}")
+    top_k = _get(body, "top_k", "int", 0)
+    if top_k < -1:
+        raise invalid("top_k", f"'top_k' must be -1 or 0 (off) or a positive integer, got {top_k}")
+    seed = _get(body, "seed", "int")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
+        raise invalid("stop", f"'stop' must be a non-empty string or a list of them, got {_show(stop)}", "invalid_type")
+    if ignore_eos is None:
+        ignore_eos = _get(body, "ignore_eos", "bool", False)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
+        stop=stop or None, ignore_eos=ignore_eos,
+    )  # fmt: skip
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = _get(body, "stream", "bool", False)
+    options = _get(body, "stream_options", "object")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise invalid("stream_options.include_usage", "'include_usage' must be a boolean", "invalid_type")
+    return stream, bool(include_usage)
+
+
+def _check_n(body: dict) -> None:
+    n = _get(body, "n", "int", 1)
+    if n != 1:
+        raise invalid("n", f"'n' must be 1 (one completion per request), got {n}")
+
+
+# ---- the three request kinds ---------------------------------------------------------
+
+
+def _prompt_ids(prompt, info: ModelInfo, param: str = "prompt") -> list[int]:
+    """A string, a list of token ids, or a batch of exactly one of those."""
+    if prompt is None:
+        raise invalid(param, f"'{param}' is required", "missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # OpenAI clients may send a batch of one
+    if isinstance(prompt, str):
+        ids = info.tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise invalid(param, f"token id {bad} in '{param}' is outside the vocabulary [0, {info.vocab_size})")
+        ids = list(prompt)
+    elif isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid(param, f"only one prompt per request is supported, got {len(prompt)}")
+    else:
+        raise invalid(param, f"'{param}' must be a string or a list of token ids, got {_show(prompt)}", "invalid_type")
+    if not ids:
+        raise invalid(param, f"'{param}' is empty: it must have at least one token")
+    if len(ids) >= info.max_model_len:
+        raise invalid(
+            param, f"the prompt is {len(ids)} tokens; the model's context of {info.max_model_len} tokens "
+            "leaves no room for output", "context_length_exceeded",
+        )  # fmt: skip
+    return ids
+
+
+COMPLETION_UNSUPPORTED = {
+    "echo": (False,), "best_of": (1,), "suffix": ("",), "logprobs": (), "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0), "logit_bias": ({},),
+}  # fmt: skip
+CHAT_UNSUPPORTED = {
+    "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "response_format": ({"type": "text"},),
+}  # fmt: skip
+
+
+def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
+    """POST /v1/completions."""
+    _check_model(body, info)
+    _check_n(body)
+    _reject_unsupported(body, COMPLETION_UNSUPPORTED)
+    ids = _prompt_ids(body.get("prompt"), info)
+    max_tokens = _max_tokens(_get(body, "max_tokens", "int"), "max_tokens", len(ids), info, default=16)
+    stream, include_usage = _stream_flags(body)
+    return ParsedRequest(ids, _sampling(body, max_tokens), stream, include_usage)
+
+
+def render_chat(messages: list[dict]) -> str:
+    """The documented template: a `role: content` line per message, then `assistant:`."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def _message_text(content, i: int) -> str:
+    """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
+    param = f"messages[{i}].content"
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise invalid(param, f"'{param}' parts must all be {{\"type\": \"text\", \"text\": ...}}")
+        return "".join(p["text"] for p in content)
+    raise invalid(param, f"'{param}' must be a string or a list of text parts, got {_show(content)}", "invalid_type")
+
+
+def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
+    """POST /v1/chat/completions."""
+    _check_model(body, info)
+    _check_n(body)
+    _reject_unsupported(body, CHAT_UNSUPPORTED)
+    messages = body.get("messages")
+    if messages is None:
+        raise invalid("messages", "'messages' is required", "missing_required_parameter")
+    if not isinstance(messages, list):
+        raise invalid("messages", f"'messages' must be a list, got {_show(messages)}", "invalid_type")
+    if not messages:
+        raise invalid("messages", "'messages' is empty: give at least one message")
+    rendered = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid(f"messages[{i}]", f"'messages[{i}]' must be an object, got {_show(m)}", "invalid_type")
+        if m.get("role") not in CHAT_ROLES:
+            raise invalid(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}")
+        rendered.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
+    ids = _prompt_ids(render_chat(rendered), info, param="messages")
+    # max_completion_tokens is the current name; max_tokens the deprecated one. No limit: up to the context.
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _max_tokens(_get(body, name, "int"), name, len(ids), info, default=None)
+    stream, include_usage = _stream_flags(body)
+    return ParsedRequest(ids, _sampling(body, max_tokens), stream, include_usage)
+
+
+def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:
+    """POST /generate: {prompt, max_new_tokens, temperature, top_k, top_p, stop_on_eos, stream}."""
+    prompt = body.get("prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise invalid("prompt", f"'prompt' must be a string, got {_show(prompt)}", "invalid_type")
+    ids = _prompt_ids(prompt, info)
+    max_tokens = _max_tokens(_get(body, "max_new_tokens", "int"), "max_new_tokens", len(ids), info, default=64)
+    stop_on_eos = _get(body, "stop_on_eos", "bool", True)
+    stream = _get(body, "stream", "bool", False)
+    return ParsedRequest(ids, _sampling(body, max_tokens, ignore_eos=not stop_on_eos), stream)
+
+
+# ---- responses -----------------------------------------------------------------------
+
+
+def usage(out: RequestOutput) -> dict:
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class Responder:
+    """Builds the response body, or the stream chunks, of one completion or chat request."""
+
+    def __init__(self, model: str, chat: bool):
+        self.model = model
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                **extra}  # fmt: skip
+
+    def _chunk(self, choices: list, **extra) -> dict:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", choices, **extra)
+
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        delta = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def first_chunks(self) -> list[dict]:
+        """Chat streams open with the assistant's role."""
+        return [self._chunk([self._choice("", None, role=True)])] if self.chat else []
+
+    def text_chunk(self, text: str) -> dict:
+        return self._chunk([self._choice(text, None)])
+
+    def final_chunk(self, finish_reason: str | None) -> dict:
+        return self._chunk([self._choice(None, finish_reason)])
+
+    def usage_chunk(self, out: RequestOutput) -> dict:
+        return self._chunk([], usage=usage(out))
+
+    def response(self, out: RequestOutput) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+                      "finish_reason": out.finish_reason}  # fmt: skip
+            return self._envelope("chat.completion", [choice], usage=usage(out))
+        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+        return self._envelope("text_completion", [choice], usage=usage(out))

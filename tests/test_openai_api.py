@@ -1,0 +1,151 @@
+"""Request parsing, the chat template, response builders and metrics, without any server."""
+
+import json
+
+import pytest
+
+from minfer.metrics import Histogram, Metrics
+from minfer.openai_api import (APIError, ModelInfo, Responder, parse_chat, parse_completion, parse_generate,
+                               parse_json_body, render_chat)  # fmt: skip
+from minfer.sequence import RequestOutput
+from minfer.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def info(tiny_checkpoint):
+    tok = Tokenizer.from_dir(tiny_checkpoint)
+    return ModelInfo("tiny", tok, tok.vocab_size, max_model_len=64)
+
+
+def error_of(fn, *args) -> APIError:
+    with pytest.raises(APIError) as e:
+        fn(*args)
+    return e.value
+
+
+def test_completion_defaults_and_fields(info):
+    req = parse_completion({"model": "tiny", "prompt": "Hello there"}, info)
+    assert req.prompt_token_ids == info.tokenizer.encode("Hello there")
+    assert req.params.max_tokens == 16 and req.params.temperature == 1.0 and not req.stream
+
+    req = parse_completion(
+        {"prompt": [[5, 6, 7]], "max_tokens": 3, "temperature": 0, "top_p": 0.5, "top_k": -1, "seed": 7,
+         "stop": "x", "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+         "user": "someone", "echo": False, "n": 1, "logprobs": None},
+        info,
+    )  # fmt: skip
+    assert req.prompt_token_ids == [5, 6, 7]  # a batch of one is unwrapped; unknown "user" is ignored
+    p = req.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (3, 0.0, 0.5, 0, 7)
+    assert p.stop == ["x"] and p.ignore_eos and req.stream and req.include_usage
+
+
+def test_default_max_tokens_is_clipped_to_the_context(info):
+    ids = list(range(60))  # 4 tokens of room in a 64-token context
+    assert parse_completion({"prompt": ids}, info).params.max_tokens == 4
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, info)
+    assert chat.params.max_tokens == 64 - len(chat.prompt_token_ids)  # chat: all the room left
+
+
+def test_chat_template_and_max_completion_tokens(info):
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
+    assert render_chat([{"role": "user", "content": "Hi"}]) == "user: Hi\nassistant:"
+    req = parse_chat({"messages": messages, "max_tokens": 9, "max_completion_tokens": 5}, info)
+    assert req.prompt_token_ids == info.tokenizer.encode("system: Be brief.\nuser: Hi!\nassistant:")
+    assert req.params.max_tokens == 5  # the current name wins over the deprecated one
+
+
+def test_generate_fields(info):
+    req = parse_generate({"prompt": "Hi", "max_new_tokens": 5, "stop_on_eos": False, "top_k": 3}, info)
+    assert req.params.max_tokens == 5 and req.params.ignore_eos and req.params.top_k == 3
+    assert parse_generate({"prompt": "Hi"}, info).params.ignore_eos is False
+
+
+@pytest.mark.parametrize(
+    "parse, body, status, param",
+    [
+        (parse_completion, {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+        (parse_completion, {"prompt": "a", "max_tokens": 64}, 400, "max_tokens"),  # no room left for it
+        (parse_completion, {"prompt": "a", "max_tokens": True}, 400, "max_tokens"),
+        (parse_completion, {"prompt": list(range(64))}, 400, "prompt"),
+        (parse_completion, {"prompt": ["a", "b"]}, 400, "prompt"),
+        (parse_completion, {"prompt": [1, "a"]}, 400, "prompt"),
+        (parse_completion, {"prompt": "a", "top_k": -2}, 400, "top_k"),
+        (parse_completion, {"prompt": "a", "stop": 3}, 400, "stop"),
+        (parse_completion, {"prompt": "a", "best_of": 2}, 400, "best_of"),
+        (parse_completion, {"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        (parse_completion, {"prompt": "a", "stream": True, "stream_options": {"include_usage": 1}}, 400,
+         "stream_options.include_usage"),
+        (parse_completion, {"prompt": "a", "model": "gpt-4"}, 404, "model"),
+        (parse_chat, {"messages": ["hi"]}, 400, "messages[0]"),
+        (parse_chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+         "messages[0].content"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400, "tools"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "logprobs": True}, 400, "logprobs"),
+        (parse_generate, {"prompt": "a", "stop_on_eos": "no"}, 400, "stop_on_eos"),
+    ],
+)  # fmt: skip
+def test_bad_fields_name_their_param(info, parse, body, status, param):
+    e = error_of(parse, body, info)
+    assert (e.status, e.param) == (status, param)
+    assert set(e.body()["error"]) == {"message", "type", "param", "code"} and e.message
+
+
+@pytest.mark.parametrize("raw", [b"{", b"[1, 2]", b'{"a": NaN}', b"\xff\xfe", b'"text"'])
+def test_parse_json_body_rejects_non_objects(raw):
+    assert error_of(parse_json_body, raw).status == 400
+
+
+def output(text="ab", reason="length") -> RequestOutput:
+    return RequestOutput("0", prompt_token_ids=[1, 2, 3], token_ids=[4, 5], text=text, finish_reason=reason)
+
+
+def test_completion_response_and_chunks():
+    r = Responder("tiny", chat=False)
+    body = r.response(output())
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion" and body["model"] == "tiny"
+    assert body["choices"] == [{"index": 0, "text": "ab", "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert r.first_chunks() == []
+    assert r.text_chunk("a")["choices"][0]["text"] == "a"
+    assert r.final_chunk("stop")["choices"][0]["finish_reason"] == "stop"
+    assert r.usage_chunk(output())["choices"] == [] and r.usage_chunk(output())["usage"]["total_tokens"] == 5
+
+
+def test_chat_response_and_chunks():
+    r = Responder("tiny", chat=True)
+    body = r.response(output("hi", "stop"))
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    [first] = r.first_chunks()
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+    assert r.text_chunk("x")["choices"][0]["delta"] == {"content": "x"}
+    assert r.final_chunk("length")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                                     "finish_reason": "length"}  # fmt: skip
+    json.dumps(r.usage_chunk(output()))  # every chunk is plain JSON
+
+
+def test_histogram_buckets_are_cumulative():
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 3.0):
+        h.observe(v)
+    assert h.render("x") == ['x_bucket{le="0.1"} 2', 'x_bucket{le="1.0"} 3', 'x_bucket{le="+Inf"} 4',
+                             "x_sum 3.65", "x_count 4"]  # fmt: skip
+
+
+def test_metrics_render_counts_finished_requests():
+    m = Metrics()
+    out = output()
+    out.arrival_time, out.first_token_time, out.token_times = 1.0, 1.5, [1.5, 1.7]
+    m.on_admitted(3)
+    m.on_tokens(2)
+    m.on_finished(out)
+    text = m.render({"num_running": 2, "num_kv_blocks_free": 7, "num_kv_blocks_total": 9})
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert values["minfer_requests_running"] == "2" and values["minfer_kv_blocks_free"] == "7"
+    assert values["minfer_requests_finished_total"] == "1" and values["minfer_prompt_tokens_total"] == "3"
+    assert values["minfer_generation_tokens_total"] == "2"
+    assert values["minfer_time_to_first_token_seconds_count"] == "1"
+    assert float(values["minfer_time_to_first_token_seconds_sum"]) == pytest.approx(0.5)
+    assert float(values["minfer_time_per_output_token_seconds_sum"]) == pytest.approx(0.2)
