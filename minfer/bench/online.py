@@ -1,0 +1,236 @@
+"""Online mode: streaming `POST /v1/completions` from client threads to an OpenAI-compatible server.
+
+`MinferServer` starts `python -m minfer.serve` on a free port (--port 0) and stops it with
+SIGTERM afterwards; any other server (vLLM, llama.cpp's server, ...) is measured
+the same way through its base URL. One thread per request sends it at its arrival
+time (a semaphore enforces --max-concurrency: the request is sent, and its clock
+starts, when a slot frees up) and timestamps every streamed chunk that carries text.
+A chunk's text may hold more than one token, and a token may produce no text (half
+a UTF-8 character), so online ITL is the gap between *text chunks*; the exact output
+token count comes from the final usage chunk (stream_options.include_usage).
+vLLM's benchmark also times chunks with empty text; minfer.serve sends one only to
+carry finish_reason, right after the last text, where it would add a ~0 ms "gap".
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from urllib.parse import urlsplit
+
+from tqdm import tqdm
+
+from .metrics import RequestRecord, RunResult
+from .workload import BenchRequest
+
+
+class Endpoint:
+    """Where the server listens; `base_url` like http://127.0.0.1:8000 (a trailing /v1 is fine)."""
+
+    def __init__(self, base_url: str, timeout: float = 600.0):
+        url = urlsplit(base_url if "://" in base_url else "http://" + base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"base URL must look like http://HOST:PORT, got {base_url!r}")
+        self.https = url.scheme == "https"
+        self.host, self.port = url.hostname, url.port
+        self.prefix = url.path.rstrip("/").removesuffix("/v1")
+        self.timeout = timeout
+
+    def connect(self, timeout: float | None = None) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        return cls(self.host, self.port, timeout=timeout or self.timeout)
+
+    def get_json(self, path: str, timeout: float = 5.0) -> dict:
+        conn = self.connect(timeout)
+        try:
+            conn.request("GET", self.prefix + path)
+            resp = conn.getresponse()
+            body = resp.read()
+            if resp.status != 200:
+                raise OSError(f"GET {path}: HTTP {resp.status}")
+            return json.loads(body or b"{}")
+        finally:
+            conn.close()
+
+    def served_model(self, wanted: str) -> str:
+        """`wanted` if GET /v1/models lists it (or cannot be asked), else the first model listed:
+        what the server expects in "model" (minfer.serve calls a local model by its path)."""
+        try:
+            names = [m["id"] for m in self.get_json("/v1/models")["data"]]
+        except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException):
+            return wanted
+        return wanted if wanted in names or not names else names[0]
+
+
+class MinferServer:
+    """`python -m minfer.serve` in a subprocess, for the duration of a `with` block."""
+
+    def __init__(self, model_dir, server_args: list[str], startup_timeout: float = 300.0):
+        self.command = [sys.executable, "-m", "minfer.serve", "--model", str(model_dir), *server_args]
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "MinferServer":
+        # Port 0: the server binds any free port and prints where it listens, so no race for a port.
+        # Its output goes to a file opened for appending, so reading it here never moves its writes.
+        fd, self.log_path = tempfile.mkstemp(prefix="minfer-serve-", suffix=".log")
+        os.close(fd)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([*self.command, "--port", "0"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            self.endpoint = Endpoint(self._wait_for_address())
+            self._wait_healthy()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise ChildProcessError(f"minfer.serve exited with code {self.proc.returncode}:\n{self.log_tail()}")
+        if time.monotonic() > self.deadline:
+            raise ChildProcessError(f"minfer.serve not ready after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+
+    def _wait_for_address(self) -> str:
+        """The URL from the server's 'serving ... on http://HOST:PORT' line."""
+        self.deadline = time.monotonic() + self.startup_timeout
+        while True:
+            self._check_alive()
+            found = re.search(r"https?://[^\s/]+:\d+", self.log_tail(100_000))
+            if found:
+                return found.group(0)
+            time.sleep(0.05)
+
+    def _wait_healthy(self) -> None:
+        while True:
+            self._check_alive()
+            try:
+                self.endpoint.get_json("/health", timeout=2.0)
+                return
+            except (OSError, ValueError, http.client.HTTPException):
+                time.sleep(0.05)
+
+    def log_tail(self, n: int = 4000) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")[-n:]
+
+    def peak_rss_mib(self) -> float | None:
+        """The server's own high-water RSS (Linux /proc); None where unavailable."""
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+            return kib / 1024
+        except (OSError, StopIteration, ValueError):
+            return None
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        os.unlink(self.log_path)
+
+
+def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float) -> RequestRecord:
+    """Send one streaming completion and time its chunks (seconds since t0)."""
+    rec = RequestRecord(r.index, r.input_len, r.output_len)
+    body = json.dumps({
+        "model": model,
+        "prompt": r.prompt_token_ids if r.prompt_token_ids is not None else r.prompt,
+        "max_tokens": r.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,  # an extension vLLM and minfer share: exactly max_tokens tokens
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    })  # fmt: skip
+    conn = endpoint.connect()
+    usage, num_chunks, last = None, 0, None
+    try:
+        rec.submit_time = time.perf_counter() - t0
+        conn.request("POST", endpoint.prefix + "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise OSError(f"HTTP {resp.status}: {resp.read(500).decode(errors='replace')}")
+        while line := resp.readline():
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments, event names
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            msg = json.loads(data)
+            if "error" in msg:
+                raise OSError(f"error in stream: {msg['error']}")
+            if any(c.get("text") for c in msg.get("choices") or ()):
+                now = time.perf_counter() - t0
+                if last is None:
+                    rec.first_token_time = now
+                else:
+                    rec.itl.append(now - last)
+                last = now
+                num_chunks += 1
+            usage = msg.get("usage") or usage
+        if last is None:
+            raise OSError("the stream ended without a single choice")
+        rec.finish_time = last
+        rec.output_len = usage["completion_tokens"] if usage else num_chunks
+        if usage and usage.get("prompt_tokens") is not None:
+            rec.input_len = usage["prompt_tokens"]
+    except (OSError, ValueError, KeyError, http.client.HTTPException) as e:
+        rec.success, rec.error = False, f"{type(e).__name__}: {e}"
+        rec.finish_time = time.perf_counter() - t0
+    finally:
+        conn.close()
+    return rec
+
+
+def run_online(endpoint: Endpoint, model: str, requests: list[BenchRequest], max_concurrency: int | None = None,
+               progress: bool = True, desc: str = "online") -> RunResult:  # fmt: skip
+    slots = threading.Semaphore(max_concurrency) if max_concurrency else None
+    records: list[RequestRecord] = []
+    lock = threading.Lock()
+    bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not progress)
+
+    def client(r: BenchRequest) -> None:
+        try:
+            rec = stream_completion(endpoint, model, r, t0)
+            with lock:
+                records.append(rec)
+                bar.update(1)
+        finally:
+            if slots:
+                slots.release()
+
+    threads = []
+    t0 = time.perf_counter()
+    for r in sorted(requests, key=lambda r: r.arrival):
+        time.sleep(max(0.0, r.arrival - (time.perf_counter() - t0)))
+        if slots:
+            slots.acquire()
+        threads.append(threading.Thread(target=client, args=(r,), daemon=True))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    duration = time.perf_counter() - t0
+    bar.close()
+    return RunResult(sorted(records, key=lambda r: r.index), duration, [])
+
+
+def server_flags(device: str, dtype: str, **optional) -> list[str]:
+    """Command-line flags for minfer.serve: device and dtype always, the rest only when set."""
+    flags = ["--device", device, "--dtype", dtype]
+    for name, value in optional.items():
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
+

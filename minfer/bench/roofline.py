@@ -1,0 +1,84 @@
+"""The batch-1 decode floor: a decode step must read every weight once, so it cannot beat
+weight bytes / memory bandwidth. Both are measured here, on the spot, next to minfer's
+measured batch-1 TPOT; the ratio says how far from the hardware limit decoding runs.
+
+Bandwidth is that of one large tensor copy (read + write bytes, best of a few),
+which is what a streaming read of the weights can hope for; a KV-cache read at
+batch 1 and short context is small beside the weights and is left out.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from ..scheduler import OnlineScheduler
+from .offline import run_offline
+from .workload import BenchRequest, sampleable_token_ids
+
+COPY_BYTES = 512 * 2**20  # far beyond any cache, so the copy runs at memory speed
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of all parameters in their loaded dtype; parameters() yields the tied LM head/embedding once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
+    """Bytes per second moved by a large device-to-device copy (read + write counted)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # touched, so no page faults are timed
+    dst = torch.zeros_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def batch1_tpot(scheduler: OnlineScheduler, prompt_len: int = 32, output_len: int = 64, seed: int = 0) -> float:
+    """TPOT (seconds) of one request running alone: a random prompt, greedy, exactly output_len tokens."""
+    context = scheduler.config.n_positions
+    output_len = max(2, min(output_len, context // 2))
+    prompt_len = max(1, min(prompt_len, context - output_len))
+    ids = sampleable_token_ids(scheduler.tokenizer, scheduler.config.vocab_size)
+    rng = random.Random(f"roofline/{seed}")
+    requests = [BenchRequest(0, None, [rng.choice(ids) for _ in range(prompt_len)], prompt_len, n, 0.0)
+                for n in (8, output_len)]  # fmt: skip
+    run_offline(scheduler, requests[:1], progress=False)  # warm-up
+    return run_offline(scheduler, requests[1:], progress=False).records[0].tpot
+
+
+def roofline(scheduler: OnlineScheduler, output_len: int = 64, seed: int = 0) -> dict:
+    model = scheduler.model
+    nbytes = weight_bytes(model)
+    bandwidth = measure_bandwidth(model.device)
+    floor = nbytes / bandwidth
+    tpot = batch1_tpot(scheduler, output_len=output_len, seed=seed)
+    return {
+        "device": str(model.device),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "weight_bytes": nbytes,
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "floor_tpot_ms": floor * 1000,
+        "measured_tpot_ms": tpot * 1000,
+        "measured_over_floor": tpot / floor,
+    }
+
+
+def format_roofline(r: dict) -> str:
+    return "\n".join([
+        f"{' Decode roofline (batch 1) ':=^50}",
+        f"{'Weights (MB, ' + r['dtype'] + '):':<40} {r['weight_bytes'] / 1e6:<10.1f}",
+        f"{'Memory bandwidth, copy (GB/s):':<40} {r['bandwidth_gb_s']:<10.2f}",
+        f"{'Floor TPOT = weights / bandwidth (ms):':<40} {r['floor_tpot_ms']:<10.2f}",
+        f"{'Measured batch-1 TPOT (ms):':<40} {r['measured_tpot_ms']:<10.2f}",
+        f"{'Measured / floor:':<40} {r['measured_over_floor']:<10.2f}",
+        "=" * 50,
+    ])  # fmt: skip

@@ -1,0 +1,140 @@
+"""What a benchmark sends: each request's prompt, how many tokens it must generate, and when it arrives.
+
+Lengths are a number or a range `A:B`, drawn uniformly per request. Random prompts
+are token ids drawn uniformly from the vocabulary minus its special tokens, and
+every request runs with ignore_eos, so it produces exactly its output length.
+Arrivals are a Poisson process (exponential gaps) or, at rate `inf`, all at t=0.
+Everything is seeded: the same flags give the same workload on every engine.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..tokenizer import Tokenizer
+
+
+@dataclass
+class BenchRequest:
+    index: int
+    prompt: str | None  # text to send, or None when the prompt goes as token ids
+    prompt_token_ids: list[int] | None  # ids to send: random prompts, or text tokenized up front (--pretok)
+    input_len: int | None  # prompt tokens, counted outside the timed region (None: no tokenizer at hand)
+    output_len: int  # tokens to generate, exactly
+    arrival: float  # seconds after the run starts
+
+
+def parse_length(spec: str | int, name: str = "length") -> tuple[int, int]:
+    """'128' -> (128, 128); '32:256' -> (32, 256), both ends included."""
+    try:
+        lo, _, hi = str(spec).partition(":")
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"{name} must be a number or a range like 32:256, got {spec!r}") from None
+    if not 1 <= lo <= hi:
+        raise ValueError(f"{name} must be >= 1 with the low end first, got {spec!r}")
+    return lo, hi
+
+
+def sampleable_token_ids(tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    """Ids a random prompt may use: in the model's vocabulary, and not special (EOS has no bytes)."""
+    table = tokenizer.token_bytes
+    return [i for i in range(min(vocab_size, len(table))) if table[i]]
+
+
+def arrival_times(n: int, rate: float, rng: random.Random) -> list[float]:
+    """Poisson arrivals at `rate` requests/s, the first at 0; rate inf sends everything at once."""
+    if not rate > 0:
+        raise ValueError(f"request rate must be > 0 (or inf), got {rate}")
+    if math.isinf(rate):
+        return [0.0] * n
+    times, t = [], 0.0
+    for _ in range(n):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+def read_prompts(prompts: list[str] | None, prompts_file: str | None) -> list[str]:
+    """Text prompts from --prompt (repeatable) and --prompts-file (one per line, blank lines skipped)."""
+    texts = list(prompts or [])
+    if prompts_file:
+        path = Path(prompts_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompts file {prompts_file!r} does not exist")
+        texts += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not texts:
+            raise ValueError(f"prompts file {prompts_file!r} holds no prompt")
+    if any(not t for t in texts):
+        raise ValueError("a prompt is empty")
+    return texts
+
+
+def build_workload(
+    num_requests: int,
+    input_len: str,
+    output_len: str,
+    *,
+    texts: list[str],
+    tokenizer: Tokenizer | None,
+    vocab_size: int | None,
+    context: int | None,
+    rate: float,
+    seed: int,
+    pretok: bool,
+    run: int | str = 0,
+) -> list[BenchRequest]:
+    """The requests of one run. Lengths and arrivals depend on the seed alone, so repeated runs
+    send the same shape of traffic; random prompt contents also depend on `run`, so a repeat does
+    not simply hit the prefix cache filled by the run before."""
+    if num_requests < 1:
+        raise ValueError(f"num-requests must be >= 1, got {num_requests}")
+    rng = random.Random(seed)
+    in_lo, in_hi = parse_length(input_len, "input-len")
+    out_lo, out_hi = parse_length(output_len, "output-len")
+    out_lens = [rng.randint(out_lo, out_hi) for _ in range(num_requests)]
+    in_lens = [rng.randint(in_lo, in_hi) for _ in range(num_requests)]
+    arrivals = arrival_times(num_requests, rate, rng)
+    if texts and pretok and tokenizer is None:
+        raise ValueError("--pretok needs the model's tokenizer: pass --tokenizer DIR")
+    if not texts:
+        if tokenizer is None or vocab_size is None:
+            raise ValueError("random prompts need the model's tokenizer: pass --model DIR (or --tokenizer DIR)")
+        ids = sampleable_token_ids(tokenizer, vocab_size)
+        content = random.Random(f"{seed}/{run}")
+    requests = []
+    for i in range(num_requests):
+        if texts:
+            text = texts[i % len(texts)]
+            token_ids = tokenizer.encode(text) if tokenizer else None
+            n_in = len(token_ids) if token_ids is not None else None
+            prompt, sent_ids = (None, token_ids) if pretok and token_ids else (text, None)
+        else:
+            n_in = in_lens[i]
+            prompt, sent_ids = None, [content.choice(ids) for _ in range(n_in)]
+        if context and n_in and n_in + out_lens[i] > context:
+            raise ValueError(
+                f"request {i}: {n_in} prompt tokens + {out_lens[i]} output tokens exceed the model's "
+                f"context of {context}; lower --input-len/--output-len"
+            )
+        requests.append(BenchRequest(i, prompt, sent_ids, n_in, out_lens[i], arrivals[i]))
+    return requests
+
+
+def warmup_workload(requests: list[BenchRequest], tokenizer: Tokenizer | None, vocab_size: int | None,
+                    num: int = 4) -> list[BenchRequest]:  # fmt: skip
+    """A few requests shaped like the first ones, all at t=0, with fresh random ids where a tokenizer
+    is at hand: they warm the engine up without seeding its prefix cache with the measured prompts."""
+    warm = []
+    ids = sampleable_token_ids(tokenizer, vocab_size) if tokenizer and vocab_size else None
+    rng = random.Random("warmup")
+    for r in requests[:num]:
+        if ids and r.input_len:
+            warm.append(BenchRequest(r.index, None, [rng.choice(ids) for _ in range(r.input_len)],
+                                     r.input_len, min(r.output_len, 16), 0.0))  # fmt: skip
+        else:
+            warm.append(BenchRequest(r.index, r.prompt, r.prompt_token_ids, r.input_len, min(r.output_len, 16), 0.0))
+    return warm
