@@ -2,9 +2,11 @@
 weight bytes / memory bandwidth. Both are measured here, on the spot, next to minfer's
 measured batch-1 TPOT; the ratio says how far from the hardware limit decoding runs.
 
-Bandwidth is that of one large tensor copy (read + write bytes, best of a few),
-which is what a streaming read of the weights can hope for; a KV-cache read at
-batch 1 and short context is small beside the weights and is left out.
+Bandwidth is that of streaming-reading one large tensor (a sum over 512 MiB, best
+of a few): decode reads weights and writes almost nothing. A copy's bandwidth
+(read + write bytes) is reported beside it; on a shared CPU both vary by ~20%
+from run to run, so compare figures from one run. A KV-cache read at batch 1 and
+short context is small beside the weights and is left out.
 """
 
 from __future__ import annotations
@@ -26,20 +28,26 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
-    """Bytes per second moved by a large device-to-device copy (read + write counted)."""
+def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, repeats: int = 5) -> tuple[float, float]:
+    """(read, copy) bytes per second: a large tensor summed (read only), and copied (read + write counted)."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # touched, so no page faults are timed
     dst = torch.zeros_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() * src.element_size() / best
+
+    def best_time(op) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            op()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    read = nbytes / best_time(src.sum)
+    copy = 2 * nbytes / best_time(lambda: dst.copy_(src))
+    return read, copy
 
 
 def batch1_tpot(scheduler: OnlineScheduler, prompt_len: int = 32, output_len: int = 64, seed: int = 0) -> float:
@@ -58,7 +66,7 @@ def batch1_tpot(scheduler: OnlineScheduler, prompt_len: int = 32, output_len: in
 def roofline(scheduler: OnlineScheduler, output_len: int = 64, seed: int = 0) -> dict:
     model = scheduler.model
     nbytes = weight_bytes(model)
-    bandwidth = measure_bandwidth(model.device)
+    bandwidth, copy_bandwidth = measure_bandwidth(model.device)
     floor = nbytes / bandwidth
     tpot = batch1_tpot(scheduler, output_len=output_len, seed=seed)
     return {
@@ -66,6 +74,7 @@ def roofline(scheduler: OnlineScheduler, output_len: int = 64, seed: int = 0) ->
         "dtype": str(model.dtype).removeprefix("torch."),
         "weight_bytes": nbytes,
         "bandwidth_gb_s": bandwidth / 1e9,
+        "copy_bandwidth_gb_s": copy_bandwidth / 1e9,
         "floor_tpot_ms": floor * 1000,
         "measured_tpot_ms": tpot * 1000,
         "measured_over_floor": tpot / floor,
@@ -76,7 +85,8 @@ def format_roofline(r: dict) -> str:
     return "\n".join([
         f"{' Decode roofline (batch 1) ':=^50}",
         f"{'Weights (MB, ' + r['dtype'] + '):':<40} {r['weight_bytes'] / 1e6:<10.1f}",
-        f"{'Memory bandwidth, copy (GB/s):':<40} {r['bandwidth_gb_s']:<10.2f}",
+        f"{'Memory bandwidth, read (GB/s):':<40} {r['bandwidth_gb_s']:<10.2f}",
+        f"{'Memory bandwidth, copy r+w (GB/s):':<40} {r['copy_bandwidth_gb_s']:<10.2f}",
         f"{'Floor TPOT = weights / bandwidth (ms):':<40} {r['floor_tpot_ms']:<10.2f}",
         f"{'Measured batch-1 TPOT (ms):':<40} {r['measured_tpot_ms']:<10.2f}",
         f"{'Measured / floor:':<40} {r['measured_over_floor']:<10.2f}",
