@@ -236,3 +236,28 @@ def test_paged_forward_equals_dense_forward(tiny_checkpoint):
     torch.testing.assert_close(paged, dense[89:], atol=1e-4, rtol=0)
     sched.discard_request(rid)
     assert_all_free(llm)
+
+
+def test_generate_cli_streams_the_engine_output(tiny_checkpoint):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "minfer.generate", "--model", str(tiny_checkpoint), "--temperature", "0",
+           "--max-tokens", "12", "The cache"]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    llm = LLM(tiny_checkpoint, num_kv_blocks=32)
+    expected = llm.generate(["The cache"], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+    assert result.stdout == "The cache" + expected.text + "\n"
+
+
+def test_auto_dtype_follows_the_hardware(monkeypatch):
+    from minfer import engine
+
+    monkeypatch.setattr(engine, "cpu_has_native_bf16", lambda: True)
+    assert engine.resolve_dtype("auto") == torch.bfloat16
+    monkeypatch.setattr(engine, "cpu_has_native_bf16", lambda: False)
+    assert engine.resolve_dtype("auto") == torch.float32
+    assert engine.resolve_dtype("bf16") == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
+        engine.resolve_dtype("int8")
