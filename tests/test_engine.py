@@ -261,3 +261,24 @@ def test_auto_dtype_follows_the_hardware(monkeypatch):
     assert engine.resolve_dtype("bf16") == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
         engine.resolve_dtype("int8")
+
+
+def test_one_flat_forward_per_step_and_lm_head_only_where_sampling(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, num_kv_blocks=64, max_num_batched_tokens=40)
+    sched, model = llm.scheduler, llm.model
+    short = [sched.add_request(prompt_token_ids=[1, 2, 3], sampling_params=GREEDY) for _ in range(3)]
+    sched.step()  # the three short prompts prefill and sample together
+    long_id = sched.add_request(prompt_token_ids=list(range(100)), sampling_params=GREEDY)
+    calls = []
+    forward, logits = model.forward_paged, model.compute_logits
+    model.forward_paged = lambda ids, *a: calls.append(("forward", ids.shape[0])) or forward(ids, *a)
+    model.compute_logits = lambda h: calls.append(("lm_head", h.shape[0])) or logits(h)
+    try:
+        sched.step()  # 3 decodes + a 37-token chunk of the long prompt, which does not sample yet
+    finally:
+        model.forward_paged, model.compute_logits = forward, logits
+    assert calls == [("forward", 40), ("lm_head", 3)]
+    assert sched.last_step["num_decode_tokens"] == 3 and sched.last_step["num_prefill_tokens"] == 37
+    for i in short + [long_id]:
+        sched.discard_request(i)
+    assert_all_free(llm)
