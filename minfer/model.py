@@ -140,8 +140,9 @@ class GPT2(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embeddings
-        self.wpe = nn.Embedding(config.n_positions, config.n_embd)  # position embeddings
+        # Given weights (uninitialised): random init is wasted on weights about to be loaded.
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd, _weight=torch.empty(config.vocab_size, config.n_embd))
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd, _weight=torch.empty(config.n_positions, config.n_embd))
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.lm_head_slices: torch.Tensor | None = None  # CPU fp32 only, see compute_logits

@@ -115,10 +115,14 @@ class ModelRunner:
         ints = torch.tensor([rows, lens]).to(self.device, non_blocking=True)  # (2, S)
         tables_t = torch.tensor(padded).to(self.device, non_blocking=True)  # (S, max_blocks)
         pos = torch.arange(max_len, device=self.device)  # (L,)
-        slots = tables_t[:, pos // bs] * bs + pos % bs  # (S, L); padding reads the null block, masked
-        # (S, 1, 1, L); no mask at all when nothing is padded (sdpa is faster without one)
-        mask = None if min(lens) == max_len else (pos[None, :] < ints[1][:, None])[:, None, None, :]
-        return DecodeGroup(rows=ints[0], slots=slots, mask=mask)
+        slots = tables_t[:, pos // bs] * bs + pos % bs  # (S, L)
+        if min(lens) == max_len:  # nothing padded: no mask at all (sdpa is faster without one)
+            return DecodeGroup(rows=ints[0], slots=slots, mask=None)
+        valid = pos[None, :] < ints[1][:, None]  # (S, L)
+        # Padding must read the zeroed null block, even inside a sequence's own last block:
+        # its unwritten slots may hold NaN, and a masked NaN still poisons the sum (0 * NaN).
+        slots = torch.where(valid, slots, null * bs)
+        return DecodeGroup(rows=ints[0], slots=slots, mask=valid[:, None, None, :])  # mask (S, 1, 1, L)
 
 
 def group_by_length(lens: list[int], max_waste: float = 1.25) -> list[list[int]]:
