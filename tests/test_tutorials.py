@@ -1,0 +1,112 @@
+"""Every tutorial script runs to the end (its own asserts pass) on a tiny random checkpoint,
+every stage has its chapter and its script, and the index links them all."""
+
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from minfer.loader import ModelNotFoundError
+
+TUTORIALS = Path(__file__).resolve().parent.parent / "tutorials"
+SCRIPTS = sorted(TUTORIALS.glob("[0-9][0-9]_*.py"))
+STAGES = [
+    "01_gpt2_forward", "02_loading_weights", "03_kv_cache_generation", "04_sampling",
+    "05_tokenizer_streaming", "06_static_batching", "07_block_allocator", "08_paged_attention",
+    "09_prefix_caching", "10_online_scheduler", "11_scheduler_manager", "12_http_server", "13_benchmarking",
+]  # fmt: skip
+TEST_NAME = "test_tutorial_script_runs"
+
+
+@pytest.fixture(scope="session")
+def script_runs(request, tiny_checkpoint):
+    """Start the selected scripts in the background, two at a time. Most of each script's few
+    seconds is start-up (importing torch, building the model), so two at once keep two cores busy."""
+    env = {
+        **os.environ,
+        "MINFER_MODEL": str(tiny_checkpoint),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",  # two scripts at once on a small machine: don't oversubscribe it
+        "PYTHONUNBUFFERED": "1",
+    }
+
+    def run(script: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(script)], cwd=TUTORIALS.parent, env=env,
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+
+    selected = [
+        item.callspec.params["script"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == TEST_NAME
+    ]
+    pool = ThreadPoolExecutor(max_workers=2)
+    # Later stages run more of the engine and take longer: start them first, so the run
+    # does not end with one long script on one core while the other sits idle.
+    yield {script: pool.submit(run, script) for script in sorted(selected, reverse=True)}
+    pool.shutdown(wait=True, cancel_futures=True)  # after -x, don't start the ones nobody will check
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
+def test_tutorial_script_runs(script_runs, script):
+    result = script_runs[script].result()
+    assert result.returncode == 0, (
+        f"{script.name} exited with {result.returncode}\n"
+        f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+    )
+    assert result.stdout.strip(), f"{script.name} printed nothing"
+
+
+def test_model_path_order(monkeypatch, tmp_path, tiny_checkpoint, capsys):
+    """MINFER_MODEL first; with no gpt2 to be had, a tiny random checkpoint written once."""
+    monkeypatch.syspath_prepend(str(TUTORIALS))
+    import _common
+
+    monkeypatch.setenv("MINFER_MODEL", str(tiny_checkpoint))
+    assert _common.model_path() == str(tiny_checkpoint)
+
+    def no_hub(name):
+        raise ModelNotFoundError(f"could not get model {name!r} (test)")
+
+    monkeypatch.delenv("MINFER_MODEL")
+    monkeypatch.setattr("minfer.loader.resolve_model_dir", no_hub)
+    monkeypatch.setattr(_common, "TINY_DIR", tmp_path / "tiny")
+    first = _common.model_path()
+    assert first == str(tmp_path / "tiny") and (tmp_path / "tiny" / "config.json").is_file()
+    written = (tmp_path / "tiny" / "model.safetensors").stat().st_mtime_ns
+    assert _common.model_path() == first  # reused, not rewritten
+    assert (tmp_path / "tiny" / "model.safetensors").stat().st_mtime_ns == written
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny"]  # no partial copy left behind
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and "MINFER_MODEL" in lines[0] and "tiny random checkpoint" in lines[1]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_stage_has_a_chapter_and_a_script(stage):
+    for suffix in (".md", ".py"):
+        assert (TUTORIALS / (stage + suffix)).is_file(), f"tutorials/{stage}{suffix} is missing"
+
+
+def test_no_stray_stage_files():
+    """Every numbered file belongs to a listed stage (a misspelt name would go untested here)."""
+    stray = [p.name for p in TUTORIALS.glob("[0-9][0-9]_*") if p.stem not in STAGES]
+    assert not stray, f"numbered files outside the stage list: {stray}"
+
+
+def test_readme_links_every_stage():
+    readme = (TUTORIALS / "README.md").read_text(encoding="utf-8")
+    for stage in STAGES:
+        assert f"]({stage}.md)" in readme, f"tutorials/README.md does not link {stage}.md"
+
+
+def test_relative_links_in_chapters_point_to_files():
+    for md in [TUTORIALS / "README.md", *sorted(TUTORIALS.glob("[0-9][0-9]_*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", md.read_text(encoding="utf-8")):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            assert (md.parent / target).exists(), f"{md.name} links {target}, which does not exist"

@@ -1,0 +1,126 @@
+"""Stage 03: the generation loop, first without and then with a KV cache.
+
+Generating one token needs the logits of the last position only, but a plain
+forward pass recomputes every position of the sequence, every step: quadratic
+work. Keys and values of past positions never change (causal attention), so
+we keep them per layer and feed the model one new token per step: linear work.
+Both loops are written here with the model's own modules; they must produce the
+same tokens. At the end minfer's engine (paged KV cache, later stages) runs the
+same request and must agree too.
+
+    python tutorials/03_kv_cache_generation.py   # MINFER_MODEL=/path to choose the checkpoint
+"""
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from _common import model_path, section
+from minfer import LLM, SamplingParams
+from minfer.model import GPT2
+from minfer.tokenizer import Tokenizer
+
+path = model_path()
+model = GPT2.from_pretrained(path)
+tokenizer = Tokenizer.from_dir(path)
+cfg = model.config
+
+prompt = tokenizer.encode("In the beginning the Universe was created. This has made a lot of people very angry "
+                          "and been widely regarded as a bad move. Many races believe that it was created by")
+NEW_TOKENS = 48
+P = len(prompt)
+
+
+@torch.inference_mode()
+def generate_naive(ids: list[int], n: int) -> tuple[list[int], int]:
+    """Greedy decoding by rerunning the whole sequence each step. Returns (tokens, positions computed)."""
+    seq = torch.tensor([ids])  # (1, T)
+    computed = 0
+    for _ in range(n):
+        logits = model(seq)  # (1, T, V): every position again, though only the last is used
+        computed += seq.shape[1]
+        next_id = logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+        seq = torch.cat([seq, next_id], dim=1)  # (1, T + 1)
+    return seq[0, len(ids):].tolist(), computed
+
+
+def attention_with_cache(attn, x: torch.Tensor, past: tuple | None):
+    """One attention layer over the new positions x (1, T, C), given the cached (K, V) of the past.
+    Returns the output (1, T, C) and the cache extended with this step's keys and values."""
+    B, T, C = x.shape
+    q, k, v = attn.c_attn(x).split(C, dim=2)  # 3 x (1, T, C)
+    q, k, v = (t.view(B, T, attn.n_head, attn.head_dim).transpose(1, 2) for t in (q, k, v))  # (1, nh, T, hd)
+    if past is not None:
+        k = torch.cat([past[0], k], dim=2)  # (1, nh, past + T, hd): the old keys are reused as they are
+        v = torch.cat([past[1], v], dim=2)
+    # Prefill (no past): causal over the prompt. Decode (one query, the newest position): it may
+    # see every key, so no mask is needed. (A chunk after a past would need an offset mask.)
+    assert past is None or T == 1
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=past is None, scale=attn.scale)  # (1, nh, T, hd)
+    return attn.c_proj(y.transpose(1, 2).reshape(B, T, C)), (k, v)
+
+
+@torch.inference_mode()
+def forward_with_cache(ids: torch.Tensor, start: int, cache: list) -> torch.Tensor:
+    """ids (1, T) at positions start..start+T-1 -> logits of the last one (1, V); updates cache in place."""
+    pos = torch.arange(start, start + ids.shape[1])  # (T,) positions continue where the cache ends
+    x = model.wte(ids) + model.wpe(pos)  # (1, T, C)
+    for i, block in enumerate(model.h):
+        a, cache[i] = attention_with_cache(block.attn, block.ln_1(x), cache[i])
+        x = x + a
+        x = x + block.mlp(block.ln_2(x))
+    return model.lm_head(model.ln_f(x[:, -1]))  # (1, V): the LM head only where we sample
+
+
+def generate_cached(ids: list[int], n: int) -> tuple[list[int], int, list]:
+    """Greedy decoding with a KV cache. Returns (tokens, positions computed, the final cache)."""
+    cache = [None] * cfg.n_layer  # per layer: (K, V), each (1, n_head, length, head_dim)
+    logits = forward_with_cache(torch.tensor([ids]), 0, cache)  # prefill: the whole prompt once
+    computed, out = len(ids), []
+    for step in range(n):
+        out.append(logits.argmax(-1).item())
+        if step == n - 1:
+            break  # the last token needs no forward pass: nothing comes after it
+        logits = forward_with_cache(torch.tensor([[out[-1]]]), len(ids) + step, cache)  # decode: one token
+        computed += 1
+    return out, computed, cache
+
+
+section(f"greedy decoding of {NEW_TOKENS} tokens after a {P}-token prompt")
+generate_naive(prompt, 2)  # warm up: first calls pay for one-time allocations
+generate_cached(prompt, 2)
+t0 = time.perf_counter()
+naive_tokens, naive_work = generate_naive(prompt, NEW_TOKENS)
+t1 = time.perf_counter()
+cached_tokens, cached_work, cache = generate_cached(prompt, NEW_TOKENS)
+t2 = time.perf_counter()
+print(f"without a cache: {naive_work:6,} positions computed, {1e3 * (t1 - t0):7.1f} ms")
+print(f"with a KV cache: {cached_work:6,} positions computed, {1e3 * (t2 - t1):7.1f} ms")
+print(f"text: {tokenizer.decode(cached_tokens)!r}")
+
+assert cached_tokens == naive_tokens, "the cache must not change what is generated"
+# Rerunning: step s computes P + s positions, a sum that grows with the square of the length.
+assert naive_work == sum(P + s for s in range(NEW_TOKENS)) == NEW_TOKENS * P + NEW_TOKENS * (NEW_TOKENS - 1) // 2
+# Cached: the prompt once, then one position per new token (but the last).
+assert cached_work == P + NEW_TOKENS - 1
+print(f"same {NEW_TOKENS} tokens; {naive_work / cached_work:.1f}x fewer positions computed with the cache "
+      f"(wall-clock times are printed, not asserted: this machine is shared)")
+
+section("what the cache costs: memory")
+k0, v0 = cache[0]
+length = P + NEW_TOKENS - 1  # every position that went through the model
+assert k0.shape == v0.shape == (1, cfg.n_head, length, cfg.head_dim)
+per_token = 2 * cfg.n_layer * cfg.n_embd * k0.element_size()  # K and V, every layer, float32
+print(f"per layer K and V are {tuple(k0.shape)} = (batch, heads, positions, head_dim)")
+print(f"{per_token:,} bytes ({per_token / 1024:g} KiB) per token; a full {cfg.n_positions}-token context: "
+      f"{per_token * cfg.n_positions / 2**20:.1f} MiB per sequence")
+
+section("minfer's engine does the same with a paged cache")
+# LLM keeps K and V in fixed-size blocks of one preallocated tensor instead of a growing
+# torch.cat per sequence (stages 07-10); greedy decoding must give the very same tokens.
+llm = LLM(path, num_kv_blocks=-(-(P + NEW_TOKENS) // 16), max_num_seqs=1)
+out = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+assert out.token_ids == cached_tokens
+print(f"LLM.generate: the same {len(out.token_ids)} tokens")
+print("\nOK: same tokens with and without the cache, quadratic vs linear work, and the engine agrees.")

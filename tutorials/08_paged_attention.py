@@ -1,0 +1,196 @@
+"""Stage 08: paged attention: attention that reads keys and values through block tables.
+
+Part 1 calls minfer.paged_attention.paged_attention by hand, on a small cache
+whose blocks are handed out in shuffled order, for every kind of row the engine
+schedules: fresh prompts, single-token decodes (batched, padded, masked) and
+a prompt continued in a later chunk. Each output is compared with
+F.scaled_dot_product_attention over the same keys and values laid out
+contiguously.
+
+Part 2 lets the engine's ModelRunner.prepare build that metadata from real
+sequences, runs the whole model with it (GPT2.forward_paged) and checks its
+logits against the plain GPT2.forward of stage 01: a prompt run in chunks, and a
+step that mixes decodes and prefills of four sequences.
+
+    python tutorials/08_paged_attention.py   # MINFER_MODEL=/path to choose the checkpoint
+"""
+
+import math
+import random
+
+import torch
+import torch.nn.functional as F
+
+from _common import model_path, section
+from minfer.kv_cache import BlockAllocator, KVCache
+from minfer.model import GPT2
+from minfer.model_runner import ModelRunner, ScheduledChunk, group_by_length
+from minfer.paged_attention import AttentionMetadata, DecodeGroup, GatherBuffer, PrefillChunk, paged_attention
+from minfer.sampling import SamplingParams
+from minfer.sequence import Sequence
+from minfer.tokenizer import Tokenizer
+
+torch.manual_seed(0)
+path = model_path()
+model = GPT2.from_pretrained(path)
+tokenizer = Tokenizer.from_dir(path)
+cfg = model.config
+H, D = cfg.n_head, cfg.head_dim
+scale = 1 / math.sqrt(D)
+
+
+def check(name: str, paged: torch.Tensor, dense: torch.Tensor) -> None:
+    err = (paged - dense).abs().max().item()
+    print(f"  {name:<44} max |paged - dense| = {err:.1e}")
+    torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------
+section("part 1: paged_attention by hand, on a cache with shuffled blocks")
+BS, NUM_BLOCKS = 4, 16
+# (num_slots, H, D): one layer's keys and values. The engine allocates them with torch.empty, whose
+# memory may hold anything, NaN included; NaN here makes any read of a never-written slot show up.
+k_cache = torch.full(((NUM_BLOCKS + 1) * BS, H, D), float("nan"))
+v_cache = torch.full(((NUM_BLOCKS + 1) * BS, H, D), float("nan"))
+NULL = NUM_BLOCKS  # the extra block no sequence owns, kept zeroed: padding reads it
+k_cache[NULL * BS :] = 0
+v_cache[NULL * BS :] = 0
+ids = list(range(NUM_BLOCKS))
+random.Random(0).shuffle(ids)  # a cache that has served for a while hands out blocks in no order
+tables = {"A": ids[0:4], "B": ids[4:6]}  # A gets up to 16 tokens, B up to 8
+LEN = {"A": 16, "B": 7}
+print(f"block tables: {tables}")
+
+# Every token's query, key and value, as the layer's c_attn would produce them.
+q = {s: torch.randn(n, H, D) for s, n in LEN.items()}  # (L, H, D) per sequence
+k = {s: torch.randn(n, H, D) for s, n in LEN.items()}
+v = {s: torch.randn(n, H, D) for s, n in LEN.items()}
+
+
+def dense(s: str) -> torch.Tensor:
+    """The reference: causal attention over the sequence's contiguous K/V. Returns (L, H, D)."""
+    qs, ks, vs = (t[s].transpose(0, 1) for t in (q, k, v))  # (H, L, D)
+    return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
+
+
+def slots(s: str, positions) -> torch.Tensor:
+    table = tables[s]
+    return torch.tensor([table[p // BS] * BS + p % BS for p in positions])  # (len(positions),)
+
+
+def step(rows: list[tuple[str, int, int]], meta: AttentionMetadata) -> torch.Tensor:
+    """Flatten rows [(seq, start, end)] into (N, H, D) and run paged_attention on them."""
+    pick = lambda t: torch.cat([t[s][a:b] for s, a, b in rows])  # noqa: E731  (N, H, D)
+    meta.slot_mapping = torch.cat([slots(s, range(a, b)) for s, a, b in rows])  # (N,)
+    meta.k_buffer, meta.v_buffer = GatherBuffer(), GatherBuffer()
+    return paged_attention(pick(q), pick(k), pick(v), k_cache, v_cache, meta, scale)  # (N, H, D)
+
+
+print("step 1: two fresh prompts, A[0:10] and B[0:5], flattened into 15 rows")
+meta = AttentionMetadata(slot_mapping=None, decode_groups=[],
+                         prefills=[PrefillChunk(0, 10, None, None), PrefillChunk(10, 15, None, None)])  # fmt: skip
+out = step([("A", 0, 10), ("B", 0, 5)], meta)
+check("A prefill (its own keys, causal)", out[0:10], dense("A")[0:10])
+check("B prefill", out[10:15], dense("B")[0:5])
+assert torch.equal(k_cache[slots("A", range(10))], k["A"][:10]), "keys were stored in A's slots"
+
+print("step 2: one decode each, A position 10 and B position 5, batched in one group")
+lens = [11, 6]  # context lengths, the new token included
+L = max(lens)
+padded = [t + [NULL] * (-(-L // BS) - len(t)) for t in (tables["A"][: -(-11 // BS)], tables["B"])]
+table_t = torch.tensor(padded)  # (S, max_blocks): short tables padded with the null block
+pos = torch.arange(L)  # (L,)
+grid = table_t[:, pos // BS] * BS + pos % BS  # (S, L): slot of every context position
+valid = pos[None, :] < torch.tensor(lens)[:, None]  # (S, L): False on padding
+mask = valid[:, None, None, :]  # (S, 1, 1, L), the shape sdpa broadcasts over heads and the query
+# B's positions 6 and 7 fall in B's own last block, in slots nothing has written yet. The mask hides
+# them, but a masked NaN still poisons the weighted sum (weight 0 * NaN = NaN): see for yourself.
+meta = AttentionMetadata(slot_mapping=None, decode_groups=[DecodeGroup(torch.tensor([0, 1]), grid, mask)],
+                         prefills=[])  # fmt: skip
+assert step([("A", 10, 11), ("B", 5, 6)], meta)[1].isnan().all(), "unwritten slots leak through the mask"
+print(f"  padding that reads B's own unwritten slots gives NaN, masked or not; so padding reads the null block:")
+grid = torch.where(valid, grid, NULL * BS)  # every padded position -> a zeroed slot
+print(f"  slots (S, L) =\n{grid}")
+meta.decode_groups = [DecodeGroup(torch.tensor([0, 1]), grid, mask)]
+out = step([("A", 10, 11), ("B", 5, 6)], meta)  # the same step again: it rewrites the same keys
+check("A decode (one query, 11 keys)", out[0], dense("A")[10])
+check("B decode (one query, 6 keys + 5 padding)", out[1], dense("B")[5])
+
+print("step 3: a mixed step: B decodes position 6 while A's prompt continues with positions 11..15")
+ctx = torch.arange(16)  # (16,) A's context: positions 0..15
+query_pos = torch.arange(11, 16)  # (5,)
+chunk = PrefillChunk(1, 6, context_slots=slots("A", range(16)), mask=ctx[None, :] <= query_pos[:, None])
+b_grid = slots("B", range(7))[None, :]  # (1, 7), nothing padded: no mask
+meta = AttentionMetadata(slot_mapping=None, decode_groups=[DecodeGroup(torch.tensor([0]), b_grid, None)],
+                         prefills=[chunk])  # fmt: skip
+out = step([("B", 6, 7), ("A", 11, 16)], meta)
+check("B decode", out[0], dense("B")[6])
+check("A chunk (5 queries over 16 cached keys)", out[1:6], dense("A")[11:16])
+
+# ---------------------------------------------------------------------------------------
+section("part 2: the engine's own metadata (ModelRunner.prepare) and the whole model")
+BS = 16
+NUM_BLOCKS = 4 * (-(-cfg.n_positions // BS))
+alloc = BlockAllocator(NUM_BLOCKS, BS, enable_prefix_caching=False)
+order = alloc.allocate(NUM_BLOCKS)
+random.Random(1).shuffle(order)
+alloc.free(order)  # the free queue is now in shuffled order, so block tables come out scattered
+kv = KVCache(cfg, NUM_BLOCKS, BS, model.device, model.dtype)
+runner = ModelRunner(model, kv, BS)
+text = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+        "foolishness, it was the epoch of belief, it was the epoch of incredulity.")  # fmt: skip
+words = tokenizer.encode(text)
+
+
+def make_seq(name: str, length: int) -> Sequence:
+    """A sequence of exactly `length` prompt tokens, holding enough blocks for all of them."""
+    ids = (words * (length // len(words) + 1))[:length]
+    seq = Sequence(name, ids, SamplingParams(temperature=0), tokenizer.detokenizer(), tokenizer.eos_token_id, None)
+    seq.block_table = alloc.allocate(-(-length // BS))
+    return seq
+
+
+@torch.inference_mode()
+def run(chunks: list[ScheduledChunk], show: bool = False) -> torch.Tensor:
+    """One engine step without sampling: logits (N, V) of every row, not just the sampling ones."""
+    input_ids, positions, meta, sample_rows = runner.prepare(chunks)
+    if show:
+        print(f"  rows: {len(input_ids)}, positions {positions.tolist()}")
+        print(f"  slot_mapping {meta.slot_mapping.tolist()}")
+        prefills = [(c.start, c.end, None if c.context_slots is None else len(c.context_slots)) for c in meta.prefills]
+        print(f"  prefill chunks: {prefills}  (first row, end row, context length)")
+        print(f"  decode groups: {[tuple(g.slots.shape) for g in meta.decode_groups]}  (sequences, padded length)")
+    hidden = model.forward_paged(input_ids, positions, kv, meta)  # (N, C)
+    return model.compute_logits(hidden)  # (N, V); the engine would take only hidden[sample_rows]
+
+
+@torch.inference_mode()
+def reference(seq: Sequence) -> torch.Tensor:
+    return model(torch.tensor([seq.token_ids]))[0]  # (T, V): stage 01's plain forward, no cache
+
+
+P, CHUNK = 45, 11  # chunks that straddle block boundaries on purpose
+seq = make_seq("prompt", P)
+print(f"a {P}-token prompt in chunks of {CHUNK}; block table {seq.block_table}")
+logits = []
+for start in range(0, P, CHUNK):
+    n = min(CHUNK, P - start)
+    logits.append(run([ScheduledChunk(seq, start, n)], show=start == CHUNK))
+check(f"logits of all {P} positions vs GPT2.forward", torch.cat(logits), reference(seq))
+
+print("one step with four sequences: two decodes of very different lengths, a fresh prompt, a continued one")
+x, y, z, w = make_seq("x", 70), make_seq("y", 20), make_seq("z", 9), make_seq("w", 30)
+run([ScheduledChunk(x, 0, 69), ScheduledChunk(y, 0, 19), ScheduledChunk(w, 0, 12)])  # earlier steps
+chunks = [ScheduledChunk(x, 69, 1), ScheduledChunk(y, 19, 1), ScheduledChunk(z, 0, 9), ScheduledChunk(w, 12, 18)]
+mixed = run(chunks, show=True)
+_, _, meta, sample_rows = runner.prepare(chunks)
+# Decodes of 70 and 20 tokens are not padded into one (2, 70) grid: that would be 55% padding.
+assert group_by_length([70, 20]) == [[0], [1]] and len(meta.decode_groups) == 2
+assert [c.context_slots is None for c in meta.prefills] == [True, False]  # z is fresh, w reads the cache
+print(f"  sampling rows (the last row of each chunk): {sample_rows.tolist()}")
+for s, row in zip((x, y, z, w), sample_rows.tolist()):
+    check(f"next-token logits of {s.request_id} ({s.num_tokens} tokens)", mixed[row], reference(s)[-1])
+for s in (seq, x, y, z, w):
+    alloc.free(s.block_table)
+alloc.check_invariants([])
+print("\nOK: paged attention equals dense attention, by hand and through the whole model.")

@@ -1,0 +1,119 @@
+"""Stage 09: prefix caching: reuse the KV blocks of a prompt prefix the engine has already computed.
+
+Part 1 drives the prefix index of minfer.kv_cache.BlockAllocator by hand:
+chained block hashes (register, match_prefix), sharing a hit (share), cached
+blocks that outlive their request in the free queue, and least-recently-freed
+eviction, tail before head.
+
+Part 2 runs requests that share a long "system prompt" through the engine's
+OnlineScheduler, with prefix caching on and off: the cache hit shows in
+RequestOutput.num_cached_tokens and in the prefill tokens each step computes,
+while the greedy output stays the same.
+
+    python tutorials/09_prefix_caching.py   # MINFER_MODEL=/path to choose the checkpoint
+"""
+
+
+from _common import model_path, section
+from minfer import LLM, OnlineScheduler, SamplingParams
+from minfer.kv_cache import BlockAllocator, block_hash
+
+# ---------------------------------------------------------------------------------------
+section("part 1: the prefix index, by hand (blocks of 4 tokens)")
+BS = 4
+alloc = BlockAllocator(num_blocks=6, block_size=BS)  # enable_prefix_caching=True is the default
+a = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32]  # request A: 2 full blocks and 2 tokens
+table_a = alloc.allocate(3)
+# Once a block is full and its K/V computed, the scheduler names it by a hash chained over
+# (the previous block's hash, its own tokens): so a block's name covers every token before it.
+h0 = alloc.register(table_a[0], None, tuple(a[0:4]))
+h1 = alloc.register(table_a[1], h0, tuple(a[4:8]))
+assert h1 == block_hash(block_hash(None, (11, 12, 13, 14)), (21, 22, 23, 24))
+print(f"A: tokens {a}, block table {table_a}, full blocks registered: {list(alloc.cached.values())}")
+
+for probe in ([11, 12, 13, 14, 21, 22, 23, 24, 99], [11, 12, 13, 14, 21, 22, 23], [99, 12, 13, 14, 21, 22, 23, 24]):
+    print(f"  match_prefix({probe}) -> {alloc.match_prefix(probe)}")
+assert alloc.match_prefix([11, 12, 13, 14, 21, 22, 23, 24, 99]) == table_a[:2]
+assert alloc.match_prefix([11, 12, 13, 14, 21, 22, 23]) == table_a[:1]  # only full blocks count
+# Same second block, different first: the chained hash differs, so no hit. That is right: a key
+# or value at position 5 depends on every token before it, not just on its own block.
+assert alloc.match_prefix([99, 12, 13, 14, 21, 22, 23, 24]) == []
+
+b = [11, 12, 13, 14, 21, 22, 23, 24, 41, 42, 43]  # request B: A's first 8 tokens, then its own
+hits = alloc.match_prefix(b)
+alloc.share(hits)  # B references A's blocks: no new memory, and their 8 tokens need no compute
+table_b = hits + alloc.allocate(1)
+print(f"B: tokens {b}, block table {table_b}: {len(hits) * BS} tokens reused, {len(b) - len(hits) * BS} to compute")
+assert table_b[:2] == table_a[:2] and [alloc.blocks[x].ref_count for x in table_a[:2]] == [2, 2]
+
+section("part 1: cached blocks outlive their requests, and are evicted least recently freed first")
+alloc.free(table_a)
+alloc.free(table_b)  # B's tail block first, then its head: see allocator.free
+print(f"both finished: free queue {list(alloc.free_queue)}, still cached: blocks {list(alloc.cached.values())}")
+assert alloc.num_free_blocks == 6  # cached blocks count as free: they can always be reclaimed
+assert alloc.match_prefix(b) == table_a[:2], "still findable after their requests ended"
+other = alloc.allocate(4)  # an unrelated request: takes never-cached blocks before cached ones
+print(f"an unrelated request takes {other}; prefix still cached: {alloc.match_prefix(b)}")
+assert alloc.match_prefix(b) == table_a[:2]
+evicted = alloc.allocate(1)  # memory is short: the oldest freed cached block goes, the prefix's tail
+print(f"one more block -> {evicted} is evicted; match_prefix now {alloc.match_prefix(b)}")
+assert evicted == [table_a[1]] and alloc.match_prefix(b) == table_a[:1]  # the head survives longest
+alloc.free(other + evicted)
+alloc.check_invariants([])
+
+# ---------------------------------------------------------------------------------------
+section("part 2: a shared system prompt through the engine")
+path = model_path()
+llm = LLM(path, num_kv_blocks=48, max_num_seqs=4)
+BS = llm.scheduler.block_size
+words = llm.tokenizer.encode("You are a helpful assistant. Answer briefly, politely and truthfully. ")
+system = (words * 50)[:3 * BS + 2]  # exactly 3 full blocks and 2 tokens: lengths are the same on any tokenizer
+q1 = (llm.tokenizer.encode(" What is the capital of France?") * 10)[:10]
+q2 = (llm.tokenizer.encode(" How many legs does a spider have?") * 10)[:12]
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)  # exactly 8 tokens each
+
+
+def run_alone(sched: OnlineScheduler, prompt: list[int]):
+    """Run one request to the end; return its output, the prompt tokens computed, and the time
+    of its first step (the prefill, which samples the first token)."""
+    rid = sched.add_request(prompt_token_ids=prompt, sampling_params=GREEDY)
+    prefill_tokens, first_step = 0, None
+    while sched.has_unfinished():
+        sched.step()
+        prefill_tokens += sched.last_step["num_prefill_tokens"]
+        first_step = first_step or sched.last_step["end"] - sched.last_step["start"]
+    sched.pop_finished_ids()
+    return sched.pop_response(rid), prefill_tokens, first_step
+
+
+plain = OnlineScheduler(llm.model, llm.tokenizer, num_kv_blocks=48, max_num_seqs=4, enable_prefix_caching=False)
+out1 = run_alone(llm.scheduler, system + q1)[0]
+turn2 = system + q1 + out1.token_ids + q2  # a follow-up: the first exchange, then a new question
+requests = [("same system prompt, new question", system + q2),
+            ("the very same request again", system + q1),
+            ("a second turn of the first chat", turn2)]  # fmt: skip
+# What each should find cached, in whole blocks: the system prompt's 3 full blocks (the same request
+# again too: the last token is never taken from the cache, its logits are needed to sample). The
+# second turn also finds the first chat's generated tokens: all of them went through the model but
+# the last one sampled, and the full blocks among those were registered.
+expected = [3 * BS, 3 * BS, (len(system + q1) + GREEDY.max_tokens - 1) // BS * BS]
+print(f"first request: {len(system + q1)} prompt tokens ({len(system)} of them the system prompt), "
+      f"computed in full; its {len(system + q1) + GREEDY.max_tokens - 1} computed tokens fill "
+      f"{(len(system + q1) + GREEDY.max_tokens - 1) // BS} blocks, now cached")  # fmt: skip
+print(f"{'':34} {'prompt':>6} {'cached':>6} {'computed':>8} {'(no cache)':>10}")
+for (name, prompt), want in zip(requests, expected):
+    out, computed, t_cached = run_alone(llm.scheduler, prompt)
+    ref, computed_plain, t_plain = run_alone(plain, prompt)
+    print(f"{name:34} {len(prompt):6} {out.num_cached_tokens:6} {computed:8} {computed_plain:10}   "
+          f"prefill step {1e3 * t_cached:5.1f} ms vs {1e3 * t_plain:5.1f} ms")
+    assert out.num_cached_tokens == want and ref.num_cached_tokens == 0
+    assert computed == len(prompt) - want and computed_plain == len(prompt), "a hit skips prefill work"
+    assert out.token_ids == ref.token_ids, "prefix caching must not change the output"
+stats = llm.stats()
+print(f"scheduler stats: prefix_cache_hit_tokens={stats['prefix_cache_hit_tokens']}, "
+      f"free blocks {stats['num_kv_blocks_free']}/{stats['num_kv_blocks_total']}")
+assert stats["prefix_cache_hit_tokens"] == sum(expected)
+assert stats["num_kv_blocks_free"] == 48, "cached blocks are free blocks: nothing is held"
+llm.scheduler.check_invariants()
+print("\nOK: chained hashes, shared blocks, LRU eviction tail first, and cache hits that skip prefill "
+      "without changing the output.")

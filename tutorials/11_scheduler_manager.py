@@ -1,0 +1,178 @@
+"""Stage 11: the scheduler manager: one engine worker thread, many client threads.
+
+Uses minfer.manager.SchedulerManager in-process, exactly as the HTTP server of
+stage 12 does, minus HTTP: client threads submit token ids and read their
+request's events (ACCEPTED, TEXT pieces, DONE or ERROR). Shows that the idle
+worker sleeps (its own CPU time stays ~0) and wakes at once, that only client
+threads tokenize, that a request released early (a client that went away) has
+its KV blocks freed, and what a refused request, a full queue and a shutdown
+look like.
+
+    python tutorials/11_scheduler_manager.py   # MINFER_MODEL=/path to choose the checkpoint
+"""
+
+import threading
+import time
+
+from _common import model_path, section
+from minfer import OnlineScheduler, SamplingParams
+from minfer.manager import ACCEPTED, DONE, ERROR, TEXT, EngineError, SchedulerManager
+from minfer.metrics import Metrics
+from minfer.model import GPT2
+from minfer.tokenizer import Tokenizer
+
+path = model_path()
+model = GPT2.from_pretrained(path)
+tokenizer = Tokenizer.from_dir(path)
+prompts = ["The weather today is", "My favourite food is", "In the year 2050,", "The secret of cooking rice is"]
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=min(200, model.config.n_positions - 16), temperature=0, ignore_eos=True)
+
+
+def wait_for(condition, what: str, timeout: float = 60.0) -> float:
+    """Poll until condition() is true; return the seconds it took (generous timeout: shared machine)."""
+    start = time.perf_counter()
+    while not condition():
+        assert time.perf_counter() - start < timeout, f"timed out waiting for {what}"
+        time.sleep(0.005)
+    return time.perf_counter() - start
+
+
+# References first, on a scheduler of our own: once the manager starts, its scheduler is the worker's.
+reference = OnlineScheduler(model, tokenizer, num_kv_blocks=64)
+ref_ids = [reference.add_request(p, sampling_params=GREEDY) for p in prompts]
+while reference.has_unfinished():
+    reference.step()
+expected = {p: reference.pop_response(r) for p, r in zip(prompts, ref_ids)}
+
+# Count who tokenizes: the handler side should, once per request; the worker never.
+encoders: list[str] = []
+plain_encode = tokenizer.encode
+tokenizer.encode = lambda text: encoders.append(threading.current_thread().name) or plain_encode(text)
+
+sched = OnlineScheduler(model, tokenizer, num_kv_blocks=64, max_num_seqs=8)
+manager = SchedulerManager(sched, Metrics(), max_queued=4)
+manager.start()
+worker = next(t for t in threading.enumerate() if t.name == "minfer-engine")  # the thread start() began
+
+section("an idle worker sleeps on an Event: no polling, no CPU")
+clock = time.pthread_getcpuclockid(worker.ident)  # that one thread's CPU-time clock (Linux, macOS)
+cpu0, wall0 = time.clock_gettime(clock), time.perf_counter()
+time.sleep(0.5)
+idle_cpu, wall = time.clock_gettime(clock) - cpu0, time.perf_counter() - wall0
+print(f"worker CPU time over {wall:.2f} s idle: {1e3 * idle_cpu:.2f} ms")
+assert idle_cpu < 0.1 * wall, "an idle worker must not spin"  # a polling loop would burn ~100%
+t0 = time.perf_counter()
+handle = manager.submit(tokenizer.encode(prompts[0]), GREEDY)  # appends to the inbox, then wake.set()
+event = handle.next_event(timeout=30)
+print(f"submit -> ACCEPTED in {1e3 * (time.perf_counter() - t0):.2f} ms (the worker woke up at once)")
+assert event == (ACCEPTED,)
+while event[0] != DONE:
+    event = handle.next_event(timeout=30)
+manager.release(handle)
+
+section(f"{len(prompts)} client threads, each streaming its own request")
+results: dict[str, dict] = {}
+burst = threading.Barrier(len(prompts))  # all clients submit at the same moment
+
+
+def client(prompt: str) -> None:
+    """What an HTTP handler thread does: tokenize, submit, read events until DONE, release."""
+    ids = tokenizer.encode(prompt)  # here, in the client's thread, never on the worker
+    burst.wait()
+    h = manager.submit(ids, GREEDY)
+    events = []
+    try:
+        while not events or events[-1][0] not in (DONE, ERROR):
+            events.append(h.next_event(timeout=60) + (time.perf_counter(),))
+    finally:
+        manager.release(h)  # always: a handler that stops early must give the request back
+    results[prompt] = {"events": events}
+
+
+threads = [threading.Thread(target=client, args=(p,), name=f"client-{i}") for i, p in enumerate(prompts)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+for p in prompts:
+    events = results[p]["events"]
+    kinds = [e[0] for e in events]
+    assert kinds[0] == ACCEPTED and kinds[-1] == DONE and set(kinds[1:-1]) <= {TEXT}, kinds
+    out = events[-1][1]
+    streamed = "".join(e[1] for e in events if e[0] == TEXT)
+    print(f"{p!r:34} {kinds.count(TEXT):2} TEXT events -> {streamed!r}")
+    assert streamed == out.text, "the streamed pieces add up to the final text"
+    assert out.token_ids == expected[p].token_ids, "the same tokens as the request run alone"
+# They ran together: every request had streamed its first piece before any of them finished.
+# (One may join a step or two after the others: continuous batching admits it at the next step.)
+first_text = max(next(e[-1] for e in results[p]["events"] if e[0] == TEXT) for p in prompts)
+first_done = min(results[p]["events"][-1][-1] for p in prompts)
+assert first_text < first_done
+print(f"tokenized by: {sorted(set(encoders))}")
+assert len(encoders) == 1 + len(prompts) and "minfer-engine" not in encoders
+
+section("a client that goes away: release() before DONE, and the worker frees its blocks")
+total = sched.allocator.num_blocks
+handle = manager.submit(tokenizer.encode("Tell me a very long story about"), LONG)
+assert handle.next_event(timeout=30) == (ACCEPTED,)
+for _ in range(3):
+    event = handle.next_event(timeout=30)
+    assert event is not None and event[0] == TEXT
+stats = manager.stats()  # a snapshot the worker publishes after every step; handlers never touch sched
+print(f"streaming; stats snapshot: running {stats['num_running']}, "
+      f"{stats['num_kv_blocks_total'] - stats['num_kv_blocks_free']} blocks in use")
+assert stats["num_running"] == 1 and stats["num_kv_blocks_free"] < total
+manager.release(handle)  # not finished: queues a discard for the worker
+took = wait_for(lambda: manager.stats()["num_kv_blocks_free"] == total and manager.stats()["num_running"] == 0,
+                "the blocks to come back")  # fmt: skip
+print(f"released; {total}/{total} blocks free {1e3 * took:.1f} ms later; aborted requests: {manager.metrics.aborted}")
+assert manager.metrics.aborted == 1
+
+section("a request the scheduler refuses comes back as an ERROR event")
+handle = manager.submit(tokenizer.encode("Hi"), SamplingParams(max_tokens=model.config.n_positions))
+event = handle.next_event(timeout=30)
+manager.release(handle)
+print(f"event: {event}")
+assert event[0] == ERROR and event[1] == 400
+
+section(f"a full queue: at most max_num_seqs + max_queued = {manager.max_in_flight} requests in flight")
+handles = [manager.submit(tokenizer.encode(f"Request number {i}"), LONG) for i in range(manager.max_in_flight)]
+try:
+    manager.submit(tokenizer.encode("one too many"), GREEDY)
+    raise AssertionError("the manager must refuse beyond max_in_flight")
+except EngineError as e:
+    print(f"request {manager.max_in_flight + 1} -> EngineError {e.status}: {e.message}")
+    assert e.status == 429
+for h in handles:
+    manager.release(h)  # all unfinished: every one is discarded
+wait_for(lambda: manager.stats()["num_kv_blocks_free"] == total and manager.stats()["num_waiting"] == 0,
+         "the discards")  # fmt: skip
+print(f"all released: {manager.stats()['num_kv_blocks_free']}/{total} blocks free")
+
+section("idle again, then shut down: requests in flight get a 503 ERROR")
+cpu0, wall0 = time.clock_gettime(clock), time.perf_counter()
+time.sleep(0.3)
+idle_cpu, wall = time.clock_gettime(clock) - cpu0, time.perf_counter() - wall0
+print(f"worker CPU time over {wall:.2f} s idle: {1e3 * idle_cpu:.2f} ms")
+assert idle_cpu < 0.1 * wall
+handle = manager.submit(tokenizer.encode("Unfinished business"), LONG)
+assert handle.next_event(timeout=30) == (ACCEPTED,)
+manager.shutdown()
+event = handle.next_event(timeout=30)
+while event[0] == TEXT:  # pieces generated before the shutdown, then the error
+    event = handle.next_event(timeout=30)
+manager.release(handle)
+print(f"in flight at shutdown: {event}")
+assert event[0] == ERROR and event[1] == 503 and not manager.is_alive()
+try:
+    manager.submit(tokenizer.encode("too late"), GREEDY)
+    raise AssertionError("a stopped manager must refuse")
+except EngineError as e:
+    print(f"submit after shutdown -> EngineError {e.status}: {e.message}")
+    assert e.status == 503
+# The worker has exited, so touching the scheduler from this thread is safe again.
+assert sched.allocator.num_free_blocks == total and not sched.has_unfinished()
+sched.check_invariants()
+print("\nOK: one worker thread, event wake-up, per-request event queues, early release frees blocks, "
+      "clean shutdown.")

@@ -1,0 +1,193 @@
+"""Stage 12: the streaming HTTP server and the OpenAI API.
+
+Starts minfer's server in this process (minfer.serve.create_server on port 0,
+serve_forever in a thread), then talks to it the ways clients do: plain JSON
+with urllib, a Server-Sent Events stream read line by line with http.client,
+and the official `openai` SDK if it is installed. It checks that a streamed
+greedy completion adds up to exactly the non-streamed one with the same usage,
+shows the error body of bad requests, disconnects in the middle of a stream
+and watches /metrics until the request's KV blocks are free, then shuts the
+server down.
+
+    python tutorials/12_http_server.py   # MINFER_MODEL=/path to choose the checkpoint
+"""
+
+import http.client
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from _common import model_path, section
+from minfer.serve import create_server
+from minfer.tokenizer import Tokenizer
+
+
+
+class LogLines(logging.Handler):
+    """Keeps the server's log lines (one per request, logger "minfer.serve") to print at the end:
+    handler threads log while we print, and two threads writing to stdout would interleave."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+server_log = LogLines()
+logging.getLogger("minfer.serve").addHandler(server_log)
+logging.getLogger("minfer.serve").setLevel(logging.INFO)
+path = model_path()
+tokenizer = Tokenizer.from_dir(path)
+NAME = "tutorial-model"  # what clients put in "model"
+
+section("start the server in-process on a free port")
+server = create_server(path, port=0, num_kv_blocks=64, max_num_seqs=8, served_model_name=NAME)
+http_thread = threading.Thread(target=server.serve_forever, name="minfer-http", daemon=True)
+http_thread.start()
+host, port = server.server_address[:2]
+base = f"http://{host}:{port}"
+print(f"listening on {base}")
+
+
+def call(method: str, route: str, body: dict | bytes | None = None) -> tuple[int, dict | str]:
+    """One request with urllib; returns (status, parsed JSON or text), error statuses included."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(base + route, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            status, raw, kind = resp.status, resp.read(), resp.headers.get_content_type()
+    except urllib.error.HTTPError as e:  # 4xx/5xx: the body says why
+        status, raw, kind = e.code, e.read(), e.headers.get_content_type()
+    return status, json.loads(raw) if kind == "application/json" else raw.decode()
+
+
+def metrics() -> dict[str, float]:
+    """GET /metrics (Prometheus text format) -> {name: value} for the plain samples."""
+    _, text = call("GET", "/metrics")
+    lines = (line.split() for line in text.splitlines() if line and not line.startswith("#"))
+    return {parts[0]: float(parts[1]) for parts in lines if "{" not in parts[0]}
+
+
+status, health = call("GET", "/health")
+status_models, models = call("GET", "/v1/models")
+print(f"GET /health -> {status} {health}")
+print(f"GET /v1/models -> {status_models} {[m['id'] for m in models['data']]}")
+assert status == status_models == 200 and models["data"][0]["id"] == NAME
+
+section("POST /v1/completions, not streamed")
+prompt = "The three most important things in life are"
+request = {"model": NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+status, whole = call("POST", "/v1/completions", request)
+print(f"{status}: text {whole['choices'][0]['text']!r}, finish_reason {whole['choices'][0]['finish_reason']!r}")
+print(f"usage {whole['usage']}")
+assert status == 200
+# The server tokenizes the prompt once, as we do here; usage counts exactly those tokens.
+n_prompt = len(tokenizer.encode(prompt))
+assert whole["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 12, "total_tokens": n_prompt + 12}
+
+section("the same request streamed: Server-Sent Events over chunked HTTP")
+conn = http.client.HTTPConnection(host, port, timeout=60)
+body = dict(request, stream=True, stream_options={"include_usage": True})
+conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+resp = conn.getresponse()
+print(f"{resp.status} {resp.headers['Content-Type']}, Transfer-Encoding: {resp.headers['Transfer-Encoding']}")
+pieces, finish, usage, raw_lines = [], None, None, []
+while line := resp.readline():  # http.client undoes the chunking; SSE is "data: <json>\n\n"
+    raw_lines.append(line)
+    if not line.startswith(b"data: "):
+        continue  # the blank line that ends each event
+    data = line[len(b"data: ") :].strip()
+    if data == b"[DONE]":
+        break
+    chunk = json.loads(data)
+    for choice in chunk["choices"]:
+        pieces.append(choice["text"])
+        finish = choice["finish_reason"] or finish
+    usage = chunk.get("usage") or usage  # the last chunk: no choices, just usage
+conn.close()
+print("first lines on the wire:")
+for line in raw_lines[:4]:
+    print(f"    {line!r:.110}")
+print(f"{len(pieces)} text chunks: {pieces}")
+print(f"last lines: {[line.strip()[:60] for line in raw_lines[-4:] if line.strip()]}")
+assert "".join(pieces) == whole["choices"][0]["text"], "streamed text must equal the non-streamed text"
+assert finish == whole["choices"][0]["finish_reason"] == "length" and usage == whole["usage"]
+
+section("the OpenAI Python SDK")
+try:
+    from openai import OpenAI
+except ImportError:
+    print("the openai package is not installed (pip install openai); skipping this part")
+else:
+    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    sdk = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})  # a vLLM/minfer extension field
+    print(f"completions.create -> {sdk.choices[0].text!r}")
+    assert sdk.choices[0].text == whole["choices"][0]["text"] and sdk.usage.completion_tokens == 12
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    chat = dict(model=NAME, messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**chat)
+    stream = client.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True})
+    deltas, stream_usage = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            deltas.append(chunk.choices[0].delta.content)
+        stream_usage = chunk.usage or stream_usage
+    print(f"chat, streamed in {len(deltas)} deltas -> {''.join(deltas)!r}; usage {stream_usage.model_dump()}")
+    assert "".join(deltas) == full.choices[0].message.content and stream_usage == full.usage
+
+section("bad requests get a 4xx and an OpenAI-style error body")
+for bad in [dict(request, max_tokens=-5), dict(request, model="gpt-9"), b"{not json"]:
+    status, err = call("POST", "/v1/completions", bad)
+    print(f"{status} {json.dumps(err)}")
+    assert 400 <= status < 500 and set(err["error"]) == {"message", "type", "param", "code"}
+assert call("POST", "/v1/completions", dict(request, max_tokens=-5)) == (400, {"error": {
+    "message": "'max_tokens' must be at least 1, got -5", "type": "invalid_request_error",
+    "param": "max_tokens", "code": "invalid_value"}})  # fmt: skip
+status, _ = call("GET", "/health")
+assert status == 200, "the server survives bad requests"
+
+section("a client that disconnects mid-stream: the server frees what it held")
+total = metrics()["minfer_kv_blocks_total"]
+conn = http.client.HTTPConnection(host, port, timeout=60)
+long = dict(request, max_tokens=min(300, server.info.max_model_len - n_prompt), stream=True)
+conn.request("POST", "/v1/completions", json.dumps(long), {"Content-Type": "application/json"})
+resp = conn.getresponse()
+got = [resp.readline() for _ in range(4)]  # two events: it is generating
+print(f"read {sum(line.startswith(b'data: ') for line in got)} events, then hang up")
+conn.close()  # the socket goes away; the handler's next write fails and it releases the request
+start = time.perf_counter()
+while True:
+    m = metrics()
+    freed = m["minfer_kv_blocks_free"] == total and m["minfer_requests_running"] == 0
+    if m["minfer_requests_aborted_total"] == 1 and freed:
+        break
+    assert time.perf_counter() - start < 60, f"the disconnected request was not freed: {m}"
+    time.sleep(0.02)
+print(f"{1e3 * (time.perf_counter() - start):.0f} ms later: aborted {m['minfer_requests_aborted_total']:.0f}, "
+      f"kv blocks free {m['minfer_kv_blocks_free']:.0f}/{total:.0f}, "
+      f"finished {m['minfer_requests_finished_total']:.0f}")
+
+section("shut down")
+server.stop()  # fails in-flight requests with an error chunk, stops accepting, closes the socket
+http_thread.join(timeout=10)
+assert not http_thread.is_alive() and not server.manager.is_alive()
+try:
+    http.client.HTTPConnection(host, port, timeout=5).request("GET", "/health")
+    raise AssertionError("the port should be closed")
+except ConnectionRefusedError:
+    print("the server thread has exited and the port is closed")
+print("the server's log, one line per request (status, prompt+completion tokens, seconds):")
+polls = [line for line in server_log.lines if '"GET /metrics"' in line]
+for line in server_log.lines:
+    if line not in polls:
+        print(f"    {line}")
+print(f"    (and {len(polls)} GET /metrics polls)")
+assert any("client-gone" in line for line in server_log.lines), "the disconnect was noticed"
+print("\nOK: JSON and SSE agree token for token, usage is exact, errors are clean, disconnects free their "
+      "blocks, shutdown is clean.")
