@@ -197,7 +197,7 @@ def choose_num_blocks(
     num_blocks = min(memory_bytes // per_block, 2 * max_num_seqs * blocks_per_seq)
     if num_blocks < blocks_per_seq:
         raise ValueError(
-            f"the KV cache budget of {memory_bytes / 2**20:.0f} MiB holds {num_blocks} blocks, "
+            f"the KV cache budget of {memory_bytes / 2**20:.2f} MiB holds {num_blocks} blocks, "
             f"fewer than the {blocks_per_seq} one full-length sequence needs; give more memory or num_kv_blocks"
         )
     return int(num_blocks)
