@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import resource
 import shlex
@@ -33,7 +32,7 @@ from minfer.bench.roofline import format_roofline, roofline
 from minfer.bench.trace import write_trace
 from minfer.bench.workload import build_workload, read_prompts, warmup_workload
 from minfer.config import GPT2Config
-from minfer.engine import LLM, resolve_dtype
+from minfer.engine import LLM, resolve_dtype, set_cpu_threads
 from minfer.loader import ModelNotFoundError, resolve_model_dir
 from minfer.scheduler import OnlineScheduler
 from minfer.tokenizer import Tokenizer
@@ -111,7 +110,7 @@ def find_model_dir(args) -> Path | None:
 def set_threads(args) -> None:
     """Every core, as LLM does, unless --num-threads: minfer and the hf baseline get the same."""
     if torch.device(args.device).type == "cpu":
-        torch.set_num_threads(args.num_threads or len(os.sched_getaffinity(0)))
+        set_cpu_threads(args.num_threads)
 
 
 def peak_memory(device: torch.device) -> dict:

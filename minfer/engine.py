@@ -41,6 +41,17 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device = torch.device(
     return DTYPES[dtype]
 
 
+def set_cpu_threads(num_threads: int | None = None) -> int:
+    """Give torch every core this process may use (or num_threads): decode is memory-bound and
+    prefill compute-bound, both want them all. Call it before loading a model: the fp32 LM head
+    is sliced once per thread at load time. Returns the thread count."""
+    if num_threads is None:
+        affinity = getattr(os, "sched_getaffinity", None)  # Linux only; elsewhere count all cores
+        num_threads = len(affinity(0)) if affinity else (os.cpu_count() or 1)
+    torch.set_num_threads(num_threads)
+    return num_threads
+
+
 class LLM:
     def __init__(
         self,
@@ -58,8 +69,7 @@ class LLM:
     ):
         device = torch.device(device)
         if device.type == "cpu":
-            # Use every core: decode is memory-bound and prefill compute-bound, both want them all.
-            torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+            set_cpu_threads(num_threads)
         self.model = GPT2.from_pretrained(model, device=device, dtype=resolve_dtype(dtype, device))
         self.tokenizer = Tokenizer.from_dir(self.model.model_dir)
         self.scheduler = OnlineScheduler(

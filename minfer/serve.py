@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 import torch
 
 from . import __version__
-from .engine import resolve_dtype
+from .engine import resolve_dtype, set_cpu_threads
 from .manager import ACCEPTED, DONE, ERROR, TEXT, EngineError, RequestHandle, SchedulerManager
 from .metrics import Metrics
 from .model import GPT2
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
 
     if args.device == "cpu" or args.device.startswith("cpu:"):
-        torch.set_num_threads(len(os.sched_getaffinity(0)))  # as LLM does: decode wants every core
+        set_cpu_threads()  # as LLM does, before the model loads
     try:
         server = create_server(
             args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
