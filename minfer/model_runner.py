@@ -84,8 +84,7 @@ class ModelRunner:
         flat = torch.tensor(input_ids + positions + slots + sample_rows).to(self.device, non_blocking=True)
         ids_t, pos_t, slots_t, sample_t = flat.split([N, N, N, S])
 
-        meta = AttentionMetadata(slot_mapping=slots_t, decode_groups=[], prefills=[])
-        meta.k_buffer, meta.v_buffer = self.k_buffer, self.v_buffer
+        meta = AttentionMetadata(slots_t, [], [], k_buffer=self.k_buffer, v_buffer=self.v_buffer)
         for group in group_by_length(decode_lens):
             meta.decode_groups.append(
                 self.decode_group([decode_rows[i] for i in group], [decode_lens[i] for i in group],
@@ -99,7 +98,7 @@ class ModelRunner:
             end = start + num
             table_t = torch.tensor(table[: -(-end // bs)], device=self.device)
             pos = torch.arange(end, device=self.device)  # (L,) context positions
-            context_slots = table_t[pos // bs] * bs + pos % bs  # (L,)
+            context_slots = slots_of(table_t, pos, bs)  # (L,)
             query_pos = torch.arange(start, end, device=self.device)  # (T,)
             mask = pos[None, :] <= query_pos[:, None]  # (T, L) causal over the whole context
             meta.prefills.append(PrefillChunk(row, row + num, context_slots, mask))
@@ -115,7 +114,7 @@ class ModelRunner:
         ints = torch.tensor([rows, lens]).to(self.device, non_blocking=True)  # (2, S)
         tables_t = torch.tensor(padded).to(self.device, non_blocking=True)  # (S, max_blocks)
         pos = torch.arange(max_len, device=self.device)  # (L,)
-        slots = tables_t[:, pos // bs] * bs + pos % bs  # (S, L)
+        slots = slots_of(tables_t, pos, bs)  # (S, L)
         if min(lens) == max_len:  # nothing padded: no mask at all (sdpa is faster without one)
             return DecodeGroup(rows=ints[0], slots=slots, mask=None)
         valid = pos[None, :] < ints[1][:, None]  # (S, L)
@@ -123,6 +122,12 @@ class ModelRunner:
         # its unwritten slots may hold NaN, and a masked NaN still poisons the sum (0 * NaN).
         slots = torch.where(valid, slots, null * bs)
         return DecodeGroup(rows=ints[0], slots=slots, mask=valid[:, None, None, :])  # mask (S, 1, 1, L)
+
+
+def slots_of(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of positions `pos` (L,) through block tables (..., num_blocks) -> (..., L):
+    position p lives at slot table[p // block_size] * block_size + p % block_size."""
+    return tables[..., pos // block_size] * block_size + pos % block_size
 
 
 def group_by_length(lens: list[int], max_waste: float = 1.25) -> list[list[int]]:

@@ -13,7 +13,7 @@ only per-sequence part, in two groups:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -60,8 +60,8 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     all_decode: bool = False  # one decode group holding every row, in order: no scatter needed
-    k_buffer: GatherBuffer | None = None  # set by the runner, reused across layers and steps
-    v_buffer: GatherBuffer | None = None
+    k_buffer: GatherBuffer = field(default_factory=GatherBuffer)  # the runner passes its own,
+    v_buffer: GatherBuffer = field(default_factory=GatherBuffer)  # reused across layers and steps
 
 
 def paged_attention(

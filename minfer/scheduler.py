@@ -20,8 +20,6 @@ import itertools
 import time
 from collections import deque
 
-import torch
-
 from .kv_cache import BlockAllocator, KVCache, choose_num_blocks
 from .model import GPT2
 from .model_runner import ModelRunner, ScheduledChunk

@@ -25,7 +25,7 @@ from _common import model_path, section
 from minfer.kv_cache import BlockAllocator, KVCache
 from minfer.model import GPT2
 from minfer.model_runner import ModelRunner, ScheduledChunk, group_by_length
-from minfer.paged_attention import AttentionMetadata, DecodeGroup, GatherBuffer, PrefillChunk, paged_attention
+from minfer.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention
 from minfer.sampling import SamplingParams
 from minfer.sequence import Sequence
 from minfer.tokenizer import Tokenizer
@@ -82,7 +82,6 @@ def step(rows: list[tuple[str, int, int]], meta: AttentionMetadata) -> torch.Ten
     """Flatten rows [(seq, start, end)] into (N, H, D) and run paged_attention on them."""
     pick = lambda t: torch.cat([t[s][a:b] for s, a, b in rows])  # noqa: E731  (N, H, D)
     meta.slot_mapping = torch.cat([slots(s, range(a, b)) for s, a, b in rows])  # (N,)
-    meta.k_buffer, meta.v_buffer = GatherBuffer(), GatherBuffer()
     return paged_attention(pick(q), pick(k), pick(v), k_cache, v_cache, meta, scale)  # (N, H, D)
 
 
@@ -108,7 +107,7 @@ mask = valid[:, None, None, :]  # (S, 1, 1, L), the shape sdpa broadcasts over h
 meta = AttentionMetadata(slot_mapping=None, decode_groups=[DecodeGroup(torch.tensor([0, 1]), grid, mask)],
                          prefills=[])  # fmt: skip
 assert step([("A", 10, 11), ("B", 5, 6)], meta)[1].isnan().all(), "unwritten slots leak through the mask"
-print(f"  padding that reads B's own unwritten slots gives NaN, masked or not; so padding reads the null block:")
+print("  padding that reads B's own unwritten slots gives NaN, masked or not; so padding reads the null block:")
 grid = torch.where(valid, grid, NULL * BS)  # every padded position -> a zeroed slot
 print(f"  slots (S, L) =\n{grid}")
 meta.decode_groups = [DecodeGroup(torch.tensor([0, 1]), grid, mask)]

@@ -145,6 +145,6 @@ assert roof["weight_bytes"] == 4 * params and roof["dtype"] == "float32"
 assert math.isclose(roof["floor_tpot_ms"], 1e3 * roof["weight_bytes"] / (1e9 * roof["bandwidth_gb_s"]), rel_tol=1e-9)
 # On the tiny checkpoint the weights fit in the CPU's cache and per-step Python work dominates, so the
 # ratio is large; on gpt2 (497 MB) the weights are the main cost and the ratio is what to optimise.
-print(f"\nopen the trace yourself: python bench.py ... --trace run.trace.json, then ui.perfetto.dev -> "
-      f"Open trace file")
+print("\nopen the trace yourself: python bench.py ... --trace run.trace.json, then ui.perfetto.dev -> "
+      "Open trace file")
 print("\nOK: the summary recomputed from the records, and a trace showing requests joining and leaving the batch.")
