@@ -13,7 +13,8 @@ import os
 import torch
 from tqdm import tqdm
 
-from .model import GPT2, cpu_has_native_bf16
+from .cpu_fast_paths import cpu_has_native_bf16
+from .model import GPT2
 from .sampling import SamplingParams
 from .scheduler import OnlineScheduler
 from .sequence import RequestOutput

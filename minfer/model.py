@@ -14,6 +14,7 @@ flattened to (N, C), reading and writing the paged KV cache (paged_attention.py)
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -31,58 +32,13 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS = {"gelu_new": gelu_tanh, "gelu_pytorch_tanh": gelu_tanh, "gelu_fast": gelu_tanh, "gelu": F.gelu}
 
 
-def cpu_has_native_bf16() -> bool:
-    """AMX or AVX512-BF16 run bf16 matmuls in hardware (AMX several times faster than fp32);
-    without them (e.g. AVX2-only CPUs) torch emulates bf16 matmuls, slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-class Linear(nn.Linear):
-    """nn.Linear (weight (out, in)), with two CPU fast paths measured on a 2-core AVX2 EPYC.
-
-    fp32, any number of rows: MKL runs a skinny matmul (a decode step's few rows)
-    on one core, reading weights at ~14 GB/s. Viewing the weight as one slice of
-    output rows per thread and running the slices as a batched matmul puts every
-    core to work: ~26 GB/s at one row, never slower at many (bench.py measures it).
-
-    bf16 without native bf16 matmul (no AMX/AVX512-BF16): bf16 matmuls over many
-    rows are emulated and ~6x slower than fp32, so they upcast to fp32 and keep
-    bf16 only for storage. One row stays bf16: it is memory-bound, half the bytes win.
-    """
-
-    emulated_bf16 = not cpu_has_native_bf16()
-    _slices: tuple | None = None  # (key, weight view, bias view), rebuilt if threads or tensors change
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dim() != 2:
-            return F.linear(x, self.weight, self.bias)
-        if x.dtype == torch.bfloat16 and self.emulated_bf16 and x.shape[0] >= 4:
-            return F.linear(x.float(), self.weight.float(), self.bias.float()).to(x.dtype)
-        threads, (out_features, in_features) = torch.get_num_threads(), self.weight.shape
-        if x.dtype != torch.float32 or threads == 1 or out_features % threads:
-            return F.linear(x, self.weight, self.bias)
-        key = (threads, self.weight.data_ptr(), self.bias.data_ptr())
-        if self._slices is None or self._slices[0] != key:
-            w = self.weight.view(threads, out_features // threads, in_features).transpose(1, 2)  # (P, in, out/P)
-            self._slices = (key, w, self.bias.view(threads, 1, out_features // threads))  # views, no copy
-        _, w, b = self._slices
-        M = x.shape[0]
-        y = torch.baddbmm(b, x.expand(threads, M, in_features), w)  # (P, M, out/P): one slice per core
-        return y.transpose(0, 1).reshape(M, out_features)  # (M, out)
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
         self.n_head, self.head_dim = config.n_head, config.head_dim
         # One matmul makes queries, keys and values for every head at once.
-        self.c_attn = Linear(config.n_embd, 3 * config.n_embd)
-        self.c_proj = Linear(config.n_embd, config.n_embd)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,9 +63,9 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
-        self.c_fc = Linear(config.n_embd, config.mlp_dim)
+        self.c_fc = nn.Linear(config.n_embd, config.mlp_dim)
         self.act = ACTIVATIONS[config.activation_function]
-        self.c_proj = Linear(config.mlp_dim, config.n_embd)
+        self.c_proj = nn.Linear(config.mlp_dim, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))  # (..., C) -> (..., 4C) -> (..., C)
@@ -145,10 +101,12 @@ class GPT2(nn.Module):
         self.wpe = nn.Embedding(config.n_positions, config.n_embd, _weight=torch.empty(config.n_positions, config.n_embd))
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.lm_head_slices: torch.Tensor | None = None  # CPU fp32 only, see compute_logits
+        self.fast_lm_head: Callable | None = None  # on CPU, the engine sets a faster equivalent
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states to vocabulary logits with the (tied) token embedding."""
+        if self.fast_lm_head is not None:  # a prepacked copy of the same matrix, on CPU
+            return self.fast_lm_head(hidden)
         return F.linear(hidden, self.wte.weight)  # (..., C) @ (V, C)^T -> (..., V)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -178,27 +136,7 @@ class GPT2(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, C) hidden states of the positions that sample -> (S, V) logits.
         The LM head is a third of GPT-2-small's weights: run it only where a token is drawn."""
-        hidden = self.ln_f(hidden)
-        if self.lm_head_slices is None:
-            return self.lm_head(hidden)
-        P, C, width = self.lm_head_slices.shape
-        S = hidden.shape[0]
-        logits = torch.bmm(hidden.expand(P, S, C), self.lm_head_slices)  # (P, S, V/P): a slice per core
-        return logits.transpose(0, 1).reshape(S, P * width)[:, : self.config.vocab_size]  # (S, V)
-
-    def slice_lm_head(self, num_slices: int) -> None:
-        """Keep a copy of the LM head as `num_slices` contiguous (C, V/P) column slices.
-
-        On CPU in fp32, MKL streams a (V, C) matrix at ~13 GB/s for one row and a (C, V)
-        one at ~23 GB/s; one contiguous slice per core, run as a batched matmul, reaches
-        ~33 GB/s (measured on a 2-core EPYC). The LM head is a third of GPT-2-small's
-        weight bytes, so this is a fifth of a decode step. Costs a second copy (154 MB for gpt2).
-        """
-        V, C = self.wte.weight.shape
-        width = -(-V // num_slices)
-        padded = torch.zeros(num_slices * width, C, dtype=self.dtype, device=self.device)
-        padded[:V] = self.wte.weight
-        self.lm_head_slices = padded.t().reshape(C, num_slices, width).permute(1, 0, 2).contiguous()
+        return self.lm_head(self.ln_f(hidden))
 
     @property
     def device(self) -> torch.device:
@@ -221,8 +159,6 @@ class GPT2(nn.Module):
             model = cls(config)
         state = load_model_weights(model_dir, config, device=device, dtype=dtype)
         model.load_state_dict(state, strict=True, assign=True)
-        if model.device.type == "cpu" and dtype == torch.float32:
-            model.slice_lm_head(torch.get_num_threads())
         model.name_or_path = str(name_or_path)
         model.model_dir = model_dir
         return model.eval()

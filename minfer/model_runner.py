@@ -15,7 +15,8 @@ import torch
 
 from .kv_cache import KVCache
 from .model import GPT2
-from .paged_attention import AttentionMetadata, DecodeGroup, GatherBuffer, PrefillChunk
+from .cpu_fast_paths import ContextReader, optimize_for_cpu
+from .paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from .sampling import sample
 from .sequence import Sequence
 
@@ -40,7 +41,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = model.device
-        self.k_buffer, self.v_buffer = GatherBuffer(), GatherBuffer()
+        if self.device.type == "cpu":  # prepacked linears and LM head, once per model (cpu_fast_paths.py)
+            model.fast_lm_head = model.fast_lm_head or optimize_for_cpu(model.h, lm_head_weight=model.wte.weight)
+        self.reader = ContextReader()  # its gather buffers are reused across layers and steps
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> list[int]:
@@ -84,7 +87,7 @@ class ModelRunner:
         flat = torch.tensor(input_ids + positions + slots + sample_rows).to(self.device, non_blocking=True)
         ids_t, pos_t, slots_t, sample_t = flat.split([N, N, N, S])
 
-        meta = AttentionMetadata(slots_t, [], [], k_buffer=self.k_buffer, v_buffer=self.v_buffer)
+        meta = AttentionMetadata(slots_t, [], [], reader=self.reader)
         for group in group_by_length(decode_lens):
             meta.decode_groups.append(
                 self.decode_group([decode_rows[i] for i in group], [decode_lens[i] for i in group],

@@ -5,7 +5,8 @@ One forward pass carries every token scheduled this step, flattened into rows
 only per-sequence part, in two groups:
 - decode rows (one new token per sequence) are batched: their contexts are
   gathered from the cache into a padded (S, L) grid and masked (sequences of
-  very different lengths go in separate groups, so little of the grid is padding);
+  very different lengths go in separate groups, so little of the grid is padding),
+  a few sequences at a time, so each gathered tile is read back from cache;
 - prefill chunks (several new tokens of one sequence) attend causally, one
   sdpa call per chunk. A chunk with no earlier context (a fresh prompt) attends
   to its own new keys directly and skips the gather.
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from .cpu_fast_paths import ContextReader
 
 
 @dataclass
@@ -34,34 +37,13 @@ class DecodeGroup:
     mask: torch.Tensor | None  # (S, 1, 1, L) bool, False on padding; None when nothing is padded
 
 
-class GatherBuffer:
-    """Reused memory for gathered context. A fresh tensor of this size (tens of MB) comes
-    from mmap and pays a page fault per 4 KB on first touch: several times the copy itself."""
-
-    def __init__(self):
-        self.buffer: torch.Tensor | None = None
-
-    def gather(self, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """cache (num_slots, H, D), slots (...) -> cache[slots], shape (..., H, D), in this buffer."""
-        row = cache[0].numel()
-        n = slots.numel() * row
-        if self.buffer is None or self.buffer.numel() < n or self.buffer.dtype != cache.dtype:
-            # Contexts grow a token per step: grow by half again, not by the few bytes asked for.
-            capacity = max(n, 3 * self.buffer.numel() // 2 if self.buffer is not None else 0)
-            self.buffer = torch.empty(capacity, dtype=cache.dtype, device=cache.device)
-        out = self.buffer[:n].view(slots.numel(), row)
-        torch.index_select(cache.view(cache.shape[0], row), 0, slots.reshape(-1), out=out)
-        return out.view(*slots.shape, *cache.shape[1:])
-
-
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (N,) cache slot for every new token's key/value
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     all_decode: bool = False  # one decode group holding every row, in order: no scatter needed
-    k_buffer: GatherBuffer = field(default_factory=GatherBuffer)  # the runner passes its own,
-    v_buffer: GatherBuffer = field(default_factory=GatherBuffer)  # reused across layers and steps
+    reader: ContextReader = field(default_factory=ContextReader)  # the runner passes one it reuses
 
 
 def paged_attention(
@@ -89,16 +71,26 @@ def paged_attention(
             vs = v[chunk.start : chunk.end].transpose(0, 1)
             y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
         else:  # continuing a prompt (chunked prefill, prefix-cache hit): read the cache
-            ks = meta.k_buffer.gather(k_cache, chunk.context_slots).transpose(0, 1)  # (H, L, D)
-            vs = meta.v_buffer.gather(v_cache, chunk.context_slots).transpose(0, 1)
-            y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.mask, scale=scale)
+            ks = meta.reader.read(k_cache, chunk.context_slots, "k").transpose(0, 1)  # (H, L, D)
+            vs = meta.reader.read(v_cache, chunk.context_slots, "v").transpose(0, 1)
+            y = F.scaled_dot_product_attention(qs.to(ks.dtype), ks, vs, attn_mask=chunk.mask, scale=scale)
         out[chunk.start : chunk.end] = y.transpose(0, 1)  # (T, H, D)
     return out
 
 
 def _decode_attention(q, k_cache, v_cache, group: DecodeGroup, meta: AttentionMetadata, scale: float):
-    """q (S, H, D): one query per sequence against its whole context. Returns (S, H, D)."""
-    ks = meta.k_buffer.gather(k_cache, group.slots).transpose(1, 2)  # (S, L, H, D) -> (S, H, L, D)
-    vs = meta.v_buffer.gather(v_cache, group.slots).transpose(1, 2)
-    y = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=group.mask, scale=scale)
-    return y.squeeze(2)  # (S, H, 1, D) -> (S, H, D)
+    """q (S, H, D): one query per sequence against its whole context. Returns (S, H, D).
+
+    The context is read a tile of sequences at a time, so each gathered tile is still in
+    cache when sdpa reads it (cpu_fast_paths.ContextReader)."""
+    S, L = group.slots.shape
+    step = meta.reader.seqs_per_tile(k_cache, L) or S
+    out = torch.empty_like(q)
+    for i in range(0, S, step):
+        ks = meta.reader.read(k_cache, group.slots[i : i + step], "k").transpose(1, 2)  # (T, L, H, D) -> (T, H, L, D)
+        vs = meta.reader.read(v_cache, group.slots[i : i + step], "v").transpose(1, 2)
+        mask = None if group.mask is None else group.mask[i : i + step]  # (T, 1, 1, L)
+        qs = q[i : i + step].unsqueeze(2).to(ks.dtype)  # (T, H, 1, D)
+        y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)  # (T, H, 1, D)
+        out[i : i + step] = y.squeeze(2)  # back in q's dtype
+    return out

@@ -1,0 +1,190 @@
+"""CPU fast paths: what makes minfer fast on a CPU, each chosen from what the CPU has.
+
+model.py is plain GPT-2 with nn.Linear; nothing in it knows about CPUs. When a model
+is loaded onto the CPU, `optimize_for_cpu(model)` swaps in faster equivalents, and
+paged attention reads decode context through a `ContextReader`. Each path below
+says why it exists and how to measure it: `python bench.py --profile` splits an
+engine step into KV write, context read, attention, linears, LM head, sampling and
+host time, so running it with and without a path shows what the path is worth.
+Figures go stale and differ between CPUs; bench.py prints them for the machine at hand.
+
+1. Prepacked linears (`PackedLinear`). Eager `F.linear` hands the weight to
+   MKL/oneDNN in its plain (out, in) layout every call, and their kernels for a
+   decode step's few rows read it well below memory speed. oneDNN can reorder a
+   weight once into its own blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
+   the path torch.compile's CPU backend uses); the same matmul then runs faster
+   at every row count, one row (memory-bound) or hundreds (compute-bound). The
+   packed copy replaces the plain weight, so memory does not grow.
+2. The LM head, prepacked the same way. Its weight is tied to the token
+   embedding, which the input lookup still needs, so this is a second copy of the
+   (V, C) matrix: worth it, the LM head is a third of GPT-2 small's weight bytes.
+3. bf16, by hardware. With AVX512-BF16 or AMX, bf16 matmuls run natively, several
+   times faster than fp32, and get packed like fp32. Without them (e.g. AVX2-only
+   CPUs) torch emulates bf16 matmuls, several times slower than fp32: there
+   `Bf16StorageLinear` keeps bf16 only as storage and computes batches in fp32.
+4. Tiled context reads (`ContextReader`). Pure torch cannot attend through a block
+   table directly: a sequence's keys and values must first be gathered into a
+   contiguous tensor. Gathering a whole batch moves the bytes three times (read,
+   write, read back from DRAM); gathering a few sequences at a time keeps each tile
+   in cache, so attention reads it from there. The tile is sized from the CPU's
+   cache (`tile_bytes`). CPU sdpa in bf16 with one query per sequence is slower than
+   in fp32, so bf16 tiles are upcast to fp32 while they are in cache.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache, partial
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PACKING_BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows; good at 1 to 512 too
+
+
+@lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.split(":", 1)[-1].split())
+
+
+def cpu_has_native_bf16() -> bool:
+    """AMX or AVX512-BF16 run bf16 matmuls in hardware; without them torch emulates bf16, slower than fp32."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
+@lru_cache(maxsize=None)
+def cache_bytes(level: int) -> int | None:
+    """Size of this CPU's level-`level` data/unified cache as Linux reports it (per instance), or None."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    for index in range(8):
+        try:
+            with open(f"{root}/index{index}/level") as f:
+                if int(f.read()) != level:
+                    continue
+            with open(f"{root}/index{index}/type") as f:
+                if f.read().strip() == "Instruction":
+                    continue
+            with open(f"{root}/index{index}/size") as f:
+                size = f.read().strip()
+        except (OSError, ValueError):
+            return None
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    return None
+
+
+def tile_bytes() -> int:
+    """How many bytes of gathered keys + values one attention tile may hold: a quarter of the
+    last-level cache, so the tile is still in cache when attention reads it (4 MiB if unknown)."""
+    llc = cache_bytes(3) or cache_bytes(2)
+    return max(llc // 4, 1 << 20) if llc else 4 << 20
+
+
+def packing_available(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A (out, in) weight reordered into oneDNN's blocked layout (an opaque tensor, same numel)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_BATCH_HINT)
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a weight from pack_weight: x (..., in) -> (..., out)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear whose weight is held in oneDNN's blocked layout (see the module docstring, path 1)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(pack_weight(linear.weight), requires_grad=False)  # replaces the plain one
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, self.weight, self.bias)
+
+
+class Bf16StorageLinear(nn.Linear):
+    """bf16 weights on a CPU without native bf16 (path 3): a few rows are memory-bound and stay bf16
+    (half the bytes to read); more rows would be emulated bf16 matmuls, so they compute in fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.numel() < 4 * x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+
+
+def optimize_for_cpu(model: nn.Module, lm_head_weight: torch.Tensor | None = None) -> Callable | None:
+    """Swap every nn.Linear of `model` for its fast CPU equivalent, in place. With `lm_head_weight`,
+    also return a fast LM head function (None where the plain matmul is as good). The function is
+    no module: the copy it holds is not one of the model's parameters."""
+    dtype = next(model.parameters()).dtype
+    if packing_available(dtype):
+        make = PackedLinear
+    elif dtype == torch.bfloat16:
+        make = _as_bf16_storage
+    else:
+        return None
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear:
+                setattr(parent, name, make(child))
+    if lm_head_weight is None or make is not PackedLinear:
+        return None
+    return partial(packed_linear, weight=pack_weight(lm_head_weight))
+
+
+def _as_bf16_storage(linear: nn.Linear) -> Bf16StorageLinear:
+    linear.__class__ = Bf16StorageLinear  # same parameters, a different forward
+    return linear
+
+
+class ContextReader:
+    """Gathers context from the paged cache into buffers it reuses, a tile at a time (path 4).
+
+    A fresh tensor of tens of MB comes from mmap and pays a page fault per 4 KB on first
+    touch: several times the copy itself. These buffers are allocated once, grown rarely,
+    and bounded by a tile (or by one sequence's full context), never by the batch.
+    """
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._tile_bytes = tile_bytes()
+
+    def seqs_per_tile(self, cache: torch.Tensor, context_len: int) -> int | None:
+        """How many sequences of this (padded) context length one tile holds; None: all of them
+        (on a GPU, where the gathered batch is read back from fast memory anyway)."""
+        if cache.device.type != "cpu":
+            return None
+        key_and_value_bytes = 2 * cache[0].numel() * 4 * context_len  # as read: in fp32 (see read)
+        return max(1, self._tile_bytes // key_and_value_bytes)
+
+    def read(self, cache: torch.Tensor, slots: torch.Tensor, which: str) -> torch.Tensor:
+        """cache (num_slots, H, D), slots (...) -> cache[slots] as (..., H, D), upcast to fp32 on a CPU.
+        `which` names the buffer ("k" or "v"): a result is valid until the next read of the same name."""
+        row, n = cache[0].numel(), slots.numel()
+        out = self._buffer(which, cache.dtype, cache.device, n * row).view(n, row)
+        torch.index_select(cache.view(cache.shape[0], row), 0, slots.reshape(-1), out=out)
+        if cache.device.type == "cpu" and cache.dtype != torch.float32:  # upcast while still in cache
+            out = self._buffer(which + "32", torch.float32, cache.device, n * row).view(n, row).copy_(out)
+        return out.view(*slots.shape, *cache.shape[1:])
+
+    def _buffer(self, name: str, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            # Grow by half again, not by the few bytes asked for: decode contexts grow a token a step.
+            grown = 3 * buf.numel() // 2 if buf is not None and buf.dtype == dtype else 0
+            buf = self._buffers[name] = torch.empty(max(numel, grown), dtype=dtype, device=device)
+        return buf[:numel]
