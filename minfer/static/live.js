@@ -239,7 +239,9 @@ function drawTimeline() {
   const slot = w / MAX_STEPS, barW = Math.max(1, slot - 1);
   steps.forEach((s, i) => {
     const x = i * slot;
-    const dh = (s.decode / maxTokens) * plot, ph = (s.prefill / maxTokens) * plot;
+    // Square-root height: a 12-token decode stays visible beside a 512-token prefill.
+    const total = Math.sqrt((s.prefill + s.decode) / maxTokens) * plot;
+    const dh = s.decode ? (total * s.decode) / (s.prefill + s.decode) : 0, ph = total - dh;
     ctx.fillStyle = css("--decode"); ctx.fillRect(x, h - 4 - dh, barW, dh);
     ctx.fillStyle = css("--prefill"); ctx.fillRect(x, h - 4 - dh - ph, barW, ph);
     if (s.preempted) { ctx.fillStyle = css("--preempt"); ctx.fillRect(x, 0, barW, 6); }
@@ -270,10 +272,10 @@ function drawHistogram(canvas, values, name, caption) {
   caption.textContent = `${name} (${values.length}): median ${pick(0.5).toFixed(1)} ms, p99 ${pick(0.99).toFixed(1)} ms; axis 0–${hi.toFixed(0)} ms`;
 }
 
-function sizeCells() { // cells as large as the panel allows, 3 to 14 px
+function sizeCells() { // cells as large as the panel allows, 3 to 24 px
   const grid = $("blocks"), n = Math.max(1, view.cells.length);
   const cell = Math.floor(Math.sqrt((grid.clientWidth * grid.clientHeight) / n)) - 1;
-  document.documentElement.style.setProperty("--cell", `${Math.max(3, Math.min(14, cell))}px`);
+  document.documentElement.style.setProperty("--cell", `${Math.max(3, Math.min(24, cell))}px`);
 }
 
 // ---- hovering a block --------------------------------------------------------------------
