@@ -67,3 +67,17 @@ def test_page_shows_every_block_used_while_streams_run_and_none_after(browser, t
         assert browser.console_errors() == []
     finally:
         srv.stop()
+
+
+def test_page_asks_for_the_api_key_and_uses_it(browser, tiny_checkpoint):
+    srv = create_server(str(tiny_checkpoint), port=0, num_kv_blocks=NUM_BLOCKS, api_key="sesame")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        browser.driver.get(f"http://127.0.0.1:{srv.server_address[1]}/")
+        browser.wait_until("return !document.getElementById('key-form').hidden", what="no API key prompt")
+        assert browser.js("return document.querySelectorAll('#blocks [data-block]').length") == 0
+        browser.driver.find_element("id", "key-input").send_keys("sesame\n")
+        browser.wait_until(f"return document.querySelectorAll('#blocks [data-block]').length === {NUM_BLOCKS}")
+        assert browser.js("return document.getElementById('status').dataset.status") == "live"
+    finally:
+        srv.stop()
