@@ -19,6 +19,7 @@ import json
 import platform
 import resource
 import shlex
+from contextlib import nullcontext
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import torch
 from minfer.bench.hf_baseline import compare, format_comparison, generate_batch, load_hf_model, run_hf
 from minfer.bench.metrics import RunResult, format_summary, median_summary, summarize
 from minfer.bench.offline import run_offline
-from minfer.bench.online import Endpoint, MinferServer, run_online, server_flags
+from minfer.bench.online import EngineFeedReader, Endpoint, MinferServer, run_online, server_flags
 from minfer.bench.roofline import format_roofline, roofline
 from minfer.bench.trace import write_trace
 from minfer.bench.workload import build_workload, read_prompts, warmup_workload
@@ -166,8 +167,10 @@ def online_runs(args, model_dir, workloads, warm) -> tuple[list[RunResult], list
         for _ in range(args.warmup_runs):
             run_online(endpoint, model, warm, progress=False)
         for k, workload in enumerate(workloads):
-            results.append(run_online(endpoint, model, workload, args.max_concurrency, not args.disable_tqdm,
-                                      f"run {k}"))  # fmt: skip
+            # Watching the engine costs the server a little: only for the run that is traced.
+            with EngineFeedReader(endpoint) if args.trace and k == len(workloads) - 1 else nullcontext() as feed:
+                results.append(run_online(endpoint, model, workload, args.max_concurrency, not args.disable_tqdm,
+                                          f"run {k}", feed))  # fmt: skip
             memory = {"peak_rss_mib": server.peak_rss_mib()} if server else {}  # the server's, not ours
             summaries.append(run_summary(results[-1], **memory))
 

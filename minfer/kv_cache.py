@@ -58,6 +58,13 @@ class BlockAllocator:
         """Blocks that can be handed out now: truly empty ones plus unreferenced cached ones."""
         return len(self.free_queue)
 
+    def block_state(self, block_id: int) -> str:
+        """"used" (referenced), "cached" (unreferenced but holding a registered prefix: reclaimable) or "free"."""
+        block = self.blocks[block_id]
+        if block.ref_count:
+            return "used"
+        return "cached" if block.hash is not None else "free"
+
     def match_prefix(self, token_ids: list[int]) -> list[int]:
         """Block ids of the longest run of cached full blocks that starts `token_ids`. No side effects."""
         if not self.enable_prefix_caching:

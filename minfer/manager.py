@@ -14,6 +14,8 @@ A handler that stops early (client gone, write failed) calls `release()`,
 which queues a discard: the worker drops the request and frees its KV blocks
 before its next step. For /metrics the worker publishes a snapshot of
 `scheduler.stats()` after every step, so handlers never touch the scheduler.
+While someone watches (/engine/events), it also publishes an event per step to
+`manager.events` (engine_events.py); with no viewer that costs one flag check.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import queue
 import threading
 from collections import deque
 
+from .engine_events import EngineFeed, EventRecorder
 from .metrics import Metrics
 from .sampling import SamplingParams
 from .scheduler import OnlineScheduler
@@ -81,6 +84,8 @@ class SchedulerManager:
         self._ids = itertools.count()
         self._active: dict[str, RequestHandle] = {}  # worker thread only: requests in the scheduler
         self._stats = scheduler.stats()  # replaced (never mutated) by the worker
+        self.events = EngineFeed(wake=self._wake.set)  # viewers subscribe here, from any thread
+        self._recorder = EventRecorder(scheduler)  # worker thread only
         self._thread = threading.Thread(target=self._run, name="minfer-engine", daemon=True)
 
     # ---- called from handler threads --------------------------------------------------
@@ -136,9 +141,11 @@ class SchedulerManager:
         try:
             while True:
                 self._wake.clear()  # before draining: a submit after this point sets it again
-                self._drain_inbox()
+                queues_changed = self._drain_inbox()
                 if self._stopping:
                     break
+                if self.events.active:
+                    self._publish_between_steps(queues_changed)
                 if not self.scheduler.has_unfinished():
                     self._stats = self.scheduler.stats()
                     self._wake.wait()  # idle: sleep until a handler adds or discards something
@@ -157,9 +164,12 @@ class SchedulerManager:
             finally:  # whatever state the scheduler is in, no handler may be left waiting
                 self._fail_all(503, message)
                 self._stats = self.scheduler.stats()
+                self.events.close()
 
-    def _drain_inbox(self, refuse: str | None = None) -> None:
-        """Admit new requests (or refuse them with a 503 `refuse` message) and carry out discards."""
+    def _drain_inbox(self, refuse: str | None = None) -> bool:
+        """Admit new requests (or refuse them with a 503 `refuse` message) and carry out discards.
+        Returns whether there was anything to do."""
+        busy = bool(self._inbox)
         while self._inbox:
             kind, handle = self._inbox.popleft()
             if kind == "add" and refuse is not None:
@@ -169,6 +179,7 @@ class SchedulerManager:
             elif self._active.pop(handle.request_id, None) is not None:  # a discard of a live request
                 self.scheduler.discard_request(handle.request_id)
                 self.metrics.on_aborted()
+        return busy
 
     def _add(self, handle: RequestHandle) -> None:
         try:
@@ -189,16 +200,30 @@ class SchedulerManager:
             # Fail what was in flight, free it, and keep serving: the next request may well work.
             log.exception("engine step failed; failing %d in-flight requests", len(self._active))
             self._fail_all(500, "the engine failed while running this request")
+            if self.events.active:
+                self.events.publish(self._recorder.update())
             return
         self.metrics.on_tokens(len(sampled))
         for request_id in sampled:
             piece = self.scheduler.get_new_text(request_id)  # holds back a possible stop-string prefix
             if piece:
                 self._active[request_id].events.put((TEXT, piece))
+        finished = []
         for request_id in self.scheduler.pop_finished_ids():
             out = self.scheduler.pop_response(request_id)
             self.metrics.on_finished(out)
             self._active.pop(request_id).events.put((DONE, out))
+            finished.append(out)
+        if self.events.active:
+            self.events.publish(self._recorder.step(len(sampled), finished))
+
+    def _publish_between_steps(self, queues_changed: bool) -> None:
+        """A snapshot when a viewer waits for one (it holds the queue changes too), else an update
+        when requests came or went."""
+        if self.events.snapshot_wanted:
+            self.events.publish(self._recorder.snapshot())
+        elif queues_changed:
+            self.events.publish(self._recorder.update())
 
     def _fail_all(self, status: int, message: str) -> None:
         for request_id, handle in self._active.items():

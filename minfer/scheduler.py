@@ -68,6 +68,7 @@ class OnlineScheduler:
         self.prefix_cache_hit_tokens = 0
         self.num_steps = 0
         self.last_step: dict = {}
+        self.last_chunks: list[ScheduledChunk] = []  # what the last step ran, for the engine event feed
 
     # ---- public API ------------------------------------------------------------------
 
@@ -131,6 +132,7 @@ class OnlineScheduler:
         tokens = self.runner.execute(chunks)
         now = time.perf_counter()
         self.num_steps += 1
+        self.last_chunks = chunks
         decode_tokens = sum(1 for c in chunks if c.num_tokens == 1 and c.start >= c.seq.num_prompt_tokens)
         self.last_step = {  # what this step did, for benchmarks and traces
             "start": start,

@@ -13,9 +13,10 @@ If the client goes away, the handler releases the request and the worker frees
 its KV blocks before the next step.
 
 Endpoints: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions, POST /generate. With --api-key, the /v1 endpoints
-and /generate need `Authorization: Bearer KEY`; /health and /metrics stay open
-for probes and scrapers.
+POST /v1/chat/completions, POST /generate, and the live view: GET / (a page)
+and GET /engine/events (live_view.py). With --api-key, the /v1 endpoints,
+/generate and /engine/events need `Authorization: Bearer KEY`; /health and
+/metrics stay open for probes and scrapers, and the page asks for the key.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from . import __version__
+from . import __version__, live_view
 from .engine import resolve_dtype, set_cpu_threads
 from .manager import ACCEPTED, DONE, ERROR, TEXT, EngineError, RequestHandle, SchedulerManager
 from .metrics import Metrics
@@ -91,6 +92,8 @@ class Handler(BaseHTTPRequestHandler):
         "/v1/completions": ("POST", "completions", True),
         "/v1/chat/completions": ("POST", "chat_completions", True),
         "/generate": ("POST", "generate", True),
+        "/": ("GET", "live_page", False),  # the page holds no data: the feed it reads needs the key
+        "/engine/events": ("GET", "engine_events", True),
     }
 
     # ---- routing, errors, logging --------------------------------------------------
@@ -194,10 +197,12 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _begin_stream(self, content_type: str) -> None:
+    def _begin_stream(self, content_type: str, headers: dict | None = None) -> None:
         self.send_response(200)
         self.send_header("Content-Type", content_type)
         self.send_header("Cache-Control", "no-cache")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         self._streaming = True
@@ -282,6 +287,14 @@ class Handler(BaseHTTPRequestHandler):
         text = self.server.manager.metrics.render(self.server.manager.stats())
         self._send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
 
+    def handle_live_page(self) -> None:
+        self._send(200, live_view.page(), "text/html; charset=utf-8")
+
+    def handle_engine_events(self) -> None:
+        self._begin_stream("text/event-stream")
+        live_view.stream_events(self.server.manager.events, self._write_chunk, self._client_gone)
+        self._end_stream()
+
     def handle_completions(self) -> None:
         self._openai(parse_completion(self._read_json(), self.server.info), chat=False)
 
@@ -294,7 +307,9 @@ class Handler(BaseHTTPRequestHandler):
             if not req.stream:
                 self._send_json(200, r.response(self._collect(handle)))
                 return
-            self._begin_stream("text/event-stream")
+            # The engine's id for this request, as /engine/events names it: the live view's playground
+            # highlights its own request's blocks with it.
+            self._begin_stream("text/event-stream", {"X-Engine-Request-Id": handle.request_id})
             for chunk in r.first_chunks():
                 self._sse(chunk)
             try:

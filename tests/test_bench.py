@@ -133,7 +133,9 @@ def test_online_starts_minfer_serve(tiny_checkpoint, tmp_path, capsys):
     assert report["summary"]["peak_rss_mib"] > 0  # the server's
     trace = json.loads((tmp_path / "t.json").read_text())
     assert len(spans(trace, "queued+prefill")) == len(spans(trace, "decode")) == 6
-    assert not spans(trace, "step")  # the engine is in another process
+    steps = spans(trace, "step")  # from the server's /engine/events
+    assert sum(e["args"]["num_decode_tokens"] for e in steps) == sum(r["output_len"] - 1 for r in report["requests"])
+    assert max(e["args"]["kv_blocks_used"] for e in steps) > 0
 
 
 def test_online_base_url(tiny_checkpoint, tmp_path, capsys):

@@ -6,8 +6,9 @@ with urllib, a Server-Sent Events stream read line by line with http.client,
 and the official `openai` SDK if it is installed. It checks that a streamed
 greedy completion adds up to exactly the non-streamed one with the same usage,
 shows the error body of bad requests, disconnects in the middle of a stream
-and watches /metrics until the request's KV blocks are free, then shuts the
-server down.
+and watches /metrics until the request's KV blocks are free, reads the engine
+event feed (GET /engine/events) to find a prefix hit and a preemption, then
+shuts the server down.
 
     python tutorials/12_http_server.py   # MINFER_MODEL=/path to choose the checkpoint
 """
@@ -173,6 +174,74 @@ print(f"{1e3 * (time.perf_counter() - start):.0f} ms later: aborted {m['minfer_r
       f"kv blocks free {m['minfer_kv_blocks_free']:.0f}/{total:.0f}, "
       f"finished {m['minfer_requests_finished_total']:.0f}")
 
+section("watching the engine: GET /engine/events, the feed the live view at / draws")
+feed = http.client.HTTPConnection(host, port, timeout=60)
+feed.request("GET", "/engine/events")
+feed_resp = feed.getresponse()
+events, raw = [], []
+
+
+def read_feed() -> None:  # each SSE message is a JSON list of events; the first is a snapshot
+    try:
+        for line in feed_resp:
+            raw.append(line)
+            if line.startswith(b"data: "):
+                events.extend(json.loads(line[6:]))
+    except (OSError, http.client.HTTPException):
+        pass  # the server shut down
+
+
+def stream_ids(body: dict, n: int) -> list[str]:
+    """Send n streams at once; the engine's id for each is in its X-Engine-Request-Id header."""
+    ids = []
+
+    def one() -> None:
+        c = http.client.HTTPConnection(host, port, timeout=120)
+        c.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        ids.append(r.getheader("X-Engine-Request-Id"))
+        r.read()
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return ids
+
+
+def seen_finished(ids: list[str]) -> bool:
+    done = {f[0] for e in events if e["type"] != "snapshot" for f in e["finished"]}
+    return set(ids) <= done
+
+
+threading.Thread(target=read_feed, daemon=True).start()
+secret = "Gandalf " * 10  # a prompt of a few full blocks, which a second identical prompt reuses
+first = stream_ids({"prompt": secret, "max_tokens": 4}, 1)
+second = stream_ids({"prompt": secret, "max_tokens": 4}, 1)
+# Four requests of ~300 tokens need ~80 blocks; the cache has 64, so the newest get preempted.
+crowd = stream_ids({"prompt": "One two three", "max_tokens": min(300, server.info.max_model_len - 8),
+                    "ignore_eos": True}, 4)  # fmt: skip
+while not seen_finished(first + second + crowd):
+    time.sleep(0.02)
+snapshot, steps = events[0], [e for e in events if e["type"] == "step"]
+print(f"snapshot: {snapshot['num_blocks']} blocks ('{snapshot['blocks'][:24]}...': f free, u used, c cached); "
+      f"then {len(steps)} steps")
+joined = next(r for s in steps for r in s["running"] if r[0] == second[0])
+first_chunk = next(c for s in steps for c in s["chunks"] if c[0] == second[0])
+print(f"prefix hit: request {second[0]} joined with {joined[6]} of its {joined[1]} prompt tokens cached; "
+      f"its first chunk starts at token {first_chunk[1]}")
+full_blocks = (joined[1] - 1) // 16 * 16  # every full block but the one holding the last prompt token
+assert joined[6] == first_chunk[1] == full_blocks > 0, (joined, first_chunk)
+preempted = [(s["step"], rid) for s in steps for rid in s["preempted"]]
+assert preempted, "64 blocks should not hold four 300-token requests"
+step_no, victim = preempted[0]
+back = next(s["step"] for s in steps if s["step"] > step_no and any(c[0] == victim for c in s["chunks"]))
+print(f"preemption: at step {step_no} request {victim} left the running set and freed its blocks; "
+      f"it ran again from step {back}, recomputing its tokens")
+assert all(s["num_prefill_tokens"] + s["num_decode_tokens"] == sum(c[2] for c in s["chunks"]) for s in steps)
+assert b"Gandalf" not in b"".join(raw), "the feed carries ids, lengths and block ids, never text"
+
 section("shut down")
 server.stop()  # fails in-flight requests with an error chunk, stops accepting, closes the socket
 http_thread.join(timeout=10)
@@ -190,4 +259,4 @@ for line in server_log.lines:
 print(f"    (and {len(polls)} GET /metrics polls)")
 assert any("client-gone" in line for line in server_log.lines), "the disconnect was noticed"
 print("\nOK: JSON and SSE agree token for token, usage is exact, errors are clean, disconnects free their "
-      "blocks, shutdown is clean.")
+      "blocks, the engine feed shows a prefix hit and a preemption without any text, shutdown is clean.")

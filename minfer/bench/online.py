@@ -10,6 +10,9 @@ a UTF-8 character), so online ITL is the gap between *text chunks*; the exact ou
 token count comes from the final usage chunk (stream_options.include_usage).
 vLLM's benchmark also times chunks with empty text; minfer.serve sends one only to
 carry finish_reason, right after the last text, where it would add a ~0 ms "gap".
+
+For a trace, `EngineFeedReader` also reads minfer.serve's /engine/events while the run
+goes on, so the trace gets the engine's per-step counters (other servers lack the feed).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -142,6 +146,55 @@ class MinferServer:
         os.unlink(self.log_path)
 
 
+class EngineFeedReader:
+    """Keeps the step events of a server's /engine/events feed, read in a background thread.
+    A server without the feed (404, or unreachable) gives no steps."""
+
+    def __init__(self, endpoint: Endpoint):
+        self.endpoint = endpoint
+        self.events: list[dict] = []  # step events, in order (appended by the reader thread only)
+        self.conn = None
+        self.thread: threading.Thread | None = None
+
+    def __enter__(self) -> "EngineFeedReader":
+        try:
+            self.conn = self.endpoint.connect(timeout=None)
+            self.conn.request("GET", self.endpoint.prefix + "/engine/events")
+            resp = self.conn.getresponse()
+        except (OSError, http.client.HTTPException):
+            return self
+        if resp.status == 200:
+            self.thread = threading.Thread(target=self._read, args=(resp,), daemon=True)
+            self.thread.start()
+        return self
+
+    def _read(self, resp) -> None:
+        try:
+            for line in resp:
+                if line.startswith(b"data:"):
+                    self.events += [e for e in json.loads(line[5:]) if e["type"] == "step"]
+        except (OSError, ValueError, http.client.HTTPException):
+            pass  # closed by __exit__, or the server went away
+
+    def steps(self, t0_wall: float, t_end_wall: float) -> list[dict]:
+        """The steps that began in [t0_wall, t_end_wall], as scheduler.last_step dicts with times in
+        seconds since t0_wall (the feed's times are wall-clock: the server is another process)."""
+        time.sleep(0.2)  # the feed sends at most 20 messages a second: let the last one arrive
+        return [
+            {"start": e["start"] - t0_wall, "end": e["end"] - t0_wall, "num_seqs": e["num_seqs"],
+             "num_prefill_tokens": e["num_prefill_tokens"], "num_decode_tokens": e["num_decode_tokens"],
+             "num_preemptions": len(e["preempted"]), "kv_blocks_used": e["kv_blocks_used"]}
+            for e in list(self.events) if t0_wall <= e["start"] <= t_end_wall
+        ]  # fmt: skip
+
+    def __exit__(self, *exc) -> None:
+        if self.thread is not None:
+            self.conn.sock.shutdown(socket.SHUT_RDWR)  # ends the reader thread's blocking read
+            self.thread.join()
+        if self.conn is not None:
+            self.conn.close()
+
+
 def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float) -> RequestRecord:
     """Send one streaming completion and time its chunks (seconds since t0)."""
     rec = RequestRecord(r.index, r.input_len, r.output_len)
@@ -195,7 +248,7 @@ def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float
 
 
 def run_online(endpoint: Endpoint, model: str, requests: list[BenchRequest], max_concurrency: int | None = None,
-               progress: bool = True, desc: str = "online") -> RunResult:  # fmt: skip
+               progress: bool = True, desc: str = "online", feed: EngineFeedReader | None = None) -> RunResult:  # fmt: skip
     slots = threading.Semaphore(max_concurrency) if max_concurrency else None
     records: list[RequestRecord] = []
     lock = threading.Lock()
@@ -212,7 +265,7 @@ def run_online(endpoint: Endpoint, model: str, requests: list[BenchRequest], max
                 slots.release()
 
     threads = []
-    t0 = time.perf_counter()
+    t0, t0_wall = time.perf_counter(), time.time()
     for r in sorted(requests, key=lambda r: r.arrival):
         time.sleep(max(0.0, r.arrival - (time.perf_counter() - t0)))
         if slots:
@@ -223,7 +276,8 @@ def run_online(endpoint: Endpoint, model: str, requests: list[BenchRequest], max
         t.join()
     duration = time.perf_counter() - t0
     bar.close()
-    return RunResult(sorted(records, key=lambda r: r.index), duration, [])
+    steps = feed.steps(t0_wall, t0_wall + duration) if feed else []
+    return RunResult(sorted(records, key=lambda r: r.index), duration, steps)
 
 
 def server_flags(device: str, dtype: str, **optional) -> list[str]:

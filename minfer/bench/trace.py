@@ -6,12 +6,12 @@ Process "requests" has one track per request, with its spans:
              any wait between them)
     decode   first token -> last token
 A request that is preempted keeps these three spans; its args count the preemptions.
-Online, the engine is out of reach, so queued and prefill merge into one span,
-"queued+prefill" (submit -> first streamed chunk).
+Online, the client cannot tell when the engine first ran a request, so queued and
+prefill merge into one span, "queued+prefill" (submit -> first streamed chunk).
 
-Process "engine" (offline only) has a "step" span per scheduler step and counters
-sampled at each step's start: batch size, prefill vs decode tokens, KV blocks in
-use, preemptions. Watching the batch grow and shrink as requests come and go is
+Process "engine" has a "step" span per scheduler step (online: read from the
+server's /engine/events feed, so minfer.serve only) and counters sampled at each
+step's start: batch size, prefill vs decode tokens, KV blocks in use, preemptions. Watching the batch grow and shrink as requests come and go is
 continuous batching.
 """
 

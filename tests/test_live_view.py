@@ -1,0 +1,184 @@
+"""The engine event feed and /engine/events: a bounded feed that never waits on a viewer, events
+that replay to the allocator's true block states, no text in the feed, the API key, shutdown."""
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from minfer.engine_events import EngineFeed, FeedClosed
+from minfer.serve import create_server
+
+KEY = "live-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SECRET = "zebra"  # a word in every prompt: it must never appear in the feed
+
+
+def step(n):
+    return {"type": "step", "step": n}
+
+
+def test_feed_is_bounded_and_a_slow_viewer_resyncs_from_a_snapshot():
+    wakes = []
+    feed = EngineFeed(wake=lambda: wakes.append(1), capacity=8)
+    feed.publish(step(0))  # no viewer: nothing publishes normally, but nothing breaks either
+    assert not feed.active
+    with feed.subscribe() as viewer:
+        assert feed.active
+        assert viewer.read(timeout=0.01) == []  # nothing until a snapshot
+        assert feed.snapshot_wanted and wakes  # ... which the worker is asked (and woken) for
+        feed.publish({"type": "snapshot"})
+        feed.publish(step(1))
+        assert [e["type"] for e in viewer.read(0.01)] == ["snapshot", "step"]
+        assert not feed.snapshot_wanted
+        start = time.perf_counter()
+        for n in range(10_000):  # the viewer stalls: the worker goes on, memory stays bounded
+            feed.publish(step(n))
+        assert time.perf_counter() - start < 5  # generous: publishing is a deque append
+        assert viewer.read(0.01) == [] and feed.snapshot_wanted  # it lost events: wait for a snapshot
+        feed.publish({"type": "snapshot"})
+        feed.publish(step(10_001))
+        assert [e.get("step") for e in viewer.read(0.01)] == [None, 10_001]
+        with feed.subscribe() as late:  # a late viewer starts from the latest snapshot in the ring
+            assert [e.get("step") for e in late.read(0.01)] == [None, 10_001]
+    assert not feed.active
+    with feed.subscribe() as viewer:  # the ring was emptied when the last viewer left: events had stopped
+        assert viewer.read(0.01) == [] and feed.snapshot_wanted
+        feed.close()
+        with pytest.raises(FeedClosed):
+            viewer.read(1.0)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    # 24 blocks of 16 tokens: four requests of ~120 tokens do not fit at once, so some are preempted.
+    srv = create_server(str(tiny_checkpoint), port=0, num_kv_blocks=24, max_num_seqs=4, api_key=KEY)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.stop()
+
+
+def request(srv, method, path, headers=AUTH, body=None):
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=30)
+    conn.request(method, path, body=json.dumps(body) if body else None, headers=headers)
+    return conn, conn.getresponse()
+
+
+class FeedReader(threading.Thread):
+    """Collects /engine/events messages (raw bytes and parsed events) in the background."""
+
+    def __init__(self, srv):
+        super().__init__(daemon=True)
+        self.conn, self.resp = request(srv, "GET", "/engine/events")
+        assert self.resp.status == 200 and self.resp.getheader("Content-Type") == "text/event-stream"
+        self.raw, self.events, self.ended = [], [], threading.Event()
+        self.start()
+
+    def run(self):
+        try:
+            for line in self.resp:
+                self.raw.append(line)
+                if line.startswith(b"data: "):
+                    self.events += json.loads(line[6:])
+        except (OSError, http.client.HTTPException):  # close() cut it mid-chunk
+            pass
+        self.ended.set()
+
+    def close(self):
+        self.conn.sock.shutdown(socket.SHUT_RDWR)
+        assert self.ended.wait(5)
+        self.conn.close()
+
+    def wait_for(self, predicate, timeout=30):
+        deadline = time.monotonic() + timeout
+        while not any(predicate(e) for e in list(self.events)):
+            assert time.monotonic() < deadline, "the feed never showed it"
+            time.sleep(0.02)
+
+
+def stream(srv, prompt, max_tokens, ids):
+    conn, resp = request(srv, "POST", "/v1/completions",
+                         body={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True})  # fmt: skip
+    assert resp.status == 200
+    ids.append(resp.getheader("X-Engine-Request-Id"))
+    resp.read()
+    conn.close()
+
+
+def test_page_is_self_contained(server):
+    conn, resp = request(server, "GET", "/", headers={})  # the page holds no data: no key needed
+    html = resp.read().decode()
+    assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/html")
+    assert 'id="blocks"' in html and "/engine/events" in html and "dataset.block" in html
+    assert "/* live.js */" not in html and "/* live.css */" not in html  # both inlined
+    assert "http://" not in html and "https://" not in html  # no CDN, nothing from elsewhere
+
+
+def test_feed_needs_the_api_key(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        conn, resp = request(server, "GET", "/engine/events", headers=headers)
+        assert resp.status == 401 and json.loads(resp.read())["error"]["code"] == "invalid_api_key"
+
+
+def test_events_replay_to_the_true_block_states(server):
+    reader = FeedReader(server)
+    reader.wait_for(lambda e: e["type"] == "snapshot")
+    snapshot = reader.events[0]
+    allocator_blocks = server.manager.stats()["num_kv_blocks_total"]
+    assert snapshot["type"] == "snapshot" and snapshot["num_blocks"] == len(snapshot["blocks"]) == allocator_blocks
+    ids = []
+    prompt = f"{SECRET} " * 40  # the same prompt four times: later ones hit the prefix cache
+    threads = [threading.Thread(target=stream, args=(server, prompt, 80, ids)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    reader.wait_for(lambda e: len(set(ids) - finished_ids(reader.events)) == 0)
+
+    states = list(snapshot["blocks"])
+    used_seen = 0
+    for e in reader.events[1:]:
+        for b, state in e["blocks"].items():
+            states[int(b)] = state[0]
+        used_seen = max(used_seen, states.count("u"))
+    assert used_seen > 0 and "u" not in states  # blocks were used while streams ran, none after
+    assert "c" in states  # the finished requests left their full blocks in the prefix cache
+    steps = [e for e in reader.events if e["type"] == "step"]
+    assert {c[0] for s in steps for c in s["chunks"]} == set(ids)
+    assert all(s["num_prefill_tokens"] + s["num_decode_tokens"] == sum(c[2] for c in s["chunks"]) for s in steps)
+    assert any(r[6] > 0 for s in steps for r in s["running"])  # a prefix-cache hit, shown as cached tokens
+    assert any(s["preempted"] for s in steps)  # 24 blocks were too few for four at once
+    raw = b"".join(reader.raw)
+    assert SECRET.encode() not in raw  # ids, lengths and block ids only: no text
+    reader.close()
+
+
+def finished_ids(events):
+    return {f[0] for e in events if e["type"] != "snapshot" for f in e["finished"]}
+
+
+def test_no_viewer_no_events(tiny_checkpoint):
+    srv = create_server(str(tiny_checkpoint), port=0, num_kv_blocks=64)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        stream(srv, "hello", 8, [])
+        assert not srv.manager.events.active and not srv.manager.events.snapshot_wanted
+        with srv.manager.events.subscribe() as viewer:  # the ring is empty: nothing was published
+            assert viewer.read(0.01) == []
+    finally:
+        srv.stop()
+
+
+def test_stop_ends_the_event_stream(tiny_checkpoint):
+    srv = create_server(str(tiny_checkpoint), port=0, num_kv_blocks=64)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    reader = FeedReader(srv)
+    reader.wait_for(lambda e: e["type"] == "snapshot")
+    start = time.monotonic()
+    srv.stop()
+    assert reader.ended.wait(5), "the SSE stream outlived the server"
+    assert time.monotonic() - start < 5
+    assert reader.raw[-1] == b"0\r\n" or b"".join(reader.raw).endswith(b"\n\n")  # ended cleanly
