@@ -31,7 +31,7 @@ thousand such clients exhaust the server. Four limits, each a flag of
     server at the cap. nginx's default worker_connections is 512; uvicorn has no
     cap unless --limit-concurrency is given.
 
-Each accepted socket also gets a 64 KiB send buffer (SEND_BUFFER_BYTES) instead
+Each accepted socket also gets a 32 KiB send buffer (SEND_BUFFER_BYTES) instead
 of Linux's autotuned one, which grows to 4 MiB: token streams need little, and a
 small buffer both bounds kernel memory per connection and lets the write
 timeout notice a client that stopped reading before it has been sent megabytes.
@@ -53,7 +53,7 @@ from typing import Callable
 
 from .openai_api import APIError
 
-SEND_BUFFER_BYTES = 64 * 1024
+SEND_BUFFER_BYTES = 32 * 1024
 REFUSE_READ_SECONDS = 1.0  # how long the refuser waits for a refused connection's request (to spot /health)
 REFUSE_LINGER_SECONDS = 1.0  # after answering, read and drop what the client still sends, so close() sends no RST
 MAX_REFUSING = 256  # connections the refuser holds at once; beyond that, new ones are closed at once
@@ -229,6 +229,9 @@ class TimedHandler(BaseHTTPRequestHandler):
     """A request handler whose reads and writes obey the server's ConnectionLimits."""
 
     server: "CappedHTTPServer"
+    # http.server takes a request line it cannot parse for HTTP/0.9, whose replies have no status line or
+    # headers: the client would read a bare JSON body. Every client here speaks HTTP/1.x.
+    default_request_version = "HTTP/1.1"
 
     def setup(self) -> None:
         super().setup()
@@ -241,8 +244,8 @@ class TimedHandler(BaseHTTPRequestHandler):
     def handle_one_request(self) -> None:
         self.reader.next_request(first=self.requests_read == 0)
         self.requests_read += 1
-        # http.server sets these while parsing; a 408 sent before then needs them too
-        self.command, self.requestline, self.request_version = None, "", "HTTP/1.1"
+        # http.server sets these while parsing; a 408 may come before that
+        self.command, self.requestline, self.request_version = None, "", self.default_request_version
         try:
             super().handle_one_request()
         except IdleTimeout:
