@@ -160,11 +160,14 @@ def stopped_reader(target: Target, tally: Tally, end: float, seed: int, pause: f
             resp = conn.getresponse()
             check_error_reply(tally, "stopped reader", resp.status, b"")
             time.sleep(pause)
+            conn.sock.settimeout(target.stall_limit)
             data = resp.read()  # what the buffers held, then the end: a stream cut short raises IncompleteRead
             tally.count("stopped readers whose stream fit in the socket buffers" if b"[DONE]" in data
                         else "stopped readers cut off")  # fmt: skip
         except (http.client.IncompleteRead, ConnectionError):
             tally.count("stopped readers cut off")
+        except TimeoutError:  # generation under load is slower than the pause: the buffers never filled
+            tally.count("stopped readers whose stream was too slow to fill the buffers")
         except OSError as e:
             tally.fail(f"stopped reader: {type(e).__name__}: {e}")
         finally:

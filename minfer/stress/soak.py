@@ -91,6 +91,10 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally) -> dict:
         "stopped readers cut off": c["stopped readers cut off"],
         "stopped readers whose stream fit in the socket buffers":
             c["stopped readers whose stream fit in the socket buffers"],
+        "stopped readers whose stream was too slow to fill them":
+            c["stopped readers whose stream was too slow to fill the buffers"],
+        **{f"server {kind} timeouts": after[f'minfer_http_timeouts_total{{kind="{kind}"}}']
+           - before[f'minfer_http_timeouts_total{{kind="{kind}"}}'] for kind in ("request", "idle", "write")},
         "idle keep-alive connections closed": c["idle connections closed by the server"],
         "silent connections closed": c["silent connections closed by the server"],
         "stalled requests closed with 408": c["stalled connections closed by the server"],
