@@ -9,6 +9,7 @@ the scheduler stats snapshot the worker publishes after every step.
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 
 from .sequence import RequestOutput
@@ -113,4 +114,17 @@ class Metrics:
             ]:
                 lines += [f"# HELP minfer_{name} {help_text}", f"# TYPE minfer_{name} histogram"]
                 lines += hist.render(f"minfer_{name}")
+        rss = resident_memory_bytes()
+        if rss is not None:  # the standard process metric's name, so dashboards find it
+            lines += ["# HELP process_resident_memory_bytes Resident memory size in bytes.",
+                      "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {rss}"]  # fmt: skip
         return "\n".join(lines) + "\n"
+
+
+def resident_memory_bytes() -> int | None:
+    """This process's resident memory (Linux's /proc), or None where that is not available."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

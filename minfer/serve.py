@@ -10,7 +10,9 @@ SchedulerManager (manager.py), whose single worker thread runs the engine, and
 reads text pieces back from the request's queue, writing each one as it comes:
 Server-Sent Events for the OpenAI endpoints, plain chunked text for /generate.
 If the client goes away, the handler releases the request and the worker frees
-its KV blocks before the next step.
+its KV blocks before the next step. connections.py bounds the rest: request,
+keep-alive and write timeouts, and a cap on connections (see its docstring for
+the defaults and why).
 
 Endpoints: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions, POST /generate, and the live view: GET / (a page)
@@ -33,12 +35,12 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 import torch
 
 from . import __version__, live_view
+from .connections import CappedHTTPServer, ConnectionLimits, TimedHandler, add_arguments, limits_from_args
 from .engine import resolve_dtype, set_cpu_threads
 from .manager import ACCEPTED, DONE, ERROR, TEXT, EngineError, RequestHandle, SchedulerManager
 from .metrics import Metrics
@@ -59,16 +61,22 @@ class ClientGone(ConnectionError):
     """The client closed the connection; nothing more can be sent."""
 
 
-class MinferServer(ThreadingHTTPServer):
-    daemon_threads = True  # an idle keep-alive connection must not hold up exit
+class MinferServer(CappedHTTPServer):
     request_queue_size = 128  # the listen backlog; socketserver's default of 5 resets bursts of clients
 
-    def __init__(self, address, manager: SchedulerManager, info: ModelInfo, api_key: str | None = None):
+    def __init__(self, address, manager: SchedulerManager, info: ModelInfo, api_key: str | None = None,
+                 limits: ConnectionLimits | None = None):  # fmt: skip
         self.manager = manager
         self.info = info
         self.api_key = api_key
         self.started = int(time.time())
-        super().__init__(address, Handler)
+        super().__init__(address, Handler, limits or ConnectionLimits(), self.health)
+
+    def health(self) -> tuple[int, dict]:
+        """(status, body) of GET /health; also answered at the connection cap."""
+        if self.manager.is_alive():
+            return 200, {"status": "ok"}
+        return 503, {"status": "unavailable", "reason": "the engine worker is not running"}
 
     def stop(self, grace: float = 3.0) -> None:
         """Graceful shutdown: fail in-flight requests (streams get an error chunk), stop accepting, and
@@ -79,7 +87,7 @@ class MinferServer(ThreadingHTTPServer):
         self.manager.wait_released(grace)
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(TimedHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, and chunked transfer encoding for streams
     server_version = f"minfer/{__version__}"
     server: MinferServer
@@ -272,10 +280,7 @@ class Handler(BaseHTTPRequestHandler):
     # ---- endpoints -----------------------------------------------------------------
 
     def handle_health(self) -> None:
-        if self.server.manager.is_alive():
-            self._send_json(200, {"status": "ok"})
-        else:
-            self._send_json(503, {"status": "unavailable", "reason": "the engine worker is not running"})
+        self._send_json(*self.server.health())
 
     def handle_models(self) -> None:
         info = self.server.info
@@ -284,7 +289,7 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(200, {"object": "list", "data": [model]})
 
     def handle_metrics(self) -> None:
-        text = self.server.manager.metrics.render(self.server.manager.stats())
+        text = self.server.manager.metrics.render(self.server.manager.stats()) + self.server.stats.render()
         self._send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
 
     def handle_live_page(self) -> None:
@@ -349,7 +354,7 @@ class Handler(BaseHTTPRequestHandler):
 def create_server(
     model: str = "gpt2", *, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu", dtype: str = "float32",
     num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_queued: int = 128, api_key: str | None = None,
-    served_model_name: str | None = None,
+    served_model_name: str | None = None, limits: ConnectionLimits | None = None,
 ) -> MinferServer:
     """Load the model, start the engine worker and bind the socket (port 0 picks a free port).
     Raises ValueError/OSError for a bad model, setting or address. Run it with serve_forever()."""
@@ -362,7 +367,7 @@ def create_server(
     scheduler = OnlineScheduler(gpt2, tokenizer, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
     info = ModelInfo(served_model_name or model, tokenizer, gpt2.config.vocab_size, scheduler.max_model_len)
     manager = SchedulerManager(scheduler, Metrics(), max_queued=max_queued)
-    server = MinferServer((host, port), manager, info, api_key)  # binds now: a taken port fails here
+    server = MinferServer((host, port), manager, info, api_key, limits)  # binds now: a taken port fails here
     manager.start()
     return server
 
@@ -381,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", default=os.environ.get("MINFER_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $MINFER_API_KEY, else none)")  # fmt: skip
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    add_arguments(parser)  # timeouts and the connection cap
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
 
@@ -390,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         server = create_server(
             args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
             num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs, max_queued=args.max_queued,
-            api_key=args.api_key, served_model_name=args.served_model_name,
+            api_key=args.api_key, served_model_name=args.served_model_name, limits=limits_from_args(args),
         )  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

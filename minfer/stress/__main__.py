@@ -1,0 +1,56 @@
+"""Command line of the soak: see minfer/stress/__init__.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from urllib.parse import urlsplit
+
+from . import __doc__ as DOC
+from .clients import Tally, Target
+from .soak import SoakConfig, run_spawned, soak
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minfer.stress", description=DOC.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--model", help="checkpoint directory: start a server on it (and SIGTERM it at the end)")
+    where.add_argument("--base-url", help="an already running server, e.g. http://127.0.0.1:8000")
+    d = SoakConfig()
+    parser.add_argument("--duration", type=float, default=d.duration, help="seconds of load")
+    parser.add_argument("--streams", type=int, default=d.streams, help="concurrent streaming clients")
+    parser.add_argument("--kv-blocks", type=int, default=48, help="with --model: the server's --num-kv-blocks")
+    parser.add_argument("--request-timeout", type=float, default=30.0, help="with --base-url: the server's")
+    parser.add_argument("--keepalive-timeout", type=float, default=15.0, help="with --base-url: the server's")
+    parser.add_argument("--write-timeout", type=float, default=30.0, help="with --base-url: the server's")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the figures and failures to this file")
+    args = parser.parse_args(argv)
+    if args.duration <= 0 or args.streams < 1:
+        parser.error("--duration must be > 0 and --streams >= 1")
+
+    cfg = SoakConfig(duration=args.duration, streams=args.streams, seed=args.seed)
+    tally = Tally()
+    if args.model:
+        figures, tally = run_spawned(args.model, cfg, kv_blocks=args.kv_blocks, tally=tally)
+    else:
+        url = urlsplit(args.base_url if "://" in args.base_url else "http://" + args.base_url)
+        cfg.write_timeout = args.write_timeout
+        cfg.stall_limit = max(args.request_timeout, args.keepalive_timeout) + 10
+        figures = soak(Target(url.hostname, url.port or 80, cfg.stall_limit), cfg, tally)
+
+    for name, value in figures.items():
+        print(f"{name:>55}: {value}")
+    for failure in tally.failures:
+        print(f"FAIL: {failure}")
+    print(f"{len(tally.failures)} failures")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"figures": figures, "failures": tally.failures}, f, indent=1)
+    return 1 if tally.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

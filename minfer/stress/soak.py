@@ -1,0 +1,225 @@
+"""The soak: every client of clients.py and malformed.py at once, then the checks, replays, and SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+from .clients import (Tally, Target, check_error_reply, idler, parse_metrics, prober, run_stream, slow_reader,
+                      staller, stopped_reader, streamer)  # fmt: skip
+from .malformed import BAD_REQUESTS, malformer
+
+SPAWN_TIMEOUTS = 2.0  # the spawned server's request, keep-alive and write timeouts: short, so they fire in a run
+SHUTDOWN_GRACE = 3.0  # what `python -m minfer.serve` gives handlers to write their last bytes on SIGTERM
+
+
+@dataclass
+class SoakConfig:
+    duration: float = 60.0  # seconds of load
+    streams: int = 64  # concurrent streaming clients (a fifth of their streams cancel midway)
+    idle: int = 16  # connections that send nothing, or one request and then nothing
+    stalled: int = 8  # requests whose body never arrives
+    slow: int = 4  # streams read slowly through a tiny receive window
+    stopped: int = 2  # streams whose client stops reading
+    replays: int = 16  # seeded streams replayed alone afterwards
+    health_p99_ms: float = 2000.0  # generous: a loaded 2-core machine is slow, but not this slow
+    max_rss_growth_mib: float = 128.0
+    stall_limit: float = 45.0  # seconds a stalled or idle connection may stay open (server timeouts + slack)
+    write_timeout: float = 30.0  # the server's; stopped readers pause a little longer than this
+    seed: int = 0
+
+
+def get_metrics(target: Target) -> dict[str, float]:
+    conn = target.connection(timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        return parse_metrics(conn.getresponse().read().decode())
+    finally:
+        conn.close()
+
+
+def soak(target: Target, cfg: SoakConfig, tally: Tally) -> dict:
+    """Run every client for cfg.duration seconds, wait for the server to settle, replay; return the figures."""
+    before = get_metrics(target)
+    start = time.monotonic()
+    end = start + cfg.duration
+    jobs = [(streamer, i, ()) for i in range(cfg.streams)] + [(idler, i, ()) for i in range(cfg.idle)]
+    jobs += [(staller, i, ()) for i in range(cfg.stalled)] + [(slow_reader, i, ()) for i in range(cfg.slow)]
+    jobs += [(stopped_reader, i, (cfg.write_timeout + 2,)) for i in range(cfg.stopped)] + [(malformer, 0, ())]
+    threads = [threading.Thread(target=fn, args=(target, tally, end, cfg.seed * 1000 + i, *extra), daemon=True)
+               for fn, i, extra in jobs]  # fmt: skip
+    threads += [threading.Thread(target=prober, args=(target, tally, end, "/health", 0.1), daemon=True),
+                threading.Thread(target=prober, args=(target, tally, end, "/metrics", 0.5), daemon=True)]  # fmt: skip
+    for t in threads:
+        t.start()
+    time.sleep(cfg.duration / 4)  # RSS once the server has warmed up (threads, allocator, caches)
+    rss_warm = get_metrics(target).get("process_resident_memory_bytes", 0)
+    for t in threads:
+        t.join(max(1.0, end + cfg.stall_limit + 120 - time.monotonic()))
+        if t.is_alive():
+            tally.fail(f"client {t.name} did not finish")
+    load_seconds = time.monotonic() - start
+
+    after = settled(target, tally)
+    matched = replay(target, cfg, tally)
+    health = sorted(tally.health_ms) or [0.0]
+    p99 = health[min(len(health) - 1, int(0.99 * len(health)))]
+    if p99 > cfg.health_p99_ms:
+        tally.fail(f"/health p99 {p99:.0f} ms > {cfg.health_p99_ms:g} ms")
+    growth = (after.get("process_resident_memory_bytes", 0) - rss_warm) / 2**20
+    if growth > cfg.max_rss_growth_mib:
+        tally.fail(f"RSS grew {growth:.0f} MiB after warm-up (limit {cfg.max_rss_growth_mib:g})")
+    c = tally.counts
+    return {
+        "load seconds": round(load_seconds, 1),
+        "concurrent streams": cfg.streams,
+        "streams finished": c["streams finished"],
+        "streams cancelled midway": c["streams cancelled"],
+        "tokens streamed": c["tokens streamed"],
+        "preemptions": after["minfer_preemptions_total"] - before["minfer_preemptions_total"],
+        "requests discarded by the server": after["minfer_requests_aborted_total"]
+        - before["minfer_requests_aborted_total"],
+        "slow-reader streams finished": c["slow streams finished"],
+        "stopped readers cut off": c["stopped readers cut off"],
+        "stopped readers whose stream fit in the socket buffers":
+            c["stopped readers whose stream fit in the socket buffers"],
+        "stopped readers whose stream was too slow to fill them":
+            c["stopped readers whose stream was too slow to fill the buffers"],
+        **{f"server {kind} timeouts": after[f'minfer_http_timeouts_total{{kind="{kind}"}}']
+           - before[f'minfer_http_timeouts_total{{kind="{kind}"}}'] for kind in ("request", "idle", "write")},
+        "idle keep-alive connections closed": c["idle connections closed by the server"],
+        "silent connections closed": c["silent connections closed by the server"],
+        "stalled requests closed with 408": c["stalled connections closed by the server"],
+        "malformed requests answered 4xx": c["malformed requests answered 4xx"],
+        "kinds of bad input tried": sum(1 for name, _, _ in BAD_REQUESTS if c[f"bad input: {name}"]),
+        "/metrics scrapes": c["/metrics requests"],
+        "/health probes": len(tally.health_ms),
+        "/health p50 ms": round(health[len(health) // 2], 1),
+        "/health p99 ms": round(p99, 1),
+        "RSS after warm-up MiB": round(rss_warm / 2**20),
+        "RSS growth since MiB": round(growth, 1),
+        "seeded streams replayed alone, identical": f"{matched}/{min(cfg.replays, len(tally.finished))}",
+        "KV blocks free at the end": f"{after['minfer_kv_blocks_free']:.0f}/{after['minfer_kv_blocks_total']:.0f}",
+    }
+
+
+def settled(target: Target, tally: Tally, timeout: float = 30.0) -> dict:
+    """Wait until nothing runs or waits, every block is free and only our scrape's connection is open."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = get_metrics(target)
+        idle = m["minfer_requests_running"] == 0 and m["minfer_requests_waiting"] == 0
+        free = m["minfer_kv_blocks_free"] == m["minfer_kv_blocks_total"]
+        if idle and free and m.get("minfer_http_connections_open", 1) <= 1:
+            return m
+        if time.monotonic() > deadline:
+            tally.fail(f"not settled {timeout:g} s after the load: {json.dumps(m)[:600]}")
+            return m
+        time.sleep(0.1)
+
+
+def replay(target: Target, cfg: SoakConfig, tally: Tally) -> int:
+    """Seeded streams, run again one at a time, must give the text they gave under load."""
+    picked = random.Random(cfg.seed).sample(tally.finished, min(cfg.replays, len(tally.finished)))
+    matched = 0
+    for body, text in picked:
+        again = run_stream(target, body, Tally())
+        if again == text:
+            matched += 1
+        else:
+            tally.fail(f"seeded stream differs when replayed alone: {body}")
+    return matched
+
+
+# ---- a server of our own, and SIGTERM in the middle of a soak --------------------------
+
+
+def spawn_server(model: str, kv_blocks: int, log_path: str) -> tuple[subprocess.Popen, int]:
+    t = str(SPAWN_TIMEOUTS)
+    cmd = [sys.executable, "-m", "minfer.serve", "--model", model, "--port", "0", "--num-kv-blocks", str(kv_blocks),
+           "--request-timeout", t, "--keepalive-timeout", t, "--write-timeout", t]  # fmt: skip
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    line = proc.stdout.readline()  # "minfer: serving ... on http://127.0.0.1:PORT ..." once it listens
+    if "serving" not in line:
+        proc.kill()
+        raise RuntimeError(f"the server did not start: {open(log_path).read()[-2000:]}")
+    return proc, int(line.rsplit(":", 1)[1].split()[0])
+
+
+def sigterm_midstream(target: Target, proc: subprocess.Popen, cfg: SoakConfig, tally: Tally, n: int = 16) -> dict:
+    """Load again, then SIGTERM: exit 0 within the grace period, every open stream ends with an error and [DONE]."""
+    background = Tally()  # the chaos clients only keep the server busy; their errors once it is gone don't count
+    end = time.monotonic() + 10  # past the signal; the server is gone by then
+    for fn in [streamer] * 16 + [idler, staller, malformer]:
+        threading.Thread(target=fn, args=(target, background, end, cfg.seed + 7), daemon=True).start()
+    rng = random.Random(cfg.seed + 1)
+    streams = []
+    for _ in range(n):
+        conn = target.connection(timeout=30)
+        body = {"prompt": [rng.randrange(256) for _ in range(4)], "max_tokens": target.long_tokens, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        conn.request("POST", "/v1/completions", body=json.dumps(body))
+        resp = conn.getresponse()
+        if resp.status != 200:
+            check_error_reply(tally, "sigterm stream", resp.status, resp.read())
+            continue
+        streams.append((conn, resp))
+    time.sleep(1.0)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    ended = 0
+    for conn, resp in streams:
+        try:
+            events = [line[6:].strip() for line in resp if line.startswith(b"data: ")]
+        except OSError as e:
+            tally.fail(f"SIGTERM: a stream broke off instead of ending: {e}")
+            continue
+        finally:
+            conn.close()
+        if events[-1:] == [b"[DONE]"] and len(events) >= 2 and b'"error"' in events[-2]:
+            ended += 1
+        elif events[-1:] == [b"[DONE]"] and b'"finish_reason": "length"' in b"".join(events):
+            ended += 1  # it finished before the signal reached it
+        else:
+            tally.fail(f"SIGTERM: a stream ended without an error event and [DONE]: {events[-2:]}")
+    try:
+        code = proc.wait(SHUTDOWN_GRACE + 5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = "hung"
+    took = time.monotonic() - sent
+    if code != 0 or took > SHUTDOWN_GRACE + 2:
+        tally.fail(f"SIGTERM: exit code {code} after {took:.1f} s (grace {SHUTDOWN_GRACE:g} s)")
+    return {"streams open at SIGTERM": len(streams), "streams ended with an error event and [DONE]": ended,
+            "exit code after SIGTERM": code, "seconds from SIGTERM to exit": round(took, 1)}  # fmt: skip
+
+
+def run_spawned(model: str, cfg: SoakConfig, kv_blocks: int = 48, tally: Tally | None = None) -> tuple[dict, Tally]:
+    """Start a server with few KV blocks and short timeouts, soak it, SIGTERM it mid-load, read its log."""
+    tally = tally or Tally()
+    cfg.stall_limit = SPAWN_TIMEOUTS + 8.0
+    cfg.write_timeout = SPAWN_TIMEOUTS
+    log_path = os.path.join(tempfile.mkdtemp(prefix="minfer-stress-"), "server.log")
+    proc, port = spawn_server(model, kv_blocks, log_path)
+    try:
+        target = Target("127.0.0.1", port, cfg.stall_limit)
+        figures = {"KV blocks": kv_blocks, **soak(target, cfg, tally)}
+        figures.update(sigterm_midstream(target, proc, cfg, tally))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = open(log_path).read()
+    tracebacks = log.count("Traceback")
+    if tracebacks:
+        tally.fail(f"{tracebacks} stack traces in the server log {log_path}")
+    figures.update({"stack traces in the server log": tracebacks, "server log": log_path})
+    return figures, tally

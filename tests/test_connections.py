@@ -1,0 +1,175 @@
+"""Connection limits (minfer/connections.py): request, keep-alive and write timeouts, and the connection cap,
+on an in-process server with short limits."""
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from minfer.connections import ConnectionLimits
+from minfer.serve import create_server
+
+LIMITS = ConnectionLimits(request_timeout=1.0, keepalive_timeout=0.5, write_timeout=1.0, max_connections=6)
+
+
+@pytest.fixture(scope="module")
+def server(make_checkpoint):
+    srv = create_server(str(make_checkpoint(n_positions=1024)), port=0, num_kv_blocks=400, limits=LIMITS)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield srv
+    srv.stop(grace=1.0)
+
+
+def connect(server, rcvbuf=None) -> socket.socket:
+    sock = socket.socket()
+    if rcvbuf:  # a small receive window: the server's writes block soon after the client stops reading
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", server.server_address[1]))
+    return sock
+
+
+def read_until_closed(sock) -> tuple[bytes, float]:
+    """Everything the server sends until it closes, and how long that took."""
+    start, data = time.monotonic(), b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data, time.monotonic() - start
+
+
+def recv_until(sock, marker: bytes) -> bytes:
+    data = b""
+    while marker not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before {marker!r}: {data!r}"
+        data += chunk
+    return data
+
+
+def request(method, path, body=None) -> bytes:
+    data = json.dumps(body).encode() if body is not None else b""
+    return b"%s %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (method, path, len(data), data)
+
+
+def metric(server, name) -> float:
+    lines = server.manager.metrics.render(server.manager.stats()) + server.stats.render()
+    return float(next(line.rsplit(" ", 1)[1] for line in lines.splitlines() if line.startswith(name + " ")))
+
+
+def wait_for(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def wait_idle(server):
+    """Every connection from earlier tests closed, every block free."""
+    wait_for(lambda: metric(server, "minfer_http_connections_open") == 0)
+    stats = server.manager.stats()
+    assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"] and stats["num_running"] == 0
+
+
+@pytest.mark.parametrize("sent", [
+    b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"prompt\":",  # body never finished
+    b"GET /health HTTP/1.1\r\nHost: x",  # headers never finished
+])  # fmt: skip
+def test_stalled_request_gets_408_and_is_closed(server, sent):
+    before = metric(server, 'minfer_http_timeouts_total{kind="request"}')
+    with connect(server) as sock:
+        sock.sendall(sent)
+        reply, took = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 408 ")
+    assert "did not arrive within 1 s" in json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+    assert 0.8 < took < 5
+    assert metric(server, 'minfer_http_timeouts_total{kind="request"}') == before + 1
+
+
+def test_silent_and_idle_connections_are_closed(server):
+    with connect(server) as silent, connect(server) as kept:
+        kept.sendall(request(b"GET", b"/health"))
+        recv_until(kept, b'{"status": "ok"}')
+        reply, took = read_until_closed(kept)  # idle after one request: the keep-alive timeout
+        assert reply == b"" and 0.3 < took < 5
+        reply, _ = read_until_closed(silent)  # nothing ever sent: the request timeout, without a word
+        assert reply == b""
+
+
+def test_stream_being_read_slowly_is_not_cut_off(server):
+    """Each write waits on the slow reader, well past the write timeout in all, but no single write does."""
+    wait_idle(server)
+    write_timeouts = metric(server, 'minfer_http_timeouts_total{kind="write"}')
+    body = {"prompt": [1, 2, 3], "max_tokens": 600, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with connect(server, rcvbuf=4096) as sock:
+        sock.sendall(request(b"POST", b"/v1/completions", body))
+        start, data = time.monotonic(), b""
+        while chunk := sock.recv(1024):  # about 50 KB/s
+            data += chunk
+            if data.endswith(b"0\r\n\r\n"):
+                break
+            time.sleep(0.02)
+        took = time.monotonic() - start
+    assert b"data: [DONE]" in data and b'"completion_tokens": 600' in data
+    assert took > LIMITS.write_timeout  # the stream as a whole outlasted the write timeout
+    assert metric(server, 'minfer_http_timeouts_total{kind="write"}') == write_timeouts
+
+
+@pytest.fixture
+def slow_steps(server):
+    """Each engine step takes 5 ms more, so a 1000-token request outlasts the write timeout."""
+    scheduler = server.manager.scheduler
+    real_step = scheduler.step
+    scheduler.step = lambda: (time.sleep(0.005), real_step())[1]
+    yield
+    scheduler.step = real_step
+
+
+def test_client_that_stops_reading_is_cut_off_and_its_request_freed(server, slow_steps):
+    wait_idle(server)
+    before = metric(server, "minfer_requests_aborted_total")
+    finished = metric(server, "minfer_requests_finished_total")
+    body = {"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with connect(server, rcvbuf=4096) as stalled:
+        stalled.sendall(request(b"POST", b"/v1/completions", body))
+        assert stalled.recv(100).startswith(b"HTTP/1.1 200")  # streaming has begun; read no more
+        with connect(server) as other:  # meanwhile another request runs to its end
+            other.sendall(request(b"POST", b"/v1/completions", {"prompt": "Hi", "max_tokens": 8}))
+            recv_until(other, b'"completion_tokens": 8')
+        wait_for(lambda: metric(server, 'minfer_http_timeouts_total{kind="write"}') >= 1)
+    wait_for(lambda: metric(server, "minfer_requests_aborted_total") == before + 1)  # discarded, not finished
+    assert metric(server, "minfer_requests_finished_total") == finished + 1  # only the other one finished
+    wait_idle(server)  # its blocks are free
+
+
+def test_connections_beyond_the_cap_get_503_and_health_still_answers(server):
+    wait_idle(server)
+    held = [connect(server) for _ in range(LIMITS.max_connections)]
+    try:
+        wait_for(lambda: metric(server, "minfer_http_connections_open") == LIMITS.max_connections)
+        with connect(server) as sock:
+            sock.sendall(request(b"POST", b"/v1/completions", {"prompt": "Hi", "max_tokens": 2}))
+            reply, took = read_until_closed(sock)
+        assert reply.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in reply and took < 2
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "too_many_connections"
+        with connect(server) as sock:
+            sock.sendall(request(b"GET", b"/health"))
+            reply, took = read_until_closed(sock)
+        assert reply.startswith(b"HTTP/1.1 200 ") and reply.endswith(b'{"status": "ok"}') and took < 2
+        assert metric(server, "minfer_http_connections_refused_total") >= 2
+    finally:
+        for sock in held:
+            sock.close()
+    wait_idle(server)
+    with connect(server) as sock:  # below the cap again: served as usual
+        sock.sendall(request(b"POST", b"/v1/completions", {"prompt": "Hi", "max_tokens": 2}))
+        assert recv_until(sock, b'"usage"').startswith(b"HTTP/1.1 200 ")
+
+
+@pytest.mark.parametrize("field, value", [("request_timeout", 0), ("keepalive_timeout", -1),
+                                          ("write_timeout", "5"), ("max_connections", 0)])  # fmt: skip
+def test_bad_limits_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        ConnectionLimits(**{field: value})

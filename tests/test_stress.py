@@ -1,0 +1,36 @@
+"""The soak and fault suite (minfer.stress) against a real server process: a short run for CI.
+
+For the long run: MINFER_SOAK_SECONDS=60 pytest tests/test_stress.py, or `python -m minfer.stress`."""
+
+import os
+
+import pytest
+
+from minfer.stress.__main__ import main
+from minfer.stress.soak import SoakConfig, run_spawned
+
+SECONDS = float(os.environ.get("MINFER_SOAK_SECONDS", "12"))
+
+
+def test_soak_with_faults_then_sigterm(tiny_checkpoint):
+    figures, tally = run_spawned(str(tiny_checkpoint), SoakConfig(duration=SECONDS, replays=8), kv_blocks=48)
+    print("\n".join(f"{k}: {v}" for k, v in figures.items()))
+    assert tally.failures == []
+    # every fault really happened, so the checks above had something to check
+    assert figures["streams finished"] > 0 and figures["streams cancelled midway"] > 0
+    assert figures["preemptions"] > 0 and figures["requests discarded by the server"] > 0
+    assert figures["slow-reader streams finished"] > 0
+    assert figures["stalled requests closed with 408"] > 0 and figures["silent connections closed"] > 0
+    assert figures["idle keep-alive connections closed"] > 0
+    assert figures["malformed requests answered 4xx"] > 0 and figures["/metrics scrapes"] > 0
+    assert figures["seeded streams replayed alone, identical"] == "8/8"
+    assert figures["KV blocks free at the end"] == "48/48"
+    assert figures["streams open at SIGTERM"] == figures["streams ended with an error event and [DONE]"] > 0
+    assert figures["exit code after SIGTERM"] == 0 and figures["stack traces in the server log"] == 0
+
+
+def test_cli_refuses_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--base-url", "http://127.0.0.1:1", "--duration", "0"])
+    assert e.value.code == 2
+    assert "--duration must be > 0" in capsys.readouterr().err
