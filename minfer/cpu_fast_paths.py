@@ -171,6 +171,10 @@ class ContextReader:
         key_and_value_bytes = 2 * cache[0].numel() * 4 * context_len  # as read: in fp32 (see read)
         return max(1, self._tile_bytes // key_and_value_bytes)
 
+    @property
+    def largest_buffer_bytes(self) -> int:
+        return max((b.numel() * b.element_size() for b in self._buffers.values()), default=0)
+
     def read(self, cache: torch.Tensor, slots: torch.Tensor, which: str) -> torch.Tensor:
         """cache (num_slots, H, D), slots (...) -> cache[slots] as (..., H, D), upcast to fp32 on a CPU.
         `which` names the buffer ("k" or "v"): a result is valid until the next read of the same name."""
