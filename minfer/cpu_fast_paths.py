@@ -86,10 +86,19 @@ def tile_bytes() -> int:
     return max(llc // 4, 1 << 20) if llc else 4 << 20
 
 
+@lru_cache(maxsize=None)
 def packing_available(dtype: torch.dtype) -> bool:
-    if not torch.backends.mkldnn.is_available():
+    """Whether this torch build and CPU can prepack `dtype` weights: fp32 anywhere oneDNN runs, bf16
+    only with native bf16 (oneDNN would emulate it elsewhere, or refuse). A trial pack decides."""
+    if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
+    if dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), PACKING_BATCH_HINT)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

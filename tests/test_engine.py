@@ -4,7 +4,8 @@ never change a greedy result, and every KV block must come back."""
 import pytest
 import torch
 
-from minfer import LLM, SamplingParams
+from minfer import LLM, SamplingParams, cpu_fast_paths
+from minfer.cpu_fast_paths import Bf16StorageLinear
 from minfer.model import GPT2
 
 transformers = pytest.importorskip("transformers")
@@ -227,7 +228,8 @@ def engine_logits(llm: LLM, prompt: list[int], prefill: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def test_bf16_engine_matches_a_bf16_reference(tiny_checkpoint, hf_model):
+@pytest.mark.parametrize("path", ["this CPU's", "bf16 storage, fp32 matmuls"])
+def test_bf16_engine_matches_a_bf16_reference(tiny_checkpoint, hf_model, monkeypatch, path):
     """The engine in bf16 (on CPU: prepacked bf16 linears where the CPU has native bf16, context tiles
     upcast to fp32) against transformers in bf16 on the same checkpoint. Both round differently, so the
     tolerance is stated against the fp32 reference: the engine's bf16 error may be at most twice
@@ -236,7 +238,11 @@ def test_bf16_engine_matches_a_bf16_reference(tiny_checkpoint, hf_model):
     exact = hf_model(torch.tensor([prompt])).logits[0, 89:]  # (11, V) fp32 reference
     hf_bf16 = transformers.GPT2LMHeadModel.from_pretrained(tiny_checkpoint, torch_dtype=torch.bfloat16).eval()
     reference_error = (hf_bf16(torch.tensor([prompt])).logits[0, 89:].float() - exact).abs().max().item()
+    if path != "this CPU's":  # what a CPU without native bf16 runs (e.g. AVX2-only)
+        monkeypatch.setattr(cpu_fast_paths, "packing_available", lambda dtype: False)
     llm = LLM(tiny_checkpoint, dtype="bfloat16", num_kv_blocks=32, max_num_batched_tokens=37)
+    expected = cpu_fast_paths.PackedLinear if cpu_fast_paths.packing_available(torch.bfloat16) else Bf16StorageLinear
+    assert type(llm.model.h[0].mlp.c_fc) is expected
     ours = engine_logits(llm, prompt, 90)
     assert llm.scheduler.kv_cache.k.dtype == torch.bfloat16
     our_error = (ours - exact).abs().max().item()
