@@ -29,6 +29,7 @@ from minfer.bench.hf_baseline import compare, format_comparison, generate_batch,
 from minfer.bench.metrics import RunResult, format_summary, median_summary, summarize
 from minfer.bench.offline import run_offline
 from minfer.bench.online import EngineFeedReader, Endpoint, MinferServer, run_online, server_flags
+from minfer.bench.profile import format_profile, profile_steps
 from minfer.bench.roofline import format_roofline, roofline
 from minfer.bench.trace import write_trace
 from minfer.bench.workload import build_workload, read_prompts, warmup_workload
@@ -80,6 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     x.add_argument("--baseline", choices=["hf"], help="also run the workload through transformers' generate")
     x.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf baseline")
     x.add_argument("--roofline", action="store_true", help="batch-1 TPOT beside the weights/bandwidth floor")
+    x.add_argument("--profile", action="store_true",
+                   help="split prefill and decode steps into parts (KV write, context read, attention, linears, "
+                        "LM head, sampling, host), each with its bytes, FLOPs and bound")  # fmt: skip
     args = p.parse_args(argv)
     if args.base_url:
         args.mode = "online"
@@ -214,8 +218,8 @@ def print_runs(summaries: list[dict]) -> None:
 
 def run(args) -> int:
     model_dir = find_model_dir(args)
-    if (args.baseline or args.roofline) and model_dir is None:
-        raise ValueError("--baseline and --roofline load the checkpoint here: pass its directory as --tokenizer")
+    if (args.baseline or args.roofline or args.profile) and model_dir is None:
+        raise ValueError("--baseline, --roofline and --profile load the checkpoint here: pass its directory as --tokenizer")
     tokenizer = Tokenizer.from_dir(model_dir) if model_dir else None
     config = GPT2Config.from_json(model_dir / "config.json") if model_dir else None
     vocab, context = (config.vocab_size, config.n_positions) if config else (None, None)
@@ -248,12 +252,14 @@ def run(args) -> int:
         report["baseline"] = base = baseline_hf(args, model_dir, tokenizer, workloads[0], summaries[0], dtype)
         print(format_summary(base["summary"], f"transformers generate, batch {args.hf_batch_size}"))
         print(format_comparison(base["minfer_over_hf"], args.hf_batch_size))
+    if (args.roofline or args.profile) and scheduler is None:  # online: the server is gone; load minfer here
+        scheduler = LLM(str(model_dir), device=args.device, dtype=args.dtype, num_threads=args.num_threads).scheduler
     if args.roofline:
-        if scheduler is None:  # online: the server is gone; load minfer here
-            llm = LLM(str(model_dir), device=args.device, dtype=args.dtype, num_threads=args.num_threads)
-            scheduler = llm.scheduler
         report["roofline"] = roofline(scheduler, output_len=64, seed=args.seed)
         print(format_roofline(report["roofline"]))
+    if args.profile:
+        report["profile"] = profile_steps(scheduler, workloads[0])
+        print(format_profile(report["profile"]))
     if args.trace:
         write_trace(args.trace, results[-1].records, results[-1].steps, {"mode": args.mode, "model": args.model})
     if args.json:

@@ -86,10 +86,19 @@ def tile_bytes() -> int:
     return max(llc // 4, 1 << 20) if llc else 4 << 20
 
 
+@lru_cache(maxsize=None)
 def packing_available(dtype: torch.dtype) -> bool:
-    if not torch.backends.mkldnn.is_available():
+    """Whether this torch build and CPU can prepack `dtype` weights: fp32 anywhere oneDNN runs, bf16
+    only with native bf16 (oneDNN would emulate it elsewhere, or refuse). A trial pack decides."""
+    if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
+    if dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), PACKING_BATCH_HINT)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -170,6 +179,10 @@ class ContextReader:
             return None
         key_and_value_bytes = 2 * cache[0].numel() * 4 * context_len  # as read: in fp32 (see read)
         return max(1, self._tile_bytes // key_and_value_bytes)
+
+    @property
+    def largest_buffer_bytes(self) -> int:
+        return max((b.numel() * b.element_size() for b in self._buffers.values()), default=0)
 
     def read(self, cache: torch.Tensor, slots: torch.Tensor, which: str) -> torch.Tensor:
         """cache (num_slots, H, D), slots (...) -> cache[slots] as (..., H, D), upcast to fp32 on a CPU.

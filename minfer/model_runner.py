@@ -19,6 +19,7 @@ from .cpu_fast_paths import ContextReader, optimize_for_cpu
 from .paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from .sampling import sample
 from .sequence import Sequence
+from .step_parts import part
 
 
 @dataclass
@@ -48,12 +49,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> list[int]:
         """Run one step. Returns the sampled token of every sampling chunk, in chunk order."""
-        input_ids, positions, meta, sample_rows = self.prepare(chunks)
+        with part("host: prepare"):
+            input_ids, positions, meta, sample_rows = self.prepare(chunks)
         hidden = self.model.forward_paged(input_ids, positions, self.kv_cache, meta)  # (N, C)
-        logits = self.model.compute_logits(hidden[sample_rows])  # (S, V): LM head on sampling rows only
-        sampling = [c.seq for c in chunks if c.samples]
-        tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        return tokens.tolist()  # the step's single host sync
+        with part("LM head"):
+            logits = self.model.compute_logits(hidden[sample_rows])  # (S, V): LM head on sampling rows only
+        with part("sampling"):
+            sampling = [c.seq for c in chunks if c.samples]
+            tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+            return tokens.tolist()  # the step's single host sync
 
     def prepare(self, chunks: list[ScheduledChunk]):
         """Flatten the chunks into rows and describe, for attention, where each row's context is."""

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_fast_paths import ContextReader
+from .step_parts import part
 
 
 @dataclass
@@ -56,29 +57,33 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # (N, H, D)
     # Store this step's keys and values first: the queries below attend to them too.
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    with part("KV write"):
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
 
     if meta.all_decode:
-        return _decode_attention(q, k_cache, v_cache, meta.decode_groups[0], meta, scale)
+        return decode_attention(q, k_cache, v_cache, meta.decode_groups[0], meta, scale)
     out = torch.empty_like(q)
     for group in meta.decode_groups:
-        out[group.rows] = _decode_attention(q[group.rows], k_cache, v_cache, group, meta, scale)
+        out[group.rows] = decode_attention(q[group.rows], k_cache, v_cache, group, meta, scale)
     for chunk in meta.prefills:
         qs = q[chunk.start : chunk.end].transpose(0, 1)  # (H, T, D)
         if chunk.context_slots is None:  # fresh prompt: its own keys are the whole context
             ks = k[chunk.start : chunk.end].transpose(0, 1)  # (H, T, D)
             vs = v[chunk.start : chunk.end].transpose(0, 1)
-            y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+            with part("attention"):
+                y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
         else:  # continuing a prompt (chunked prefill, prefix-cache hit): read the cache
-            ks = meta.reader.read(k_cache, chunk.context_slots, "k").transpose(0, 1)  # (H, L, D)
-            vs = meta.reader.read(v_cache, chunk.context_slots, "v").transpose(0, 1)
-            y = F.scaled_dot_product_attention(qs.to(ks.dtype), ks, vs, attn_mask=chunk.mask, scale=scale)
+            with part("context read"):
+                ks = meta.reader.read(k_cache, chunk.context_slots, "k").transpose(0, 1)  # (H, L, D)
+                vs = meta.reader.read(v_cache, chunk.context_slots, "v").transpose(0, 1)
+            with part("attention"):
+                y = F.scaled_dot_product_attention(qs.to(ks.dtype), ks, vs, attn_mask=chunk.mask, scale=scale)
         out[chunk.start : chunk.end] = y.transpose(0, 1)  # (T, H, D)
     return out
 
 
-def _decode_attention(q, k_cache, v_cache, group: DecodeGroup, meta: AttentionMetadata, scale: float):
+def decode_attention(q, k_cache, v_cache, group: DecodeGroup, meta: AttentionMetadata, scale: float):
     """q (S, H, D): one query per sequence against its whole context. Returns (S, H, D).
 
     The context is read a tile of sequences at a time, so each gathered tile is still in
@@ -87,10 +92,12 @@ def _decode_attention(q, k_cache, v_cache, group: DecodeGroup, meta: AttentionMe
     step = meta.reader.seqs_per_tile(k_cache, L) or S
     out = torch.empty_like(q)
     for i in range(0, S, step):
-        ks = meta.reader.read(k_cache, group.slots[i : i + step], "k").transpose(1, 2)  # (T, L, H, D) -> (T, H, L, D)
-        vs = meta.reader.read(v_cache, group.slots[i : i + step], "v").transpose(1, 2)
+        with part("context read"):
+            ks = meta.reader.read(k_cache, group.slots[i : i + step], "k").transpose(1, 2)  # (T, L, H, D) -> (T, H, L, D)
+            vs = meta.reader.read(v_cache, group.slots[i : i + step], "v").transpose(1, 2)
         mask = None if group.mask is None else group.mask[i : i + step]  # (T, 1, 1, L)
-        qs = q[i : i + step].unsqueeze(2).to(ks.dtype)  # (T, H, 1, D)
-        y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)  # (T, H, 1, D)
-        out[i : i + step] = y.squeeze(2)  # back in q's dtype
+        with part("attention"):
+            qs = q[i : i + step].unsqueeze(2).to(ks.dtype)  # (T, H, 1, D)
+            y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)  # (T, H, 1, D)
+            out[i : i + step] = y.squeeze(2)  # back in q's dtype
     return out

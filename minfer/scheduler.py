@@ -25,6 +25,7 @@ from .model import GPT2
 from .model_runner import ModelRunner, ScheduledChunk
 from .sampling import SamplingParams, make_generator
 from .sequence import RequestOutput, Sequence, Status
+from .step_parts import part
 from .tokenizer import Tokenizer
 
 
@@ -126,10 +127,15 @@ class OnlineScheduler:
         """Run one engine step. Returns {request_id: token_id} for every token sampled."""
         start = time.perf_counter()
         preemptions_before = self.num_preemptions
-        chunks = self._schedule()
+        with part("host: schedule"):
+            chunks = self._schedule()
         if not chunks:
             return {}
         tokens = self.runner.execute(chunks)
+        with part("host: bookkeeping"):
+            return self._finish_step(chunks, tokens, start, preemptions_before)
+
+    def _finish_step(self, chunks: list[ScheduledChunk], tokens: list[int], start: float, preemptions_before: int):
         now = time.perf_counter()
         self.num_steps += 1
         self.last_chunks = chunks
@@ -140,6 +146,10 @@ class OnlineScheduler:
             "num_seqs": len(chunks),
             "num_decode_tokens": decode_tokens,
             "num_prefill_tokens": sum(c.num_tokens for c in chunks) - decode_tokens,
+            "num_sampled": len(tokens),
+            # Attention work: queries x the context each attends to, and context read from the cache.
+            "attended_pairs": sum(c.num_tokens * (c.start + c.num_tokens) for c in chunks),
+            "cached_context_tokens": sum(c.start + c.num_tokens for c in chunks if c.start > 0),
             "num_preemptions": self.num_preemptions - preemptions_before,
             "kv_blocks_used": self.allocator.num_blocks - self.allocator.num_free_blocks,
         }

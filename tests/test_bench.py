@@ -185,6 +185,34 @@ def test_baseline_hf_and_roofline(tiny_checkpoint, tmp_path, capsys):
     assert roof["measured_over_floor"] == pytest.approx(roof["measured_tpot_ms"] / roof["floor_tpot_ms"])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_profile_splits_a_step_into_parts(tiny_checkpoint, tmp_path, capsys, dtype):
+    out = run_bench(capsys, "--model", tiny_checkpoint, "--num-requests", "6", "--input-len", "40",
+                    "--output-len", "24", "--disable-tqdm", "--dtype", dtype, "--profile", "--json", tmp_path / "p.json")  # fmt: skip
+    assert f"Step-time breakdown ({dtype})" in out
+    prof = json.loads((tmp_path / "p.json").read_text())["profile"]
+    assert prof["peaks"]["read_gb_s"] > 0 and prof["peaks"]["matmul_gflop_s"] > 0
+    prefill, decode = prof["phases"]["prefill"], prof["phases"]["decode"]
+    assert prefill["prefill_tokens"] > 0 and decode["prefill_tokens"] == 0 and decode["decode_tokens"] == 6
+    C, V, L, elem = 64, 512, 2, 4 if dtype == "float32" else 2
+    for phase in (prefill, decode):
+        rows = {r["part"]: r for r in phase["rows"]}
+        assert set(rows) == {"host: schedule", "host: prepare", "KV write", "context read", "attention", "linears",
+                             "LM head", "norms, GELU, residuals", "sampling", "host: bookkeeping", "other host time"}
+        # Every part ran and the parts add up to the step: nothing counted twice.
+        assert all(r["ms_per_step"] > 0 for name, r in rows.items() if name != "context read")
+        assert sum(r["share"] for r in rows.values()) == pytest.approx(1.0, abs=0.02)
+        assert rows["linears"]["mb_per_step"] == pytest.approx(L * 12 * C * C * elem / 1e6)  # weights once a step
+        assert rows["LM head"]["mb_per_step"] == pytest.approx(V * C * elem / 1e6)
+    rows = {r["part"]: r for r in decode["rows"]}
+    # Six sequences decode at context 41..64: every token's K/V (2 x layers x C) read from the cache.
+    assert rows["context read"]["ms_per_step"] > 0
+    per_token = 2 * L * C * elem
+    assert rows["context read"]["mb_per_step"] == pytest.approx(decode["context_tokens"] * per_token / 1e6)
+    assert 6 * 41 <= decode["context_tokens"] <= 6 * 64
+    assert rows["KV write"]["mb_per_step"] == pytest.approx(6 * per_token / 1e6)
+
+
 def test_without_a_model_says_how_to_get_one(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)

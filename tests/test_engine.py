@@ -4,7 +4,8 @@ never change a greedy result, and every KV block must come back."""
 import pytest
 import torch
 
-from minfer import LLM, SamplingParams
+from minfer import LLM, SamplingParams, cpu_fast_paths
+from minfer.cpu_fast_paths import Bf16StorageLinear
 from minfer.model import GPT2
 
 transformers = pytest.importorskip("transformers")
@@ -202,6 +203,50 @@ def test_half_precision_engine(tiny_checkpoint, dtype):
     prompts = random_prompts(6, 512, seed=4, max_len=100)
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
     assert all(len(o.token_ids) == 12 for o in outs)
+    assert_all_free(llm)
+
+
+def engine_logits(llm: LLM, prompt: list[int], prefill: int) -> torch.Tensor:
+    """The engine's next-token logits at positions prefill-1 .. len(prompt)-1: a chunked prefill of
+    `prefill` tokens, then the rest teacher-forced through decode steps. Returns (T, V) in fp32."""
+    model, sched = llm.model, llm.scheduler
+    rid = sched.add_request(prompt_token_ids=prompt[:prefill], sampling_params=SamplingParams(max_tokens=20))
+    seq = sched.requests[rid]
+    logits = []
+    original = model.compute_logits
+    model.compute_logits = lambda hidden: logits.append(original(hidden)) or logits[-1]
+    try:
+        while seq.num_computed_tokens < prefill:
+            sched.step()
+        for t in prompt[prefill:]:
+            seq.token_ids[-1] = t
+            sched.step()
+    finally:
+        model.compute_logits = original
+        sched.discard_request(rid)
+    return torch.cat(logits).float()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("path", ["this CPU's", "bf16 storage, fp32 matmuls"])
+def test_bf16_engine_matches_a_bf16_reference(tiny_checkpoint, hf_model, monkeypatch, path):
+    """The engine in bf16 (on CPU: prepacked bf16 linears where the CPU has native bf16, context tiles
+    upcast to fp32) against transformers in bf16 on the same checkpoint. Both round differently, so the
+    tolerance is stated against the fp32 reference: the engine's bf16 error may be at most twice
+    transformers' own bf16 error (measured here: 0.0094 vs 0.0085 on a Zen 4 CPU)."""
+    prompt = torch.randint(0, 511, (100,), generator=torch.Generator().manual_seed(5)).tolist()
+    exact = hf_model(torch.tensor([prompt])).logits[0, 89:]  # (11, V) fp32 reference
+    hf_bf16 = transformers.GPT2LMHeadModel.from_pretrained(tiny_checkpoint, torch_dtype=torch.bfloat16).eval()
+    reference_error = (hf_bf16(torch.tensor([prompt])).logits[0, 89:].float() - exact).abs().max().item()
+    if path != "this CPU's":  # what a CPU without native bf16 runs (e.g. AVX2-only)
+        monkeypatch.setattr(cpu_fast_paths, "packing_available", lambda dtype: False)
+    llm = LLM(tiny_checkpoint, dtype="bfloat16", num_kv_blocks=32, max_num_batched_tokens=37)
+    expected = cpu_fast_paths.PackedLinear if cpu_fast_paths.packing_available(torch.bfloat16) else Bf16StorageLinear
+    assert type(llm.model.h[0].mlp.c_fc) is expected
+    ours = engine_logits(llm, prompt, 90)
+    assert llm.scheduler.kv_cache.k.dtype == torch.bfloat16
+    our_error = (ours - exact).abs().max().item()
+    assert 0 < our_error <= 2 * reference_error, (our_error, reference_error)
     assert_all_free(llm)
 
 

@@ -32,7 +32,7 @@ with tempfile.TemporaryDirectory() as tmp:
     report_file, trace_file = Path(tmp) / "report.json", Path(tmp) / "run.trace.json"
     cmd = [sys.executable, str(BENCH), "--model", path, "--num-requests", "6", "--input-len", "8:24",
            "--output-len", "4:12", "--max-num-seqs", str(MAX_SEQS), "--json", str(report_file),
-           "--trace", str(trace_file), "--roofline", "--disable-tqdm"]  # fmt: skip
+           "--trace", str(trace_file), "--roofline", "--profile", "--disable-tqdm"]  # fmt: skip
     print("$ python bench.py " + " ".join(cmd[2:]))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     print(done.stdout)
@@ -145,6 +145,20 @@ assert roof["weight_bytes"] == 4 * params and roof["dtype"] == "float32"
 assert math.isclose(roof["floor_tpot_ms"], 1e3 * roof["weight_bytes"] / (1e9 * roof["bandwidth_gb_s"]), rel_tol=1e-9)
 # On the tiny checkpoint the weights fit in the CPU's cache and per-step Python work dominates, so the
 # ratio is large; on gpt2 (497 MB) the weights are the main cost and the ratio is what to optimise.
+section("where a step's time goes (--profile)")
+phases = report["profile"]["phases"]
+decode = {row["part"]: row for row in phases["decode"]["rows"]}
+print(f"a steady decode step of {phases['decode']['seqs']:.0f} sequences: {phases['decode']['ms_per_step']:.2f} ms")
+for name, row in sorted(decode.items(), key=lambda item: -item[1]["ms_per_step"])[:5]:
+    print(f"  {name:<24} {row['ms_per_step']:6.2f} ms  {row['share']:6.1%}")
+# The parts cover the step once each: their shares add up to the whole step.
+assert abs(sum(row["share"] for row in decode.values()) - 1) < 0.02
+# The linears' bytes are the block weights, read once per step whatever the batch: 12 C^2 per layer.
+assert math.isclose(decode["linears"]["mb_per_step"], L * 12 * C * C * 4 / 1e6, rel_tol=1e-9)
+# And the LM head reads the (tied) V x C embedding once, for the sampling rows only.
+assert math.isclose(decode["LM head"]["mb_per_step"], V * C * 4 / 1e6, rel_tol=1e-9)
+print("(on gpt2 the linears and LM head dominate a small batch; context read and attention grow with it)")
+
 print("\nopen the trace yourself: python bench.py ... --trace run.trace.json, then ui.perfetto.dev -> "
       "Open trace file")
 print("\nOK: the summary recomputed from the records, and a trace showing requests joining and leaving the batch.")

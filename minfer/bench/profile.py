@@ -1,0 +1,172 @@
+"""Where an engine step's time goes: `python bench.py --profile`.
+
+The workload's requests are added at once (up to max_num_seqs run together) and
+two windows of steps are recorded with torch.profiler: the first steps, where the
+prompts are prefilled (next to whatever already decodes), and steps of steady
+decoding once every prompt is in. Each op's own time is sorted into the parts of
+a step (step_parts.py names them): host-side scheduling and preparation, KV write,
+context read (the gather), attention, linears, the LM head, sampling, and the
+small ops in between (layer norms, GELU, residual adds, embeddings).
+
+Beside each part: the bytes it must move and the FLOPs it must do, what rate
+that comes to, and which one bounds it on this machine: the time the bytes would
+take at the measured read bandwidth, or the FLOPs at the measured matmul rate,
+whichever is longer, is that part's floor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from .. import step_parts
+from ..scheduler import OnlineScheduler
+from .offline import _submit
+from .roofline import measure_bandwidth
+from .workload import BenchRequest
+
+LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::matmul",
+              "aten::linear")  # fmt: skip
+ROWS = ("host: schedule", "host: prepare", "KV write", "context read", "attention", "linears", "LM head",
+        "norms, GELU, residuals", "sampling", "host: bookkeeping", "other host time")  # fmt: skip
+
+
+def profile_steps(scheduler: OnlineScheduler, requests: list[BenchRequest], num_steps: int = 6) -> dict:
+    """Run the requests, profiling `num_steps` prefill-phase steps and `num_steps` steady decode steps."""
+    ids = [_submit(scheduler, r) for r in requests]
+    try:
+        prefill = _record(scheduler, num_steps)
+        # Then run on until the batch decodes steadily: nothing waiting, no prompt left to prefill.
+        while scheduler.has_unfinished() and (scheduler.waiting or scheduler.last_step["num_prefill_tokens"]):
+            scheduler.step()
+        decode = _record(scheduler, num_steps) if scheduler.has_unfinished() else None
+    finally:
+        for i in ids:
+            scheduler.discard_request(i)
+    model = scheduler.model
+    peaks = {"read_gb_s": measure_bandwidth(model.device)[0] / 1e9, "matmul_gflop_s": matmul_rate(model) / 1e9}
+    return {"peaks": peaks, "dtype": str(model.dtype).removeprefix("torch."),
+            "phases": {name: breakdown(phase, model, peaks) for name, phase in
+                       (("prefill", prefill), ("decode", decode)) if phase}}  # fmt: skip
+
+
+def _record(scheduler: OnlineScheduler, num_steps: int) -> dict | None:
+    steps, wall = [], 0.0
+    step_parts.enable(True)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(num_steps):
+                if not scheduler.has_unfinished():
+                    break
+                start = time.perf_counter()
+                before = scheduler.num_steps
+                scheduler.step()
+                wall += time.perf_counter() - start
+                if scheduler.num_steps > before:
+                    steps.append(dict(scheduler.last_step))
+    finally:
+        step_parts.enable(False)
+    return {"events": prof.events(), "steps": steps, "wall": wall} if steps else None
+
+
+def part_times(events) -> dict[str, float]:
+    """Seconds per part: a labelled part's whole range; outside them, each op's own time by kind."""
+    times: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.name in step_parts.PARTS:
+            times[e.name] += e.cpu_time_total / 1e6
+        elif not _inside_part(e):
+            kind = "linears" if e.name in LINEAR_OPS else "norms, GELU, residuals"
+            times[kind] += e.self_cpu_time_total / 1e6
+    return times
+
+
+def _inside_part(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in step_parts.PARTS:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def step_work(steps: list[dict], model) -> dict[str, tuple[float, float]]:
+    """(bytes, FLOPs) each part must move and compute over these steps, from what they scheduled."""
+    c = model.config
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    linear_params = c.n_layer * (4 * c.n_embd * c.n_embd + 2 * c.n_embd * c.mlp_dim)
+    head_params = c.vocab_size * c.n_embd
+    token_kv = 2 * c.n_layer * c.n_embd * elem  # keys + values of one token, all layers
+    work = defaultdict(lambda: [0.0, 0.0])
+    for s in steps:
+        tokens = s["num_decode_tokens"] + s["num_prefill_tokens"]
+        work["linears"][0] += linear_params * elem  # every weight read once a step
+        work["linears"][1] += 2 * linear_params * tokens
+        work["LM head"][0] += head_params * elem
+        work["LM head"][1] += 2 * head_params * s["num_sampled"]
+        work["KV write"][0] += tokens * token_kv
+        work["context read"][0] += s["cached_context_tokens"] * token_kv
+        work["attention"][0] += s["cached_context_tokens"] * token_kv
+        work["attention"][1] += 4 * c.n_layer * c.n_embd * s["attended_pairs"]  # q.k and p.v
+    return {k: tuple(v) for k, v in work.items()}
+
+
+def breakdown(phase: dict, model, peaks: dict) -> dict:
+    steps, n = phase["steps"], len(phase["steps"])
+    times = part_times(phase["events"])
+    times["other host time"] = max(0.0, phase["wall"] - sum(times.values()))  # Python between ops
+    work = step_work(steps, model)
+    rows = []
+    for name in ROWS:
+        seconds = times.get(name, 0.0)
+        nbytes, flops = work.get(name, (0.0, 0.0))
+        floor = max(nbytes / (peaks["read_gb_s"] * 1e9), flops / (peaks["matmul_gflop_s"] * 1e9))
+        bound = "" if floor == 0 else ("memory" if nbytes / peaks["read_gb_s"] > flops / peaks["matmul_gflop_s"] else
+                                       "compute")  # fmt: skip
+        rows.append({"part": name, "ms_per_step": 1e3 * seconds / n, "share": seconds / phase["wall"],
+                     "mb_per_step": nbytes / n / 1e6, "gflop_per_step": flops / n / 1e9,
+                     "gb_s": nbytes / seconds / 1e9 if seconds else 0.0,
+                     "gflop_s": flops / seconds / 1e9 if seconds else 0.0,
+                     "bound": bound, "of_floor": floor / seconds if seconds and floor else None})  # fmt: skip
+    mean = lambda key: sum(s[key] for s in steps) / n  # noqa: E731
+    return {"num_steps": n, "ms_per_step": 1e3 * phase["wall"] / n, "seqs": mean("num_seqs"),
+            "decode_tokens": mean("num_decode_tokens"), "prefill_tokens": mean("num_prefill_tokens"),
+            "context_tokens": mean("cached_context_tokens"), "rows": rows}  # fmt: skip
+
+
+def matmul_rate(model) -> float:
+    """FLOP/s of a batch-sized matmul through the model's own first linear (fast paths included)."""
+    linear = model.h[0].mlp.c_fc
+    x = torch.randn(256, model.config.n_embd, dtype=model.dtype, device=model.device)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(5):
+            start = time.perf_counter()
+            linear(x)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+            best = min(best, time.perf_counter() - start)
+    return 2 * x.shape[0] * model.config.n_embd * model.config.mlp_dim / best
+
+
+def format_profile(p: dict) -> str:
+    peaks = p["peaks"]
+    lines = [f"{' Step-time breakdown (' + p['dtype'] + ') ':=^100}",
+             f"machine: read bandwidth {peaks['read_gb_s']:.1f} GB/s, matmul {peaks['matmul_gflop_s']:.0f} GFLOP/s "
+             f"(a 256-row linear); 'of floor' = the part's floor time / its measured time"]  # fmt: skip
+    for name, ph in p["phases"].items():
+        lines.append(f"-- {name}: {ph['num_steps']} steps of {ph['ms_per_step']:.1f} ms; per step "
+                     f"{ph['seqs']:.0f} seqs, {ph['decode_tokens']:.0f} decode + {ph['prefill_tokens']:.0f} prefill "
+                     f"tokens, {ph['context_tokens']:.0f} context tokens read from the KV cache")  # fmt: skip
+        lines.append(f"{'part':<24}{'ms/step':>9}{'share':>8}{'MB/step':>10}{'GB/s':>8}{'GFLOP/step':>12}"
+                     f"{'GFLOP/s':>9}  {'bound':<8}{'of floor':>8}")  # fmt: skip
+        for r in ph["rows"]:
+            of_floor = "" if r["of_floor"] is None else f"{r['of_floor']:.0%}"
+            lines.append(f"{r['part']:<24}{r['ms_per_step']:>9.2f}{r['share']:>8.1%}{r['mb_per_step']:>10.1f}"
+                         f"{r['gb_s']:>8.1f}{r['gflop_per_step']:>12.2f}{r['gflop_s']:>9.1f}  {r['bound']:<8}"
+                         f"{of_floor:>8}")  # fmt: skip
+    lines.append("=" * 100)
+    return "\n".join(lines)
