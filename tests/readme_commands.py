@@ -113,7 +113,7 @@ def skip_reason(snippet: Snippet) -> str | None:
     text = snippet.text
     if snippet.lang == "bash":
         if re.match(r"pip3? install", text):
-            return "installs packages: .ci/run installs minfer in fresh environments as the README says"
+            return "installs packages, which .ci/run does in fresh environments"
         if "pytest" in text:
             return "runs the test suite, which this test is part of"
         if "bench.py" in text:
