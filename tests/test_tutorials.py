@@ -1,5 +1,5 @@
-"""Every tutorial script runs to the end (its own asserts pass) on a tiny random checkpoint,
-every stage has its chapter and its script, and the index links them all."""
+"""Every tutorial script runs to the end (its own asserts pass) on two random GPT-2 shapes, one
+with a short context, every stage has its chapter and its script, and the index links them all."""
 
 import os
 import re
@@ -19,44 +19,51 @@ STAGES = [
     "05_tokenizer_streaming", "06_static_batching", "07_block_allocator", "08_paged_attention",
     "09_prefix_caching", "10_online_scheduler", "11_scheduler_manager", "12_http_server", "13_benchmarking",
 ]  # fmt: skip
+# Every stage takes its sizes from the checkpoint's config: it must run on any GPT-2 shape.
+SHAPES = {
+    "tiny": {},  # 2 layers, 4 heads, 64 channels, a 512-token context
+    "short": dict(n_positions=128, n_head=3, n_embd=48, n_layer=3),  # the shortest context supported
+}
 TEST_NAME = "test_tutorial_script_runs"
 
 
 @pytest.fixture(scope="session")
-def script_runs(request, tiny_checkpoint):
-    """Start the selected scripts in the background, two at a time. Most of each script's few
-    seconds is start-up (importing torch, building the model), so two at once keep two cores busy."""
+def script_runs(request, make_checkpoint):
+    """Start the selected (shape, script) runs in the background, two at a time. Most of each
+    script's few seconds is start-up (importing torch, building the model), so two at once keep
+    two cores busy."""
+    selected = [
+        (item.callspec.params["shape"], item.callspec.params["script"])
+        for item in request.session.items
+        if getattr(item, "originalname", None) == TEST_NAME
+    ]
+    checkpoints = {shape: make_checkpoint("tiny", **SHAPES[shape]) for shape, _ in selected}
     env = {
         **os.environ,
-        "MINFER_MODEL": str(tiny_checkpoint),
         "HF_HUB_OFFLINE": "1",
         "OMP_NUM_THREADS": "1",  # two scripts at once on a small machine: don't oversubscribe it
         "PYTHONUNBUFFERED": "1",
     }
 
-    def run(script: Path) -> subprocess.CompletedProcess:
+    def run(shape: str, script: Path) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, str(script)], cwd=TUTORIALS.parent, env=env,
-            capture_output=True, text=True, timeout=180,
+            [sys.executable, str(script)], cwd=TUTORIALS.parent,
+            env={**env, "MINFER_MODEL": str(checkpoints[shape])}, capture_output=True, text=True, timeout=180,
         )  # fmt: skip
 
-    selected = [
-        item.callspec.params["script"]
-        for item in request.session.items
-        if getattr(item, "originalname", None) == TEST_NAME
-    ]
     pool = ThreadPoolExecutor(max_workers=2)
     # Later stages run more of the engine and take longer: start them first, so the run
     # does not end with one long script on one core while the other sits idle.
-    yield {script: pool.submit(run, script) for script in sorted(selected, reverse=True)}
+    yield {key: pool.submit(run, *key) for key in sorted(selected, key=lambda key: key[1], reverse=True)}
     pool.shutdown(wait=True, cancel_futures=True)  # after -x, don't start the ones nobody will check
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
-def test_tutorial_script_runs(script_runs, script):
-    result = script_runs[script].result()
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tutorial_script_runs(script_runs, shape, script):
+    result = script_runs[shape, script].result()
     assert result.returncode == 0, (
-        f"{script.name} exited with {result.returncode}\n"
+        f"{script.name} on the {shape} checkpoint {SHAPES[shape]} exited with {result.returncode}\n"
         f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
     )
     assert result.stdout.strip(), f"{script.name} printed nothing"

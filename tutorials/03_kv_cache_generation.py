@@ -29,6 +29,7 @@ cfg = model.config
 prompt = tokenizer.encode("In the beginning the Universe was created. This has made a lot of people very angry "
                           "and been widely regarded as a bad move. Many races believe that it was created by")
 NEW_TOKENS = 48
+prompt = prompt[: cfg.n_positions // 2]  # prompt and new tokens fit any context from 128 positions up
 P = len(prompt)
 
 
