@@ -15,9 +15,10 @@ Figures go stale and differ between CPUs; bench.py prints them for the machine a
    the path torch.compile's CPU backend uses); the same matmul then runs faster
    at every row count, one row (memory-bound) or hundreds (compute-bound). The
    packed copy replaces the plain weight, so memory does not grow.
-2. The LM head, prepacked the same way. Its weight is tied to the token
+2. The LM head, prepacked the same way (`LMHead`). Its weight is tied to the token
    embedding, which the input lookup still needs, so this is a second copy of the
    (V, C) matrix: worth it, the LM head is a third of GPT-2 small's weight bytes.
+   In fp32 a one-row step uses a third copy, sliced per thread (see LMHead).
 3. bf16, by hardware. With AVX512-BF16 or AMX, bf16 matmuls run natively, several
    times faster than fp32, and get packed like fp32. Without them (e.g. AVX2-only
    CPUs) torch emulates bf16 matmuls, several times slower than fp32: there
@@ -33,8 +34,7 @@ Figures go stale and differ between CPUs; bench.py prints them for the machine a
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
-from typing import Callable
+from functools import lru_cache
 
 import torch
 import torch.nn as nn
@@ -135,10 +135,10 @@ class Bf16StorageLinear(nn.Linear):
         return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
 
 
-def optimize_for_cpu(model: nn.Module, lm_head_weight: torch.Tensor | None = None) -> Callable | None:
+def optimize_for_cpu(model: nn.Module, lm_head_weight: torch.Tensor | None = None) -> LMHead | None:
     """Swap every nn.Linear of `model` for its fast CPU equivalent, in place. With `lm_head_weight`,
-    also return a fast LM head function (None where the plain matmul is as good). The function is
-    no module: the copy it holds is not one of the model's parameters."""
+    also return a fast LM head (None where the plain matmul is as good). It is no module: the copies
+    it holds are not parameters of the model."""
     dtype = next(model.parameters()).dtype
     if packing_available(dtype):
         make = PackedLinear
@@ -152,7 +152,33 @@ def optimize_for_cpu(model: nn.Module, lm_head_weight: torch.Tensor | None = Non
                 setattr(parent, name, make(child))
     if lm_head_weight is None or make is not PackedLinear:
         return None
-    return partial(packed_linear, weight=pack_weight(lm_head_weight))
+    return LMHead(lm_head_weight)
+
+
+class LMHead:
+    """The LM head on a CPU (path 2): a prepacked copy of the (V, C) matrix for batches. In fp32 a
+    single row also has a copy sliced per thread: (P, C, V/P), one contiguous slice per core run as a
+    batched matmul. oneDNN's one-row GEMV reads the matrix at about half that speed, and a batch-1
+    decode step spends a third of its bytes here. One more copy of the matrix buys it."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.vocab_size = weight.shape[0]
+        self.packed = pack_weight(weight)
+        threads = torch.get_num_threads()
+        self.sliced = None
+        if weight.dtype == torch.float32 and threads > 1:
+            V, C = weight.shape
+            width = -(-V // threads)
+            padded = torch.zeros(threads * width, C, dtype=weight.dtype)
+            padded[:V] = weight
+            self.sliced = padded.t().reshape(C, threads, width).permute(1, 0, 2).contiguous()  # (P, C, V/P)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (S, C) -> (S, V)
+        if self.sliced is None or x.shape != (1, self.sliced.shape[1]):  # one (1, C) row only
+            return packed_linear(x, self.packed)
+        P, C, width = self.sliced.shape
+        logits = torch.bmm(x.expand(P, 1, C), self.sliced)  # (P, 1, V/P): a slice per core
+        return logits.transpose(0, 1).reshape(1, P * width)[:, : self.vocab_size]
 
 
 def _as_bf16_storage(linear: nn.Linear) -> Bf16StorageLinear:

@@ -20,8 +20,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from _common import model_path, section
+from minfer.config import GPT2Config
 from minfer.serve import create_server
 from minfer.tokenizer import Tokenizer
 
@@ -47,7 +49,10 @@ tokenizer = Tokenizer.from_dir(path)
 NAME = "tutorial-model"  # what clients put in "model"
 
 section("start the server in-process on a free port")
-server = create_server(path, port=0, num_kv_blocks=64, max_num_seqs=8, served_model_name=NAME)
+CONTEXT = GPT2Config.from_json(Path(path) / "config.json").n_positions
+# 64 blocks of 16 tokens, or fewer on a short context: 8 running requests must be able to outgrow it.
+KV_BLOCKS = min(64, 4 * CONTEXT // 16)
+server = create_server(path, port=0, num_kv_blocks=KV_BLOCKS, max_num_seqs=8, served_model_name=NAME)
 http_thread = threading.Thread(target=server.serve_forever, name="minfer-http", daemon=True)
 http_thread.start()
 host, port = server.server_address[:2]
@@ -219,10 +224,14 @@ threading.Thread(target=read_feed, daemon=True).start()
 secret = "Gandalf " * 10  # a prompt of a few full blocks, which a second identical prompt reuses
 first = stream_ids({"prompt": secret, "max_tokens": 4}, 1)
 second = stream_ids({"prompt": secret, "max_tokens": 4}, 1)
-# Four requests of ~300 tokens need ~80 blocks; the cache has 64, so the newest get preempted.
-crowd = stream_ids({"prompt": "One two three", "max_tokens": min(300, server.info.max_model_len - 8),
-                    "ignore_eos": True}, 4)  # fmt: skip
+# Together (at most 8 run at once) the crowd needs more than the cache's blocks, so the newest get preempted.
+long = min(300, server.info.max_model_len // 2)  # tokens each crowd request generates
+crowd = stream_ids({"prompt": "One two three", "max_tokens": long, "ignore_eos": True},
+                   min(8, KV_BLOCKS * 16 // long + 2))  # fmt: skip
+assert None not in crowd, "every crowd request was accepted (its engine id came back)"
+deadline = time.monotonic() + 120
 while not seen_finished(first + second + crowd):
+    assert time.monotonic() < deadline, "the feed never reported every request finished"
     time.sleep(0.02)
 snapshot, steps = events[0], [e for e in events if e["type"] == "step"]
 print(f"snapshot: {snapshot['num_blocks']} blocks ('{snapshot['blocks'][:24]}...': f free, u used, c cached); "
@@ -234,7 +243,7 @@ print(f"prefix hit: request {second[0]} joined with {joined[6]} of its {joined[1
 full_blocks = (joined[1] - 1) // 16 * 16  # every full block but the one holding the last prompt token
 assert joined[6] == first_chunk[1] == full_blocks > 0, (joined, first_chunk)
 preempted = [(s["step"], rid) for s in steps for rid in s["preempted"]]
-assert preempted, "64 blocks should not hold four 300-token requests"
+assert preempted, f"{KV_BLOCKS} blocks should not hold {len(crowd)} requests of {long}+ tokens"
 step_no, victim = preempted[0]
 back = next(s["step"] for s in steps if s["step"] > step_no and any(c[0] == victim for c in s["chunks"]))
 print(f"preemption: at step {step_no} request {victim} left the running set and freed its blocks; "

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from . import __doc__ as DOC
 from .clients import Tally, Target
-from .soak import SoakConfig, run_spawned, soak
+from .soak import ServerDidNotStart, SoakConfig, run_spawned, soak
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SoakConfig(duration=args.duration, streams=args.streams, seed=args.seed)
     tally = Tally()
     if args.model:
-        figures, tally = run_spawned(args.model, cfg, kv_blocks=args.kv_blocks, tally=tally)
+        try:
+            figures, tally = run_spawned(args.model, cfg, kv_blocks=args.kv_blocks, tally=tally)
+        except ServerDidNotStart as e:  # the server's own one-line error, no traceback of ours
+            print(f"python -m minfer.stress: {e}", file=sys.stderr)
+            return 1
     else:
         url = urlsplit(args.base_url if "://" in args.base_url else "http://" + args.base_url)
         cfg.write_timeout = args.write_timeout

@@ -142,6 +142,10 @@ def replay(target: Target, cfg: SoakConfig, tally: Tally) -> int:
 # ---- a server of our own, and SIGTERM in the middle of a soak --------------------------
 
 
+class ServerDidNotStart(RuntimeError):
+    """minfer.serve exited before listening (a bad --model, say); the message holds its log's tail."""
+
+
 def spawn_server(model: str, kv_blocks: int, log_path: str) -> tuple[subprocess.Popen, int]:
     t = str(SPAWN_TIMEOUTS)
     cmd = [sys.executable, "-m", "minfer.serve", "--model", model, "--port", "0", "--num-kv-blocks", str(kv_blocks),
@@ -151,7 +155,7 @@ def spawn_server(model: str, kv_blocks: int, log_path: str) -> tuple[subprocess.
     line = proc.stdout.readline()  # "minfer: serving ... on http://127.0.0.1:PORT ..." once it listens
     if "serving" not in line:
         proc.kill()
-        raise RuntimeError(f"the server did not start: {open(log_path).read()[-2000:]}")
+        raise ServerDidNotStart(f"the server did not start: {open(log_path).read()[-2000:].strip()}")
     return proc, int(line.rsplit(":", 1)[1].split()[0])
 
 
