@@ -106,9 +106,24 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_BATCH_HINT)
 
 
+def padded_rows(n: int) -> int:
+    """n rounded up to one of a few row counts: exact up to 16, then four steps per doubling (at most
+    25% padding). oneDNN compiles and caches a kernel for every input shape it sees, about a MB each
+    on GPT-2's matrices: a server's ever-changing token counts would grow memory by GBs without this."""
+    if n <= 16:
+        return n
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a weight from pack_weight: x (..., in) -> (..., out)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1])  # (M, in)
+    M = rows.shape[0]
+    if padded_rows(M) != M:
+        rows = F.pad(rows, (0, 0, 0, padded_rows(M) - M))  # zero rows, dropped below
+    y = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")  # (M', out)
+    return y[:M].view(*x.shape[:-1], y.shape[-1])
 
 
 class PackedLinear(nn.Module):

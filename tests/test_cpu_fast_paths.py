@@ -1,0 +1,60 @@
+"""CPU fast paths compute what the plain ops compute, with bounded memory."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minfer import cpu_fast_paths
+from minfer.cpu_fast_paths import ContextReader, LMHead, PackedLinear, optimize_for_cpu, padded_rows
+
+needs_packing = pytest.mark.skipif(not cpu_fast_paths.packing_available(torch.float32),
+                                   reason="this torch build has no oneDNN (mkldnn) to pack weights with")  # fmt: skip
+
+
+def test_row_counts_are_rounded_to_a_few_sizes():
+    """oneDNN caches a kernel per shape: the sizes a server sees must collapse to a handful."""
+    sizes = {padded_rows(n) for n in range(1, 1025)}
+    assert len(sizes) <= 45
+    assert all(n <= padded_rows(n) <= 1.25 * n for n in range(1, 1025))
+    assert all(padded_rows(n) == n for n in range(1, 17))  # decode batches up to 16: no padding at all
+
+
+@needs_packing
+@pytest.mark.parametrize("shape", [(1, 24), (5, 24), (17, 24), (70, 24), (2, 9, 24)])
+def test_packed_linear_equals_nn_linear(shape):
+    torch.manual_seed(0)
+    linear = nn.Linear(24, 40)
+    x = torch.randn(*shape)
+    torch.testing.assert_close(PackedLinear(linear)(x), linear(x))
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 3, 33])
+def test_lm_head_equals_the_tied_matmul(rows):
+    torch.manual_seed(0)
+    wte = torch.randn(101, 16)  # a vocabulary that does not split evenly across threads
+    x = torch.randn(rows, 16)
+    torch.testing.assert_close(LMHead(wte)(x), F.linear(x, wte))
+
+
+def test_optimize_for_cpu_swaps_every_linear_in_place():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Sequential(nn.Linear(12, 8)))
+    x = torch.randn(3, 8)
+    expected = model(x)
+    optimize_for_cpu(model)
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    torch.testing.assert_close(model(x), expected)
+
+
+def test_context_reader_upcasts_bf16_and_keeps_its_buffers():
+    cache = torch.randn(64, 2, 4).bfloat16()  # (slots, H, D)
+    slots = torch.tensor([[5, 6, 7], [40, 41, 0]])
+    reader = ContextReader()
+    out = reader.read(cache, slots, "k")
+    assert out.dtype == torch.float32 and out.shape == (2, 3, 2, 4)
+    torch.testing.assert_close(out, cache[slots].float())
+    size = reader.largest_buffer_bytes
+    reader.read(cache, slots[:1], "k")  # smaller reads reuse the buffer: nothing new is allocated
+    assert reader.largest_buffer_bytes == size
