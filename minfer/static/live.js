@@ -39,22 +39,27 @@ async function connect() {
   }
   if (!resp.ok) return retry(`HTTP ${resp.status}`);
   setStatus("live", "live");
+  try {
+    await readEvents(resp, onMessage);
+  } catch (e) { /* the connection dropped: reconnect below */ }
+  retry("disconnected");
+}
+
+// Calls onMessage(text) for every Server-Sent Events message of a fetch response, until it ends.
+async function readEvents(resp, onMessage) {
   const reader = resp.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
-  try {
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, { stream: true });
-      let end;
-      while ((end = buffer.indexOf("\n\n")) >= 0) {
-        onMessage(buffer.slice(0, end));
-        buffer = buffer.slice(end + 2);
-      }
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      onMessage(buffer.slice(0, end));
+      buffer = buffer.slice(end + 2);
     }
-  } catch (e) { /* the connection dropped: reconnect below */ }
-  retry("disconnected");
+  }
 }
 
 function retry(why) {
@@ -329,22 +334,13 @@ $("play-form").addEventListener("submit", async (ev) => {
     }
     view.mine = resp.headers.get("X-Engine-Request-Id");
     markMine();
-    const reader = resp.body.getReader(), decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, { stream: true });
-      let end;
-      while ((end = buffer.indexOf("\n\n")) >= 0) {
-        const line = buffer.slice(0, end).replace(/^data: ?/, "");
-        buffer = buffer.slice(end + 2);
-        if (line === "[DONE]") continue;
-        const chunk = JSON.parse(line);
-        if (chunk.error) out.textContent += `\n[error: ${chunk.error.message}]`;
-        for (const choice of chunk.choices || []) out.textContent += choice.text || "";
-      }
-    }
+    await readEvents(resp, (message) => {
+      const line = message.replace(/^data: ?/, "");
+      if (line === "[DONE]") return;
+      const chunk = JSON.parse(line);
+      if (chunk.error) out.textContent += `\n[error: ${chunk.error.message}]`;
+      for (const choice of chunk.choices || []) out.textContent += choice.text || "";
+    });
   } catch (e) {
     if (e.name !== "AbortError") out.textContent += `\n[${e.message}]`;
   } finally {
