@@ -120,8 +120,9 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """F.linear for a weight from pack_weight: x (..., in) -> (..., out)."""
     rows = x.reshape(-1, x.shape[-1])  # (M, in)
     M = rows.shape[0]
-    if padded_rows(M) != M:
-        rows = F.pad(rows, (0, 0, 0, padded_rows(M) - M))  # zero rows, dropped below
+    padding = padded_rows(M) - M
+    if padding:
+        rows = F.pad(rows, (0, 0, 0, padding))  # zero rows, dropped below
     y = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")  # (M', out)
     return y[:M].view(*x.shape[:-1], y.shape[-1])
 

@@ -42,7 +42,7 @@ def run_offline(
                 ):
                     r = pending.popleft()
                     submit = time.perf_counter() - t0
-                    rid = _submit(scheduler, r)
+                    rid = submit_request(scheduler, r)
                     live[rid] = unscheduled[rid] = RequestRecord(r.index, r.input_len, r.output_len,
                                                                  submit_time=submit)  # fmt: skip
                 if not live:  # idle until the next arrival
@@ -69,7 +69,7 @@ def run_offline(
     return RunResult(sorted(done, key=lambda r: r.index), duration, steps)
 
 
-def _submit(scheduler: OnlineScheduler, r: BenchRequest) -> str:
+def submit_request(scheduler: OnlineScheduler, r: BenchRequest) -> str:
     # Greedy, and ignore_eos so every request produces exactly its output length.
     params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
     if r.prompt_token_ids is not None:

@@ -24,8 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from .. import step_parts
 from ..scheduler import OnlineScheduler
-from .offline import _submit
-from .roofline import measure_bandwidth
+from .offline import submit_request
+from .roofline import best_time, measure_bandwidth
 from .workload import BenchRequest
 
 LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::matmul",
@@ -36,7 +36,7 @@ ROWS = ("host: schedule", "host: prepare", "KV write", "context read", "attentio
 
 def profile_steps(scheduler: OnlineScheduler, requests: list[BenchRequest], num_steps: int = 6) -> dict:
     """Run the requests, profiling `num_steps` prefill-phase steps and `num_steps` steady decode steps."""
-    ids = [_submit(scheduler, r) for r in requests]
+    ids = [submit_request(scheduler, r) for r in requests]
     try:
         prefill = _record(scheduler, num_steps)
         # Then run on until the batch decodes steadily: nothing waiting, no prompt left to prefill.
@@ -141,15 +141,9 @@ def matmul_rate(model) -> float:
     """FLOP/s of a batch-sized matmul through the model's own first linear (fast paths included)."""
     linear = model.h[0].mlp.c_fc
     x = torch.randn(256, model.config.n_embd, dtype=model.dtype, device=model.device)
-    best = float("inf")
     with torch.inference_mode():
-        for _ in range(5):
-            start = time.perf_counter()
-            linear(x)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize(model.device)
-            best = min(best, time.perf_counter() - start)
-    return 2 * x.shape[0] * model.config.n_embd * model.config.mlp_dim / best
+        seconds = best_time(lambda: linear(x), model.device)
+    return 2 * x.shape[0] * model.config.n_embd * model.config.mlp_dim / seconds
 
 
 def format_profile(p: dict) -> str:

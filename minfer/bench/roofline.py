@@ -28,25 +28,26 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def best_time(op, device: torch.device, repeats: int = 5) -> float:
+    """The fastest of `repeats` runs of op(), in seconds (on a GPU, synchronised around each run)."""
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        op()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, repeats: int = 5) -> tuple[float, float]:
     """(read, copy) bytes per second: a large tensor summed (read only), and copied (read + write counted)."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # touched, so no page faults are timed
     dst = torch.zeros_like(src)
-
-    def best_time(op) -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            op()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    read = nbytes / best_time(src.sum)
-    copy = 2 * nbytes / best_time(lambda: dst.copy_(src))
+    read = nbytes / best_time(src.sum, device, repeats)
+    copy = 2 * nbytes / best_time(lambda: dst.copy_(src), device, repeats)
     return read, copy
 
 
