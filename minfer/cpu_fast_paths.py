@@ -151,34 +151,34 @@ class Bf16StorageLinear(nn.Linear):
         return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
 
 
-def optimize_for_cpu(model: nn.Module, lm_head_weight: torch.Tensor | None = None) -> LMHead | None:
-    """Swap every nn.Linear of `model` for its fast CPU equivalent, in place. With `lm_head_weight`,
-    also return a fast LM head (None where the plain matmul is as good). It is no module: the copies
-    it holds are not parameters of the model."""
+def optimize_for_cpu(model: nn.Module) -> None:
+    """Swap every nn.Linear of `model` for its fast CPU equivalent, in place; `model.lm_head`, if it
+    has one, becomes an LMHead. Calling it again changes nothing."""
     dtype = next(model.parameters()).dtype
     if packing_available(dtype):
         make = PackedLinear
     elif dtype == torch.bfloat16:
         make = _as_bf16_storage
     else:
-        return None
+        return
+    if make is PackedLinear and type(getattr(model, "lm_head", None)) is nn.Linear:
+        model.lm_head = LMHead(model.lm_head.weight)
     for parent in list(model.modules()):
         for name, child in parent.named_children():
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and not (parent is model and name == "lm_head"):
                 setattr(parent, name, make(child))
-    if lm_head_weight is None or make is not PackedLinear:
-        return None
-    return LMHead(lm_head_weight)
 
 
-class LMHead:
+class LMHead(nn.Module):
     """The LM head on a CPU (path 2): a prepacked copy of the (V, C) matrix for batches. In fp32 a
     single row also has a copy sliced per thread: (P, C, V/P), one contiguous slice per core run as a
     batched matmul. oneDNN's one-row GEMV reads the matrix at about half that speed, and a batch-1
     decode step spends a third of its bytes here. One more copy of the matrix buys it."""
 
     def __init__(self, weight: torch.Tensor):
+        super().__init__()
         self.vocab_size = weight.shape[0]
+        # Plain attributes, not parameters: these are copies, and the model's weights stay as they were.
         self.packed = pack_weight(weight)
         threads = torch.get_num_threads()
         self.sliced = None
@@ -189,12 +189,12 @@ class LMHead:
             padded[:V] = weight
             self.sliced = padded.t().reshape(C, threads, width).permute(1, 0, 2).contiguous()  # (P, C, V/P)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (S, C) -> (S, V)
-        if self.sliced is None or x.shape != (1, self.sliced.shape[1]):  # one (1, C) row only
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., C) -> (..., V)
+        if self.sliced is None or x.numel() != self.sliced.shape[1]:  # one row only
             return packed_linear(x, self.packed)
         P, C, width = self.sliced.shape
-        logits = torch.bmm(x.expand(P, 1, C), self.sliced)  # (P, 1, V/P): a slice per core
-        return logits.transpose(0, 1).reshape(1, P * width)[:, : self.vocab_size]
+        logits = torch.bmm(x.reshape(1, 1, C).expand(P, 1, C), self.sliced)  # (P, 1, V/P): a slice per core
+        return logits.transpose(0, 1).reshape(*x.shape[:-1], P * width)[..., : self.vocab_size]
 
 
 def _as_bf16_storage(linear: nn.Linear) -> Bf16StorageLinear:

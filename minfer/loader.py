@@ -154,4 +154,5 @@ def load_model_weights(
         raise ValueError(f"checkpoint in {model_dir} lacks tensor {missing[0]!r}{more}")
     if lm_head is not None and not torch.equal(lm_head.to(device=device, dtype=dtype), state["wte.weight"]):
         raise ValueError("lm_head.weight differs from wte.weight; GPT-2's LM head must be tied to the embedding")
+    state["lm_head.weight"] = state["wte.weight"]  # tied: one tensor under both names
     return state

@@ -16,7 +16,7 @@ import torch
 from .kv_cache import KVCache
 from .model import GPT2
 from .cpu_fast_paths import ContextReader, optimize_for_cpu
-from .paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from .paged_attention import AttentionMetadata, DecodeGroup, PagedBatch, PrefillChunk
 from .sampling import sample
 from .sequence import Sequence
 from .step_parts import part
@@ -42,18 +42,16 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = model.device
-        if self.device.type == "cpu":  # prepacked linears and LM head, once per model (cpu_fast_paths.py)
-            model.fast_lm_head = model.fast_lm_head or optimize_for_cpu(model.h, lm_head_weight=model.wte.weight)
+        if self.device.type == "cpu":  # prepacked linears and LM head (cpu_fast_paths.py); a no-op the 2nd time
+            optimize_for_cpu(model)
         self.reader = ContextReader()  # its gather buffers are reused across layers and steps
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> list[int]:
         """Run one step. Returns the sampled token of every sampling chunk, in chunk order."""
         with part("host: prepare"):
-            input_ids, positions, meta, sample_rows = self.prepare(chunks)
-        hidden = self.model.forward_paged(input_ids, positions, self.kv_cache, meta)  # (N, C)
-        with part("LM head"):
-            logits = self.model.compute_logits(hidden[sample_rows])  # (S, V): LM head on sampling rows only
+            input_ids, batch = self.prepare(chunks)
+        logits = self.model(input_ids[None], batch)[0]  # (S, V): one forward, every sequence's tokens in one row
         with part("sampling"):
             sampling = [c.seq for c in chunks if c.samples]
             tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
@@ -109,7 +107,7 @@ class ModelRunner:
             query_pos = torch.arange(start, end, device=self.device)  # (T,)
             mask = pos[None, :] <= query_pos[:, None]  # (T, L) causal over the whole context
             meta.prefills.append(PrefillChunk(row, row + num, context_slots, mask))
-        return ids_t, pos_t, meta, sample_t
+        return ids_t, PagedBatch(pos_t, self.kv_cache, meta, sample_t)
 
     def decode_group(self, rows: list[int], lens: list[int], tables: list[list[int]]) -> DecodeGroup:
         """Slots of each sequence's context, padded to the group's longest, and the padding mask."""

@@ -15,12 +15,16 @@ only per-sequence part, in two groups:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from .cpu_fast_paths import ContextReader
 from .step_parts import part
+
+if TYPE_CHECKING:
+    from .kv_cache import KVCache
 
 
 @dataclass
@@ -45,6 +49,16 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     all_decode: bool = False  # one decode group holding every row, in order: no scatter needed
     reader: ContextReader = field(default_factory=ContextReader)  # the runner passes one it reuses
+
+
+@dataclass
+class PagedBatch:
+    """What the model needs, beyond the token ids, to run one engine step (ModelRunner.prepare builds it)."""
+
+    positions: torch.Tensor  # (N,) position of every token in its own sequence
+    kv_cache: KVCache  # every layer's keys and values, in blocks
+    attention: AttentionMetadata  # where each token's keys go and which context each sequence reads
+    sample_rows: torch.Tensor  # (S,) rows that draw a token: the only ones the LM head sees
 
 
 def paged_attention(

@@ -20,6 +20,7 @@ import itertools
 import time
 from collections import deque
 
+from .errors import InvalidParameter
 from .kv_cache import BlockAllocator, KVCache, choose_num_blocks
 from .model import GPT2
 from .model_runner import ModelRunner, ScheduledChunk
@@ -92,26 +93,9 @@ class OnlineScheduler:
             raise ValueError("give exactly one of prompt or prompt_token_ids")
         if prompt is not None:
             if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+                raise InvalidParameter("prompt", f"prompt must be a string, got {type(prompt).__name__}", "invalid_type")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise ValueError("the prompt is empty: it must have at least one token")
-        vocab = self.config.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is not in the vocabulary [0, {vocab})")
-        context = self.config.n_positions
-        if len(ids) + params.max_tokens > context:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {context} tokens"
-            )
-        blocks = -(-(len(ids) + params.max_tokens) // self.block_size)
-        if blocks > self.allocator.num_blocks:
-            raise ValueError(
-                f"the request needs {blocks} KV blocks but the cache has only {self.allocator.num_blocks}"
-            )
+        ids = self.check_request(prompt_token_ids, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -122,6 +106,33 @@ class OnlineScheduler:
         self.requests[request_id] = seq
         self.waiting.append(seq)
         return request_id
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list, if a request with it could ever run; else InvalidParameter naming the
+        field at fault. It reads only fixed limits, so any thread may call it (the server does, before
+        handing the request to the engine thread)."""
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise InvalidParameter("prompt", "the prompt is empty: it must have at least one token")
+        vocab = self.config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParameter("prompt", f"prompt token id {bad!r} is not in the vocabulary [0, {vocab})")
+        context = self.config.n_positions
+        if len(ids) + params.max_tokens > context:
+            raise InvalidParameter(
+                "max_tokens" if len(ids) < context else "prompt",
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {context} tokens", "context_length_exceeded",
+            )  # fmt: skip
+        blocks = -(-(len(ids) + params.max_tokens) // self.block_size)
+        if blocks > self.allocator.num_blocks:
+            raise InvalidParameter(
+                "max_tokens",
+                f"the request needs {blocks} KV blocks but the cache has only {self.allocator.num_blocks}",
+                "context_length_exceeded",
+            )
+        return ids
 
     def step(self) -> dict[str, int]:
         """Run one engine step. Returns {request_id: token_id} for every token sampled."""

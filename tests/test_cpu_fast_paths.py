@@ -48,6 +48,21 @@ def test_optimize_for_cpu_swaps_every_linear_in_place():
     torch.testing.assert_close(model(x), expected)
 
 
+@needs_packing
+def test_optimize_for_cpu_gives_a_tied_lm_head_its_own_copy(tiny_checkpoint):
+    from minfer.model import GPT2
+
+    model = GPT2.from_pretrained(tiny_checkpoint)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.inference_mode():
+        expected = model(ids)
+        optimize_for_cpu(model)
+        optimize_for_cpu(model)  # the second call finds nothing left to swap
+        assert type(model.lm_head) is LMHead and type(model.h[0].attn.c_attn) is PackedLinear
+        assert model.wte.weight.layout == torch.strided  # the input embedding keeps its plain matrix
+        torch.testing.assert_close(model(ids), expected, atol=1e-4, rtol=1e-4)
+
+
 def test_context_reader_upcasts_bf16_and_keeps_its_buffers():
     cache = torch.randn(64, 2, 4).bfloat16()  # (slots, H, D)
     slots = torch.tensor([[5, 6, 7], [40, 41, 0]])

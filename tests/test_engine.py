@@ -213,8 +213,7 @@ def engine_logits(llm: LLM, prompt: list[int], prefill: int) -> torch.Tensor:
     rid = sched.add_request(prompt_token_ids=prompt[:prefill], sampling_params=SamplingParams(max_tokens=20))
     seq = sched.requests[rid]
     logits = []
-    original = model.compute_logits
-    model.compute_logits = lambda hidden: logits.append(original(hidden)) or logits[-1]
+    model.forward = lambda *args: logits.append(type(model).forward(model, *args)) or logits[-1]
     try:
         while seq.num_computed_tokens < prefill:
             sched.step()
@@ -222,9 +221,9 @@ def engine_logits(llm: LLM, prompt: list[int], prefill: int) -> torch.Tensor:
             seq.token_ids[-1] = t
             sched.step()
     finally:
-        model.compute_logits = original
+        del model.forward
         sched.discard_request(rid)
-    return torch.cat(logits).float()
+    return torch.cat(logits, dim=1)[0].float()
 
 
 @torch.inference_mode()
@@ -261,14 +260,13 @@ def test_paged_forward_equals_dense_forward(tiny_checkpoint):
     rid = sched.add_request(prompt_token_ids=prompt[:90], sampling_params=SamplingParams(max_tokens=20))
     seq = sched.requests[rid]
     logits = []
-    original = model.compute_logits
 
-    def capture(hidden):
-        out = original(hidden)
-        logits.append(out)
+    def capture(input_ids, paged):
+        out = type(model).forward(model, input_ids, paged)  # (1, S, V): the sampling rows only
+        logits.append(out[0])
         return out
 
-    model.compute_logits = capture
+    model.forward = capture
     try:
         while seq.num_computed_tokens < 90:
             sched.step()  # 37 + 37 + 16 tokens: the last chunk samples position 89
@@ -276,7 +274,7 @@ def test_paged_forward_equals_dense_forward(tiny_checkpoint):
             seq.token_ids[-1] = t
             sched.step()
     finally:
-        model.compute_logits = original
+        del model.forward
     paged = torch.cat(logits)  # rows for positions 89, 90, ..., 99
     torch.testing.assert_close(paged, dense[89:], atol=1e-4, rtol=0)
     sched.discard_request(rid)
@@ -315,14 +313,14 @@ def test_one_flat_forward_per_step_and_lm_head_only_where_sampling(tiny_checkpoi
     sched.step()  # the three short prompts prefill and sample together
     long_id = sched.add_request(prompt_token_ids=list(range(100)), sampling_params=GREEDY)
     calls = []
-    forward, logits = model.forward_paged, model.compute_logits
-    model.forward_paged = lambda ids, *a: calls.append(("forward", ids.shape[0])) or forward(ids, *a)
-    model.compute_logits = lambda h: calls.append(("lm_head", h.shape[0])) or logits(h)
+    model.forward = lambda ids, paged: calls.append(("forward", ids.shape)) or type(model).forward(model, ids, paged)
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: calls.append(("lm_head", args[0].shape)))
     try:
         sched.step()  # 3 decodes + a 37-token chunk of the long prompt, which does not sample yet
     finally:
-        model.forward_paged, model.compute_logits = forward, logits
-    assert calls == [("forward", 40), ("lm_head", 3)]
+        del model.forward
+        hook.remove()
+    assert calls == [("forward", (1, 40)), ("lm_head", (1, 3, model.config.n_embd))]
     assert sched.last_step["num_decode_tokens"] == 3 and sched.last_step["num_prefill_tokens"] == 37
     for i in short + [long_id]:
         sched.discard_request(i)

@@ -77,6 +77,7 @@ def test_lm_head_is_tied_to_embedding(tiny_checkpoint):
             x = block(x)
         manual = model.ln_f(x) @ model.wte.weight.T
     torch.testing.assert_close(logits, manual)
+    assert model.lm_head.weight is model.wte.weight  # one parameter, not a copy
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

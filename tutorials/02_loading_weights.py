@@ -69,11 +69,12 @@ else:
 section("load_model_weights: rename, skip, check, transpose")
 state = load_model_weights(model_dir, config)
 expected = expected_shapes(config)  # every tensor GPT-2 needs, with its on-disk shape
-assert set(state) == set(expected), "exactly GPT-2's tensors, no mask buffers, no prefix"
+assert set(state) == set(expected) | {"lm_head.weight"}, "exactly GPT-2's tensors, no mask buffers, no prefix"
+assert state["lm_head.weight"] is state["wte.weight"]  # the tied LM head: one tensor under two names
 for name, shape in expected.items():
     want = shape[::-1] if name.endswith(CONV1D_WEIGHTS) else shape  # Conv1D weights come out [out, in]
     assert tuple(state[name].shape) == want, name
-print(f"{len(state)} tensors: the 'transformer.' prefix dropped, the mask buffers skipped, and "
+print(f"{len(expected)} tensors (and the LM head's name for wte): the 'transformer.' prefix dropped, the mask buffers skipped, and "
       f"the {len(CONV1D_WEIGHTS)} Conv1D weights of each block transposed to nn.Linear's [out, in]")
 
 with safe_open(str(file_of[w_name]), framework="pt") as f:

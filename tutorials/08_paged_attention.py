@@ -8,7 +8,7 @@ F.scaled_dot_product_attention over the same keys and values laid out
 contiguously.
 
 Part 2 lets the engine's ModelRunner.prepare build that metadata from real
-sequences, runs the whole model with it (GPT2.forward_paged) and checks its
+sequences, runs the whole model with it (GPT2.forward given a PagedBatch) and checks its
 logits against the plain GPT2.forward of stage 01: a prompt run in chunks, and a
 step that mixes decodes and prefills of four sequences.
 
@@ -153,15 +153,16 @@ def make_seq(name: str, length: int) -> Sequence:
 @torch.inference_mode()
 def run(chunks: list[ScheduledChunk], show: bool = False) -> torch.Tensor:
     """One engine step without sampling: logits (N, V) of every row, not just the sampling ones."""
-    input_ids, positions, meta, sample_rows = runner.prepare(chunks)
+    input_ids, batch = runner.prepare(chunks)
+    meta = batch.attention
     if show:
-        print(f"  rows: {len(input_ids)}, positions {positions.tolist()}")
+        print(f"  rows: {len(input_ids)}, positions {batch.positions.tolist()}")
         print(f"  slot_mapping {meta.slot_mapping.tolist()}")
         prefills = [(c.start, c.end, None if c.context_slots is None else len(c.context_slots)) for c in meta.prefills]
         print(f"  prefill chunks: {prefills}  (first row, end row, context length)")
         print(f"  decode groups: {[tuple(g.slots.shape) for g in meta.decode_groups]}  (sequences, padded length)")
-    hidden = model.forward_paged(input_ids, positions, kv, meta)  # (N, C)
-    return model.compute_logits(hidden)  # (N, V); the engine would take only hidden[sample_rows]
+    batch.sample_rows = torch.arange(len(input_ids))  # every row; the engine keeps only the sampling ones
+    return model(input_ids[None], batch)[0]  # (N, V): input_ids as one row of N tokens
 
 
 @torch.inference_mode()
@@ -183,7 +184,8 @@ x, y, z, w = make_seq("x", 70), make_seq("y", 20), make_seq("z", 9), make_seq("w
 run([ScheduledChunk(x, 0, 69), ScheduledChunk(y, 0, 19), ScheduledChunk(w, 0, 12)])  # earlier steps
 chunks = [ScheduledChunk(x, 69, 1), ScheduledChunk(y, 19, 1), ScheduledChunk(z, 0, 9), ScheduledChunk(w, 12, 18)]
 mixed = run(chunks, show=True)
-_, _, meta, sample_rows = runner.prepare(chunks)
+_, batch = runner.prepare(chunks)
+meta, sample_rows = batch.attention, batch.sample_rows
 # Decodes of 70 and 20 tokens are not padded into one (2, 70) grid: that would be 55% padding.
 assert group_by_length([70, 20]) == [[0], [1]] and len(meta.decode_groups) == 2
 assert [c.context_slots is None for c in meta.prefills] == [True, False]  # z is fresh, w reads the cache

@@ -20,7 +20,7 @@ import time
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from .. import step_parts
 from ..scheduler import OnlineScheduler
@@ -56,6 +56,7 @@ def profile_steps(scheduler: OnlineScheduler, requests: list[BenchRequest], num_
 def _record(scheduler: OnlineScheduler, num_steps: int) -> dict | None:
     steps, wall = [], 0.0
     step_parts.enable(True)
+    hooks = _label_lm_head(scheduler.model)
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(num_steps):
@@ -69,7 +70,19 @@ def _record(scheduler: OnlineScheduler, num_steps: int) -> dict | None:
                     steps.append(dict(scheduler.last_step))
     finally:
         step_parts.enable(False)
+        for hook in hooks:
+            hook.remove()
     return {"events": prof.events(), "steps": steps, "wall": wall} if steps else None
+
+
+def _label_lm_head(model) -> tuple:
+    """Time the model's LM head as one part, whatever module it is (plain, or a CPU fast path)."""
+    open_ranges = []
+    before = model.lm_head.register_forward_pre_hook(
+        lambda module, args: open_ranges.append(record_function("LM head").__enter__()))
+    after = model.lm_head.register_forward_hook(
+        lambda module, args, out: open_ranges.pop().__exit__(None, None, None))
+    return before, after
 
 
 def part_times(events) -> dict[str, float]:
