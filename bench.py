@@ -39,15 +39,24 @@ from minfer.loader import ModelNotFoundError, resolve_model_dir
 from minfer.scheduler import OnlineScheduler
 from minfer.tokenizer import Tokenizer
 
-NO_MODEL_HINT = ("bench.py: cannot load model {model!r} ({why}). Pass a local checkpoint with --model DIR; "
-                 "write a random GPT-2-sized one with: python -m minfer.random_model DIR --config gpt2")  # fmt: skip
+NO_MODEL_HINT = (
+    "bench.py: cannot load model {model!r} ({why}). Pass a local checkpoint with --model DIR; "
+    "write a random GPT-2-sized one with: python -m minfer.random_model DIR --config gpt2"
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python bench.py", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    p.add_argument("--mode", choices=["offline", "online"], default="offline",
-                   help="offline: minfer in-process; online: HTTP to minfer.serve (or to --base-url)")
+    p = argparse.ArgumentParser(
+        prog="python bench.py",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--mode",
+        choices=["offline", "online"],
+        default="offline",
+        help="offline: minfer in-process; online: HTTP to minfer.serve (or to --base-url)",
+    )
     p.add_argument("--model", default="gpt2", help="checkpoint dir or Hub id (--base-url: the served name)")
     p.add_argument("--tokenizer", help="with --base-url: a checkpoint directory, for random prompts")
     p.add_argument("--base-url", help="measure this OpenAI-compatible server instead of starting minfer.serve")
@@ -56,8 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--num-requests", type=int, default=64)
     w.add_argument("--input-len", default="128", help="prompt tokens: N, or A:B drawn uniformly per request")
     w.add_argument("--output-len", default="128", help="generated tokens, exactly (ignore_eos): N or A:B")
-    w.add_argument("--prompt", action="append",
-                   help="a text prompt instead of random tokens (repeatable; --input-len is unused)")
+    w.add_argument(
+        "--prompt", action="append", help="a text prompt instead of random tokens (repeatable; --input-len is unused)"
+    )
     w.add_argument("--prompts-file", help="text prompts, one per line, used in turn")
     w.add_argument("--pretok", action="store_true", help="tokenize text prompts outside the timed region")
     w.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
@@ -81,9 +91,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     x.add_argument("--baseline", choices=["hf"], help="also run the workload through transformers' generate")
     x.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf baseline")
     x.add_argument("--roofline", action="store_true", help="batch-1 TPOT beside the weights/bandwidth floor")
-    x.add_argument("--profile", action="store_true",
-                   help="split prefill and decode steps into parts (KV write, context read, attention, linears, "
-                        "LM head, sampling, host), each with its bytes, FLOPs and bound")  # fmt: skip
+    x.add_argument(
+        "--profile",
+        action="store_true",
+        help="split prefill and decode steps into parts (KV write, context read, attention, linears, "
+        "LM head, sampling, host), each with its bytes, FLOPs and bound",
+    )
     args = p.parse_args(argv)
     if args.base_url:
         args.mode = "online"
@@ -146,11 +159,16 @@ def run_summary(result: RunResult, **extra) -> dict:
 
 
 def offline_runs(args, model_dir, workloads, warm) -> tuple[list[RunResult], list[dict], OnlineScheduler]:
-    settings = dict(num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads,
-                    enable_prefix_caching=False if args.no_prefix_caching else None)  # fmt: skip
-    llm = LLM(str(model_dir), device=args.device, dtype=args.dtype,
-              **{k: v for k, v in settings.items() if v is not None})  # the engine's defaults otherwise  # fmt: skip
+    settings = dict(
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_threads=args.num_threads,
+        enable_prefix_caching=False if args.no_prefix_caching else None,
+    )
+    llm = LLM(
+        str(model_dir), device=args.device, dtype=args.dtype, **{k: v for k, v in settings.items() if v is not None}
+    )  # the engine's defaults otherwise
     device = llm.model.device
     for _ in range(args.warmup_runs):
         run_offline(llm.scheduler, warm, progress=False)
@@ -173,16 +191,22 @@ def online_runs(args, model_dir, workloads, warm) -> tuple[list[RunResult], list
         for k, workload in enumerate(workloads):
             # Watching the engine costs the server a little: only for the run that is traced.
             with EngineFeedReader(endpoint) if args.trace and k == len(workloads) - 1 else nullcontext() as feed:
-                results.append(run_online(endpoint, model, workload, args.max_concurrency, not args.disable_tqdm,
-                                          f"run {k}", feed))  # fmt: skip
+                results.append(
+                    run_online(endpoint, model, workload, args.max_concurrency, not args.disable_tqdm, f"run {k}", feed)
+                )
             memory = {"peak_rss_mib": server.peak_rss_mib()} if server else {}  # the server's, not ours
             summaries.append(run_summary(results[-1], **memory))
 
     if args.base_url:
         measure(Endpoint(args.base_url))
         return results, summaries
-    flags = server_flags(args.device, args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                         max_queued=args.num_requests if args.num_requests > 128 else None)  # or the excess gets 429
+    flags = server_flags(
+        args.device,
+        args.dtype,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_queued=args.num_requests if args.num_requests > 128 else None,
+    )  # or the excess gets 429
     with MinferServer(model_dir, flags + shlex.split(args.server_args)) as server:
         measure(server.endpoint, server)
     return results, summaries
@@ -205,31 +229,50 @@ def baseline_hf(args, model_dir, tokenizer: Tokenizer, workload, minfer_summary:
     summary = summarize(result.records, result.duration, **memory)
     ratios = compare(minfer_summary, summary)
     records = [r.to_json() for r in result.records]
-    return {"name": "hf", "batch_size": args.hf_batch_size, "summary": summary, "minfer_over_hf": ratios,
-            "requests": records}  # fmt: skip
+    return {
+        "name": "hf",
+        "batch_size": args.hf_batch_size,
+        "summary": summary,
+        "minfer_over_hf": ratios,
+        "requests": records,
+    }
 
 
 def print_runs(summaries: list[dict]) -> None:
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
     for k, s in enumerate(summaries):
-        print(f"run {k}: {s['duration']:.2f} s, {s['output_throughput']:.1f} output tok/s, "
-              f"mean TTFT {fmt(s['mean_ttft_ms'], '.1f')} ms, mean TPOT {fmt(s['mean_tpot_ms'], '.2f')} ms")
+        print(
+            f"run {k}: {s['duration']:.2f} s, {s['output_throughput']:.1f} output tok/s, "
+            f"mean TTFT {fmt(s['mean_ttft_ms'], '.1f')} ms, mean TPOT {fmt(s['mean_tpot_ms'], '.2f')} ms"
+        )
 
 
 def run(args) -> int:
     model_dir = find_model_dir(args)
     if (args.baseline or args.roofline or args.profile) and model_dir is None:
-        raise ValueError("--baseline, --roofline and --profile load the checkpoint here: pass its directory as --tokenizer")
+        raise ValueError(
+            "--baseline, --roofline and --profile load the checkpoint here: pass its directory as --tokenizer"
+        )
     tokenizer = Tokenizer.from_dir(model_dir) if model_dir else None
     config = GPT2Config.from_json(model_dir / "config.json") if model_dir else None
     vocab, context = (config.vocab_size, config.n_positions) if config else (None, None)
     texts = read_prompts(args.prompt, args.prompts_file)
     workloads = [
-        build_workload(args.num_requests, args.input_len, args.output_len, texts=texts, tokenizer=tokenizer,
-                       vocab_size=vocab, context=context, rate=args.request_rate, seed=args.seed,
-                       pretok=args.pretok, run=k)
+        build_workload(
+            args.num_requests,
+            args.input_len,
+            args.output_len,
+            texts=texts,
+            tokenizer=tokenizer,
+            vocab_size=vocab,
+            context=context,
+            rate=args.request_rate,
+            seed=args.seed,
+            pretok=args.pretok,
+            run=k,
+        )
         for k in range(args.repeat_runs)
-    ]  # fmt: skip
+    ]
     warm = warmup_workload(workloads[0], tokenizer, vocab)
     if args.mode == "offline":
         results, summaries, scheduler = offline_runs(args, model_dir, workloads, warm)
@@ -239,13 +282,22 @@ def run(args) -> int:
     summary = median_summary(summaries)
     if len(summaries) > 1:
         print_runs(summaries)
-    print(format_summary(summary, "Serving Benchmark Result" + (f" (median of {len(summaries)} runs)"
-                                                                 if len(summaries) > 1 else "")))  # fmt: skip
+    print(
+        format_summary(
+            summary, "Serving Benchmark Result" + (f" (median of {len(summaries)} runs)" if len(summaries) > 1 else "")
+        )
+    )
     # The dtype minfer ran in ("auto" resolves per machine); the baseline uses the same.
     dtype = scheduler.model.dtype if scheduler else resolve_dtype(args.dtype, torch.device(args.device))
-    settings = {**vars(args), "request_rate": str(args.request_rate), "model_dir": model_dir and str(model_dir),
-                "torch_dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
-                "threads": torch.get_num_threads(), "machine": machine(args.device)}  # fmt: skip
+    settings = {
+        **vars(args),
+        "request_rate": str(args.request_rate),
+        "model_dir": model_dir and str(model_dir),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": machine(args.device),
+    }
     records = [dict(r.to_json(), run=k) for k, res in enumerate(results) for r in res.records]
     report = {"config": settings, "summary": summary, "runs": summaries, "requests": records}
     if args.baseline:

@@ -32,9 +32,7 @@ class GPT2Config:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
-            raise ValueError(
-                f"config.json: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
-            )
+            raise ValueError(f"config.json: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.activation_function not in SUPPORTED_ACTIVATIONS:
             raise ValueError(
                 f"config.json: activation_function {self.activation_function!r} is not supported "

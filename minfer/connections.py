@@ -77,14 +77,30 @@ class ConnectionLimits:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ConnectionLimits()
-    parser.add_argument("--request-timeout", type=float, default=d.request_timeout,
-                        help="seconds a client has to send a whole request (headers and body); else 408")
-    parser.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout,
-                        help="seconds an idle keep-alive connection stays open")
-    parser.add_argument("--write-timeout", type=float, default=d.write_timeout,
-                        help="seconds a write may block on a client that stopped reading; then its stream ends")
-    parser.add_argument("--max-connections", type=int, default=d.max_connections,
-                        help="connections served at once; more get a quick 503")  # fmt: skip
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=d.request_timeout,
+        help="seconds a client has to send a whole request (headers and body); else 408",
+    )
+    parser.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=d.keepalive_timeout,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    parser.add_argument(
+        "--write-timeout",
+        type=float,
+        default=d.write_timeout,
+        help="seconds a write may block on a client that stopped reading; then its stream ends",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="connections served at once; more get a quick 503",
+    )
 
 
 def limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
@@ -332,8 +348,10 @@ class Refuser:
             extra = b"Retry-After: 1\r\n"
         data = json.dumps(body).encode()
         reason = b"OK" if status == 200 else b"Service Unavailable"
-        return (b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s"
-                b"Connection: close\r\n\r\n%s" % (status, reason, len(data), extra, data))  # fmt: skip
+        return (
+            b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s"
+            b"Connection: close\r\n\r\n%s" % (status, reason, len(data), extra, data)
+        )
 
     def _run(self) -> None:
         selector = selectors.DefaultSelector()

@@ -1,9 +1,9 @@
 """LLM: offline batch generation on top of the OnlineScheduler.
 
-    from minfer import LLM, SamplingParams
-    llm = LLM("gpt2")
-    for out in llm.generate(["Hello, my name is", "The sky is"], SamplingParams(temperature=0)):
-        print(out.text)
+from minfer import LLM, SamplingParams
+llm = LLM("gpt2")
+for out in llm.generate(["Hello, my name is", "The sky is"], SamplingParams(temperature=0)):
+    print(out.text)
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ from .sequence import RequestOutput
 from .tokenizer import Tokenizer
 
 DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}  # fmt: skip
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 Completion = RequestOutput  # what generate returns: text, token_ids, prompt_token_ids, finish_reason, ...
 

@@ -36,8 +36,15 @@ import time
 from collections import deque
 from typing import Callable
 
-REQUEST_FIELDS = ["id", "prompt_tokens", "computed_tokens", "generated_tokens", "max_tokens", "preemptions",
-                  "cached_tokens"]  # fmt: skip
+REQUEST_FIELDS = [
+    "id",
+    "prompt_tokens",
+    "computed_tokens",
+    "generated_tokens",
+    "max_tokens",
+    "preemptions",
+    "cached_tokens",
+]
 STATE_LETTER = {"free": "f", "used": "u", "cached": "c"}
 
 
@@ -114,22 +121,31 @@ class EventRecorder:
                 changed.update(new)
                 known += new
         finished_ids = {out.request_id for out in finished}
-        event.update({
-            "running": [describe(seq) for seq in s.running],
-            "waiting": [describe(seq) for seq in s.waiting],
-            "tables": tables,
-            "blocks": {b: allocator.block_state(b) for b in sorted(changed)},
-            "preempted": [rid for rid in left if rid in waiting_ids],
-            "finished": [finished_entry(out) for out in finished],
-            "discarded": [rid for rid in left if rid not in waiting_ids and rid not in finished_ids],
-        })  # fmt: skip
+        event.update(
+            {
+                "running": [describe(seq) for seq in s.running],
+                "waiting": [describe(seq) for seq in s.waiting],
+                "tables": tables,
+                "blocks": {b: allocator.block_state(b) for b in sorted(changed)},
+                "preempted": [rid for rid in left if rid in waiting_ids],
+                "finished": [finished_entry(out) for out in finished],
+                "discarded": [rid for rid in left if rid not in waiting_ids and rid not in finished_ids],
+            }
+        )
         return event
 
 
 def describe(seq) -> list:
     """A request as REQUEST_FIELDS: lengths only, never text."""
-    return [seq.request_id, seq.num_prompt_tokens, seq.num_computed_tokens, seq.num_output_tokens,
-            seq.params.max_tokens, seq.num_preemptions, seq.num_cached_tokens]  # fmt: skip
+    return [
+        seq.request_id,
+        seq.num_prompt_tokens,
+        seq.num_computed_tokens,
+        seq.num_output_tokens,
+        seq.params.max_tokens,
+        seq.num_preemptions,
+        seq.num_cached_tokens,
+    ]
 
 
 def finished_entry(out) -> list:

@@ -16,3 +16,8 @@ class InvalidParameter(ValueError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+def is_int(value) -> bool:
+    """An int that is not a bool (JSON's true is no token id, count or seed)."""
+    return isinstance(value, int) and not isinstance(value, bool)

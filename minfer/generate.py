@@ -1,7 +1,7 @@
 """Generate text from the command line, streaming it as it is produced.
 
-    python -m minfer.generate "The meaning of life is" --max-tokens 40
-    python -m minfer.generate --model ./my-checkpoint --temperature 0 "Hello"
+python -m minfer.generate "The meaning of life is" --max-tokens 40
+python -m minfer.generate --model ./my-checkpoint --temperature 0 "Hello"
 """
 
 from __future__ import annotations
@@ -27,9 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
             seed=args.seed,
-        )  # fmt: skip
+        )
         llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1)
         request_id = llm.scheduler.add_request(args.prompt, sampling_params=params)
     except (ValueError, OSError) as e:

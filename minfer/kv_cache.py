@@ -59,7 +59,7 @@ class BlockAllocator:
         return len(self.free_queue)
 
     def block_state(self, block_id: int) -> str:
-        """"used" (referenced), "cached" (unreferenced but holding a registered prefix: reclaimable) or "free"."""
+        """ "used" (referenced), "cached" (unreferenced but holding a registered prefix: reclaimable) or "free"."""
         block = self.blocks[block_id]
         if block.ref_count:
             return "used"

@@ -81,14 +81,22 @@ def expected_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
     shapes = {"wte.weight": (V, C), "wpe.weight": (P, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
     for i in range(config.n_layer):
         p = f"h.{i}."
-        shapes.update({
-            p + "ln_1.weight": (C,), p + "ln_1.bias": (C,),
-            p + "attn.c_attn.weight": (C, 3 * C), p + "attn.c_attn.bias": (3 * C,),
-            p + "attn.c_proj.weight": (C, C), p + "attn.c_proj.bias": (C,),
-            p + "ln_2.weight": (C,), p + "ln_2.bias": (C,),
-            p + "mlp.c_fc.weight": (C, F), p + "mlp.c_fc.bias": (F,),
-            p + "mlp.c_proj.weight": (F, C), p + "mlp.c_proj.bias": (C,),
-        })  # fmt: skip
+        shapes.update(
+            {
+                p + "ln_1.weight": (C,),
+                p + "ln_1.bias": (C,),
+                p + "attn.c_attn.weight": (C, 3 * C),
+                p + "attn.c_attn.bias": (3 * C,),
+                p + "attn.c_proj.weight": (C, C),
+                p + "attn.c_proj.bias": (C,),
+                p + "ln_2.weight": (C,),
+                p + "ln_2.bias": (C,),
+                p + "mlp.c_fc.weight": (C, F),
+                p + "mlp.c_fc.bias": (F,),
+                p + "mlp.c_proj.weight": (F, C),
+                p + "mlp.c_proj.bias": (C,),
+            }
+        )
     return shapes
 
 
@@ -108,8 +116,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
                 raise FileNotFoundError(f"{index} lists shard {shard.name}, which is missing from {model_dir}")
         return shards
     raise FileNotFoundError(
-        f"no model.safetensors (or model.safetensors.index.json) in {model_dir}; "
-        "minfer loads safetensors weights only"
+        f"no model.safetensors (or model.safetensors.index.json) in {model_dir}; minfer loads safetensors weights only"
     )
 
 

@@ -88,23 +88,38 @@ class Metrics:
         """Prometheus text exposition; `stats` is the latest scheduler.stats() snapshot."""
         with self._lock:
             samples = [
-                ("requests_running", "gauge", "Requests being scheduled (holding KV blocks).",
-                 stats.get("num_running", 0)),
-                ("requests_waiting", "gauge", "Requests queued for a slot, including preempted ones.",
-                 stats.get("num_waiting", 0)),
+                (
+                    "requests_running",
+                    "gauge",
+                    "Requests being scheduled (holding KV blocks).",
+                    stats.get("num_running", 0),
+                ),
+                (
+                    "requests_waiting",
+                    "gauge",
+                    "Requests queued for a slot, including preempted ones.",
+                    stats.get("num_waiting", 0),
+                ),
                 ("requests_finished_total", "counter", "Requests that finished (stop or length).", self.finished),
                 ("requests_aborted_total", "counter", "Requests discarded before finishing.", self.aborted),
-                ("requests_rejected_total", "counter", "Requests refused because the queue was full.",
-                 self.rejected),
+                ("requests_rejected_total", "counter", "Requests refused because the queue was full.", self.rejected),
                 ("kv_blocks_free", "gauge", "Free KV cache blocks.", stats.get("num_kv_blocks_free", 0)),
                 ("kv_blocks_total", "gauge", "KV cache blocks in all.", stats.get("num_kv_blocks_total", 0)),
-                ("preemptions_total", "counter", "Sequences preempted to free KV blocks.",
-                 stats.get("num_preemptions", 0)),
-                ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache.",
-                 stats.get("prefix_cache_hit_tokens", 0)),
+                (
+                    "preemptions_total",
+                    "counter",
+                    "Sequences preempted to free KV blocks.",
+                    stats.get("num_preemptions", 0),
+                ),
+                (
+                    "prefix_cache_hit_tokens_total",
+                    "counter",
+                    "Prompt tokens served from the prefix cache.",
+                    stats.get("prefix_cache_hit_tokens", 0),
+                ),
                 ("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", self.prompt_tokens),
                 ("generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens),
-            ]  # fmt: skip
+            ]
             lines = []
             for name, kind, help_text, value in samples:
                 lines += [f"# HELP minfer_{name} {help_text}", f"# TYPE minfer_{name} {kind}", f"minfer_{name} {value}"]
@@ -116,8 +131,11 @@ class Metrics:
                 lines += hist.render(f"minfer_{name}")
         rss = resident_memory_bytes()
         if rss is not None:  # the standard process metric's name, so dashboards find it
-            lines += ["# HELP process_resident_memory_bytes Resident memory size in bytes.",
-                      "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {rss}"]  # fmt: skip
+            lines += [
+                "# HELP process_resident_memory_bytes Resident memory size in bytes.",
+                "# TYPE process_resident_memory_bytes gauge",
+                f"process_resident_memory_bytes {rss}",
+            ]
         return "\n".join(lines) + "\n"
 
 

@@ -92,7 +92,9 @@ class GPT2(nn.Module):
         self.config = config
         # Given weights (uninitialised): random init is wasted on weights about to be loaded.
         self.wte = nn.Embedding(config.vocab_size, config.n_embd, _weight=torch.empty(config.vocab_size, config.n_embd))
-        self.wpe = nn.Embedding(config.n_positions, config.n_embd, _weight=torch.empty(config.n_positions, config.n_embd))
+        self.wpe = nn.Embedding(
+            config.n_positions, config.n_embd, _weight=torch.empty(config.n_positions, config.n_embd)
+        )
         self.h = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)

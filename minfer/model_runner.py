@@ -92,9 +92,10 @@ class ModelRunner:
         meta = AttentionMetadata(slots_t, [], [], reader=self.reader)
         for group in group_by_length(decode_lens):
             meta.decode_groups.append(
-                self.decode_group([decode_rows[i] for i in group], [decode_lens[i] for i in group],
-                                  [decode_tables[i] for i in group])
-            )  # fmt: skip
+                self.decode_group(
+                    [decode_rows[i] for i in group], [decode_lens[i] for i in group], [decode_tables[i] for i in group]
+                )
+            )
         meta.all_decode = len(meta.decode_groups) == 1 and len(decode_rows) == N
         for row, num, start, table in prefills:
             if start == 0:  # a fresh prompt needs no cache reads

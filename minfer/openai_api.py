@@ -26,18 +26,32 @@ from .sequence import RequestOutput
 from .tokenizer import Tokenizer
 
 ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-    405: "invalid_request_error", 411: "invalid_request_error", 413: "invalid_request_error",
-    429: "rate_limit_error", 500: "server_error", 503: "server_error",
-}  # fmt: skip
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    411: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class APIError(Exception):
     """An error the client caused (4xx) or should retry (429, 503): becomes an OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -132,8 +146,12 @@ def parse_json_body(raw: bytes) -> dict:
 def _check_model(body: dict, info: ModelInfo) -> None:
     model = _get(body, "model", "str")
     if model is not None and model != info.name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {info.name!r}",
-                       param="model", code="model_not_found")  # fmt: skip
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {info.name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 # ---- sampling parameters -------------------------------------------------------------
@@ -176,9 +194,14 @@ def _sampling(body: dict, max_tokens: int, *, ignore_eos: bool | None = None) ->
     if ignore_eos is None:
         ignore_eos = _get(body, "ignore_eos", "bool", False)
     return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
-        stop=stop or None, ignore_eos=ignore_eos,
-    )  # fmt: skip
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=max(top_k, 0),
+        top_p=top_p,
+        seed=seed,
+        stop=stop or None,
+        ignore_eos=ignore_eos,
+    )
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -224,21 +247,34 @@ def _prompt_ids(prompt, info: ModelInfo, param: str = "prompt") -> list[int]:
         raise invalid(param, f"'{param}' is empty: it must have at least one token")
     if len(ids) >= info.max_model_len:
         raise invalid(
-            param, f"the prompt is {len(ids)} tokens; the model's context of {info.max_model_len} tokens "
-            "leaves no room for output", "context_length_exceeded",
-        )  # fmt: skip
+            param,
+            f"the prompt is {len(ids)} tokens; the model's context of {info.max_model_len} tokens "
+            "leaves no room for output",
+            "context_length_exceeded",
+        )
     return ids
 
 
 COMPLETION_UNSUPPORTED = {
-    "echo": (False,), "best_of": (1,), "suffix": ("",), "logprobs": (), "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0), "logit_bias": ({},),
-}  # fmt: skip
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "logprobs": (),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+}
 CHAT_UNSUPPORTED = {
-    "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
     "response_format": ({"type": "text"},),
-}  # fmt: skip
+}
 
 
 def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
@@ -264,7 +300,7 @@ def _message_text(content, i: int) -> str:
         return content
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise invalid(param, f"'{param}' parts must all be {{\"type\": \"text\", \"text\": ...}}")
+            raise invalid(param, f'\'{param}\' parts must all be {{"type": "text", "text": ...}}')
         return "".join(p["text"] for p in content)
     raise invalid(param, f"'{param}' must be a string or a list of text parts, got {_show(content)}", "invalid_type")
 
@@ -326,8 +362,7 @@ class Responder:
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
-                **extra}  # fmt: skip
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
     def _chunk(self, choices: list, **extra) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", choices, **extra)
@@ -355,8 +390,12 @@ class Responder:
 
     def response(self, out: RequestOutput) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-                      "finish_reason": out.finish_reason}  # fmt: skip
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": None,
+                "finish_reason": out.finish_reason,
+            }
             return self._envelope("chat.completion", [choice], usage=usage(out))
         choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
         return self._envelope("text_completion", [choice], usage=usage(out))

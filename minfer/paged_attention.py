@@ -107,7 +107,9 @@ def decode_attention(q, k_cache, v_cache, group: DecodeGroup, meta: AttentionMet
     out = torch.empty_like(q)
     for i in range(0, S, step):
         with part("context read"):
-            ks = meta.reader.read(k_cache, group.slots[i : i + step], "k").transpose(1, 2)  # (T, L, H, D) -> (T, H, L, D)
+            ks = meta.reader.read(k_cache, group.slots[i : i + step], "k").transpose(
+                1, 2
+            )  # (T, L, H, D) -> (T, H, L, D)
             vs = meta.reader.read(v_cache, group.slots[i : i + step], "v").transpose(1, 2)
         mask = None if group.mask is None else group.mask[i : i + step]  # (T, 1, 1, L)
         with part("attention"):

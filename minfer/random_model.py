@@ -97,10 +97,10 @@ def _training_text(seed: int, num_words: int):
     """The shipped corpus, then seeded made-up words so a large vocabulary can be learned."""
     yield CORPUS.read_text(encoding="utf-8")
     rng = random.Random(seed)
-    syllables = "ka to ri mu sen lo pa qui zer ban dor el fi gro hu in ja ku ly mo ne ox pi que ra st tu un vo wy xa ze".split()
-    words = [
-        "".join(rng.choice(syllables) for _ in range(rng.randint(1, 5))) for _ in range(num_words)
-    ]
+    syllables = (
+        "ka to ri mu sen lo pa qui zer ban dor el fi gro hu in ja ku ly mo ne ox pi que ra st tu un vo wy xa ze".split()
+    )
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 5))) for _ in range(num_words)]
     for i in range(0, len(words), 2000):
         yield " ".join(words[i : i + 2000])
 

@@ -44,8 +44,11 @@ class OnlineScheduler:
         kv_cache_memory: int | None = None,
         kv_cache_fraction: float | None = None,
     ):
-        for name, value in [("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)]:  # fmt: skip
+        for name, value in [
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ]:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.model = model
@@ -93,16 +96,22 @@ class OnlineScheduler:
             raise ValueError("give exactly one of prompt or prompt_token_ids")
         if prompt is not None:
             if not isinstance(prompt, str):
-                raise InvalidParameter("prompt", f"prompt must be a string, got {type(prompt).__name__}", "invalid_type")
+                raise InvalidParameter(
+                    "prompt", f"prompt must be a string, got {type(prompt).__name__}", "invalid_type"
+                )
             prompt_token_ids = self.tokenizer.encode(prompt)
         ids = self.check_request(prompt_token_ids, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(
-            request_id, ids, params, self.tokenizer.detokenizer(), self.tokenizer.eos_token_id,
+            request_id,
+            ids,
+            params,
+            self.tokenizer.detokenizer(),
+            self.tokenizer.eos_token_id,
             make_generator(params.seed, self.model.device),
-        )  # fmt: skip
+        )
         self.requests[request_id] = seq
         self.waiting.append(seq)
         return request_id
@@ -123,8 +132,9 @@ class OnlineScheduler:
             raise InvalidParameter(
                 "max_tokens" if len(ids) < context else "prompt",
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {context} tokens", "context_length_exceeded",
-            )  # fmt: skip
+                f"context of {context} tokens",
+                "context_length_exceeded",
+            )
         blocks = -(-(len(ids) + params.max_tokens) // self.block_size)
         if blocks > self.allocator.num_blocks:
             raise InvalidParameter(

@@ -45,8 +45,17 @@ from .engine import resolve_dtype, set_cpu_threads
 from .manager import ACCEPTED, DONE, ERROR, TEXT, EngineError, RequestHandle, SchedulerManager
 from .metrics import Metrics
 from .model import GPT2
-from .openai_api import (APIError, ModelInfo, ParsedRequest, Responder, parse_chat, parse_completion,
-                         parse_generate, parse_json_body, usage)  # fmt: skip
+from .openai_api import (
+    APIError,
+    ModelInfo,
+    ParsedRequest,
+    Responder,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+    parse_json_body,
+    usage,
+)
 from .scheduler import OnlineScheduler
 from .sequence import RequestOutput
 from .tokenizer import Tokenizer
@@ -64,8 +73,14 @@ class ClientGone(ConnectionError):
 class MinferServer(CappedHTTPServer):
     request_queue_size = 128  # the listen backlog; socketserver's default of 5 resets bursts of clients
 
-    def __init__(self, address, manager: SchedulerManager, info: ModelInfo, api_key: str | None = None,
-                 limits: ConnectionLimits | None = None):  # fmt: skip
+    def __init__(
+        self,
+        address,
+        manager: SchedulerManager,
+        info: ModelInfo,
+        api_key: str | None = None,
+        limits: ConnectionLimits | None = None,
+    ):
         self.manager = manager
         self.info = info
         self.api_key = api_key
@@ -117,8 +132,12 @@ class Handler(TimedHandler):
                 raise APIError(404, f"no such endpoint: {path}", code="not_found")
             method, name, needs_key = self.ROUTES[path]
             if self.command != method:
-                raise APIError(405, f"{path} accepts {method} only, not {self.command}",
-                               code="method_not_allowed", headers={"Allow": method})  # fmt: skip
+                raise APIError(
+                    405,
+                    f"{path} accepts {method} only, not {self.command}",
+                    code="method_not_allowed",
+                    headers={"Allow": method},
+                )
             if needs_key:
                 self._authorize()
             getattr(self, "handle_" + name)()
@@ -132,8 +151,9 @@ class Handler(TimedHandler):
             self._send_error_json(APIError(500, "internal server error"))
         finally:
             took = time.perf_counter() - self._start
-            log.info('%s "%s %s" %s %s%.3fs', self.client_address[0], self.command, path, self._status,
-                     self._tokens, took)  # fmt: skip
+            log.info(
+                '%s "%s %s" %s %s%.3fs', self.client_address[0], self.command, path, self._status, self._tokens, took
+            )
 
     do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_GET  # routing decides (404 / 405)
 
@@ -172,8 +192,7 @@ class Handler(TimedHandler):
             return
         scheme, _, token = self.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")  # fmt: skip
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     def _read_json(self) -> dict:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
@@ -184,8 +203,9 @@ class Handler(TimedHandler):
         if not length.isdigit():
             raise APIError(400, f"bad Content-Length {length!r}")
         if int(length) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is {length} bytes; the limit is {MAX_BODY_BYTES}",
-                           code="request_too_large")  # fmt: skip
+            raise APIError(
+                413, f"the request body is {length} bytes; the limit is {MAX_BODY_BYTES}", code="request_too_large"
+            )
         raw = self.rfile.read(int(length))
         if len(raw) < int(length):
             raise ClientGone()
@@ -284,8 +304,13 @@ class Handler(TimedHandler):
 
     def handle_models(self) -> None:
         info = self.server.info
-        model = {"id": info.name, "object": "model", "created": self.server.started, "owned_by": "minfer",
-                 "max_model_len": info.max_model_len}  # fmt: skip
+        model = {
+            "id": info.name,
+            "object": "model",
+            "created": self.server.started,
+            "owned_by": "minfer",
+            "max_model_len": info.max_model_len,
+        }
         self._send_json(200, {"object": "list", "data": [model]})
 
     def handle_metrics(self) -> None:
@@ -352,9 +377,18 @@ class Handler(TimedHandler):
 
 
 def create_server(
-    model: str = "gpt2", *, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu", dtype: str = "float32",
-    num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_queued: int = 128, api_key: str | None = None,
-    served_model_name: str | None = None, limits: ConnectionLimits | None = None,
+    model: str = "gpt2",
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    device: str = "cpu",
+    dtype: str = "float32",
+    num_kv_blocks: int | None = None,
+    max_num_seqs: int = 64,
+    max_queued: int = 128,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    limits: ConnectionLimits | None = None,
 ) -> MinferServer:
     """Load the model, start the engine worker and bind the socket (port 0 picks a free port).
     Raises ValueError/OSError for a bad model, setting or address. Run it with serve_forever()."""
@@ -381,10 +415,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16, or auto (bf16 where fast)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: auto)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    parser.add_argument("--max-queued", type=int, default=128,
-                        help="requests that may wait for a slot; more get 429")  # fmt: skip
-    parser.add_argument("--api-key", default=os.environ.get("MINFER_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' (default: $MINFER_API_KEY, else none)")  # fmt: skip
+    parser.add_argument("--max-queued", type=int, default=128, help="requests that may wait for a slot; more get 429")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("MINFER_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $MINFER_API_KEY, else none)",
+    )
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     add_arguments(parser)  # timeouts and the connection cap
     args = parser.parse_args(argv)
@@ -394,10 +430,18 @@ def main(argv: list[str] | None = None) -> int:
         set_cpu_threads()  # as LLM does, before the model loads
     try:
         server = create_server(
-            args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-            num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs, max_queued=args.max_queued,
-            api_key=args.api_key, served_model_name=args.served_model_name, limits=limits_from_args(args),
-        )  # fmt: skip
+            args.model,
+            host=args.host,
+            port=args.port,
+            device=args.device,
+            dtype=args.dtype,
+            num_kv_blocks=args.num_kv_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_queued=args.max_queued,
+            api_key=args.api_key,
+            served_model_name=args.served_model_name,
+            limits=limits_from_args(args),
+        )
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -12,8 +12,16 @@ from torch.profiler import record_function
 
 # The labelled parts, in step order. Everything else the forward runs is linears (matmuls)
 # or the small ops around them (layer norms, GELU, residual adds, embeddings).
-PARTS = ("host: schedule", "host: prepare", "KV write", "context read", "attention", "LM head", "sampling",
-         "host: bookkeeping")  # fmt: skip
+PARTS = (
+    "host: schedule",
+    "host: prepare",
+    "KV write",
+    "context read",
+    "attention",
+    "LM head",
+    "sampling",
+    "host: bookkeeping",
+)
 
 _enabled = False
 _NONE = nullcontext()

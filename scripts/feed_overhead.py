@@ -70,8 +70,9 @@ def main() -> int:
     try:
         for _ in range(args.rounds):
             results[0].append(run_workload(srv, port))
-            viewers = subprocess.Popen([sys.executable, "-c", VIEWER, str(port)], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, text=True)  # fmt: skip
+            viewers = subprocess.Popen(
+                [sys.executable, "-c", VIEWER, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
             assert viewers.stdout.readline().strip() == "ready"
             while not srv.manager.events.active:
                 time.sleep(0.01)
@@ -81,7 +82,9 @@ def main() -> int:
     finally:
         srv.stop()
     for n, values in results.items():
-        print(f"{n} viewers: {' '.join(f'{v:.3f}' for v in values)} ms/step (median {sorted(values)[len(values) // 2]:.3f})")
+        print(
+            f"{n} viewers: {' '.join(f'{v:.3f}' for v in values)} ms/step (median {sorted(values)[len(values) // 2]:.3f})"
+        )
     return 0
 
 

@@ -6,8 +6,9 @@ import os
 import shutil
 import tempfile
 
-INSTALL_HINT = ("needs Chromium, its driver and Selenium: apt-get install -y chromium chromium-driver && "
-                "pip install -e '.[test]'")  # fmt: skip
+INSTALL_HINT = (
+    "needs Chromium, its driver and Selenium: apt-get install -y chromium chromium-driver && pip install -e '.[test]'"
+)
 
 
 def missing() -> str | None:
@@ -31,10 +32,20 @@ class Browser:
         self.profile = tempfile.mkdtemp(prefix="minfer-chromium-")
         options = webdriver.ChromeOptions()
         # Without the background-networking flags Chromium keeps trying to reach Google's servers.
-        for flag in ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                     "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                     "--disable-dev-shm-usage", f"--user-data-dir={self.profile}", f"--window-size={width},{height}"]:
-            options.add_argument(flag)  # fmt: skip
+        for flag in [
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-dev-shm-usage",
+            f"--user-data-dir={self.profile}",
+            f"--window-size={width},{height}",
+        ]:
+            options.add_argument(flag)
         options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
         service = Service(shutil.which("chromedriver"))
         self.driver = webdriver.Chrome(options=options, service=service)

@@ -35,8 +35,10 @@ README = ROOT / "README.md"
 README_PORT = "8000"
 RUN_TIMEOUT = 300  # seconds for one command: generous, the machine may be busy
 REQUEST_LINE = re.compile(r'"(?:GET|POST|PUT|DELETE|PATCH|OPTIONS|HEAD) (\S+)" (\d{3})')
-HUB_REASON = ("loads {!r} from the Hugging Face Hub, unreachable here "
-              "(test_readme runs it offline: it must fail only for want of the Hub)")
+HUB_REASON = (
+    "loads {!r} from the Hugging Face Hub, unreachable here "
+    "(test_readme runs it offline: it must fail only for want of the Hub)"
+)
 SERVING_LINE = re.compile(r"serving .* on http://([\d.]+):(\d+)")
 
 
@@ -157,14 +159,17 @@ def sse_text(stdout: str) -> str | None:
     """The text a Server-Sent Events completion stream carried, or None if stdout is not one."""
     import json
 
-    data = [line[len("data: "):] for line in stdout.splitlines() if line.startswith("data: ")]
+    data = [line[len("data: ") :] for line in stdout.splitlines() if line.startswith("data: ")]
     if not data:
         return None
     if data[-1] != "[DONE]":
         return ""
     chunks = [json.loads(d) for d in data[:-1]]
-    return "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or ""
-                   for c in chunks if c.get("choices"))  # fmt: skip
+    return "".join(
+        c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or ""
+        for c in chunks
+        if c.get("choices")
+    )
 
 
 class ReadmeSession:
@@ -239,8 +244,14 @@ class ReadmeSession:
             command += " --port 0"
         # exec: the server replaces bash, so the signal below reaches it; it stays in our process
         # group, so a Ctrl-C that stops this run stops it too.
-        self.server = subprocess.Popen(["bash", "-c", "exec " + command], cwd=ROOT, env=self.env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.server = subprocess.Popen(
+            ["bash", "-c", "exec " + command],
+            cwd=ROOT,
+            env=self.env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         stdout: queue.Queue[str] = queue.Queue()
         threading.Thread(target=_drain, args=(self.server.stdout, stdout.put), daemon=True).start()
         threading.Thread(target=_drain, args=(self.server.stderr, self.server_log.append), daemon=True).start()
@@ -295,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{verdict} {snippet.label} ({time.perf_counter() - start:.1f} s)", flush=True)
                 if outcome.problems:
                     failures += 1
-                    print(f"     ran: {outcome.command}\n     problems: {outcome.problems}\n"
-                          f"     stdout: {outcome.stdout[-2000:]}\n     stderr: {outcome.stderr[-2000:]}")  # fmt: skip
+                    print(
+                        f"     ran: {outcome.command}\n     problems: {outcome.problems}\n"
+                        f"     stdout: {outcome.stdout[-2000:]}\n     stderr: {outcome.stderr[-2000:]}"
+                    )
         finally:
             for problem in session.close():
                 failures += 1

@@ -63,9 +63,18 @@ def check_summary(summary, records, exact_itl_count):
 
 
 def check_table(out):
-    for line in ["Serving Benchmark Result", "Successful requests:", "Benchmark duration (s):",
-                 "Output token throughput (tok/s):", "Total Token throughput (tok/s):", "Mean TTFT (ms):",
-                 "P99 TPOT (ms):", "Median ITL (ms):", "P90 E2EL (ms):", "Peak RSS (MiB):"]:  # fmt: skip
+    for line in [
+        "Serving Benchmark Result",
+        "Successful requests:",
+        "Benchmark duration (s):",
+        "Output token throughput (tok/s):",
+        "Total Token throughput (tok/s):",
+        "Mean TTFT (ms):",
+        "P99 TPOT (ms):",
+        "Median ITL (ms):",
+        "P90 E2EL (ms):",
+        "Peak RSS (MiB):",
+    ]:
         assert line in out
 
 
@@ -77,8 +86,22 @@ def spans(trace, name):
 
 
 def test_offline_rate_concurrency_repeats_json_trace(tiny_checkpoint, tmp_path, capsys):
-    out = run_bench(capsys, "--model", tiny_checkpoint, *WORKLOAD, "--request-rate", "300", "--max-concurrency", "3",
-                    "--repeat-runs", "2", "--json", tmp_path / "b.json", "--trace", tmp_path / "t.json")  # fmt: skip
+    out = run_bench(
+        capsys,
+        "--model",
+        tiny_checkpoint,
+        *WORKLOAD,
+        "--request-rate",
+        "300",
+        "--max-concurrency",
+        "3",
+        "--repeat-runs",
+        "2",
+        "--json",
+        tmp_path / "b.json",
+        "--trace",
+        tmp_path / "t.json",
+    )
     check_table(out)
     assert "median of 2 runs" in out and "run 1:" in out
     report = json.loads((tmp_path / "b.json").read_text())
@@ -115,9 +138,23 @@ def test_offline_text_prompts_pretok(tiny_checkpoint, tmp_path, capsys):
     texts = ["The quick brown fox", "Hello, my name is"]
     (tmp_path / "prompts.txt").write_text("\n".join(texts) + "\n\n")
     for pretok in ([], ["--pretok"]):
-        run_bench(capsys, "--model", tiny_checkpoint, "--prompts-file", tmp_path / "prompts.txt", *pretok,
-                  "--num-requests", "3", "--output-len", "5", "--warmup-runs", "0", "--disable-tqdm",
-                  "--json", tmp_path / "b.json")  # fmt: skip
+        run_bench(
+            capsys,
+            "--model",
+            tiny_checkpoint,
+            "--prompts-file",
+            tmp_path / "prompts.txt",
+            *pretok,
+            "--num-requests",
+            "3",
+            "--output-len",
+            "5",
+            "--warmup-runs",
+            "0",
+            "--disable-tqdm",
+            "--json",
+            tmp_path / "b.json",
+        )
         records = json.loads((tmp_path / "b.json").read_text())["requests"]
         tok = Tokenizer.from_dir(tiny_checkpoint)
         assert [r["input_len"] for r in records] == [len(tok.encode(texts[i % 2])) for i in range(3)]
@@ -125,8 +162,20 @@ def test_offline_text_prompts_pretok(tiny_checkpoint, tmp_path, capsys):
 
 
 def test_online_starts_minfer_serve(tiny_checkpoint, tmp_path, capsys):
-    out = run_bench(capsys, "--mode", "online", "--model", tiny_checkpoint, *WORKLOAD, "--request-rate", "100",
-                    "--json", tmp_path / "b.json", "--trace", tmp_path / "t.json")  # fmt: skip
+    out = run_bench(
+        capsys,
+        "--mode",
+        "online",
+        "--model",
+        tiny_checkpoint,
+        *WORKLOAD,
+        "--request-rate",
+        "100",
+        "--json",
+        tmp_path / "b.json",
+        "--trace",
+        tmp_path / "t.json",
+    )
     check_table(out)
     report = json.loads((tmp_path / "b.json").read_text())
     check_summary(report["summary"], report["requests"], exact_itl_count=False)
@@ -145,24 +194,49 @@ def test_online_base_url(tiny_checkpoint, tmp_path, capsys):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         host, port = server.server_address[:2]
-        run_bench(capsys, "--base-url", f"http://{host}:{port}/v1", "--model", "whatever", "--tokenizer",
-                  tiny_checkpoint, *WORKLOAD, "--max-concurrency", "2", "--warmup-runs", "0",
-                  "--json", tmp_path / "b.json")  # fmt: skip
+        run_bench(
+            capsys,
+            "--base-url",
+            f"http://{host}:{port}/v1",
+            "--model",
+            "whatever",
+            "--tokenizer",
+            tiny_checkpoint,
+            *WORKLOAD,
+            "--max-concurrency",
+            "2",
+            "--warmup-runs",
+            "0",
+            "--json",
+            tmp_path / "b.json",
+        )
     finally:
         server.stop()
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["config"]["mode"] == "online"
     check_summary(report["summary"], report["requests"], exact_itl_count=False)
-    edges = sorted([(r["submit_time"], 1) for r in report["requests"]] +
-                   [(r["finish_time"], -1) for r in report["requests"]])  # fmt: skip
+    edges = sorted(
+        [(r["submit_time"], 1) for r in report["requests"]] + [(r["finish_time"], -1) for r in report["requests"]]
+    )
     assert max(itertools.accumulate(d for _, d in edges)) <= 2
     assert "peak_rss_mib" not in report["summary"]  # someone else's process: not ours to report
 
 
 def test_baseline_hf_and_roofline(tiny_checkpoint, tmp_path, capsys):
     pytest.importorskip("transformers")
-    out = run_bench(capsys, "--model", tiny_checkpoint, *WORKLOAD, "--baseline", "hf", "--hf-batch-size", "4",
-                    "--roofline", "--json", tmp_path / "b.json")  # fmt: skip
+    out = run_bench(
+        capsys,
+        "--model",
+        tiny_checkpoint,
+        *WORKLOAD,
+        "--baseline",
+        "hf",
+        "--hf-batch-size",
+        "4",
+        "--roofline",
+        "--json",
+        tmp_path / "b.json",
+    )
     assert "transformers generate, batch 4" in out and "minfer / hf (batch 4)" in out
     assert "Decode roofline (batch 1)" in out
     report = json.loads((tmp_path / "b.json").read_text())
@@ -187,8 +261,23 @@ def test_baseline_hf_and_roofline(tiny_checkpoint, tmp_path, capsys):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_profile_splits_a_step_into_parts(tiny_checkpoint, tmp_path, capsys, dtype):
-    out = run_bench(capsys, "--model", tiny_checkpoint, "--num-requests", "6", "--input-len", "40",
-                    "--output-len", "24", "--disable-tqdm", "--dtype", dtype, "--profile", "--json", tmp_path / "p.json")  # fmt: skip
+    out = run_bench(
+        capsys,
+        "--model",
+        tiny_checkpoint,
+        "--num-requests",
+        "6",
+        "--input-len",
+        "40",
+        "--output-len",
+        "24",
+        "--disable-tqdm",
+        "--dtype",
+        dtype,
+        "--profile",
+        "--json",
+        tmp_path / "p.json",
+    )
     assert f"Step-time breakdown ({dtype})" in out
     prof = json.loads((tmp_path / "p.json").read_text())["profile"]
     assert prof["peaks"]["read_gb_s"] > 0 and prof["peaks"]["matmul_gflop_s"] > 0
@@ -197,8 +286,19 @@ def test_profile_splits_a_step_into_parts(tiny_checkpoint, tmp_path, capsys, dty
     C, V, L, elem = 64, 512, 2, 4 if dtype == "float32" else 2
     for phase in (prefill, decode):
         rows = {r["part"]: r for r in phase["rows"]}
-        assert set(rows) == {"host: schedule", "host: prepare", "KV write", "context read", "attention", "linears",
-                             "LM head", "norms, GELU, residuals", "sampling", "host: bookkeeping", "other host time"}
+        assert set(rows) == {
+            "host: schedule",
+            "host: prepare",
+            "KV write",
+            "context read",
+            "attention",
+            "linears",
+            "LM head",
+            "norms, GELU, residuals",
+            "sampling",
+            "host: bookkeeping",
+            "other host time",
+        }
         # Every part ran and the parts add up to the step: nothing counted twice.
         assert all(r["ms_per_step"] > 0 for name, r in rows.items() if name != "context read")
         assert sum(r["share"] for r in rows.values()) == pytest.approx(1.0, abs=0.02)
@@ -235,12 +335,14 @@ def test_lengths_prompts_and_arrivals(tiny_checkpoint):
     assert parse_length("7") == (7, 7) and parse_length("32:256") == (32, 256)
     tok = Tokenizer.from_dir(tiny_checkpoint)
     assert tok.eos_token_id not in sampleable_token_ids(tok, 512)
-    reqs = build_workload(200, "3:9", "2", texts=[], tokenizer=tok, vocab_size=512, context=512, rate=50.0,
-                          seed=1, pretok=False)  # fmt: skip
+    reqs = build_workload(
+        200, "3:9", "2", texts=[], tokenizer=tok, vocab_size=512, context=512, rate=50.0, seed=1, pretok=False
+    )
     assert {len(r.prompt_token_ids) for r in reqs} == set(range(3, 10))  # uniform over the whole range
     assert all(r.input_len == len(r.prompt_token_ids) and tok.eos_token_id not in r.prompt_token_ids for r in reqs)
-    again = build_workload(200, "3:9", "2", texts=[], tokenizer=tok, vocab_size=512, context=512, rate=50.0,
-                           seed=1, pretok=False, run=1)  # fmt: skip
+    again = build_workload(
+        200, "3:9", "2", texts=[], tokenizer=tok, vocab_size=512, context=512, rate=50.0, seed=1, pretok=False, run=1
+    )
     assert [r.input_len for r in again] == [r.input_len for r in reqs]  # same shape,
     assert [r.prompt_token_ids for r in again] != [r.prompt_token_ids for r in reqs]  # fresh contents
     gaps = [b - a for a, b in zip(*[arrival_times(4000, 50.0, random.Random(0))[i:] for i in (0, 1)])]

@@ -72,10 +72,13 @@ def wait_idle(server):
     assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"] and stats["num_running"] == 0
 
 
-@pytest.mark.parametrize("sent", [
-    b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"prompt\":",  # body never finished
-    b"GET /health HTTP/1.1\r\nHost: x",  # headers never finished
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "sent",
+    [
+        b'POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{"prompt":',  # body never finished
+        b"GET /health HTTP/1.1\r\nHost: x",  # headers never finished
+    ],
+)
 def test_stalled_request_gets_408_and_is_closed(server, sent):
     before = metric(server, 'minfer_http_timeouts_total{kind="request"}')
     with connect(server) as sock:
@@ -101,8 +104,13 @@ def test_stream_being_read_slowly_is_not_cut_off(server):
     """Each write waits on the slow reader, well past the write timeout in all, but no single write does."""
     wait_idle(server)
     write_timeouts = metric(server, 'minfer_http_timeouts_total{kind="write"}')
-    body = {"prompt": [1, 2, 3], "max_tokens": 600, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "prompt": [1, 2, 3],
+        "max_tokens": 600,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with connect(server, rcvbuf=4096) as sock:
         sock.sendall(request(b"POST", b"/v1/completions", body))
         start, data = time.monotonic(), b""
@@ -168,8 +176,9 @@ def test_connections_beyond_the_cap_get_503_and_health_still_answers(server):
         assert recv_until(sock, b'"usage"').startswith(b"HTTP/1.1 200 ")
 
 
-@pytest.mark.parametrize("field, value", [("request_timeout", 0), ("keepalive_timeout", -1),
-                                          ("write_timeout", "5"), ("max_connections", 0)])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value", [("request_timeout", 0), ("keepalive_timeout", -1), ("write_timeout", "5"), ("max_connections", 0)]
+)
 def test_bad_limits_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         ConnectionLimits(**{field: value})

@@ -8,8 +8,10 @@ import torch.nn.functional as F
 from minfer import cpu_fast_paths
 from minfer.cpu_fast_paths import ContextReader, LMHead, PackedLinear, optimize_for_cpu, padded_rows
 
-needs_packing = pytest.mark.skipif(not cpu_fast_paths.packing_available(torch.float32),
-                                   reason="this torch build has no oneDNN (mkldnn) to pack weights with")  # fmt: skip
+needs_packing = pytest.mark.skipif(
+    not cpu_fast_paths.packing_available(torch.float32),
+    reason="this torch build has no oneDNN (mkldnn) to pack weights with",
+)
 
 
 def test_row_counts_are_rounded_to_a_few_sizes():

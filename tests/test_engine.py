@@ -42,9 +42,12 @@ def hf_model(tiny_checkpoint):
 def hf_greedy(hf_model, prompt, max_new_tokens=32):
     ids = torch.tensor([prompt])
     out = hf_model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
         pad_token_id=hf_model.config.eos_token_id,
-    )  # fmt: skip
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -148,15 +151,17 @@ def test_stops(tiny_checkpoint):
 
     stop_token = free_run.token_ids[10]
     first = free_run.token_ids.index(stop_token)
-    out = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop_token]),
-                       use_tqdm=False)[0]  # fmt: skip
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop_token]), use_tqdm=False
+    )[0]
     assert out.finish_reason == "stop" and out.token_ids == free_run.token_ids[: first + 1]
     assert out.text == llm.tokenizer.decode(free_run.token_ids[:first])  # the stop token's text is left out
 
     text = free_run.text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
-    out = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, stop=["\x00never", stop]),
-                       use_tqdm=False)[0]  # fmt: skip
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=40, temperature=0, stop=["\x00never", stop]), use_tqdm=False
+    )[0]
     assert out.finish_reason == "stop" and out.text == text[: text.index(stop)]
 
 
@@ -185,7 +190,10 @@ def test_streamed_text_holds_back_a_possible_stop_string(tiny_checkpoint):
         (dict(prompt_token_ids=[1, 512]), "token id 512 is not in the vocabulary"),
         (dict(prompt_token_ids=[-1]), "token id -1"),
         (dict(prompt="a", prompt_token_ids=[1]), "exactly one of"),
-        (dict(prompt_token_ids=[1] * 500, sampling_params=SamplingParams(max_tokens=13)), "exceeds the model's context"),
+        (
+            dict(prompt_token_ids=[1] * 500, sampling_params=SamplingParams(max_tokens=13)),
+            "exceeds the model's context",
+        ),
         (dict(prompt_token_ids=[1] * 300, sampling_params=SamplingParams(max_tokens=100)), "needs 25 KV blocks"),
     ],
 )
@@ -285,8 +293,18 @@ def test_generate_cli_streams_the_engine_output(tiny_checkpoint):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "minfer.generate", "--model", str(tiny_checkpoint), "--temperature", "0",
-           "--max-tokens", "12", "The cache"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "minfer.generate",
+        "--model",
+        str(tiny_checkpoint),
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "12",
+        "The cache",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     llm = LLM(tiny_checkpoint, num_kv_blocks=32)

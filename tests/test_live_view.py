@@ -100,8 +100,12 @@ class FeedReader(threading.Thread):
 
 
 def stream(srv, prompt, max_tokens, ids):
-    conn, resp = request(srv, "POST", "/v1/completions",
-                         body={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True})  # fmt: skip
+    conn, resp = request(
+        srv,
+        "POST",
+        "/v1/completions",
+        body={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True},
+    )
     assert resp.status == 200
     ids.append(resp.getheader("X-Engine-Request-Id"))
     resp.read()

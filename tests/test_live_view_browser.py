@@ -43,9 +43,11 @@ def test_page_shows_every_block_used_while_streams_run_and_none_after(browser, t
         assert sorted(ids) == list(range(NUM_BLOCKS))
         assert browser.js(USED) == 0
         # Remember the most blocks ever shown as used: the streams may end between two polls.
-        browser.js("window.maxUsed = 0; new MutationObserver(() => { window.maxUsed = Math.max(window.maxUsed, "
-                   "document.querySelectorAll('#blocks [data-state=used]').length); })"
-                   ".observe(document.getElementById('blocks'), {attributes: true, subtree: true});")  # fmt: skip
+        browser.js(
+            "window.maxUsed = 0; new MutationObserver(() => { window.maxUsed = Math.max(window.maxUsed, "
+            "document.querySelectorAll('#blocks [data-state=used]').length); })"
+            ".observe(document.getElementById('blocks'), {attributes: true, subtree: true});"
+        )
         threads = [threading.Thread(target=stream, args=(port, 200)) for _ in range(4)]
         for t in threads:
             t.start()

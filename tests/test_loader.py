@@ -91,10 +91,14 @@ BAD_CHECKPOINTS = {
     "no config": (lambda d: (d / "config.json").unlink(), FileNotFoundError, "no config.json"),
     "broken config": (lambda d: (d / "config.json").write_text("{"), ValueError, "not valid JSON"),
     "missing tensor": (
-        lambda d: edit_tensors(d, lambda t: t.pop("h.1.mlp.c_fc.bias")), ValueError, "lacks tensor 'h.1.mlp.c_fc.bias'"
+        lambda d: edit_tensors(d, lambda t: t.pop("h.1.mlp.c_fc.bias")),
+        ValueError,
+        "lacks tensor 'h.1.mlp.c_fc.bias'",
     ),
     "unexpected tensor": (
-        lambda d: edit_tensors(d, lambda t: t.update(extra=torch.zeros(2))), ValueError, "unexpected tensor 'extra'"
+        lambda d: edit_tensors(d, lambda t: t.update(extra=torch.zeros(2))),
+        ValueError,
+        "unexpected tensor 'extra'",
     ),
     "wrong shape": (
         lambda d: edit_tensors(d, lambda t: t.update({"ln_f.bias": torch.zeros(65)})),

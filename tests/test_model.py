@@ -50,8 +50,12 @@ def test_greedy_continuation_matches_transformers(make_checkpoint, shape, layout
     prompt = torch.randint(0, ours.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
     got = greedy_without_cache(ours, prompt, 32)
     expected = ref.generate(
-        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, min_new_tokens=32,
-        do_sample=False, pad_token_id=0,
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=32,
+        min_new_tokens=32,
+        do_sample=False,
+        pad_token_id=0,
     )
     assert torch.equal(got, expected)
     assert len(set(got[0, 7:].tolist())) > 1  # the continuation is not a single repeated token

@@ -5,8 +5,16 @@ import json
 import pytest
 
 from minfer.metrics import Histogram, Metrics
-from minfer.openai_api import (APIError, ModelInfo, Responder, parse_chat, parse_completion, parse_generate,
-                               parse_json_body, render_chat)  # fmt: skip
+from minfer.openai_api import (
+    APIError,
+    ModelInfo,
+    Responder,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+    parse_json_body,
+    render_chat,
+)
 from minfer.sequence import RequestOutput
 from minfer.tokenizer import Tokenizer
 
@@ -29,11 +37,24 @@ def test_completion_defaults_and_fields(info):
     assert req.params.max_tokens == 16 and req.params.temperature == 1.0 and not req.stream
 
     req = parse_completion(
-        {"prompt": [[5, 6, 7]], "max_tokens": 3, "temperature": 0, "top_p": 0.5, "top_k": -1, "seed": 7,
-         "stop": "x", "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-         "user": "someone", "echo": False, "n": 1, "logprobs": None},
+        {
+            "prompt": [[5, 6, 7]],
+            "max_tokens": 3,
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": -1,
+            "seed": 7,
+            "stop": "x",
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "user": "someone",
+            "echo": False,
+            "n": 1,
+            "logprobs": None,
+        },
         info,
-    )  # fmt: skip
+    )
     assert req.prompt_token_ids == [5, 6, 7]  # a batch of one is unwrapped; unknown "user" is ignored
     p = req.params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (3, 0.0, 0.5, 0, 7)
@@ -75,17 +96,20 @@ def test_generate_fields(info):
         (parse_completion, {"prompt": "a", "stop": 3}, 400, "stop"),
         (parse_completion, {"prompt": "a", "best_of": 2}, 400, "best_of"),
         (parse_completion, {"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty"),
-        (parse_completion, {"prompt": "a", "stream": True, "stream_options": {"include_usage": 1}}, 400,
-         "stream_options.include_usage"),
+        (
+            parse_completion,
+            {"prompt": "a", "stream": True, "stream_options": {"include_usage": 1}},
+            400,
+            "stream_options.include_usage",
+        ),
         (parse_completion, {"prompt": "a", "model": "gpt-4"}, 404, "model"),
         (parse_chat, {"messages": ["hi"]}, 400, "messages[0]"),
-        (parse_chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
-         "messages[0].content"),
+        (parse_chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400, "tools"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "logprobs": True}, 400, "logprobs"),
         (parse_generate, {"prompt": "a", "stop_on_eos": "no"}, 400, "stop_on_eos"),
     ],
-)  # fmt: skip
+)
 def test_bad_fields_name_their_param(info, parse, body, status, param):
     e = error_of(parse, body, info)
     assert (e.status, e.param) == (status, param)
@@ -121,8 +145,12 @@ def test_chat_response_and_chunks():
     [first] = r.first_chunks()
     assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
     assert r.text_chunk("x")["choices"][0]["delta"] == {"content": "x"}
-    assert r.final_chunk("length")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
-                                                     "finish_reason": "length"}  # fmt: skip
+    assert r.final_chunk("length")["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "length",
+    }
     json.dumps(r.usage_chunk(output()))  # every chunk is plain JSON
 
 
@@ -130,8 +158,13 @@ def test_histogram_buckets_are_cumulative():
     h = Histogram((0.1, 1.0))
     for v in (0.05, 0.1, 0.5, 3.0):
         h.observe(v)
-    assert h.render("x") == ['x_bucket{le="0.1"} 2', 'x_bucket{le="1.0"} 3', 'x_bucket{le="+Inf"} 4',
-                             "x_sum 3.65", "x_count 4"]  # fmt: skip
+    assert h.render("x") == [
+        'x_bucket{le="0.1"} 2',
+        'x_bucket{le="1.0"} 3',
+        'x_bucket{le="+Inf"} 4',
+        "x_sum 3.65",
+        "x_count 4",
+    ]
 
 
 def test_metrics_render_counts_finished_requests():

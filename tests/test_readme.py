@@ -31,8 +31,10 @@ def test_readme_snippet(outcomes, snippet):
     if reason:
         pytest.skip(f"{snippet.label}: {reason}")
     o = outcomes[0][id(snippet)]
-    assert not o.problems, (f"{snippet.label}\nran: {o.command}\nproblems: {o.problems}\n"
-                            f"stdout: {o.stdout[-3000:]}\nstderr: {o.stderr[-3000:]}")  # fmt: skip
+    assert not o.problems, (
+        f"{snippet.label}\nran: {o.command}\nproblems: {o.problems}\n"
+        f"stdout: {o.stdout[-3000:]}\nstderr: {o.stderr[-3000:]}"
+    )
 
 
 def test_the_server_stopped_cleanly(outcomes):
@@ -41,8 +43,10 @@ def test_the_server_stopped_cleanly(outcomes):
 
 def test_the_offline_path_is_run_not_skipped():
     """random checkpoint -> generate -> serve -> curl and the openai client: all run, in that order."""
-    order = [next((i for i, s in enumerate(RUNNABLE) if key in s.text), None)
-             for key in ("minfer.random_model", "minfer.generate", "minfer.serve", "curl", "OpenAI(")]  # fmt: skip
+    order = [
+        next((i for i, s in enumerate(RUNNABLE) if key in s.text), None)
+        for key in ("minfer.random_model", "minfer.generate", "minfer.serve", "curl", "OpenAI(")
+    ]
     assert None not in order, [s.label for s in RUNNABLE]
     assert order == sorted(order)
 

@@ -30,8 +30,18 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 class ServerProcess:
     def __init__(self, checkpoint, log_path, *args):
-        cmd = [sys.executable, "-m", "minfer.serve", "--model", str(checkpoint), "--port", "0",
-               "--served-model-name", MODEL, *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "minfer.serve",
+            "--model",
+            str(checkpoint),
+            "--port",
+            "0",
+            "--served-model-name",
+            MODEL,
+            *args,
+        ]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
         ready, _, _ = select.select([self.proc.stdout], [], [], 120)
@@ -92,8 +102,11 @@ def open_stream(port, body) -> socket.socket:
     """Send a streaming completion on a raw socket and wait for its first data chunk."""
     data = json.dumps({**body, "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
-                 + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))  # fmt: skip
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + API_KEY.encode()
+        + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data)
+    )
     received = b""
     while b"data: " not in received:
         chunk = sock.recv(65536)
@@ -206,9 +219,18 @@ def test_models_health_metrics_and_generate(server, llm, tokenizer):
     resp = conn.getresponse()
     assert resp.getheader("Content-Type").startswith("text/plain") and resp.read().decode() == ref.text
     m = metrics(server.port)
-    for name in ["requests_running", "requests_waiting", "requests_finished_total", "kv_blocks_free",
-                 "kv_blocks_total", "preemptions_total", "prompt_tokens_total", "generation_tokens_total",
-                 "time_to_first_token_seconds_count", "time_per_output_token_seconds_count"]:  # fmt: skip
+    for name in [
+        "requests_running",
+        "requests_waiting",
+        "requests_finished_total",
+        "kv_blocks_free",
+        "kv_blocks_total",
+        "preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "time_to_first_token_seconds_count",
+        "time_per_output_token_seconds_count",
+    ]:
         assert "minfer_" + name in m
     assert m["minfer_requests_finished_total"] >= 2 and m["minfer_generation_tokens_total"] >= 24
 
@@ -223,8 +245,9 @@ def test_32_concurrent_streams_then_16_disconnects(server, llm, tokenizer):
     texts = [None] * 32
 
     def run(i):
-        events = stream_events(server.port, "/v1/completions", {"prompt": prompts[i], "max_tokens": 24,
-                                                                 "temperature": 0})  # fmt: skip
+        events = stream_events(
+            server.port, "/v1/completions", {"prompt": prompts[i], "max_tokens": 24, "temperature": 0}
+        )
         assert events[-1] == "[DONE]"
         texts[i] = "".join(e["choices"][0]["text"] for e in events[:-1])
 
@@ -280,16 +303,36 @@ BAD_INPUT = [  # (name, method, path, body or raw bytes, headers, status, param)
     ("unknown model", "POST", "/v1/completions", {**GOOD, "model": "gpt-5"}, AUTH, 404, "model"),
     ("chat no messages", "POST", "/v1/chat/completions", {"model": MODEL}, AUTH, 400, "messages"),
     ("chat empty messages", "POST", "/v1/chat/completions", {**CHAT, "messages": []}, AUTH, 400, "messages"),
-    ("chat bad role", "POST", "/v1/chat/completions", {**CHAT, "messages": [{"role": "bot", "content": "x"}]},
-     AUTH, 400, "messages[0].role"),
-    ("chat content number", "POST", "/v1/chat/completions",
-     {**CHAT, "messages": [{"role": "user", "content": 5}]}, AUTH, 400, "messages[0].content"),
-    ("chat max_completion_tokens", "POST", "/v1/chat/completions", {**CHAT, "max_completion_tokens": -3},
-     AUTH, 400, "max_completion_tokens"),
+    (
+        "chat bad role",
+        "POST",
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "bot", "content": "x"}]},
+        AUTH,
+        400,
+        "messages[0].role",
+    ),
+    (
+        "chat content number",
+        "POST",
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": 5}]},
+        AUTH,
+        400,
+        "messages[0].content",
+    ),
+    (
+        "chat max_completion_tokens",
+        "POST",
+        "/v1/chat/completions",
+        {**CHAT, "max_completion_tokens": -3},
+        AUTH,
+        400,
+        "max_completion_tokens",
+    ),
     ("chat n", "POST", "/v1/chat/completions", {**CHAT, "n": 3}, AUTH, 400, "n"),
     ("generate prompt list", "POST", "/generate", {"prompt": ["a"]}, AUTH, 400, "prompt"),
-    ("generate max_new_tokens", "POST", "/generate", {"prompt": "a", "max_new_tokens": 0}, AUTH, 400,
-     "max_new_tokens"),
+    ("generate max_new_tokens", "POST", "/generate", {"prompt": "a", "max_new_tokens": 0}, AUTH, 400, "max_new_tokens"),
     ("body too large", "POST", "/v1/completions", b"", {**AUTH, "Content-Length": str(2 << 20)}, 413, None),
     ("unknown path", "POST", "/v1/embeddings", GOOD, AUTH, 404, None),
     ("wrong method", "GET", "/v1/completions", None, AUTH, 405, None),
@@ -297,7 +340,7 @@ BAD_INPUT = [  # (name, method, path, body or raw bytes, headers, status, param)
     ("missing api key", "POST", "/v1/completions", GOOD, {}, 401, None),
     ("wrong api key", "POST", "/v1/completions", GOOD, {"Authorization": "Bearer nope"}, 401, None),
     ("models without key", "GET", "/v1/models", None, {"Authorization": "Basic x"}, 401, None),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("name, method, path, body, headers, status, param", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
@@ -347,8 +390,14 @@ def test_idle_server_uses_no_cpu_and_wakes_at_once(server):
 def test_sigterm_ends_streams_and_exits_zero(checkpoint, tmp_path):
     srv = ServerProcess(checkpoint, tmp_path / "server.log", "--num-kv-blocks", "400")
     try:
-        body = {"model": MODEL, "prompt": "Tell me everything", "max_tokens": 1000, "temperature": 0,
-                "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "prompt": "Tell me everything",
+            "max_tokens": 1000,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         conns = []
         for _ in range(4):
             conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
@@ -367,8 +416,12 @@ def test_sigterm_ends_streams_and_exits_zero(checkpoint, tmp_path):
 
 
 def test_bad_model_is_one_line_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "minfer.serve", "--model", str(tmp_path / "missing"), "--port", "0"],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "minfer.serve", "--model", str(tmp_path / "missing"), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
 
 

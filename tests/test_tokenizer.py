@@ -106,8 +106,7 @@ def test_streaming_matches_decode(tok, name):
 def test_test_texts_really_split_characters_across_tokens(tok):
     """Guard for the test above: it only means something if some token is not valid UTF-8 alone."""
     split_tokens = {
-        name: [i for i in tok.encode(text) if not _is_utf8(tok.token_bytes[i])]
-        for name, text in TEXTS.items()
+        name: [i for i in tok.encode(text) if not _is_utf8(tok.token_bytes[i])] for name, text in TEXTS.items()
     }
     assert split_tokens["cjk"] and split_tokens["emoji"], split_tokens
     # ...and the detokenizer holds such a partial character back instead of emitting it.
@@ -189,9 +188,7 @@ def test_added_tokens_stream_like_decode(ckpt):
         ids += rng.sample(range(512, t.vocab_size), 2)
         rng.shuffle(ids)
         assert stream(t, ids)[1] == t.decode(ids), ids
-    assert [t.decode([t.token_to_id(a)]) for a in added] == [
-        "héllo wörld", " x ", "\ufffd\ufffd", "🤖bot"
-    ]
+    assert [t.decode([t.token_to_id(a)]) for a in added] == ["héllo wörld", " x ", "\ufffd\ufffd", "🤖bot"]
 
 
 def test_streaming_never_calls_full_decode(tok, monkeypatch):
@@ -255,9 +252,7 @@ def test_eos_falls_back_to_tokenizer_config(ckpt, tmp_path):
     eos_text = Tokenizer.from_dir(d).id_to_token(5)
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_text}))
     assert Tokenizer.from_dir(d).eos_token_id == 5
-    (d / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": {"content": eos_text, "special": True}})
-    )
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": eos_text, "special": True}}))
     assert Tokenizer.from_dir(d).eos_token_id == 5
 
 

@@ -15,10 +15,20 @@ from minfer.loader import ModelNotFoundError
 TUTORIALS = Path(__file__).resolve().parent.parent / "tutorials"
 SCRIPTS = sorted(TUTORIALS.glob("[0-9][0-9]_*.py"))
 STAGES = [
-    "01_gpt2_forward", "02_loading_weights", "03_kv_cache_generation", "04_sampling",
-    "05_tokenizer_streaming", "06_static_batching", "07_block_allocator", "08_paged_attention",
-    "09_prefix_caching", "10_online_scheduler", "11_scheduler_manager", "12_http_server", "13_benchmarking",
-]  # fmt: skip
+    "01_gpt2_forward",
+    "02_loading_weights",
+    "03_kv_cache_generation",
+    "04_sampling",
+    "05_tokenizer_streaming",
+    "06_static_batching",
+    "07_block_allocator",
+    "08_paged_attention",
+    "09_prefix_caching",
+    "10_online_scheduler",
+    "11_scheduler_manager",
+    "12_http_server",
+    "13_benchmarking",
+]
 # Every stage takes its sizes from the checkpoint's config: it must run on any GPT-2 shape.
 SHAPES = {
     "tiny": {},  # 2 layers, 4 heads, 64 channels, a 512-token context
@@ -47,9 +57,13 @@ def script_runs(request, make_checkpoint):
 
     def run(shape: str, script: Path) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, str(script)], cwd=TUTORIALS.parent,
-            env={**env, "MINFER_MODEL": str(checkpoints[shape])}, capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
+            [sys.executable, str(script)],
+            cwd=TUTORIALS.parent,
+            env={**env, "MINFER_MODEL": str(checkpoints[shape])},
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
 
     pool = ThreadPoolExecutor(max_workers=2)
     # Later stages run more of the engine and take longer: start them first, so the run

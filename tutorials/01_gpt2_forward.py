@@ -22,8 +22,10 @@ cfg = model.config
 
 section("the model")
 n_params = sum(p.numel() for p in model.parameters())
-print(f"{cfg.n_layer} blocks, {cfg.n_head} heads of {cfg.head_dim}, width C={cfg.n_embd}, "
-      f"vocabulary V={cfg.vocab_size}, context {cfg.n_positions}: {n_params:,} parameters")
+print(
+    f"{cfg.n_layer} blocks, {cfg.n_head} heads of {cfg.head_dim}, width C={cfg.n_embd}, "
+    f"vocabulary V={cfg.vocab_size}, context {cfg.n_positions}: {n_params:,} parameters"
+)
 # The LM head has no weights of its own: it reuses the token embedding ("tied"), so the
 # parameter count has no separate V x C output matrix.
 assert not any("lm_head" in name for name, _ in model.named_parameters())
@@ -93,8 +95,9 @@ probs = logits[:, -1].softmax(-1)  # (B, V)
 top = probs.topk(3, dim=-1)
 for b in range(B):
     prompt = tokenizer.decode(ids[b].tolist())
-    guesses = ", ".join(f"{t} {tokenizer.decode([t])!r} (p={p:.3f})"
-                        for p, t in zip(top.values[b].tolist(), top.indices[b].tolist()))
+    guesses = ", ".join(
+        f"{t} {tokenizer.decode([t])!r} (p={p:.3f})" for p, t in zip(top.values[b].tolist(), top.indices[b].tolist())
+    )
     print(f"{prompt!r} -> {guesses}")
     assert top.indices[b, 0].item() == logits[b, -1].argmax().item()
 print("\nOK: shapes, the module-by-module forward, causality and the next token all check out.")

@@ -21,8 +21,15 @@ from safetensors import safe_open
 
 from _common import model_path, section
 from minfer.config import GPT2Config
-from minfer.loader import (CONV1D_WEIGHTS, SKIPPED, ModelNotFoundError, expected_shapes, load_model_weights,
-                           resolve_model_dir, safetensors_files)
+from minfer.loader import (
+    CONV1D_WEIGHTS,
+    SKIPPED,
+    ModelNotFoundError,
+    expected_shapes,
+    load_model_weights,
+    resolve_model_dir,
+    safetensors_files,
+)
 from minfer.model import GPT2
 
 model_dir = Path(model_path())
@@ -61,8 +68,10 @@ if buffers:
         mask = f.get_tensor(buffers[0])  # (1, 1, P, P)
     P = config.n_positions
     assert mask.shape == (1, 1, P, P) and torch.equal(mask[0, 0], torch.tril(torch.ones(P, P)))
-    print(f"{buffers[0]} {list(mask.shape)} is the causal mask (a lower triangle of ones), saved as a "
-          f"buffer: not a weight, so the loader skips all {len(buffers)} of them.")
+    print(
+        f"{buffers[0]} {list(mask.shape)} is the causal mask (a lower triangle of ones), saved as a "
+        f"buffer: not a weight, so the loader skips all {len(buffers)} of them."
+    )
 else:
     print("no h.N.attn.bias mask buffers here (save_pretrained leaves them out; the Hub's gpt2 file has them)")
 
@@ -74,8 +83,10 @@ assert state["lm_head.weight"] is state["wte.weight"]  # the tied LM head: one t
 for name, shape in expected.items():
     want = shape[::-1] if name.endswith(CONV1D_WEIGHTS) else shape  # Conv1D weights come out [out, in]
     assert tuple(state[name].shape) == want, name
-print(f"{len(expected)} tensors (and the LM head's name for wte): the 'transformer.' prefix dropped, the mask buffers skipped, and "
-      f"the {len(CONV1D_WEIGHTS)} Conv1D weights of each block transposed to nn.Linear's [out, in]")
+print(
+    f"{len(expected)} tensors (and the LM head's name for wte): the 'transformer.' prefix dropped, the mask buffers skipped, and "
+    f"the {len(CONV1D_WEIGHTS)} Conv1D weights of each block transposed to nn.Linear's [out, in]"
+)
 
 with safe_open(str(file_of[w_name]), framework="pt") as f:
     raw = f.get_tensor(w_name)  # (C, 3C) as stored
@@ -137,6 +148,7 @@ def edit_config(**changes):
         cfg = json.loads((d / "config.json").read_text())
         (d / "config.json").unlink()  # replace the link, not the original
         (d / "config.json").write_text(json.dumps({**cfg, **changes}))
+
     return damage
 
 

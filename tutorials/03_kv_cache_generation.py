@@ -26,8 +26,10 @@ model = GPT2.from_pretrained(path)
 tokenizer = Tokenizer.from_dir(path)
 cfg = model.config
 
-prompt = tokenizer.encode("In the beginning the Universe was created. This has made a lot of people very angry "
-                          "and been widely regarded as a bad move. Many races believe that it was created by")
+prompt = tokenizer.encode(
+    "In the beginning the Universe was created. This has made a lot of people very angry "
+    "and been widely regarded as a bad move. Many races believe that it was created by"
+)
 NEW_TOKENS = 48
 prompt = prompt[: cfg.n_positions // 2]  # prompt and new tokens fit any context from 128 positions up
 P = len(prompt)
@@ -43,7 +45,7 @@ def generate_naive(ids: list[int], n: int) -> tuple[list[int], int]:
         computed += seq.shape[1]
         next_id = logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
         seq = torch.cat([seq, next_id], dim=1)  # (1, T + 1)
-    return seq[0, len(ids):].tolist(), computed
+    return seq[0, len(ids) :].tolist(), computed
 
 
 def attention_with_cache(attn, x: torch.Tensor, past: tuple | None):
@@ -105,8 +107,10 @@ assert cached_tokens == naive_tokens, "the cache must not change what is generat
 assert naive_work == sum(P + s for s in range(NEW_TOKENS)) == NEW_TOKENS * P + NEW_TOKENS * (NEW_TOKENS - 1) // 2
 # Cached: the prompt once, then one position per new token (but the last).
 assert cached_work == P + NEW_TOKENS - 1
-print(f"same {NEW_TOKENS} tokens; {naive_work / cached_work:.1f}x fewer positions computed with the cache "
-      f"(wall-clock times are printed, not asserted: this machine is shared)")
+print(
+    f"same {NEW_TOKENS} tokens; {naive_work / cached_work:.1f}x fewer positions computed with the cache "
+    f"(wall-clock times are printed, not asserted: this machine is shared)"
+)
 
 section("what the cache costs: memory")
 k0, v0 = cache[0]
@@ -114,8 +118,10 @@ length = P + NEW_TOKENS - 1  # every position that went through the model
 assert k0.shape == v0.shape == (1, cfg.n_head, length, cfg.head_dim)
 per_token = 2 * cfg.n_layer * cfg.n_embd * k0.element_size()  # K and V, every layer, float32
 print(f"per layer K and V are {tuple(k0.shape)} = (batch, heads, positions, head_dim)")
-print(f"{per_token:,} bytes ({per_token / 1024:g} KiB) per token; a full {cfg.n_positions}-token context: "
-      f"{per_token * cfg.n_positions / 2**20:.1f} MiB per sequence")
+print(
+    f"{per_token:,} bytes ({per_token / 1024:g} KiB) per token; a full {cfg.n_positions}-token context: "
+    f"{per_token * cfg.n_positions / 2**20:.1f} MiB per sequence"
+)
 
 section("minfer's engine does the same with a paged cache")
 # LLM keeps K and V in fixed-size blocks of one preallocated tensor instead of a growing

@@ -45,8 +45,10 @@ for _ in range(3):
     assert torch.equal(sample(rows, params, [None, make_generator(1, "cpu")]), rows.argmax(-1))
 mixed = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)]
 assert sample(rows, mixed, [None, None])[0].item() == model_logits.argmax().item()
-print(f"argmax of the model's logits: token {model_logits.argmax().item()} "
-      f"{tokenizer.decode([model_logits.argmax().item()])!r}, every time, whatever the other rows do")
+print(
+    f"argmax of the model's logits: token {model_logits.argmax().item()} "
+    f"{tokenizer.decode([model_logits.argmax().item()])!r}, every time, whatever the other rows do"
+)
 
 section("sampling draws each token with its probability (the exponential race)")
 n = 20_000
@@ -65,8 +67,11 @@ def entropy(logits: torch.Tensor) -> float:
 
 for name, logits in [("toy", toy), ("model", model_logits)]:
     entropies = [entropy(logits / T) for T in (0.25, 0.5, 1.0, 2.0)]
-    print(f"{name:>5}: entropy at T=0.25, 0.5, 1, 2: " + ", ".join(f"{h:.3f}" for h in entropies)
-          + f" nats (uniform: {torch.tensor(float(logits.shape[0])).log():.3f})")
+    print(
+        f"{name:>5}: entropy at T=0.25, 0.5, 1, 2: "
+        + ", ".join(f"{h:.3f}" for h in entropies)
+        + f" nats (uniform: {torch.tensor(float(logits.shape[0])).log():.3f})"
+    )
     assert all(a < b for a, b in zip(entropies, entropies[1:])), "higher T, flatter distribution"
 for T in (0.5, 2.0):
     seen = torch.bincount(draw(toy, SamplingParams(temperature=T), n), minlength=5) / n
@@ -87,12 +92,16 @@ for k, p, expected in checks:
     assert got == expected
 only = draw(toy, SamplingParams(top_k=2), n)
 share = (only == 0).float().mean().item()
-print(f"top_k=2 draws: tokens {sorted(set(only.tolist()))}, token 0 in {share:.3f} of them "
-      f"(renormalised: 0.5 / 0.8 = 0.625)")
+print(
+    f"top_k=2 draws: tokens {sorted(set(only.tolist()))}, token 0 in {share:.3f} of them "
+    f"(renormalised: 0.5 / 0.8 = 0.625)"
+)
 assert set(only.tolist()) <= {0, 1} and abs(share - 0.625) < 0.02
 nucleus = len(kept(model_logits, 0, 0.9))
-print(f"the model's top_p=0.9 nucleus after this prompt: {nucleus} of {V} tokens "
-      f"(a trained model is peaked; a random one is nearly flat)")
+print(
+    f"the model's top_p=0.9 nucleus after this prompt: {nucleus} of {V} tokens "
+    f"(a trained model is peaked; a random one is nearly flat)"
+)
 assert 1 <= nucleus <= V
 
 section("seeds: the same tokens whatever the batch neighbours")
@@ -117,8 +126,9 @@ assert toy_runs[1] != toy_runs[2], "different seeds, different draws"
 request = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
 solo = llm.generate([prompt], request, use_tqdm=False)[0].token_ids
 others = [tokenizer.encode(t) for t in ("Hello", "A much longer prompt about something else entirely", "1 2 3")]
-batch = llm.generate(others + [prompt], [SamplingParams(max_tokens=12, temperature=1.3)] * 3 + [request],
-                     use_tqdm=False)
+batch = llm.generate(
+    others + [prompt], [SamplingParams(max_tokens=12, temperature=1.3)] * 3 + [request], use_tqdm=False
+)
 print(f"engine, seed 7 alone:           {solo}\nengine, seed 7 with 3 neighbours: {batch[-1].token_ids}")
 assert batch[-1].token_ids == solo
 

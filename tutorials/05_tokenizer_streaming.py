@@ -49,8 +49,10 @@ for name, text in samples.items():
     ids = tok.encode(text)
     assert tok.decode(ids) == text, "byte-level BPE round-trips any text"
     broken = [k for k, i in enumerate(ids) if not whole_characters(tok.token_bytes[i])]  # token_bytes[id]: its bytes
-    print(f"{name:>7}: {len(text)} characters, {len(text.encode())} bytes, {len(ids)} tokens, "
-          f"{len(broken)} tokens that are not whole characters on their own")
+    print(
+        f"{name:>7}: {len(text)} characters, {len(text.encode())} bytes, {len(ids)} tokens, "
+        f"{len(broken)} tokens that are not whole characters on their own"
+    )
     if broken and split_case is None:
         split_case = (name, text, ids, broken[0])
 assert split_case is not None, "none of the sample texts splits a character across tokens"
@@ -60,8 +62,10 @@ last = first  # tokens before `first` are whole characters, so `first` starts on
 while not whole_characters(b"".join(tok.token_bytes[i] for i in ids[first : last + 1])):
     last += 1
 span = [tok.token_bytes[i] for i in ids[first : last + 1]]
-print(f"\nin the {name} text, tokens {first}..{last} carry the bytes "
-      f"{' + '.join(map(repr, span))} = {b''.join(span).decode()!r}")
+print(
+    f"\nin the {name} text, tokens {first}..{last} carry the bytes "
+    f"{' + '.join(map(repr, span))} = {b''.join(span).decode()!r}"
+)
 
 section("streaming, the naive way: decode each token on its own")
 naive = "".join(tok.decode([i]) for i in ids)
@@ -92,8 +96,9 @@ section("streaming what a model generates")
 # Generated tokens need not be valid UTF-8 (a random model's rarely are). The contract then:
 # the stream still ends up equal to decode(), which shows U+FFFD where decode() would.
 llm = LLM(path, num_kv_blocks=16, max_num_seqs=1)
-generated = llm.generate(["The weather today"], SamplingParams(max_tokens=40, seed=0, ignore_eos=True),
-                         use_tqdm=False)[0]
+generated = llm.generate(["The weather today"], SamplingParams(max_tokens=40, seed=0, ignore_eos=True), use_tqdm=False)[
+    0
+]
 detok = tok.detokenizer()
 streamed = "".join(detok.add(i) for i in generated.token_ids) + detok.flush()
 print(f"{len(generated.token_ids)} generated tokens -> {streamed!r}")

@@ -25,8 +25,10 @@ model, tokenizer = llm.model, llm.tokenizer
 PAD = 0  # any id: padded positions are masked out, their value never matters
 
 # Four requests of mixed prompt lengths and mixed output lengths, as a server would see them.
-text = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
-        "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 8
+text = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+    "foolishness, it was the epoch of belief, it was the epoch of incredulity. "
+) * 8
 words = tokenizer.encode(text)
 prompt_lens, max_new = [6, 18, 40, 64], [4, 32, 8, 16]
 prompts = [words[3 * i : 3 * i + n] for i, n in enumerate(prompt_lens)]
@@ -142,9 +144,13 @@ for b, o in enumerate(outputs):
     assert o.token_ids == static_tokens[b], f"request {b}: engine {o.token_ids} != static {static_tokens[b]}"
 assert engine_computed == useful, "the engine computes exactly the needed positions"
 assert [finished_at[rid] for rid in ids] == max_new, "each request returns the step it is done"
-print(f"same tokens; positions computed: {engine_computed} (static batch: {computed}); {engine_ms:.1f} ms "
-      f"(times printed, not asserted)")
+print(
+    f"same tokens; positions computed: {engine_computed} (static batch: {computed}); {engine_ms:.1f} ms "
+    f"(times printed, not asserted)"
+)
 for b, rid in enumerate(ids):
     print(f"  request {b}: returned after {finished_at[rid]:2} steps")
-print("\nOK: padded static batching is correct but wastes "
-      f"{waste:.0%} of its work here; the engine wastes none and returns requests as they finish.")
+print(
+    "\nOK: padded static batching is correct but wastes "
+    f"{waste:.0%} of its work here; the engine wastes none and returns requests as they finish."
+)

@@ -167,8 +167,9 @@ section("the engine builds the same pieces, and gives every block back")
 llm = LLM(path, num_kv_blocks=40, max_num_seqs=4)
 sched = llm.scheduler
 assert sched.allocator.num_blocks == 40 and sched.kv_cache.k.shape[1] == 41 * sched.block_size
-outs = llm.generate(["The cat sat on the", "Once upon a time"], SamplingParams(max_tokens=20, temperature=0),
-                    use_tqdm=False)  # fmt: skip
+outs = llm.generate(
+    ["The cat sat on the", "Once upon a time"], SamplingParams(max_tokens=20, temperature=0), use_tqdm=False
+)
 print(f"generated {[len(o.token_ids) for o in outs]} tokens; stats: {llm.stats()}")
 assert llm.stats()["num_kv_blocks_free"] == 40, "finished requests must free every block"
 sched.check_invariants()

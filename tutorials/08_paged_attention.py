@@ -87,8 +87,9 @@ def step(rows: list[tuple[str, int, int]], meta: AttentionMetadata) -> torch.Ten
 
 
 print("step 1: two fresh prompts, A[0:10] and B[0:5], flattened into 15 rows")
-meta = AttentionMetadata(slot_mapping=None, decode_groups=[],
-                         prefills=[PrefillChunk(0, 10, None, None), PrefillChunk(10, 15, None, None)])  # fmt: skip
+meta = AttentionMetadata(
+    slot_mapping=None, decode_groups=[], prefills=[PrefillChunk(0, 10, None, None), PrefillChunk(10, 15, None, None)]
+)
 out = step([("A", 0, 10), ("B", 0, 5)], meta)
 check("A prefill (its own keys, causal)", out[0:10], dense("A")[0:10])
 check("B prefill", out[10:15], dense("B")[0:5])
@@ -105,8 +106,7 @@ valid = pos[None, :] < torch.tensor(lens)[:, None]  # (S, L): False on padding
 mask = valid[:, None, None, :]  # (S, 1, 1, L), the shape sdpa broadcasts over heads and the query
 # B's positions 6 and 7 fall in B's own last block, in slots nothing has written yet. The mask hides
 # them, but a masked NaN still poisons the weighted sum (weight 0 * NaN = NaN): see for yourself.
-meta = AttentionMetadata(slot_mapping=None, decode_groups=[DecodeGroup(torch.tensor([0, 1]), grid, mask)],
-                         prefills=[])  # fmt: skip
+meta = AttentionMetadata(slot_mapping=None, decode_groups=[DecodeGroup(torch.tensor([0, 1]), grid, mask)], prefills=[])
 assert step([("A", 10, 11), ("B", 5, 6)], meta)[1].isnan().all(), "unwritten slots leak through the mask"
 print("  padding that reads B's own unwritten slots gives NaN, masked or not; so padding reads the null block:")
 grid = torch.where(valid, grid, NULL * BS)  # every padded position -> a zeroed slot
@@ -121,8 +121,9 @@ ctx = torch.arange(16)  # (16,) A's context: positions 0..15
 query_pos = torch.arange(11, 16)  # (5,)
 chunk = PrefillChunk(1, 6, context_slots=slots("A", range(16)), mask=ctx[None, :] <= query_pos[:, None])
 b_grid = slots("B", range(7))[None, :]  # (1, 7), nothing padded: no mask
-meta = AttentionMetadata(slot_mapping=None, decode_groups=[DecodeGroup(torch.tensor([0]), b_grid, None)],
-                         prefills=[chunk])  # fmt: skip
+meta = AttentionMetadata(
+    slot_mapping=None, decode_groups=[DecodeGroup(torch.tensor([0]), b_grid, None)], prefills=[chunk]
+)
 out = step([("B", 6, 7), ("A", 11, 16)], meta)
 check("B decode", out[0], dense("B")[6])
 check("A chunk (5 queries over 16 cached keys)", out[1:6], dense("A")[11:16])
@@ -137,8 +138,10 @@ random.Random(1).shuffle(order)
 alloc.free(order)  # the free queue is now in shuffled order, so block tables come out scattered
 kv = KVCache(cfg, NUM_BLOCKS, BS, model.device, model.dtype)
 runner = ModelRunner(model, kv, BS)
-text = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
-        "foolishness, it was the epoch of belief, it was the epoch of incredulity.")  # fmt: skip
+text = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+    "foolishness, it was the epoch of belief, it was the epoch of incredulity."
+)
 words = tokenizer.encode(text)
 
 
@@ -226,8 +229,10 @@ contiguous = lambda: F.scaled_dot_product_attention(q_dec.unsqueeze(2), dense_k,
 check("tiled read vs gather-everything", tiled(), gather_all())
 per_tile = reader.seqs_per_tile(big_k, L)
 context_bytes = 2 * S * L * H * D * 4
-print(f"  {S} sequences x {L} positions: {context_bytes / 1e6:.1f} MB of keys+values; a tile holds {per_tile} "
-      f"sequences ({tile_bytes() / 2**20:.1f} MiB budget: a quarter of this CPU's last-level cache)")
+print(
+    f"  {S} sequences x {L} positions: {context_bytes / 1e6:.1f} MB of keys+values; a tile holds {per_tile} "
+    f"sequences ({tile_bytes() / 2**20:.1f} MiB budget: a quarter of this CPU's last-level cache)"
+)
 assert reader.largest_buffer_bytes <= 2 * tile_bytes() < context_bytes, "buffers are bounded by a tile, not the batch"
 
 
@@ -241,9 +246,11 @@ def best_ms(fn, repeats: int = 5) -> float:
 
 
 with torch.inference_mode():
-    timings = {"gather everything, then sdpa": best_ms(gather_all),
-               "tiled: gather a tile, sdpa, next tile": best_ms(tiled),
-               "sdpa over already-contiguous K/V (the floor)": best_ms(contiguous)}  # fmt: skip
+    timings = {
+        "gather everything, then sdpa": best_ms(gather_all),
+        "tiled: gather a tile, sdpa, next tile": best_ms(tiled),
+        "sdpa over already-contiguous K/V (the floor)": best_ms(contiguous),
+    }
 for name, ms in timings.items():
     print(f"  {name:<46} {ms:7.2f} ms")
 print("  (timings depend on the machine and its load; bench.py --profile shows the same split for a real step)")

@@ -13,7 +13,6 @@ while the greedy output stays the same.
     python tutorials/09_prefix_caching.py   # MINFER_MODEL=/path to choose the checkpoint
 """
 
-
 from _common import model_path, section
 from minfer import LLM, OnlineScheduler, SamplingParams
 from minfer.kv_cache import BlockAllocator, block_hash
@@ -67,7 +66,7 @@ path = model_path()
 llm = LLM(path, num_kv_blocks=48, max_num_seqs=4)
 BS = llm.scheduler.block_size
 words = llm.tokenizer.encode("You are a helpful assistant. Answer briefly, politely and truthfully. ")
-system = (words * 50)[:3 * BS + 2]  # exactly 3 full blocks and 2 tokens: lengths are the same on any tokenizer
+system = (words * 50)[: 3 * BS + 2]  # exactly 3 full blocks and 2 tokens: lengths are the same on any tokenizer
 q1 = (llm.tokenizer.encode(" What is the capital of France?") * 10)[:10]
 q2 = (llm.tokenizer.encode(" How many legs does a spider have?") * 10)[:12]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)  # exactly 8 tokens each
@@ -89,31 +88,41 @@ def run_alone(sched: OnlineScheduler, prompt: list[int]):
 plain = OnlineScheduler(llm.model, llm.tokenizer, num_kv_blocks=48, max_num_seqs=4, enable_prefix_caching=False)
 out1 = run_alone(llm.scheduler, system + q1)[0]
 turn2 = system + q1 + out1.token_ids + q2  # a follow-up: the first exchange, then a new question
-requests = [("same system prompt, new question", system + q2),
-            ("the very same request again", system + q1),
-            ("a second turn of the first chat", turn2)]  # fmt: skip
+requests = [
+    ("same system prompt, new question", system + q2),
+    ("the very same request again", system + q1),
+    ("a second turn of the first chat", turn2),
+]
 # What each should find cached, in whole blocks: the system prompt's 3 full blocks (the same request
 # again too: the last token is never taken from the cache, its logits are needed to sample). The
 # second turn also finds the first chat's generated tokens: all of them went through the model but
 # the last one sampled, and the full blocks among those were registered.
 expected = [3 * BS, 3 * BS, (len(system + q1) + GREEDY.max_tokens - 1) // BS * BS]
-print(f"first request: {len(system + q1)} prompt tokens ({len(system)} of them the system prompt), "
-      f"computed in full; its {len(system + q1) + GREEDY.max_tokens - 1} computed tokens fill "
-      f"{(len(system + q1) + GREEDY.max_tokens - 1) // BS} blocks, now cached")  # fmt: skip
+print(
+    f"first request: {len(system + q1)} prompt tokens ({len(system)} of them the system prompt), "
+    f"computed in full; its {len(system + q1) + GREEDY.max_tokens - 1} computed tokens fill "
+    f"{(len(system + q1) + GREEDY.max_tokens - 1) // BS} blocks, now cached"
+)
 print(f"{'':34} {'prompt':>6} {'cached':>6} {'computed':>8} {'(no cache)':>10}")
 for (name, prompt), want in zip(requests, expected):
     out, computed, t_cached = run_alone(llm.scheduler, prompt)
     ref, computed_plain, t_plain = run_alone(plain, prompt)
-    print(f"{name:34} {len(prompt):6} {out.num_cached_tokens:6} {computed:8} {computed_plain:10}   "
-          f"prefill step {1e3 * t_cached:5.1f} ms vs {1e3 * t_plain:5.1f} ms")
+    print(
+        f"{name:34} {len(prompt):6} {out.num_cached_tokens:6} {computed:8} {computed_plain:10}   "
+        f"prefill step {1e3 * t_cached:5.1f} ms vs {1e3 * t_plain:5.1f} ms"
+    )
     assert out.num_cached_tokens == want and ref.num_cached_tokens == 0
     assert computed == len(prompt) - want and computed_plain == len(prompt), "a hit skips prefill work"
     assert out.token_ids == ref.token_ids, "prefix caching must not change the output"
 stats = llm.stats()
-print(f"scheduler stats: prefix_cache_hit_tokens={stats['prefix_cache_hit_tokens']}, "
-      f"free blocks {stats['num_kv_blocks_free']}/{stats['num_kv_blocks_total']}")
+print(
+    f"scheduler stats: prefix_cache_hit_tokens={stats['prefix_cache_hit_tokens']}, "
+    f"free blocks {stats['num_kv_blocks_free']}/{stats['num_kv_blocks_total']}"
+)
 assert stats["prefix_cache_hit_tokens"] == sum(expected)
 assert stats["num_kv_blocks_free"] == 48, "cached blocks are free blocks: nothing is held"
 llm.scheduler.check_invariants()
-print("\nOK: chained hashes, shared blocks, LRU eviction tail first, and cache hits that skip prefill "
-      "without changing the output.")
+print(
+    "\nOK: chained hashes, shared blocks, LRU eviction tail first, and cache hits that skip prefill "
+    "without changing the output."
+)

@@ -155,5 +155,7 @@ print(f"discarded; stats {small.stats()}")
 assert small.allocator.num_free_blocks == 8 and not small.has_unfinished()
 assert small.discard_request(rid) is False  # unknown now: nothing to do
 small.check_invariants()
-print("\nOK: requests join and leave every step, prompts are chunked, preemption recomputes, "
-      "outputs never change, and every block comes back.")
+print(
+    "\nOK: requests join and leave every step, prompts are chunked, preemption recomputes, "
+    "outputs never change, and every block comes back."
+)

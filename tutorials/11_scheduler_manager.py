@@ -122,12 +122,16 @@ for _ in range(3):
     event = handle.next_event(timeout=30)
     assert event is not None and event[0] == TEXT
 stats = manager.stats()  # a snapshot the worker publishes after every step; handlers never touch sched
-print(f"streaming; stats snapshot: running {stats['num_running']}, "
-      f"{stats['num_kv_blocks_total'] - stats['num_kv_blocks_free']} blocks in use")
+print(
+    f"streaming; stats snapshot: running {stats['num_running']}, "
+    f"{stats['num_kv_blocks_total'] - stats['num_kv_blocks_free']} blocks in use"
+)
 assert stats["num_running"] == 1 and stats["num_kv_blocks_free"] < total
 manager.release(handle)  # not finished: queues a discard for the worker
-took = wait_for(lambda: manager.stats()["num_kv_blocks_free"] == total and manager.stats()["num_running"] == 0,
-                "the blocks to come back")  # fmt: skip
+took = wait_for(
+    lambda: manager.stats()["num_kv_blocks_free"] == total and manager.stats()["num_running"] == 0,
+    "the blocks to come back",
+)
 print(f"released; {total}/{total} blocks free {1e3 * took:.1f} ms later; aborted requests: {manager.metrics.aborted}")
 assert manager.metrics.aborted == 1
 
@@ -148,8 +152,7 @@ except EngineError as e:
     assert e.status == 429
 for h in handles:
     manager.release(h)  # all unfinished: every one is discarded
-wait_for(lambda: manager.stats()["num_kv_blocks_free"] == total and manager.stats()["num_waiting"] == 0,
-         "the discards")  # fmt: skip
+wait_for(lambda: manager.stats()["num_kv_blocks_free"] == total and manager.stats()["num_waiting"] == 0, "the discards")
 print(f"all released: {manager.stats()['num_kv_blocks_free']}/{total} blocks free")
 
 section("idle again, then shut down: requests in flight get a 503 ERROR")
@@ -176,5 +179,4 @@ except EngineError as e:
 # The worker has exited, so touching the scheduler from this thread is safe again.
 assert sched.allocator.num_free_blocks == total and not sched.has_unfinished()
 sched.check_invariants()
-print("\nOK: one worker thread, event wake-up, per-request event queues, early release frees blocks, "
-      "clean shutdown.")
+print("\nOK: one worker thread, event wake-up, per-request event queues, early release frees blocks, clean shutdown.")

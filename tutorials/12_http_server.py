@@ -28,7 +28,6 @@ from minfer.serve import create_server
 from minfer.tokenizer import Tokenizer
 
 
-
 class LogLines(logging.Handler):
     """Keeps the server's log lines (one per request, logger "minfer.serve") to print at the end:
     handler threads log while we print, and two threads writing to stdout would interleave."""
@@ -131,8 +130,9 @@ except ImportError:
     print("the openai package is not installed (pip install openai); skipping this part")
 else:
     client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-    sdk = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
-                                    extra_body={"ignore_eos": True})  # a vLLM/minfer extension field
+    sdk = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )  # a vLLM/minfer extension field
     print(f"completions.create -> {sdk.choices[0].text!r}")
     assert sdk.choices[0].text == whole["choices"][0]["text"] and sdk.usage.completion_tokens == 12
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
@@ -152,9 +152,17 @@ for bad in [dict(request, max_tokens=-5), dict(request, model="gpt-9"), b"{not j
     status, err = call("POST", "/v1/completions", bad)
     print(f"{status} {json.dumps(err)}")
     assert 400 <= status < 500 and set(err["error"]) == {"message", "type", "param", "code"}
-assert call("POST", "/v1/completions", dict(request, max_tokens=-5)) == (400, {"error": {
-    "message": "'max_tokens' must be at least 1, got -5", "type": "invalid_request_error",
-    "param": "max_tokens", "code": "invalid_value"}})  # fmt: skip
+assert call("POST", "/v1/completions", dict(request, max_tokens=-5)) == (
+    400,
+    {
+        "error": {
+            "message": "'max_tokens' must be at least 1, got -5",
+            "type": "invalid_request_error",
+            "param": "max_tokens",
+            "code": "invalid_value",
+        }
+    },
+)
 status, _ = call("GET", "/health")
 assert status == 200, "the server survives bad requests"
 
@@ -175,9 +183,11 @@ while True:
         break
     assert time.perf_counter() - start < 60, f"the disconnected request was not freed: {m}"
     time.sleep(0.02)
-print(f"{1e3 * (time.perf_counter() - start):.0f} ms later: aborted {m['minfer_requests_aborted_total']:.0f}, "
-      f"kv blocks free {m['minfer_kv_blocks_free']:.0f}/{total:.0f}, "
-      f"finished {m['minfer_requests_finished_total']:.0f}")
+print(
+    f"{1e3 * (time.perf_counter() - start):.0f} ms later: aborted {m['minfer_requests_aborted_total']:.0f}, "
+    f"kv blocks free {m['minfer_kv_blocks_free']:.0f}/{total:.0f}, "
+    f"finished {m['minfer_requests_finished_total']:.0f}"
+)
 
 section("watching the engine: GET /engine/events, the feed the live view at / draws")
 feed = http.client.HTTPConnection(host, port, timeout=60)
@@ -226,28 +236,35 @@ first = stream_ids({"prompt": secret, "max_tokens": 4}, 1)
 second = stream_ids({"prompt": secret, "max_tokens": 4}, 1)
 # Together (at most 8 run at once) the crowd needs more than the cache's blocks, so the newest get preempted.
 long = min(300, server.info.max_model_len // 2)  # tokens each crowd request generates
-crowd = stream_ids({"prompt": "One two three", "max_tokens": long, "ignore_eos": True},
-                   min(8, KV_BLOCKS * 16 // long + 2))  # fmt: skip
+crowd = stream_ids(
+    {"prompt": "One two three", "max_tokens": long, "ignore_eos": True}, min(8, KV_BLOCKS * 16 // long + 2)
+)
 assert None not in crowd, "every crowd request was accepted (its engine id came back)"
 deadline = time.monotonic() + 120
 while not seen_finished(first + second + crowd):
     assert time.monotonic() < deadline, "the feed never reported every request finished"
     time.sleep(0.02)
 snapshot, steps = events[0], [e for e in events if e["type"] == "step"]
-print(f"snapshot: {snapshot['num_blocks']} blocks ('{snapshot['blocks'][:24]}...': f free, u used, c cached); "
-      f"then {len(steps)} steps")
+print(
+    f"snapshot: {snapshot['num_blocks']} blocks ('{snapshot['blocks'][:24]}...': f free, u used, c cached); "
+    f"then {len(steps)} steps"
+)
 joined = next(r for s in steps for r in s["running"] if r[0] == second[0])
 first_chunk = next(c for s in steps for c in s["chunks"] if c[0] == second[0])
-print(f"prefix hit: request {second[0]} joined with {joined[6]} of its {joined[1]} prompt tokens cached; "
-      f"its first chunk starts at token {first_chunk[1]}")
+print(
+    f"prefix hit: request {second[0]} joined with {joined[6]} of its {joined[1]} prompt tokens cached; "
+    f"its first chunk starts at token {first_chunk[1]}"
+)
 full_blocks = (joined[1] - 1) // 16 * 16  # every full block but the one holding the last prompt token
 assert joined[6] == first_chunk[1] == full_blocks > 0, (joined, first_chunk)
 preempted = [(s["step"], rid) for s in steps for rid in s["preempted"]]
 assert preempted, f"{KV_BLOCKS} blocks should not hold {len(crowd)} requests of {long}+ tokens"
 step_no, victim = preempted[0]
 back = next(s["step"] for s in steps if s["step"] > step_no and any(c[0] == victim for c in s["chunks"]))
-print(f"preemption: at step {step_no} request {victim} left the running set and freed its blocks; "
-      f"it ran again from step {back}, recomputing its tokens")
+print(
+    f"preemption: at step {step_no} request {victim} left the running set and freed its blocks; "
+    f"it ran again from step {back}, recomputing its tokens"
+)
 assert all(s["num_prefill_tokens"] + s["num_decode_tokens"] == sum(c[2] for c in s["chunks"]) for s in steps)
 assert b"Gandalf" not in b"".join(raw), "the feed carries ids, lengths and block ids, never text"
 
@@ -267,5 +284,7 @@ for line in server_log.lines:
         print(f"    {line}")
 print(f"    (and {len(polls)} GET /metrics polls)")
 assert any("client-gone" in line for line in server_log.lines), "the disconnect was noticed"
-print("\nOK: JSON and SSE agree token for token, usage is exact, errors are clean, disconnects free their "
-      "blocks, the engine feed shows a prefix hit and a preemption without any text, shutdown is clean.")
+print(
+    "\nOK: JSON and SSE agree token for token, usage is exact, errors are clean, disconnects free their "
+    "blocks, the engine feed shows a prefix hit and a preemption without any text, shutdown is clean."
+)

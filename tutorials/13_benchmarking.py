@@ -30,9 +30,27 @@ MAX_SEQS = 4
 section("run bench.py")
 with tempfile.TemporaryDirectory() as tmp:
     report_file, trace_file = Path(tmp) / "report.json", Path(tmp) / "run.trace.json"
-    cmd = [sys.executable, str(BENCH), "--model", path, "--num-requests", "6", "--input-len", "8:24",
-           "--output-len", "4:12", "--max-num-seqs", str(MAX_SEQS), "--json", str(report_file),
-           "--trace", str(trace_file), "--roofline", "--profile", "--disable-tqdm"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(BENCH),
+        "--model",
+        path,
+        "--num-requests",
+        "6",
+        "--input-len",
+        "8:24",
+        "--output-len",
+        "4:12",
+        "--max-num-seqs",
+        str(MAX_SEQS),
+        "--json",
+        str(report_file),
+        "--trace",
+        str(trace_file),
+        "--roofline",
+        "--profile",
+        "--disable-tqdm",
+    ]
     print("$ python bench.py " + " ".join(cmd[2:]))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     print(done.stdout)
@@ -58,14 +76,21 @@ def percentile(values: list[float], q: float) -> float:
 # All times in a record are seconds since the run started.
 ttft = [r["first_token_time"] - r["submit_time"] for r in records]  # queueing + prefill + first sample
 e2el = [r["finish_time"] - r["submit_time"] for r in records]  # the whole request
-tpot = [(e - t) / (r["output_len"] - 1)  # mean gap after the first token, per request
-        for r, t, e in zip(records, ttft, e2el) if r["output_len"] > 1]  # fmt: skip
+tpot = [
+    (e - t) / (r["output_len"] - 1)  # mean gap after the first token, per request
+    for r, t, e in zip(records, ttft, e2el)
+    if r["output_len"] > 1
+]
 itl = [gap for r in records for gap in r["itl"]]  # every gap between consecutive tokens, pooled
 mine = {"ttft": ttft, "tpot": tpot, "itl": itl, "e2el": e2el}
 print(f"{'metric (ms)':<12}{'mean':>9}{'median':>9}{'p90':>9}{'p99':>9}   (ours; bench.py's must match)")
 for name, values in mine.items():
-    stats = {"mean": statistics.fmean(values), "median": statistics.median(values),
-             "p90": percentile(values, 90), "p99": percentile(values, 99)}  # fmt: skip
+    stats = {
+        "mean": statistics.fmean(values),
+        "median": statistics.median(values),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+    }
     print(f"{name.upper():<12}" + "".join(f"{1e3 * v:9.2f}" for v in stats.values()))
     for stat, v in stats.items():
         assert math.isclose(1e3 * v, summary[f"{stat}_{name}_ms"], rel_tol=1e-9), (name, stat)
@@ -74,12 +99,16 @@ in_tokens = sum(r["input_len"] for r in records)
 assert out_tokens == summary["total_output_tokens"] and in_tokens == summary["total_input_tokens"]
 assert all(r["output_len"] == r["expected_output_len"] for r in records), "ignore_eos: exact output lengths"
 assert all(len(r["itl"]) == r["output_len"] - 1 for r in records), "offline: one gap per token after the first"
-for name, value in [("request_throughput", len(records) / summary["duration"]),
-                    ("output_throughput", out_tokens / summary["duration"]),
-                    ("total_token_throughput", (in_tokens + out_tokens) / summary["duration"])]:  # fmt: skip
+for name, value in [
+    ("request_throughput", len(records) / summary["duration"]),
+    ("output_throughput", out_tokens / summary["duration"]),
+    ("total_token_throughput", (in_tokens + out_tokens) / summary["duration"]),
+]:
     assert math.isclose(value, summary[name], rel_tol=1e-9), name
-print(f"throughput: {summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output tok/s "
-      f"over {summary['duration']:.3f} s (first submit to last completion)")
+print(
+    f"throughput: {summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output tok/s "
+    f"over {summary['duration']:.3f} s (first submit to last completion)"
+)
 # The two requests beyond max_num_seqs waited for a slot: their TTFT includes that queueing.
 queued_ms = [1e3 * (r["scheduled_time"] - r["submit_time"]) for r in records]
 print("time queued before the first step (ms):", [round(q, 1) for q in queued_ms])
@@ -93,8 +122,10 @@ by_request: dict[tuple, dict[str, dict]] = {}  # (pid, tid) of a request's track
 for e in spans:
     if e["name"] != "step":
         by_request.setdefault((e["pid"], e["tid"]), {})[e["name"]] = e
-print(f"{len(events)} events: {len(steps)} engine steps, {len(by_request)} request tracks "
-      f"({sorted({e['name'] for e in spans})} spans), counters {sorted({e['name'] for e in events if e['ph'] == 'C'})}")
+print(
+    f"{len(events)} events: {len(steps)} engine steps, {len(by_request)} request tracks "
+    f"({sorted({e['name'] for e in spans})} spans), counters {sorted({e['name'] for e in events if e['ph'] == 'C'})}"
+)
 for s in by_request.values():
     assert list(s) == ["queued", "prefill", "decode"], s.keys()
     # queued -> prefill -> decode, end to end (times are rounded to 1 ns)
@@ -122,8 +153,12 @@ batch = [step["args"]["num_seqs"] for step in steps]
 assert max(batch) == MAX_SEQS and all(n <= MAX_SEQS for n in batch)
 # Continuous batching: some request started its prefill while another was in the middle of decoding,
 # and the batch shrank as requests finished at different lengths.
-joins = [a for a, sa in by_request.items() for b, sb in by_request.items()
-         if sb["decode"]["ts"] < sa["prefill"]["ts"] < sb["decode"]["ts"] + sb["decode"]["dur"]]  # fmt: skip
+joins = [
+    a
+    for a, sa in by_request.items()
+    for b, sb in by_request.items()
+    if sb["decode"]["ts"] < sa["prefill"]["ts"] < sb["decode"]["ts"] + sb["decode"]["dur"]
+]
 assert joins, "a request joined a batch that was already decoding"
 assert batch[-1] < max(batch)
 # Every output token but each request's first came from a decode step; every prompt token not
@@ -139,8 +174,10 @@ per_layer = (2 * C) * 2 + (C * 3 * C + 3 * C) + (C * C + C) + (C * cfg.mlp_dim +
 params = V * C + cfg.n_positions * C + L * per_layer + 2 * C  # embeddings (the LM head reuses wte), blocks, ln_f
 roof = report["roofline"]
 print(f"{params:,} parameters x 4 bytes = {4 * params / 1e6:.1f} MB per decode step at batch 1")
-print(f"read bandwidth {roof['bandwidth_gb_s']:.1f} GB/s -> floor {roof['floor_tpot_ms']:.3f} ms per token; "
-      f"measured batch-1 TPOT {roof['measured_tpot_ms']:.2f} ms ({roof['measured_over_floor']:.1f}x the floor)")
+print(
+    f"read bandwidth {roof['bandwidth_gb_s']:.1f} GB/s -> floor {roof['floor_tpot_ms']:.3f} ms per token; "
+    f"measured batch-1 TPOT {roof['measured_tpot_ms']:.2f} ms ({roof['measured_over_floor']:.1f}x the floor)"
+)
 assert roof["weight_bytes"] == 4 * params and roof["dtype"] == "float32"
 assert math.isclose(roof["floor_tpot_ms"], 1e3 * roof["weight_bytes"] / (1e9 * roof["bandwidth_gb_s"]), rel_tol=1e-9)
 # On the tiny checkpoint the weights fit in the CPU's cache and per-step Python work dominates, so the
@@ -159,6 +196,5 @@ assert math.isclose(decode["linears"]["mb_per_step"], L * 12 * C * C * 4 / 1e6, 
 assert math.isclose(decode["LM head"]["mb_per_step"], V * C * 4 / 1e6, rel_tol=1e-9)
 print("(on gpt2 the linears and LM head dominate a small batch; context read and attention grow with it)")
 
-print("\nopen the trace yourself: python bench.py ... --trace run.trace.json, then ui.perfetto.dev -> "
-      "Open trace file")
+print("\nopen the trace yourself: python bench.py ... --trace run.trace.json, then ui.perfetto.dev -> Open trace file")
 print("\nOK: the summary recomputed from the records, and a trace showing requests joining and leaving the batch.")

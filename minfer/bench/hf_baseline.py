@@ -61,16 +61,22 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, pad_id:
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     clock = _step_clock(model.device)
     model.generate(
-        ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-        pad_token_id=pad_id, stopping_criteria=StoppingCriteriaList([clock]),
-    )  # fmt: skip
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        pad_token_id=pad_id,
+        stopping_criteria=StoppingCriteriaList([clock]),
+    )
     if len(clock.times) < max_new_tokens:
         raise RuntimeError(f"generate took {len(clock.times)} steps for {max_new_tokens} tokens")
     return clock.times
 
 
-def run_hf(model, prompts: list[list[int]], output_lens: list[int], batch_size: int, pad_id: int,
-           progress: bool = True) -> RunResult:  # fmt: skip
+def run_hf(
+    model, prompts: list[list[int]], output_lens: list[int], batch_size: int, pad_id: int, progress: bool = True
+) -> RunResult:
     """prompts[i] (token ids, tokenized beforehand) generates output_lens[i] tokens."""
     if batch_size < 1:
         raise ValueError(f"hf-batch-size must be >= 1, got {batch_size}")
@@ -84,19 +90,30 @@ def run_hf(model, prompts: list[list[int]], output_lens: list[int], batch_size: 
             times = [t - t0 for t in times]
             for i in idx:
                 n = output_lens[i]
-                records.append(RequestRecord(
-                    i, len(prompts[i]), n, output_len=n, submit_time=0.0, scheduled_time=start,
-                    first_token_time=times[0], finish_time=times[n - 1],
-                    itl=[y - x for x, y in zip(times[: n - 1], times[1:n])],
-                ))  # fmt: skip
+                records.append(
+                    RequestRecord(
+                        i,
+                        len(prompts[i]),
+                        n,
+                        output_len=n,
+                        submit_time=0.0,
+                        scheduled_time=start,
+                        first_token_time=times[0],
+                        finish_time=times[n - 1],
+                        itl=[y - x for x, y in zip(times[: n - 1], times[1:n])],
+                    )
+                )
             bar.update(len(idx))
     return RunResult(records, time.perf_counter() - t0, [])
 
 
-RATIOS = (("output_throughput", "Output token throughput (higher wins):"),
-          ("total_token_throughput", "Total token throughput (higher wins):"),
-          ("mean_tpot_ms", "Mean TPOT (lower wins):"), ("median_tpot_ms", "Median TPOT (lower wins):"),
-          ("mean_ttft_ms", "Mean TTFT (lower wins):"))  # fmt: skip
+RATIOS = (
+    ("output_throughput", "Output token throughput (higher wins):"),
+    ("total_token_throughput", "Total token throughput (higher wins):"),
+    ("mean_tpot_ms", "Mean TPOT (lower wins):"),
+    ("median_tpot_ms", "Median TPOT (lower wins):"),
+    ("mean_ttft_ms", "Mean TTFT (lower wins):"),
+)
 
 
 def compare(minfer: dict, hf: dict) -> dict[str, float | None]:

@@ -22,8 +22,12 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
-METRICS = (("ttft", "Time to First Token", "TTFT"), ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
-           ("itl", "Inter-token Latency", "ITL"), ("e2el", "End-to-end Latency", "E2EL"))  # fmt: skip
+METRICS = (
+    ("ttft", "Time to First Token", "TTFT"),
+    ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
+    ("itl", "Inter-token Latency", "ITL"),
+    ("e2el", "End-to-end Latency", "E2EL"),
+)
 STATS = (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99"))
 
 
@@ -86,8 +90,12 @@ def describe(values_s: list[float]) -> dict[str, float | None]:
     if not values_s:
         return {"mean": None, "median": None, "p90": None, "p99": None}
     ms = [v * 1000 for v in values_s]
-    return {"mean": statistics.fmean(ms), "median": percentile(ms, 50), "p90": percentile(ms, 90),
-            "p99": percentile(ms, 99)}  # fmt: skip
+    return {
+        "mean": statistics.fmean(ms),
+        "median": percentile(ms, 50),
+        "p90": percentile(ms, 90),
+        "p99": percentile(ms, 99),
+    }
 
 
 def summarize(records: list[RequestRecord], duration: float, **extra) -> dict:
@@ -152,8 +160,11 @@ def format_summary(s: dict, title: str = "Serving Benchmark Result") -> str:
     for metric, heading, short in METRICS:
         lines.append(f"{heading:-^50}")
         lines += [_row(f"{name} {short} (ms):", s[f"{stat}_{metric}_ms"]) for stat, name in STATS]
-    memory = [(k, label) for k, label in (("peak_rss_mib", "Peak RSS (MiB):"),
-              ("peak_cuda_mib", "Peak CUDA memory (MiB):")) if k in s]  # fmt: skip
+    memory = [
+        (k, label)
+        for k, label in (("peak_rss_mib", "Peak RSS (MiB):"), ("peak_cuda_mib", "Peak CUDA memory (MiB):"))
+        if k in s
+    ]
     if memory:
         lines.append(f"{'Memory':-^50}")
         lines += [_row(label, s[k]) for k, label in memory]

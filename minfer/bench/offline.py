@@ -37,14 +37,15 @@ def run_offline(
     try:
         with tqdm(total=len(requests), desc=desc, unit="req", disable=not progress) as bar:
             while pending or live:
-                while pending and pending[0].arrival <= time.perf_counter() - t0 and (
-                    max_concurrency is None or len(live) < max_concurrency
+                while (
+                    pending
+                    and pending[0].arrival <= time.perf_counter() - t0
+                    and (max_concurrency is None or len(live) < max_concurrency)
                 ):
                     r = pending.popleft()
                     submit = time.perf_counter() - t0
                     rid = submit_request(scheduler, r)
-                    live[rid] = unscheduled[rid] = RequestRecord(r.index, r.input_len, r.output_len,
-                                                                 submit_time=submit)  # fmt: skip
+                    live[rid] = unscheduled[rid] = RequestRecord(r.index, r.input_len, r.output_len, submit_time=submit)
                 if not live:  # idle until the next arrival
                     time.sleep(max(0.0, pending[0].arrival - (time.perf_counter() - t0)))
                     continue
@@ -52,8 +53,9 @@ def run_offline(
                 scheduler.step()
                 if scheduler.num_steps == before:
                     continue  # nothing could be scheduled this time
-                step = dict(scheduler.last_step, start=scheduler.last_step["start"] - t0,
-                            end=scheduler.last_step["end"] - t0)  # fmt: skip
+                step = dict(
+                    scheduler.last_step, start=scheduler.last_step["start"] - t0, end=scheduler.last_step["end"] - t0
+                )
                 steps.append(step)
                 # Admission is first come first served, so the newly scheduled are a prefix.
                 while unscheduled and scheduler.get_step_count(rid := next(iter(unscheduled))) > 0:

@@ -181,11 +181,18 @@ class EngineFeedReader:
         seconds since t0_wall (the feed's times are wall-clock: the server is another process)."""
         time.sleep(0.2)  # the feed sends at most 20 messages a second: let the last one arrive
         return [
-            {"start": e["start"] - t0_wall, "end": e["end"] - t0_wall, "num_seqs": e["num_seqs"],
-             "num_prefill_tokens": e["num_prefill_tokens"], "num_decode_tokens": e["num_decode_tokens"],
-             "num_preemptions": len(e["preempted"]), "kv_blocks_used": e["kv_blocks_used"]}
-            for e in list(self.events) if t0_wall <= e["start"] <= t_end_wall
-        ]  # fmt: skip
+            {
+                "start": e["start"] - t0_wall,
+                "end": e["end"] - t0_wall,
+                "num_seqs": e["num_seqs"],
+                "num_prefill_tokens": e["num_prefill_tokens"],
+                "num_decode_tokens": e["num_decode_tokens"],
+                "num_preemptions": len(e["preempted"]),
+                "kv_blocks_used": e["kv_blocks_used"],
+            }
+            for e in list(self.events)
+            if t0_wall <= e["start"] <= t_end_wall
+        ]
 
     def __exit__(self, *exc) -> None:
         if self.thread is not None:
@@ -198,15 +205,17 @@ class EngineFeedReader:
 def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float) -> RequestRecord:
     """Send one streaming completion and time its chunks (seconds since t0)."""
     rec = RequestRecord(r.index, r.input_len, r.output_len)
-    body = json.dumps({
-        "model": model,
-        "prompt": r.prompt_token_ids if r.prompt_token_ids is not None else r.prompt,
-        "max_tokens": r.output_len,
-        "temperature": 0.0,
-        "ignore_eos": True,  # an extension vLLM and minfer share: exactly max_tokens tokens
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    })  # fmt: skip
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": r.prompt_token_ids if r.prompt_token_ids is not None else r.prompt,
+            "max_tokens": r.output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,  # an extension vLLM and minfer share: exactly max_tokens tokens
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     conn = endpoint.connect()
     usage, num_chunks, last = None, 0, None
     try:
@@ -247,8 +256,15 @@ def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float
     return rec
 
 
-def run_online(endpoint: Endpoint, model: str, requests: list[BenchRequest], max_concurrency: int | None = None,
-               progress: bool = True, desc: str = "online", feed: EngineFeedReader | None = None) -> RunResult:  # fmt: skip
+def run_online(
+    endpoint: Endpoint,
+    model: str,
+    requests: list[BenchRequest],
+    max_concurrency: int | None = None,
+    progress: bool = True,
+    desc: str = "online",
+    feed: EngineFeedReader | None = None,
+) -> RunResult:
     slots = threading.Semaphore(max_concurrency) if max_concurrency else None
     records: list[RequestRecord] = []
     lock = threading.Lock()
@@ -287,4 +303,3 @@ def server_flags(device: str, dtype: str, **optional) -> list[str]:
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags
-

@@ -28,10 +28,28 @@ from .offline import submit_request
 from .roofline import best_time, measure_bandwidth
 from .workload import BenchRequest
 
-LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::matmul",
-              "aten::linear")  # fmt: skip
-ROWS = ("host: schedule", "host: prepare", "KV write", "context read", "attention", "linears", "LM head",
-        "norms, GELU, residuals", "sampling", "host: bookkeeping", "other host time")  # fmt: skip
+LINEAR_OPS = (
+    "mkldnn::_linear_pointwise",
+    "aten::addmm",
+    "aten::mm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::matmul",
+    "aten::linear",
+)
+ROWS = (
+    "host: schedule",
+    "host: prepare",
+    "KV write",
+    "context read",
+    "attention",
+    "linears",
+    "LM head",
+    "norms, GELU, residuals",
+    "sampling",
+    "host: bookkeeping",
+    "other host time",
+)
 
 
 def profile_steps(scheduler: OnlineScheduler, requests: list[BenchRequest], num_steps: int = 6) -> dict:
@@ -48,9 +66,13 @@ def profile_steps(scheduler: OnlineScheduler, requests: list[BenchRequest], num_
             scheduler.discard_request(i)
     model = scheduler.model
     peaks = {"read_gb_s": measure_bandwidth(model.device)[0] / 1e9, "matmul_gflop_s": matmul_rate(model) / 1e9}
-    return {"peaks": peaks, "dtype": str(model.dtype).removeprefix("torch."),
-            "phases": {name: breakdown(phase, model, peaks) for name, phase in
-                       (("prefill", prefill), ("decode", decode)) if phase}}  # fmt: skip
+    return {
+        "peaks": peaks,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "phases": {
+            name: breakdown(phase, model, peaks) for name, phase in (("prefill", prefill), ("decode", decode)) if phase
+        },
+    }
 
 
 def _record(scheduler: OnlineScheduler, num_steps: int) -> dict | None:
@@ -79,9 +101,9 @@ def _label_lm_head(model) -> tuple:
     """Time the model's LM head as one part, whatever module it is (plain, or a CPU fast path)."""
     open_ranges = []
     before = model.lm_head.register_forward_pre_hook(
-        lambda module, args: open_ranges.append(record_function("LM head").__enter__()))
-    after = model.lm_head.register_forward_hook(
-        lambda module, args, out: open_ranges.pop().__exit__(None, None, None))
+        lambda module, args: open_ranges.append(record_function("LM head").__enter__())
+    )
+    after = model.lm_head.register_forward_hook(lambda module, args, out: open_ranges.pop().__exit__(None, None, None))
     return before, after
 
 
@@ -137,17 +159,34 @@ def breakdown(phase: dict, model, peaks: dict) -> dict:
         seconds = times.get(name, 0.0)
         nbytes, flops = work.get(name, (0.0, 0.0))
         floor = max(nbytes / (peaks["read_gb_s"] * 1e9), flops / (peaks["matmul_gflop_s"] * 1e9))
-        bound = "" if floor == 0 else ("memory" if nbytes / peaks["read_gb_s"] > flops / peaks["matmul_gflop_s"] else
-                                       "compute")  # fmt: skip
-        rows.append({"part": name, "ms_per_step": 1e3 * seconds / n, "share": seconds / phase["wall"],
-                     "mb_per_step": nbytes / n / 1e6, "gflop_per_step": flops / n / 1e9,
-                     "gb_s": nbytes / seconds / 1e9 if seconds else 0.0,
-                     "gflop_s": flops / seconds / 1e9 if seconds else 0.0,
-                     "bound": bound, "of_floor": floor / seconds if seconds and floor else None})  # fmt: skip
+        bound = (
+            ""
+            if floor == 0
+            else ("memory" if nbytes / peaks["read_gb_s"] > flops / peaks["matmul_gflop_s"] else "compute")
+        )
+        rows.append(
+            {
+                "part": name,
+                "ms_per_step": 1e3 * seconds / n,
+                "share": seconds / phase["wall"],
+                "mb_per_step": nbytes / n / 1e6,
+                "gflop_per_step": flops / n / 1e9,
+                "gb_s": nbytes / seconds / 1e9 if seconds else 0.0,
+                "gflop_s": flops / seconds / 1e9 if seconds else 0.0,
+                "bound": bound,
+                "of_floor": floor / seconds if seconds and floor else None,
+            }
+        )
     mean = lambda key: sum(s[key] for s in steps) / n  # noqa: E731
-    return {"num_steps": n, "ms_per_step": 1e3 * phase["wall"] / n, "seqs": mean("num_seqs"),
-            "decode_tokens": mean("num_decode_tokens"), "prefill_tokens": mean("num_prefill_tokens"),
-            "context_tokens": mean("cached_context_tokens"), "rows": rows}  # fmt: skip
+    return {
+        "num_steps": n,
+        "ms_per_step": 1e3 * phase["wall"] / n,
+        "seqs": mean("num_seqs"),
+        "decode_tokens": mean("num_decode_tokens"),
+        "prefill_tokens": mean("num_prefill_tokens"),
+        "context_tokens": mean("cached_context_tokens"),
+        "rows": rows,
+    }
 
 
 def matmul_rate(model) -> float:
@@ -161,19 +200,27 @@ def matmul_rate(model) -> float:
 
 def format_profile(p: dict) -> str:
     peaks = p["peaks"]
-    lines = [f"{' Step-time breakdown (' + p['dtype'] + ') ':=^100}",
-             f"machine: read bandwidth {peaks['read_gb_s']:.1f} GB/s, matmul {peaks['matmul_gflop_s']:.0f} GFLOP/s "
-             f"(a 256-row linear); 'of floor' = the part's floor time / its measured time"]  # fmt: skip
+    lines = [
+        f"{' Step-time breakdown (' + p['dtype'] + ') ':=^100}",
+        f"machine: read bandwidth {peaks['read_gb_s']:.1f} GB/s, matmul {peaks['matmul_gflop_s']:.0f} GFLOP/s "
+        f"(a 256-row linear); 'of floor' = the part's floor time / its measured time",
+    ]
     for name, ph in p["phases"].items():
-        lines.append(f"-- {name}: {ph['num_steps']} steps of {ph['ms_per_step']:.1f} ms; per step "
-                     f"{ph['seqs']:.0f} seqs, {ph['decode_tokens']:.0f} decode + {ph['prefill_tokens']:.0f} prefill "
-                     f"tokens, {ph['context_tokens']:.0f} context tokens read from the KV cache")  # fmt: skip
-        lines.append(f"{'part':<24}{'ms/step':>9}{'share':>8}{'MB/step':>10}{'GB/s':>8}{'GFLOP/step':>12}"
-                     f"{'GFLOP/s':>9}  {'bound':<8}{'of floor':>8}")  # fmt: skip
+        lines.append(
+            f"-- {name}: {ph['num_steps']} steps of {ph['ms_per_step']:.1f} ms; per step "
+            f"{ph['seqs']:.0f} seqs, {ph['decode_tokens']:.0f} decode + {ph['prefill_tokens']:.0f} prefill "
+            f"tokens, {ph['context_tokens']:.0f} context tokens read from the KV cache"
+        )
+        lines.append(
+            f"{'part':<24}{'ms/step':>9}{'share':>8}{'MB/step':>10}{'GB/s':>8}{'GFLOP/step':>12}"
+            f"{'GFLOP/s':>9}  {'bound':<8}{'of floor':>8}"
+        )
         for r in ph["rows"]:
             of_floor = "" if r["of_floor"] is None else f"{r['of_floor']:.0%}"
-            lines.append(f"{r['part']:<24}{r['ms_per_step']:>9.2f}{r['share']:>8.1%}{r['mb_per_step']:>10.1f}"
-                         f"{r['gb_s']:>8.1f}{r['gflop_per_step']:>12.2f}{r['gflop_s']:>9.1f}  {r['bound']:<8}"
-                         f"{of_floor:>8}")  # fmt: skip
+            lines.append(
+                f"{r['part']:<24}{r['ms_per_step']:>9.2f}{r['share']:>8.1%}{r['mb_per_step']:>10.1f}"
+                f"{r['gb_s']:>8.1f}{r['gflop_per_step']:>12.2f}{r['gflop_s']:>9.1f}  {r['bound']:<8}"
+                f"{of_floor:>8}"
+            )
     lines.append("=" * 100)
     return "\n".join(lines)

@@ -58,8 +58,9 @@ def batch1_tpot(scheduler: OnlineScheduler, prompt_len: int = 32, output_len: in
     prompt_len = max(1, min(prompt_len, context - output_len))
     ids = sampleable_token_ids(scheduler.tokenizer, scheduler.config.vocab_size)
     rng = random.Random(f"roofline/{seed}")
-    requests = [BenchRequest(0, None, [rng.choice(ids) for _ in range(prompt_len)], prompt_len, n, 0.0)
-                for n in (8, output_len)]  # fmt: skip
+    requests = [
+        BenchRequest(0, None, [rng.choice(ids) for _ in range(prompt_len)], prompt_len, n, 0.0) for n in (8, output_len)
+    ]
     run_offline(scheduler, requests[:1], progress=False)  # warm-up
     return run_offline(scheduler, requests[1:], progress=False).records[0].tpot
 
@@ -83,13 +84,15 @@ def roofline(scheduler: OnlineScheduler, output_len: int = 64, seed: int = 0) ->
 
 
 def format_roofline(r: dict) -> str:
-    return "\n".join([
-        f"{' Decode roofline (batch 1) ':=^50}",
-        f"{'Weights (MB, ' + r['dtype'] + '):':<40} {r['weight_bytes'] / 1e6:<10.1f}",
-        f"{'Memory bandwidth, read (GB/s):':<40} {r['bandwidth_gb_s']:<10.2f}",
-        f"{'Memory bandwidth, copy r+w (GB/s):':<40} {r['copy_bandwidth_gb_s']:<10.2f}",
-        f"{'Floor TPOT = weights / bandwidth (ms):':<40} {r['floor_tpot_ms']:<10.2f}",
-        f"{'Measured batch-1 TPOT (ms):':<40} {r['measured_tpot_ms']:<10.2f}",
-        f"{'Measured / floor:':<40} {r['measured_over_floor']:<10.2f}",
-        "=" * 50,
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"{' Decode roofline (batch 1) ':=^50}",
+            f"{'Weights (MB, ' + r['dtype'] + '):':<40} {r['weight_bytes'] / 1e6:<10.1f}",
+            f"{'Memory bandwidth, read (GB/s):':<40} {r['bandwidth_gb_s']:<10.2f}",
+            f"{'Memory bandwidth, copy r+w (GB/s):':<40} {r['copy_bandwidth_gb_s']:<10.2f}",
+            f"{'Floor TPOT = weights / bandwidth (ms):':<40} {r['floor_tpot_ms']:<10.2f}",
+            f"{'Measured batch-1 TPOT (ms):':<40} {r['measured_tpot_ms']:<10.2f}",
+            f"{'Measured / floor:':<40} {r['measured_over_floor']:<10.2f}",
+            "=" * 50,
+        ]
+    )

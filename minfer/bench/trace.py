@@ -59,11 +59,23 @@ def build_trace(records: list[RequestRecord], steps: list[dict], metadata: dict 
     events = _names(REQUESTS_PID, "requests", {r.index + 1: f"request {r.index}" for r in records})
     for r in records:
         tid = r.index + 1
-        args = {"input_len": r.input_len, "output_len": r.output_len, "num_preemptions": r.num_preemptions,
-                "num_cached_tokens": r.num_cached_tokens}  # fmt: skip
+        args = {
+            "input_len": r.input_len,
+            "output_len": r.output_len,
+            "num_preemptions": r.num_preemptions,
+            "num_cached_tokens": r.num_cached_tokens,
+        }
         if r.first_token_time is None:  # failed before its first token
-            events.append(_span("failed", REQUESTS_PID, tid, r.submit_time, r.finish_time or r.submit_time,
-                                {**args, "error": r.error}))  # fmt: skip
+            events.append(
+                _span(
+                    "failed",
+                    REQUESTS_PID,
+                    tid,
+                    r.submit_time,
+                    r.finish_time or r.submit_time,
+                    {**args, "error": r.error},
+                )
+            )
             continue
         if r.scheduled_time is not None:
             events.append(_span("queued", REQUESTS_PID, tid, r.submit_time, r.scheduled_time, args))
@@ -78,8 +90,13 @@ def build_trace(records: list[RequestRecord], steps: list[dict], metadata: dict 
         events.append(_span("step", ENGINE_PID, 1, s["start"], s["end"], args))
         events += _counters(s["start"], s)
     if steps:  # bring every counter back to zero when the work is done
-        idle = {"num_seqs": 0, "num_prefill_tokens": 0, "num_decode_tokens": 0, "kv_blocks_used": 0,
-                "num_preemptions": 0}  # fmt: skip
+        idle = {
+            "num_seqs": 0,
+            "num_prefill_tokens": 0,
+            "num_decode_tokens": 0,
+            "kv_blocks_used": 0,
+            "num_preemptions": 0,
+        }
         events += _counters(steps[-1]["end"], idle)
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": metadata or {}}
 

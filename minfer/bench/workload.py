@@ -124,8 +124,9 @@ def build_workload(
     return requests
 
 
-def warmup_workload(requests: list[BenchRequest], tokenizer: Tokenizer | None, vocab_size: int | None,
-                    num: int = 4) -> list[BenchRequest]:  # fmt: skip
+def warmup_workload(
+    requests: list[BenchRequest], tokenizer: Tokenizer | None, vocab_size: int | None, num: int = 4
+) -> list[BenchRequest]:
     """A few requests shaped like the first ones, all at t=0, with fresh random ids where a tokenizer
     is at hand: they warm the engine up without seeding its prefix cache with the measured prompts."""
     warm = []
@@ -133,8 +134,16 @@ def warmup_workload(requests: list[BenchRequest], tokenizer: Tokenizer | None, v
     rng = random.Random("warmup")
     for r in requests[:num]:
         if ids and r.input_len:
-            warm.append(BenchRequest(r.index, None, [rng.choice(ids) for _ in range(r.input_len)],
-                                     r.input_len, min(r.output_len, 16), 0.0))  # fmt: skip
+            warm.append(
+                BenchRequest(
+                    r.index,
+                    None,
+                    [rng.choice(ids) for _ in range(r.input_len)],
+                    r.input_len,
+                    min(r.output_len, 16),
+                    0.0,
+                )
+            )
         else:
             warm.append(BenchRequest(r.index, r.prompt, r.prompt_token_ids, r.input_len, min(r.output_len, 16), 0.0))
     return warm

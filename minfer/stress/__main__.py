@@ -13,8 +13,11 @@ from .soak import ServerDidNotStart, SoakConfig, run_spawned, soak
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minfer.stress", description=DOC.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m minfer.stress",
+        description=DOC.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", help="checkpoint directory: start a server on it (and SIGTERM it at the end)")
     where.add_argument("--base-url", help="an already running server, e.g. http://127.0.0.1:8000")

@@ -63,8 +63,13 @@ def stream_body(rng: random.Random, target: Target, max_tokens: int | None = Non
     Half are greedy, half sampled with a seed (replayable)."""
     longest = 8 if max_tokens else target.max_prompt_tokens  # a long stream still fits a 512-token context
     prompt = [rng.randrange(256) for _ in range(rng.randint(1, longest))]  # byte tokens: in any GPT-2 vocabulary
-    body = {"prompt": prompt, "max_tokens": max_tokens or rng.randint(4, target.max_tokens), "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens or rng.randint(4, target.max_tokens),
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if rng.random() < 0.5:
         body.update(temperature=0.9, top_p=0.95, seed=rng.randrange(2**31))
     else:
@@ -72,8 +77,9 @@ def stream_body(rng: random.Random, target: Target, max_tokens: int | None = Non
     return body
 
 
-def run_stream(target: Target, body: dict, tally: Tally, cancel_after: int | None = None, rcvbuf=None,
-               line_delay: float = 0.0) -> str | None:  # fmt: skip
+def run_stream(
+    target: Target, body: dict, tally: Tally, cancel_after: int | None = None, rcvbuf=None, line_delay: float = 0.0
+) -> str | None:
     """One streaming request; checks its framing and usage. Returns its text if it finished, else None."""
     conn = target.connection(rcvbuf=rcvbuf)
     try:
@@ -108,8 +114,11 @@ def check_stream(tally: Tally, body: dict, events: list[bytes]) -> str | None:
         tally.fail(f"stream got an error event: {[c for c in chunks if 'error' in c][0]}")
         return None
     usage = chunks[-1].get("usage") or {}
-    want = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"],
-            "total_tokens": len(body["prompt"]) + body["max_tokens"]}  # fmt: skip
+    want = {
+        "prompt_tokens": len(body["prompt"]),
+        "completion_tokens": body["max_tokens"],
+        "total_tokens": len(body["prompt"]) + body["max_tokens"],
+    }
     if {k: usage.get(k) for k in want} != want:
         tally.fail(f"stream usage {usage} != {want}")
     if chunks[-2]["choices"][0]["finish_reason"] != "length":
@@ -162,8 +171,11 @@ def stopped_reader(target: Target, tally: Tally, end: float, seed: int, pause: f
             time.sleep(pause)
             conn.sock.settimeout(target.stall_limit)
             data = resp.read()  # what the buffers held, then the end: a stream cut short raises IncompleteRead
-            tally.count("stopped readers whose stream fit in the socket buffers" if b"[DONE]" in data
-                        else "stopped readers cut off")  # fmt: skip
+            tally.count(
+                "stopped readers whose stream fit in the socket buffers"
+                if b"[DONE]" in data
+                else "stopped readers cut off"
+            )
         except (http.client.IncompleteRead, ConnectionError):
             tally.count("stopped readers cut off")
         except TimeoutError:  # generation under load is slower than the pause: the buffers never filled
@@ -218,15 +230,17 @@ def staller(target: Target, tally: Tally, end: float, seed: int) -> None:
         partial = b'{"prompt": "Hello", "max_tok'[: rng.randint(0, 28)]
         try:
             with target.raw() as sock:
-                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: 200\r\n\r\n" + partial)  # fmt: skip
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 200\r\n\r\n" + partial
+                )
                 data = wait_closed(target, tally, sock, "stalled", opened)
         except OSError as e:
             tally.fail(f"stalled client: {type(e).__name__}: {e}")
             time.sleep(0.5)
             continue
         if not data.startswith(b"HTTP/1.1 408"):
-                tally.fail(f"stalled client got {data[:60]!r}, not 408")
+            tally.fail(f"stalled client got {data[:60]!r}, not 408")
 
 
 def prober(target: Target, tally: Tally, end: float, path: str, interval: float) -> None:

@@ -13,7 +13,11 @@ from .clients import Tally, Target
 
 def _post(body: bytes, path: bytes = b"/v1/completions", extra: bytes = b"") -> bytes:
     return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\n\r\n%s" % (
-        path, extra, len(body), body)  # fmt: skip
+        path,
+        extra,
+        len(body),
+        body,
+    )
 
 
 def _json(obj) -> bytes:
@@ -46,7 +50,7 @@ BAD_REQUESTS = [
     ("not HTTP at all", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 a TLS hello\r\n\r\n", 400),
     ("a 70 KB request line", b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 414),
     ("200 headers", b"GET /health HTTP/1.1\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(200)) + b"\r\n", 431),
-]  # fmt: skip
+]
 
 
 def send_raw(target: Target, data: bytes) -> tuple[int, bytes]:

@@ -13,8 +13,19 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .clients import (Tally, Target, check_error_reply, idler, parse_metrics, prober, run_stream, slow_reader,
-                      staller, stopped_reader, streamer)  # fmt: skip
+from .clients import (
+    Tally,
+    Target,
+    check_error_reply,
+    idler,
+    parse_metrics,
+    prober,
+    run_stream,
+    slow_reader,
+    staller,
+    stopped_reader,
+    streamer,
+)
 from .malformed import BAD_REQUESTS, malformer
 
 SPAWN_TIMEOUTS = 2.0  # the spawned server's request, keep-alive and write timeouts: short, so they fire in a run
@@ -54,10 +65,14 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally) -> dict:
     jobs = [(streamer, i, ()) for i in range(cfg.streams)] + [(idler, i, ()) for i in range(cfg.idle)]
     jobs += [(staller, i, ()) for i in range(cfg.stalled)] + [(slow_reader, i, ()) for i in range(cfg.slow)]
     jobs += [(stopped_reader, i, (cfg.write_timeout + 2,)) for i in range(cfg.stopped)] + [(malformer, 0, ())]
-    threads = [threading.Thread(target=fn, args=(target, tally, end, cfg.seed * 1000 + i, *extra), daemon=True)
-               for fn, i, extra in jobs]  # fmt: skip
-    threads += [threading.Thread(target=prober, args=(target, tally, end, "/health", 0.1), daemon=True),
-                threading.Thread(target=prober, args=(target, tally, end, "/metrics", 0.5), daemon=True)]  # fmt: skip
+    threads = [
+        threading.Thread(target=fn, args=(target, tally, end, cfg.seed * 1000 + i, *extra), daemon=True)
+        for fn, i, extra in jobs
+    ]
+    threads += [
+        threading.Thread(target=prober, args=(target, tally, end, "/health", 0.1), daemon=True),
+        threading.Thread(target=prober, args=(target, tally, end, "/metrics", 0.5), daemon=True),
+    ]
     for t in threads:
         t.start()
     time.sleep(cfg.duration / 4)  # RSS once the server has warmed up (threads, allocator, caches)
@@ -89,12 +104,17 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally) -> dict:
         - before["minfer_requests_aborted_total"],
         "slow-reader streams finished": c["slow streams finished"],
         "stopped readers cut off": c["stopped readers cut off"],
-        "stopped readers whose stream fit in the socket buffers":
-            c["stopped readers whose stream fit in the socket buffers"],
-        "stopped readers whose stream was too slow to fill them":
-            c["stopped readers whose stream was too slow to fill the buffers"],
-        **{f"server {kind} timeouts": after[f'minfer_http_timeouts_total{{kind="{kind}"}}']
-           - before[f'minfer_http_timeouts_total{{kind="{kind}"}}'] for kind in ("request", "idle", "write")},
+        "stopped readers whose stream fit in the socket buffers": c[
+            "stopped readers whose stream fit in the socket buffers"
+        ],
+        "stopped readers whose stream was too slow to fill them": c[
+            "stopped readers whose stream was too slow to fill the buffers"
+        ],
+        **{
+            f"server {kind} timeouts": after[f'minfer_http_timeouts_total{{kind="{kind}"}}']
+            - before[f'minfer_http_timeouts_total{{kind="{kind}"}}']
+            for kind in ("request", "idle", "write")
+        },
         "idle keep-alive connections closed": c["idle connections closed by the server"],
         "silent connections closed": c["silent connections closed by the server"],
         "stalled requests closed with 408": c["stalled connections closed by the server"],
@@ -148,8 +168,23 @@ class ServerDidNotStart(RuntimeError):
 
 def spawn_server(model: str, kv_blocks: int, log_path: str) -> tuple[subprocess.Popen, int]:
     t = str(SPAWN_TIMEOUTS)
-    cmd = [sys.executable, "-m", "minfer.serve", "--model", model, "--port", "0", "--num-kv-blocks", str(kv_blocks),
-           "--request-timeout", t, "--keepalive-timeout", t, "--write-timeout", t]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "minfer.serve",
+        "--model",
+        model,
+        "--port",
+        "0",
+        "--num-kv-blocks",
+        str(kv_blocks),
+        "--request-timeout",
+        t,
+        "--keepalive-timeout",
+        t,
+        "--write-timeout",
+        t,
+    ]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     line = proc.stdout.readline()  # "minfer: serving ... on http://127.0.0.1:PORT ..." once it listens
@@ -169,8 +204,12 @@ def sigterm_midstream(target: Target, proc: subprocess.Popen, cfg: SoakConfig, t
     streams = []
     for _ in range(n):
         conn = target.connection(timeout=30)
-        body = {"prompt": [rng.randrange(256) for _ in range(4)], "max_tokens": target.long_tokens, "stream": True,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "prompt": [rng.randrange(256) for _ in range(4)],
+            "max_tokens": target.long_tokens,
+            "stream": True,
+            "ignore_eos": True,
+        }
         conn.request("POST", "/v1/completions", body=json.dumps(body))
         resp = conn.getresponse()
         if resp.status != 200:
@@ -203,8 +242,12 @@ def sigterm_midstream(target: Target, proc: subprocess.Popen, cfg: SoakConfig, t
     took = time.monotonic() - sent
     if code != 0 or took > SHUTDOWN_GRACE + 2:
         tally.fail(f"SIGTERM: exit code {code} after {took:.1f} s (grace {SHUTDOWN_GRACE:g} s)")
-    return {"streams open at SIGTERM": len(streams), "streams ended with an error event and [DONE]": ended,
-            "exit code after SIGTERM": code, "seconds from SIGTERM to exit": round(took, 1)}  # fmt: skip
+    return {
+        "streams open at SIGTERM": len(streams),
+        "streams ended with an error event and [DONE]": ended,
+        "exit code after SIGTERM": code,
+        "seconds from SIGTERM to exit": round(took, 1),
+    }
 
 
 def run_spawned(model: str, cfg: SoakConfig, kv_blocks: int = 48, tally: Tally | None = None) -> tuple[dict, Tally]:
