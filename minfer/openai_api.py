@@ -5,8 +5,9 @@ each rule can be tested on its own. A request is checked completely before it
 reaches the engine: the scheduler gets token ids and a SamplingParams it will
 accept, and every mistake becomes an APIError naming the offending `param`.
 
-GPT-2 has no chat template, so chat messages are rendered as one
-`role: content` line each, followed by `assistant:` for the model to continue:
+Chat messages are rendered with the checkpoint's own chat template (chat_template.py).
+GPT-2 has none, so its chat messages are rendered as one `role: content` line each,
+followed by `assistant:` for the model to continue:
 
     system: You are terse.
     user: Hi!
@@ -19,8 +20,9 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
+from .chat_template import ChatTemplate, ChatTemplateError
 from .sampling import SamplingParams
 from .sequence import RequestOutput
 from .tokenizer import Tokenizer
@@ -72,6 +74,7 @@ class ModelInfo:
     tokenizer: Tokenizer
     vocab_size: int
     max_model_len: int  # prompt + output tokens one request may use
+    chat_template: ChatTemplate = field(default_factory=lambda: ChatTemplate(None))  # None: plain rendering
 
 
 @dataclass
@@ -288,11 +291,6 @@ def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
     return ParsedRequest(ids, _sampling(body, max_tokens), stream, include_usage)
 
 
-def render_chat(messages: list[dict]) -> str:
-    """The documented template: a `role: content` line per message, then `assistant:`."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-
-
 def _message_text(content, i: int) -> str:
     """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
     param = f"messages[{i}].content"
@@ -324,12 +322,19 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
         if m.get("role") not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}")
         rendered.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
-    ids = _prompt_ids(render_chat(rendered), info, param="messages")
+    try:
+        text = info.chat_template.render(rendered)
+    except ChatTemplateError as e:
+        raise invalid("messages", str(e)) from None
+    ids = _prompt_ids(text, info, param="messages")
     # max_completion_tokens is the current name; max_tokens the deprecated one. No limit: up to the context.
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(_get(body, name, "int"), name, len(ids), info, default=None)
     stream, include_usage = _stream_flags(body)
-    return ParsedRequest(ids, _sampling(body, max_tokens), stream, include_usage)
+    params = _sampling(body, max_tokens)
+    if info.chat_template.stop_token_ids and not params.ignore_eos:  # the reply ends at the end of its turn
+        params = replace(params, stop_token_ids=[*(params.stop_token_ids or ()), *info.chat_template.stop_token_ids])
+    return ParsedRequest(ids, params, stream, include_usage)
 
 
 def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:

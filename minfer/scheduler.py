@@ -20,9 +20,10 @@ import itertools
 import time
 from collections import deque
 
+import torch
+
 from .errors import InvalidParameter
 from .kv_cache import BlockAllocator, KVCache, choose_num_blocks
-from .model import GPT2
 from .model_runner import ModelRunner, ScheduledChunk
 from .sampling import SamplingParams, make_generator
 from .sequence import RequestOutput, Sequence, Status
@@ -33,7 +34,7 @@ from .tokenizer import Tokenizer
 class OnlineScheduler:
     def __init__(
         self,
-        model: GPT2,
+        model: torch.nn.Module,  # any of models.ARCHITECTURES
         tokenizer: Tokenizer,
         *,
         block_size: int = 16,
@@ -80,7 +81,7 @@ class OnlineScheduler:
     @property
     def max_model_len(self) -> int:
         """The longest request (prompt + max_tokens) add_request can accept."""
-        return min(self.config.n_positions, self.allocator.num_blocks * self.block_size)
+        return min(self.config.max_positions, self.allocator.num_blocks * self.block_size)
 
     def add_request(
         self,
@@ -109,7 +110,7 @@ class OnlineScheduler:
             ids,
             params,
             self.tokenizer.detokenizer(),
-            self.tokenizer.eos_token_id,
+            self.tokenizer.eos_token_ids,
             make_generator(params.seed, self.model.device),
         )
         self.requests[request_id] = seq
@@ -127,7 +128,7 @@ class OnlineScheduler:
         bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidParameter("prompt", f"prompt token id {bad!r} is not in the vocabulary [0, {vocab})")
-        context = self.config.n_positions
+        context = self.config.max_positions
         if len(ids) + params.max_tokens > context:
             raise InvalidParameter(
                 "max_tokens" if len(ids) < context else "prompt",

@@ -51,7 +51,7 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams,
         detokenizer: IncrementalDetokenizer,
-        eos_token_id: int | None,
+        eos_token_ids: list[int],  # every id that ends the sequence (chat models have several)
         generator: torch.Generator | None,
     ):
         self.request_id = request_id
@@ -68,8 +68,8 @@ class Sequence:
         self.num_preemptions = 0
         self.num_steps = 0
         self.stop_ids = set(params.stop_token_ids or ())
-        if eos_token_id is not None and not params.ignore_eos:
-            self.stop_ids.add(eos_token_id)
+        if not params.ignore_eos:
+            self.stop_ids.update(eos_token_ids)
         self.detokenizer = detokenizer
         self.text = ""
         self.num_streamed_chars = 0  # how much of `text` get_new_text has handed out

@@ -44,7 +44,8 @@ from .connections import CappedHTTPServer, ConnectionLimits, TimedHandler, add_a
 from .engine import resolve_dtype, set_cpu_threads
 from .manager import ACCEPTED, DONE, ERROR, TEXT, EngineError, RequestHandle, SchedulerManager
 from .metrics import Metrics
-from .model import GPT2
+from .chat_template import ChatTemplate
+from .models import load_model
 from .openai_api import (
     APIError,
     ModelInfo,
@@ -396,10 +397,13 @@ def create_server(
         device = torch.device(device)
     except RuntimeError as e:
         raise ValueError(f"bad device {device!r}: {e}") from None
-    gpt2 = GPT2.from_pretrained(model, device=device, dtype=resolve_dtype(dtype, device))
-    tokenizer = Tokenizer.from_dir(gpt2.model_dir)
-    scheduler = OnlineScheduler(gpt2, tokenizer, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
-    info = ModelInfo(served_model_name or model, tokenizer, gpt2.config.vocab_size, scheduler.max_model_len)
+    model_ = load_model(model, device=device, dtype=resolve_dtype(dtype, device))
+    tokenizer = Tokenizer.from_dir(model_.model_dir)
+    scheduler = OnlineScheduler(model_, tokenizer, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
+    chat_template = ChatTemplate.from_dir(model_.model_dir, tokenizer)
+    info = ModelInfo(
+        served_model_name or model, tokenizer, model_.config.vocab_size, scheduler.max_model_len, chat_template
+    )
     manager = SchedulerManager(scheduler, Metrics(), max_queued=max_queued)
     server = MinferServer((host, port), manager, info, api_key, limits)  # binds now: a taken port fails here
     manager.start()

@@ -148,7 +148,7 @@ words = tokenizer.encode(text)
 def make_seq(name: str, length: int) -> Sequence:
     """A sequence of exactly `length` prompt tokens, holding enough blocks for all of them."""
     ids = (words * (length // len(words) + 1))[:length]
-    seq = Sequence(name, ids, SamplingParams(temperature=0), tokenizer.detokenizer(), tokenizer.eos_token_id, None)
+    seq = Sequence(name, ids, SamplingParams(temperature=0), tokenizer.detokenizer(), tokenizer.eos_token_ids, None)
     seq.block_table = alloc.allocate(-(-length // BS))
     return seq
 
