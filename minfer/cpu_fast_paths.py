@@ -177,7 +177,7 @@ class LMHead(nn.Module):
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        self.vocab_size = weight.shape[0]
+        self.vocab_size, self.in_features = weight.shape
         # Plain attributes, not parameters: these are copies, and the model's weights stay as they were.
         self.packed = pack_weight(weight)
         threads = torch.get_num_threads()

@@ -1,37 +1,66 @@
 """Names for the parts of an engine step, so `bench.py --profile` can say where the time goes.
 
 The engine marks each part it runs (`with part("context read"): ...`). Normally that
-costs one flag check; while bench.py profiles, each part becomes a torch.profiler range.
+costs one check; while bench.py profiles, each part adds its wall time to a running
+total. Plain timers, not torch.profiler: the profiler's own cost per recorded op
+(tens of microseconds) inflated the parts made of many small ops several-fold.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from contextlib import nullcontext
+from time import perf_counter
+from typing import Callable
 
-from torch.profiler import record_function
-
-# The labelled parts, in step order. Everything else the forward runs is linears (matmuls)
-# or the small ops around them (layer norms, GELU, residual adds, embeddings).
+# The parts the engine labels, in step order. bench/profile.py times the linears and the
+# LM head by hooks on their modules; what no part covers is the small ops in between
+# (layer norms, GELU, residual adds, embeddings) and Python between ops.
 PARTS = (
     "host: schedule",
     "host: prepare",
     "KV write",
     "context read",
     "attention",
-    "LM head",
     "sampling",
     "host: bookkeeping",
 )
 
-_enabled = False
+_totals: dict[str, float] | None = None  # seconds per part while timing, else None
+_sync: Callable[[], None] | None = None  # on a GPU, wait for queued kernels at each boundary
 _NONE = nullcontext()
 
 
+class _Timer:
+    __slots__ = ("name", "start")
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        if _sync is not None:
+            _sync()
+        self.start = perf_counter()
+
+    def __exit__(self, *exc):
+        if _sync is not None:
+            _sync()
+        if _totals is not None:
+            _totals[self.name] += perf_counter() - self.start
+
+
 def part(name: str):
-    """A context manager marking one part of a step (a no-op unless profiling)."""
-    return record_function(name) if _enabled else _NONE
+    """A context manager marking one part of a step (a no-op unless timing)."""
+    return _Timer(name) if _totals is not None else _NONE
 
 
-def enable(on: bool = True) -> None:
-    global _enabled
-    _enabled = on
+def start_timing(sync: Callable[[], None] | None = None) -> dict[str, float]:
+    """Start adding up each part's seconds; returns the totals, filled in as steps run."""
+    global _totals, _sync
+    _totals, _sync = defaultdict(float), sync
+    return _totals
+
+
+def stop_timing() -> None:
+    global _totals, _sync
+    _totals, _sync = None, None

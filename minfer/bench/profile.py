@@ -1,12 +1,13 @@
 """Where an engine step's time goes: `python bench.py --profile`.
 
 The workload's requests are added at once (up to max_num_seqs run together) and
-two windows of steps are recorded with torch.profiler: the first steps, where the
-prompts are prefilled (next to whatever already decodes), and steps of steady
-decoding once every prompt is in. Each op's own time is sorted into the parts of
-a step (step_parts.py names them): host-side scheduling and preparation, KV write,
-context read (the gather), attention, linears, the LM head, sampling, and the
-small ops in between (layer norms, GELU, residual adds, embeddings).
+two windows of steps are timed: the first steps, where the prompts are prefilled
+(next to whatever already decodes), and steps of steady decoding once every
+prompt is in. Each step is split into the parts that step_parts.py names
+(host-side scheduling and preparation, KV write, context read (the gather),
+attention, sampling, bookkeeping), plus the linears and the LM head, timed by
+hooks on their modules; the rest of the step's wall time is the small ops in
+between (layer norms, GELU, residual adds, embeddings) and Python between ops.
 
 Beside each part: the bytes it must move and the FLOPs it must do, what rate
 that comes to, and which one bounds it on this machine: the time the bytes would
@@ -20,7 +21,6 @@ import time
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
 
 from .. import step_parts
 from ..scheduler import OnlineScheduler
@@ -28,15 +28,7 @@ from .offline import submit_request
 from .roofline import best_time, measure_bandwidth
 from .workload import BenchRequest
 
-LINEAR_OPS = (
-    "mkldnn::_linear_pointwise",
-    "aten::addmm",
-    "aten::mm",
-    "aten::bmm",
-    "aten::baddbmm",
-    "aten::matmul",
-    "aten::linear",
-)
+REST = "norms, GELU, residuals, Python"  # the step's wall time that no part covers
 ROWS = (
     "host: schedule",
     "host: prepare",
@@ -45,15 +37,14 @@ ROWS = (
     "attention",
     "linears",
     "LM head",
-    "norms, GELU, residuals",
     "sampling",
     "host: bookkeeping",
-    "other host time",
+    REST,
 )
 
 
 def profile_steps(scheduler: OnlineScheduler, requests: list[BenchRequest], num_steps: int = 6) -> dict:
-    """Run the requests, profiling `num_steps` prefill-phase steps and `num_steps` steady decode steps."""
+    """Run the requests, timing `num_steps` prefill-phase steps and `num_steps` steady decode steps."""
     ids = [submit_request(scheduler, r) for r in requests]
     try:
         prefill = _record(scheduler, num_steps)
@@ -66,66 +57,51 @@ def profile_steps(scheduler: OnlineScheduler, requests: list[BenchRequest], num_
             scheduler.discard_request(i)
     model = scheduler.model
     peaks = {"read_gb_s": measure_bandwidth(model.device)[0] / 1e9, "matmul_gflop_s": matmul_rate(model) / 1e9}
+    phases = (("prefill", prefill), ("decode", decode))
     return {
         "peaks": peaks,
         "dtype": str(model.dtype).removeprefix("torch."),
-        "phases": {
-            name: breakdown(phase, model, peaks) for name, phase in (("prefill", prefill), ("decode", decode)) if phase
-        },
+        "phases": {name: breakdown(phase, model, peaks) for name, phase in phases if phase},
     }
 
 
 def _record(scheduler: OnlineScheduler, num_steps: int) -> dict | None:
     steps, wall = [], 0.0
-    step_parts.enable(True)
-    hooks = _label_lm_head(scheduler.model)
+    sync = torch.cuda.synchronize if scheduler.model.device.type == "cuda" else None
+    totals = step_parts.start_timing(sync)
+    hooks = _time_modules(scheduler.model)
     try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(num_steps):
-                if not scheduler.has_unfinished():
-                    break
-                start = time.perf_counter()
-                before = scheduler.num_steps
-                scheduler.step()
-                wall += time.perf_counter() - start
-                if scheduler.num_steps > before:
-                    steps.append(dict(scheduler.last_step))
+        for _ in range(num_steps):
+            if not scheduler.has_unfinished():
+                break
+            start = time.perf_counter()
+            before = scheduler.num_steps
+            scheduler.step()
+            wall += time.perf_counter() - start
+            if scheduler.num_steps > before:
+                steps.append(dict(scheduler.last_step))
     finally:
-        step_parts.enable(False)
+        step_parts.stop_timing()
         for hook in hooks:
             hook.remove()
-    return {"events": prof.events(), "steps": steps, "wall": wall} if steps else None
+    return {"times": dict(totals), "steps": steps, "wall": wall} if steps else None
 
 
-def _label_lm_head(model) -> tuple:
-    """Time the model's LM head as one part, whatever module it is (plain, or a CPU fast path)."""
-    open_ranges = []
-    before = model.lm_head.register_forward_pre_hook(
-        lambda module, args: open_ranges.append(record_function("LM head").__enter__())
-    )
-    after = model.lm_head.register_forward_hook(lambda module, args, out: open_ranges.pop().__exit__(None, None, None))
-    return before, after
-
-
-def part_times(events) -> dict[str, float]:
-    """Seconds per part: a labelled part's whole range; outside them, each op's own time by kind."""
-    times: dict[str, float] = defaultdict(float)
-    for e in events:
-        if e.name in step_parts.PARTS:
-            times[e.name] += e.cpu_time_total / 1e6
-        elif not _inside_part(e):
-            kind = "linears" if e.name in LINEAR_OPS else "norms, GELU, residuals"
-            times[kind] += e.self_cpu_time_total / 1e6
-    return times
-
-
-def _inside_part(event) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name in step_parts.PARTS:
-            return True
-        parent = parent.cpu_parent
-    return False
+def _time_modules(model) -> list:
+    """Time the model's linears and its LM head as parts, whatever modules they are (plain nn.Linear
+    or a CPU fast path): a timer entered before each call and left after it."""
+    hooks = []
+    for module in model.modules():
+        if module is model.lm_head:
+            label = "LM head"
+        elif type(module).__name__.endswith("Linear"):
+            label = "linears"
+        else:
+            continue
+        timer = step_parts.part(label)
+        hooks.append(module.register_forward_pre_hook(lambda m, args, t=timer: t.__enter__()))
+        hooks.append(module.register_forward_hook(lambda m, args, out, t=timer: t.__exit__(None, None, None)))
+    return hooks
 
 
 def step_work(steps: list[dict], model) -> dict[str, tuple[float, float]]:
@@ -151,8 +127,8 @@ def step_work(steps: list[dict], model) -> dict[str, tuple[float, float]]:
 
 def breakdown(phase: dict, model, peaks: dict) -> dict:
     steps, n = phase["steps"], len(phase["steps"])
-    times = part_times(phase["events"])
-    times["other host time"] = max(0.0, phase["wall"] - sum(times.values()))  # Python between ops
+    times = dict(phase["times"])
+    times[REST] = max(0.0, phase["wall"] - sum(times.values()))
     work = step_work(steps, model)
     rows = []
     for name in ROWS:

@@ -7,6 +7,12 @@ of a few): decode reads weights and writes almost nothing. A copy's bandwidth
 (read + write bytes) is reported beside it; on a shared CPU both vary by ~20%
 from run to run, so compare figures from one run. A KV-cache read at batch 1 and
 short context is small beside the weights and is left out.
+
+Between the two sits the matmul floor: the model's own weight matmuls (fast paths
+included), each run once at one row, back to back, nothing else. Its distance from
+the bandwidth floor is what the matmul kernels leave on the table (a one-row matmul
+reads weights slower than a plain sum does); the distance from it to the measured
+TPOT is everything else a step does (attention, small ops, Python, sampling).
 """
 
 from __future__ import annotations
@@ -51,6 +57,22 @@ def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, repeats: i
     return read, copy
 
 
+def matmul_floor(model: torch.nn.Module, repeats: int = 5) -> float:
+    """Seconds to run every weight matmul of the model once at one row: its linears and LM head, as
+    loaded (CPU fast paths included), back to back. The weights total far more than any cache, so
+    each is read from memory, as in a decode step."""
+    matmuls = [m for m in model.modules() if m is model.lm_head or type(m).__name__.endswith("Linear")]
+    inputs = [torch.randn(1, m.in_features, dtype=model.dtype, device=model.device) for m in matmuls]
+
+    def run_all():
+        for matmul, x in zip(matmuls, inputs):
+            matmul(x)
+
+    with torch.inference_mode():
+        run_all()  # warm-up
+        return best_time(run_all, model.device, repeats)
+
+
 def batch1_tpot(scheduler: OnlineScheduler, prompt_len: int = 32, output_len: int = 64, seed: int = 0) -> float:
     """TPOT (seconds) of one request running alone: a random prompt, greedy, exactly output_len tokens."""
     context = scheduler.config.max_positions
@@ -70,6 +92,7 @@ def roofline(scheduler: OnlineScheduler, output_len: int = 64, seed: int = 0) ->
     nbytes = weight_bytes(model)
     bandwidth, copy_bandwidth = measure_bandwidth(model.device)
     floor = nbytes / bandwidth
+    matmuls = matmul_floor(model)
     tpot = batch1_tpot(scheduler, output_len=output_len, seed=seed)
     return {
         "device": str(model.device),
@@ -78,6 +101,7 @@ def roofline(scheduler: OnlineScheduler, output_len: int = 64, seed: int = 0) ->
         "bandwidth_gb_s": bandwidth / 1e9,
         "copy_bandwidth_gb_s": copy_bandwidth / 1e9,
         "floor_tpot_ms": floor * 1000,
+        "matmul_floor_ms": matmuls * 1000,
         "measured_tpot_ms": tpot * 1000,
         "measured_over_floor": tpot / floor,
     }
@@ -91,6 +115,7 @@ def format_roofline(r: dict) -> str:
             f"{'Memory bandwidth, read (GB/s):':<40} {r['bandwidth_gb_s']:<10.2f}",
             f"{'Memory bandwidth, copy r+w (GB/s):':<40} {r['copy_bandwidth_gb_s']:<10.2f}",
             f"{'Floor TPOT = weights / bandwidth (ms):':<40} {r['floor_tpot_ms']:<10.2f}",
+            f"{'Matmul floor: weight matmuls alone (ms):':<40} {r['matmul_floor_ms']:<10.2f}",
             f"{'Measured batch-1 TPOT (ms):':<40} {r['measured_tpot_ms']:<10.2f}",
             f"{'Measured / floor:':<40} {r['measured_over_floor']:<10.2f}",
             "=" * 50,
