@@ -19,6 +19,7 @@ class ModelConfig(Protocol):
 
     vocab_size: int  # rows of the LM head: token ids are in [0, vocab_size)
     num_layers: int
+    num_heads: int  # query heads
     num_kv_heads: int  # heads of keys and values the KV cache stores (fewer than query heads with GQA)
     head_dim: int
     max_positions: int  # the longest context the model supports
@@ -100,6 +101,10 @@ class GPT2Config:
     @property
     def num_layers(self) -> int:
         return self.n_layer
+
+    @property
+    def num_heads(self) -> int:
+        return self.n_head
 
     @property
     def num_kv_heads(self) -> int:

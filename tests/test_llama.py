@@ -41,9 +41,9 @@ def test_logits_and_greedy_match_transformers(make_checkpoint, preset):
         path = make_checkpoint(preset, seed=1)
     ours, ref = load_model(path), hf_model(path)
     assert isinstance(ours, Llama) and type(ref).__name__ == ours.config.architecture
-    ids = torch.randint(0, 500, (3, 100), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 500, (2, 80), generator=torch.Generator().manual_seed(0))
     logits = ours(ids)
-    assert logits.shape == (3, 100, 512) and logits.std() > 0.5
+    assert logits.shape == (2, 80, 512) and logits.std() > 0.5
     torch.testing.assert_close(logits, ref(ids).logits, atol=1e-4, rtol=0)
     prompt = ids[:2, :7]
     expected = ref.generate(  # eos_token_id=None: run all 24 tokens, neither stopping at EOS nor suppressing it
@@ -67,9 +67,9 @@ def test_config_facts_the_engine_reads(make_checkpoint):
 def test_engine_batched_equals_alone_and_transformers(make_checkpoint, preset):
     path = make_checkpoint(preset)
     ref = hf_model(path)
-    prompts = random_prompts(12, 500, max_len=150)
-    greedy = SamplingParams(max_tokens=24, temperature=0)
-    busy = LLM(path, num_kv_blocks=30, max_num_seqs=12, max_num_batched_tokens=64)
+    prompts = random_prompts(10, 500, max_len=120)
+    greedy = SamplingParams(max_tokens=20, temperature=0)
+    busy = LLM(path, num_kv_blocks=22, max_num_seqs=10, max_num_batched_tokens=64)
     assert busy.scheduler.kv_cache.k.shape[2] == 2  # num_key_value_heads, not the 4 query heads
     if packing_available(torch.float32):  # the CPU path swapped the LM head, tied or untied
         assert isinstance(busy.model.lm_head, LMHead)
@@ -82,10 +82,10 @@ def test_engine_batched_equals_alone_and_transformers(make_checkpoint, preset):
     for prompt, out in zip(prompts, together):
         ids = torch.tensor([prompt])
         expected = ref.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, eos_token_id=eos
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, eos_token_id=eos
         )[0, len(prompt) :].tolist()
         assert out.token_ids == alone_llm.generate([prompt], greedy, use_tqdm=False)[0].token_ids == expected
-    assert sum(len(set(o.token_ids)) > 4 for o in together) > 6
+    assert sum(len(set(o.token_ids)) > 4 for o in together) > 5
 
 
 def test_bf16_engine_runs(make_checkpoint):
