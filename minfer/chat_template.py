@@ -82,16 +82,16 @@ class ChatTemplate:
         stops = [tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS if t in source]
         return cls(source, special, [i for i in stops if i is not None])
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for these messages, ending where the assistant's reply begins."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None) -> str:
+        """The prompt text for these messages, ending where the assistant's reply begins. `variables`
+        are more names the template may read (Qwen3's `enable_thinking`, for one)."""
         if self._template is None:
             return render_chat(messages)
         from jinja2.exceptions import TemplateError
 
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
-            )
+            context = {**self.special_tokens, **(variables or {})}
+            return self._template.render(context, messages=messages, add_generation_prompt=add_generation_prompt)
         except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise ChatTemplateError(f"the chat template could not render these messages: {e}") from None
 

@@ -323,7 +323,8 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
             raise invalid(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}")
         rendered.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
     try:
-        text = info.chat_template.render(rendered)
+        # chat_template_kwargs: vLLM's extension, e.g. {"enable_thinking": false} for Qwen3.
+        text = info.chat_template.render(rendered, variables=_get(body, "chat_template_kwargs", "object"))
     except ChatTemplateError as e:
         raise invalid("messages", str(e)) from None
     ids = _prompt_ids(text, info, param="messages")
