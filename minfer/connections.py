@@ -52,6 +52,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 from .openai_api import APIError
+from .prometheus import metric
 
 SEND_BUFFER_BYTES = 32 * 1024
 REFUSE_READ_SECONDS = 1.0  # how long the refuser waits for a refused connection's request (to spot /health)
@@ -152,20 +153,20 @@ class ConnectionStats:
     def render(self) -> str:
         """Prometheus lines, appended to the engine's metrics."""
         with self._lock:
+            timeouts = {f'kind="{kind}"': n for kind, n in self.timeouts.items()}
             lines = [
-                "# HELP minfer_http_connections_open Connections being served (each has a thread).",
-                "# TYPE minfer_http_connections_open gauge",
-                f"minfer_http_connections_open {self.open}",
-                "# HELP minfer_http_connections_max The --max-connections cap.",
-                "# TYPE minfer_http_connections_max gauge",
-                f"minfer_http_connections_max {self.max_connections}",
-                "# HELP minfer_http_connections_refused_total Connections refused at the cap (503).",
-                "# TYPE minfer_http_connections_refused_total counter",
-                f"minfer_http_connections_refused_total {self.refused}",
-                "# HELP minfer_http_timeouts_total Connections closed by a timeout, by kind.",
-                "# TYPE minfer_http_timeouts_total counter",
+                *metric(
+                    "minfer_http_connections_open", "gauge", "Connections being served (each has a thread).", self.open
+                ),
+                *metric("minfer_http_connections_max", "gauge", "The --max-connections cap.", self.max_connections),
+                *metric(
+                    "minfer_http_connections_refused_total",
+                    "counter",
+                    "Connections refused at the cap (503).",
+                    self.refused,
+                ),
+                *metric("minfer_http_timeouts_total", "counter", "Connections closed by a timeout, by kind.", timeouts),
             ]
-            lines += [f'minfer_http_timeouts_total{{kind="{k}"}} {n}' for k, n in self.timeouts.items()]
         return "\n".join(lines) + "\n"
 
 

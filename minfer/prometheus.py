@@ -1,4 +1,4 @@
-"""Server metrics: counters and histograms, rendered in the Prometheus text format.
+"""Prometheus: the server's counters and histograms, rendered in the Prometheus text format for /metrics.
 
 The engine worker thread updates them; HTTP handler threads render them for
 `GET /metrics`. One lock guards everything, so a scrape sees a consistent view.
@@ -87,7 +87,8 @@ class Metrics:
     def render(self, stats: dict) -> str:
         """Prometheus text exposition; `stats` is the latest scheduler.stats() snapshot."""
         with self._lock:
-            samples = [
+            lines = []
+            for name, kind, help_text, value in [
                 (
                     "requests_running",
                     "gauge",
@@ -119,24 +120,28 @@ class Metrics:
                 ),
                 ("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", self.prompt_tokens),
                 ("generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens),
-            ]
-            lines = []
-            for name, kind, help_text, value in samples:
-                lines += [f"# HELP minfer_{name} {help_text}", f"# TYPE minfer_{name} {kind}", f"minfer_{name} {value}"]
+            ]:
+                lines += metric("minfer_" + name, kind, help_text, value)
             for name, help_text, hist in [
                 ("time_to_first_token_seconds", "Time from arrival to the first generated token.", self.ttft),
                 ("time_per_output_token_seconds", "Mean time between output tokens, per request.", self.tpot),
             ]:
-                lines += [f"# HELP minfer_{name} {help_text}", f"# TYPE minfer_{name} histogram"]
-                lines += hist.render(f"minfer_{name}")
+                lines += metric("minfer_" + name, "histogram", help_text, hist)
         rss = resident_memory_bytes()
         if rss is not None:  # the standard process metric's name, so dashboards find it
-            lines += [
-                "# HELP process_resident_memory_bytes Resident memory size in bytes.",
-                "# TYPE process_resident_memory_bytes gauge",
-                f"process_resident_memory_bytes {rss}",
-            ]
+            lines += metric("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", rss)
         return "\n".join(lines) + "\n"
+
+
+def metric(name: str, kind: str, help_text: str, value) -> list[str]:
+    """One metric in the text format: its HELP and TYPE lines, then its sample(s). `value` is a number,
+    a Histogram, or a {label text: number} dict for a labelled family (`kind="x"` -> name{kind="x"})."""
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    if isinstance(value, Histogram):
+        return lines + value.render(name)
+    if isinstance(value, dict):
+        return lines + [f"{name}{{{labels}}} {n}" for labels, n in value.items()]
+    return lines + [f"{name} {value}"]
 
 
 def resident_memory_bytes() -> int | None:
