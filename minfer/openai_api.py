@@ -337,7 +337,7 @@ def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:
     stop_on_eos = _get(body, "stop_on_eos", "bool", True)
     stream = _get(body, "stream", "bool", False)
     fields = {"max_tokens": "max_new_tokens"}
-    return ParsedRequest(ids, _sampling(body, max_tokens, fields, ignore_eos=not stop_on_eos), stream, False, fields)
+    return ParsedRequest(ids, _sampling(body, max_tokens, fields, ignore_eos=not stop_on_eos), stream, fields=fields)
 
 
 # ---- responses -----------------------------------------------------------------------
