@@ -28,7 +28,7 @@ import torch
 from minfer.bench.hf_baseline import compare, format_comparison, generate_batch, load_hf_model, run_hf
 from minfer.bench.metrics import RunResult, format_summary, median_summary, summarize
 from minfer.bench.offline import run_offline
-from minfer.bench.online import EngineFeedReader, Endpoint, MinferServer, run_online, server_flags
+from minfer.bench.online import EngineFeedReader, Endpoint, ServerProcess, run_online, server_flags
 from minfer.bench.profile import format_profile, profile_steps
 from minfer.bench.roofline import format_roofline, roofline
 from minfer.bench.trace import write_trace
@@ -184,7 +184,7 @@ def offline_runs(args, model_dir, workloads, warm) -> tuple[list[RunResult], lis
 def online_runs(args, model_dir, workloads, warm) -> tuple[list[RunResult], list[dict]]:
     results, summaries = [], []
 
-    def measure(endpoint: Endpoint, server: MinferServer | None = None) -> None:
+    def measure(endpoint: Endpoint, server: ServerProcess | None = None) -> None:
         model = endpoint.served_model(args.model)
         for _ in range(args.warmup_runs):
             run_online(endpoint, model, warm, progress=False)
@@ -207,7 +207,7 @@ def online_runs(args, model_dir, workloads, warm) -> tuple[list[RunResult], list
         max_num_seqs=args.max_num_seqs,
         max_queued=args.num_requests if args.num_requests > 128 else None,
     )  # or the excess gets 429
-    with MinferServer(model_dir, flags + shlex.split(args.server_args)) as server:
+    with ServerProcess(model_dir, flags + shlex.split(args.server_args)) as server:
         measure(server.endpoint, server)
     return results, summaries
 

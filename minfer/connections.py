@@ -26,7 +26,7 @@ thousand such clients exhaust the server. Four limits, each a flag of
     send_timeout is 60 s between two writes; uvicorn has none. The engine worker
     never waits on any handler, so no other request waits on a stalled one.
 --max-connections 512   Connections beyond this get a quick JSON 503 (with
-    Retry-After) from one small refuser thread instead of a thread each, except
+    Retry-After) from one small refuser thread (refuser.py) instead of a thread each, except
     `GET /health`, which the refuser answers as usual so probes see a live
     server at the cap. nginx's default worker_connections is 512; uvicorn has no
     cap unless --limit-concurrency is given.
@@ -40,10 +40,8 @@ timeout notice a client that stopped reading before it has been sent megabytes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
-import json
-import queue
-import selectors
 import socket
 import threading
 import time
@@ -52,11 +50,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 from .openai_api import APIError
+from .prometheus import metric
+from .refuser import Refuser
 
 SEND_BUFFER_BYTES = 32 * 1024
-REFUSE_READ_SECONDS = 1.0  # how long the refuser waits for a refused connection's request (to spot /health)
-REFUSE_LINGER_SECONDS = 1.0  # after answering, read and drop what the client still sends, so close() sends no RST
-MAX_REFUSING = 256  # connections the refuser holds at once; beyond that, new ones are closed at once
 
 
 @dataclass(frozen=True)
@@ -75,36 +72,22 @@ class ConnectionLimits:
             raise ValueError(f"max_connections must be an integer >= 1, got {self.max_connections!r}")
 
 
+FLAG_HELP = {  # one --flag per ConnectionLimits field
+    "request_timeout": "seconds a client has to send a whole request (headers and body); else 408",
+    "keepalive_timeout": "seconds an idle keep-alive connection stays open",
+    "write_timeout": "seconds a write may block on a client that stopped reading; then its stream ends",
+    "max_connections": "connections served at once; more get a quick 503",
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = ConnectionLimits()
-    parser.add_argument(
-        "--request-timeout",
-        type=float,
-        default=d.request_timeout,
-        help="seconds a client has to send a whole request (headers and body); else 408",
-    )
-    parser.add_argument(
-        "--keepalive-timeout",
-        type=float,
-        default=d.keepalive_timeout,
-        help="seconds an idle keep-alive connection stays open",
-    )
-    parser.add_argument(
-        "--write-timeout",
-        type=float,
-        default=d.write_timeout,
-        help="seconds a write may block on a client that stopped reading; then its stream ends",
-    )
-    parser.add_argument(
-        "--max-connections",
-        type=int,
-        default=d.max_connections,
-        help="connections served at once; more get a quick 503",
-    )
+    for f in dataclasses.fields(ConnectionLimits):
+        flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag, type=type(f.default), default=f.default, help=FLAG_HELP[f.name])
 
 
 def limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
-    return ConnectionLimits(args.request_timeout, args.keepalive_timeout, args.write_timeout, args.max_connections)
+    return ConnectionLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ConnectionLimits)})
 
 
 class RequestTimeout(APIError):
@@ -152,20 +135,20 @@ class ConnectionStats:
     def render(self) -> str:
         """Prometheus lines, appended to the engine's metrics."""
         with self._lock:
+            timeouts = {f'kind="{kind}"': n for kind, n in self.timeouts.items()}
             lines = [
-                "# HELP minfer_http_connections_open Connections being served (each has a thread).",
-                "# TYPE minfer_http_connections_open gauge",
-                f"minfer_http_connections_open {self.open}",
-                "# HELP minfer_http_connections_max The --max-connections cap.",
-                "# TYPE minfer_http_connections_max gauge",
-                f"minfer_http_connections_max {self.max_connections}",
-                "# HELP minfer_http_connections_refused_total Connections refused at the cap (503).",
-                "# TYPE minfer_http_connections_refused_total counter",
-                f"minfer_http_connections_refused_total {self.refused}",
-                "# HELP minfer_http_timeouts_total Connections closed by a timeout, by kind.",
-                "# TYPE minfer_http_timeouts_total counter",
+                *metric(
+                    "minfer_http_connections_open", "gauge", "Connections being served (each has a thread).", self.open
+                ),
+                *metric("minfer_http_connections_max", "gauge", "The --max-connections cap.", self.max_connections),
+                *metric(
+                    "minfer_http_connections_refused_total",
+                    "counter",
+                    "Connections refused at the cap (503).",
+                    self.refused,
+                ),
+                *metric("minfer_http_timeouts_total", "counter", "Connections closed by a timeout, by kind.", timeouts),
             ]
-            lines += [f'minfer_http_timeouts_total{{kind="{k}"}} {n}' for k, n in self.timeouts.items()]
         return "\n".join(lines) + "\n"
 
 
@@ -305,99 +288,3 @@ class CappedHTTPServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self.stats.on_close()
-
-
-class Refuser:
-    """One thread answers every connection beyond the cap: 503, or the health status for GET /health.
-
-    It reads all of them at once without blocking (one selector), so a refused
-    client that sends nothing delays no one; it answers once the headers are in,
-    or after REFUSE_READ_SECONDS, then drains what the client still sends (a
-    close with unread data would reset the connection and lose the answer)."""
-
-    def __init__(self, health: Callable[[], tuple[int, dict]], max_connections: int):
-        self.health = health
-        self.max_connections = max_connections
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self.held = 0  # refused connections not yet closed
-        self._thread: threading.Thread | None = None
-
-    def refuse(self, sock: socket.socket) -> None:
-        """Called by the accept thread only."""
-        with self._lock:
-            full = self.held >= MAX_REFUSING
-            self.held += not full
-        if full:
-            sock.close()
-            return
-        self.inbox.put(sock)
-        if self._thread is None:  # started on the first refusal: a server below its cap never has it
-            self._thread = threading.Thread(target=self._run, name="minfer-refuser", daemon=True)
-            self._thread.start()
-
-    def response(self, head: bytes) -> bytes:
-        line = head.split(b"\r\n", 1)[0].split()
-        if len(line) == 3 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/health":
-            status, body = self.health()
-            extra = b""
-        else:
-            status = 503
-            message = f"the server is at its limit of {self.max_connections} connections; retry shortly"
-            body = APIError(503, message, code="too_many_connections").body()
-            extra = b"Retry-After: 1\r\n"
-        data = json.dumps(body).encode()
-        reason = b"OK" if status == 200 else b"Service Unavailable"
-        return (
-            b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s"
-            b"Connection: close\r\n\r\n%s" % (status, reason, len(data), extra, data)
-        )
-
-    def _run(self) -> None:
-        selector = selectors.DefaultSelector()
-        while True:
-            while not self.inbox.empty() or not selector.get_map():  # nothing held: sleep until one comes
-                sock = self.inbox.get()
-                sock.setblocking(False)
-                selector.register(sock, selectors.EVENT_READ, _Refused(time.monotonic() + REFUSE_READ_SECONDS))
-            for key, _ in selector.select(timeout=0.05):
-                try:
-                    data = key.fileobj.recv(8192)
-                except OSError:
-                    data = b""
-                key.data.receive(data)
-            now = time.monotonic()
-            for key in list(selector.get_map().values()):
-                refused: _Refused = key.data
-                if not refused.answered and (refused.eof or now >= refused.due or refused.has_head()):
-                    refused.answered = True
-                    try:
-                        key.fileobj.send(self.response(refused.head))  # small, into an empty buffer: no wait
-                        key.fileobj.shutdown(socket.SHUT_WR)
-                        refused.due = now + REFUSE_LINGER_SECONDS
-                    except OSError:
-                        refused.eof = True
-                if refused.answered and (refused.eof or now >= refused.due):
-                    selector.unregister(key.fileobj)
-                    key.fileobj.close()
-                    with self._lock:
-                        self.held -= 1
-
-
-class _Refused:
-    """What the refuser knows of one refused connection."""
-
-    def __init__(self, due: float):
-        self.due = due  # answer by then; once answered, close by then
-        self.head = b""  # what has arrived of the request, up to its headers
-        self.eof = False
-        self.answered = False
-
-    def receive(self, data: bytes) -> None:
-        if not data:
-            self.eof = True
-        elif not self.answered and len(self.head) < 8192:
-            self.head += data
-
-    def has_head(self) -> bool:
-        return b"\r\n\r\n" in self.head or len(self.head) >= 8192

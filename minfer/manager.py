@@ -3,12 +3,13 @@
 The scheduler is not thread-safe, so exactly one thread — the worker — ever
 calls it. HTTP handler threads talk to the worker through two things only:
 
-- the inbox, a deque of ("add", handle) and ("discard", handle) items, followed
+- the inbox, a deque of AddRequest and DiscardRequest messages, followed
   by `wake.set()`. When nothing is running the worker sleeps in `wake.wait()`:
   no polling, no CPU, and it wakes the moment a handler sets the event;
 - each request's own queue of events, which the worker fills and the handler
-  drains: ACCEPTED (admitted to the scheduler), TEXT pieces as they are
-  generated, then DONE with the RequestOutput, or ERROR with a status and message.
+  drains: Accepted (admitted to the scheduler), Text pieces as they are
+  generated, then Done with the RequestOutput, or Error with a status and message.
+  messages.py defines both kinds of message.
 
 A handler that stops early (client gone, write failed) calls `release()`,
 which queues a discard: the worker drops the request and frees its KV blocks
@@ -27,13 +28,12 @@ import threading
 from collections import deque
 
 from .engine_events import EngineFeed, EventRecorder
-from .metrics import Metrics
+from .messages import Accepted, AddRequest, DiscardRequest, Done, Error, RequestEvent, Text
+from .prometheus import Metrics
 from .sampling import SamplingParams
 from .scheduler import OnlineScheduler
 
 log = logging.getLogger("minfer.serve")
-
-ACCEPTED, TEXT, DONE, ERROR = "accepted", "text", "done", "error"
 
 
 class EngineError(Exception):
@@ -53,15 +53,15 @@ class RequestHandle:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # filled by the worker only
-        self.finished = False  # the handler has read DONE or ERROR: nothing left to discard
+        self.finished = False  # the handler has read Done or Error: nothing left to discard
 
-    def next_event(self, timeout: float | None = None) -> tuple | None:
+    def next_event(self, timeout: float | None = None) -> RequestEvent | None:
         """The next event, or None if none came within `timeout` seconds."""
         try:
             event = self.events.get(timeout=timeout)
         except queue.Empty:
             return None
-        if event[0] in (DONE, ERROR):
+        if isinstance(event, (Done, Error)):
             self.finished = True
         return event
 
@@ -74,7 +74,7 @@ class SchedulerManager:
         self.metrics = metrics or Metrics()
         # Up to max_num_seqs requests run at once; max_queued more may wait for a slot.
         self.max_in_flight = scheduler.max_num_seqs + max_queued
-        self._inbox: deque[tuple[str, RequestHandle]] = deque()
+        self._inbox: deque[AddRequest | DiscardRequest] = deque()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards the fields below
         self._released = threading.Condition(self._lock)
@@ -100,8 +100,15 @@ class SchedulerManager:
         """The scheduler's stats as of the worker's last step."""
         return self._stats
 
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The scheduler's own check that a request could ever run (InvalidParameter naming the field if
+        not). It reads only fixed limits, so it runs here, in the caller's thread, not on the worker."""
+        return self.scheduler.check_request(prompt_token_ids, params)
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
-        """Hand a request to the worker. Its first event is ACCEPTED, or ERROR if the scheduler refused it."""
+        """Hand a request to the worker. Its first event is Accepted, or Error if the scheduler refused it.
+        Raises InvalidParameter for a request that could never run, EngineError when the engine cannot take it."""
+        prompt_token_ids = self.check_request(prompt_token_ids, params)  # a bad request is refused before it queues
         with self._lock:
             if self._stopping or self._dead:
                 raise EngineError(503, "the engine has stopped" if self._dead else "the server is shutting down")
@@ -110,21 +117,21 @@ class SchedulerManager:
                 raise EngineError(429, f"too many requests: {self._in_flight} are already in flight; retry later")
             self._in_flight += 1
             handle = RequestHandle(str(next(self._ids)), prompt_token_ids, params)
-            self._inbox.append(("add", handle))  # under the lock: the worker's last drain can't miss it
+            self._inbox.append(AddRequest(handle))  # under the lock: the worker's last drain can't miss it
         self._wake.set()
         return handle
 
     def release(self, handle: RequestHandle) -> None:
         """The handler is done with the request; if it has not finished, the worker discards it."""
         if not handle.finished:
-            self._inbox.append(("discard", handle))
+            self._inbox.append(DiscardRequest(handle))
             self._wake.set()
         with self._lock:
             self._in_flight -= 1
             self._released.notify_all()
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the worker: every request still in flight gets an ERROR (503) event."""
+        """Stop the worker: every request still in flight gets an Error (503) event."""
         with self._lock:
             self._stopping = True
         self._wake.set()
@@ -171,10 +178,11 @@ class SchedulerManager:
         Returns whether there was anything to do."""
         busy = bool(self._inbox)
         while self._inbox:
-            kind, handle = self._inbox.popleft()
-            if kind == "add" and refuse is not None:
-                handle.events.put((ERROR, 503, refuse))
-            elif kind == "add":
+            message = self._inbox.popleft()
+            handle = message.handle
+            if isinstance(message, AddRequest) and refuse is not None:
+                handle.events.put(Error(503, refuse))
+            elif isinstance(message, AddRequest):
                 self._add(handle)
             elif self._active.pop(handle.request_id, None) is not None:  # a discard of a live request
                 self.scheduler.discard_request(handle.request_id)
@@ -187,11 +195,11 @@ class SchedulerManager:
                 prompt_token_ids=handle.prompt_token_ids, sampling_params=handle.params, request_id=handle.request_id
             )
         except ValueError as e:  # a request that can never fit (e.g. more KV blocks than exist)
-            handle.events.put((ERROR, 400, str(e)))
+            handle.events.put(Error(400, str(e)))
             return
         self._active[handle.request_id] = handle
         self.metrics.on_admitted(len(handle.prompt_token_ids))
-        handle.events.put((ACCEPTED,))
+        handle.events.put(Accepted())
 
     def _step(self) -> None:
         try:
@@ -207,12 +215,12 @@ class SchedulerManager:
         for request_id in sampled:
             piece = self.scheduler.get_new_text(request_id)  # holds back a possible stop-string prefix
             if piece:
-                self._active[request_id].events.put((TEXT, piece))
+                self._active[request_id].events.put(Text(piece))
         finished = []
         for request_id in self.scheduler.pop_finished_ids():
             out = self.scheduler.pop_response(request_id)
             self.metrics.on_finished(out)
-            self._active.pop(request_id).events.put((DONE, out))
+            self._active.pop(request_id).events.put(Done(out))
             finished.append(out)
         if self.events.active:
             self.events.publish(self._recorder.step(len(sampled), finished))
@@ -231,6 +239,6 @@ class SchedulerManager:
                 self.scheduler.discard_request(request_id)
             except Exception:  # the scheduler may be in a bad state after a failed step
                 log.exception("could not discard request %s", request_id)
-            handle.events.put((ERROR, status, message))
+            handle.events.put(Error(status, message))
         self.metrics.on_aborted(len(self._active))
         self._active.clear()

@@ -1,9 +1,13 @@
-"""The OpenAI-compatible API: parse and validate requests, render chat prompts, build responses.
+"""The OpenAI-compatible API: parse requests, render chat prompts, build responses.
 
 Everything here is plain data in, plain data out — no sockets, no threads — so
-each rule can be tested on its own. A request is checked completely before it
-reaches the engine: the scheduler gets token ids and a SamplingParams it will
-accept, and every mistake becomes an APIError naming the offending `param`.
+each rule can be tested on its own. This module checks what is the API's own:
+the JSON shape, OpenAI's fields (`model`, `n`, `stream_options`, message roles)
+and the parameters minfer does not support. The engine's rules stay the
+engine's: SamplingParams checks the sampling fields and
+OnlineScheduler.check_request the prompt against the vocabulary and context,
+each raising InvalidParameter naming the field; `invalid_request` turns that
+into the 400 naming the request's own field.
 
 Chat messages are rendered with the checkpoint's own chat template (chat_template.py).
 GPT-2 has none, so its chat messages are rendered as one `role: content` line each,
@@ -16,13 +20,14 @@ followed by `assistant:` for the model to continue:
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .chat_template import ChatTemplate, ChatTemplateError
+from .errors import is_int
 from .sampling import SamplingParams
 from .sequence import RequestOutput
 from .tokenizer import Tokenizer
@@ -68,11 +73,10 @@ class APIError(Exception):
 
 @dataclass
 class ModelInfo:
-    """What request validation needs to know about the served model."""
+    """What request parsing needs to know about the served model."""
 
     name: str  # the name clients must use in "model"
     tokenizer: Tokenizer
-    vocab_size: int
     max_model_len: int  # prompt + output tokens one request may use
     chat_template: ChatTemplate = field(default_factory=lambda: ChatTemplate(None))  # None: plain rendering
 
@@ -83,35 +87,58 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    # The request's own name for an engine field where the two differ ({"max_tokens": "max_new_tokens"}),
+    # so that an error the engine raises later (OnlineScheduler.check_request) names the field the client sent.
+    fields: dict[str, str] = field(default_factory=dict)
 
 
-# ---- field checks --------------------------------------------------------------------
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-KINDS = {  # name -> (description for the error message, check)
-    "int": ("an integer", _is_int),
-    "number": ("a number", _is_number),
-    "bool": ("a boolean", lambda v: isinstance(v, bool)),
-    "str": ("a string", lambda v: isinstance(v, str)),
-    "object": ("an object", lambda v: isinstance(v, dict)),
-}
+# ---- errors --------------------------------------------------------------------------
 
 
 def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def invalid_request(e: ValueError, fields: dict[str, str] | None = None) -> APIError:
+    """The engine's verdict on a request (SamplingParams, OnlineScheduler.check_request) as a 400.
+
+    The engine is the one place those rules live: its InvalidParameter names the field at fault, and
+    `fields` maps that name to this endpoint's (chat's prompt is its "messages")."""
+    param, code = getattr(e, "param", None), getattr(e, "code", "invalid_value")
+    if param is None:
+        # Bridge while SamplingParams raises plain ValueErrors: their message starts with the field's name.
+        first = str(e).split(" ", 1)[0]
+        param = first if first in SAMPLING_FIELDS else None
+    message = str(e)
+    name = (fields or {}).get(param, param)
+    if name != param:  # the engine's words name its own field: say which of the request's it is
+        message = f"'{name}' is invalid: {message}"
+    return APIError(400, message, param=name, code=code)
+
+
+# ---- field checks: the JSON shape and OpenAI's own fields -----------------------------
+
+
+KINDS = {  # name -> (description for the error message, check)
+    "int": ("an integer", is_int),
+    "bool": ("a boolean", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "object": ("an object", lambda v: isinstance(v, dict)),
+}
+
+
 def _show(value) -> str:
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _value(body: dict, name: str, default=None):
+    """body[name], or `default` where it is absent or null (JSON's way of saying "the default")."""
+    value = body.get(name)
+    return default if value is None else value
 
 
 def _get(body: dict, name: str, kind: str, default=None):
@@ -157,56 +184,6 @@ def _check_model(body: dict, info: ModelInfo) -> None:
         )
 
 
-# ---- sampling parameters -------------------------------------------------------------
-
-
-def _max_tokens(value, name: str, num_prompt_tokens: int, info: ModelInfo, default: int | None) -> int:
-    """Check the output budget against the context; `default` None means "all the room left"."""
-    room = info.max_model_len - num_prompt_tokens
-    if value is None:
-        return room if default is None else min(default, room)
-    if value < 1:
-        raise invalid(name, f"'{name}' must be at least 1, got {value}")
-    if value > room:
-        raise invalid(
-            name,
-            f"the prompt ({num_prompt_tokens} tokens) + '{name}' ({value}) exceeds the model's context of "
-            f"{info.max_model_len} tokens",
-            "context_length_exceeded",
-        )
-    return value
-
-
-def _sampling(body: dict, max_tokens: int, *, ignore_eos: bool | None = None) -> SamplingParams:
-    """temperature, top_p, top_k, seed, stop, ignore_eos: checked one by one so the 400 names the param."""
-    temperature = _get(body, "temperature", "number", 1.0)
-    if temperature < 0:
-        raise invalid("temperature", f"'temperature' must be >= 0, got {temperature}")
-    top_p = _get(body, "top_p", "number", 1.0)
-    if not 0 < top_p <= 1:
-        raise invalid("top_p", f"'top_p' must be in (0, 1], got {top_p}")
-    top_k = _get(body, "top_k", "int", 0)
-    if top_k < -1:
-        raise invalid("top_k", f"'top_k' must be -1 or 0 (off) or a positive integer, got {top_k}")
-    seed = _get(body, "seed", "int")
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
-        raise invalid("stop", f"'stop' must be a non-empty string or a list of them, got {_show(stop)}", "invalid_type")
-    if ignore_eos is None:
-        ignore_eos = _get(body, "ignore_eos", "bool", False)
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_k=max(top_k, 0),
-        top_p=top_p,
-        seed=seed,
-        stop=stop or None,
-        ignore_eos=ignore_eos,
-    )
-
-
 def _stream_flags(body: dict) -> tuple[bool, bool]:
     stream = _get(body, "stream", "bool", False)
     options = _get(body, "stream_options", "object")
@@ -226,36 +203,53 @@ def _check_n(body: dict) -> None:
         raise invalid("n", f"'n' must be 1 (one completion per request), got {n}")
 
 
+# ---- sampling parameters: the engine checks them -------------------------------------
+
+
+def _max_tokens(body: dict, name: str, num_prompt_tokens: int, info: ModelInfo, default: int | None):
+    """The output budget as sent; if absent, `default` clipped to the room the prompt leaves (None: all of it).
+    The engine checks it (SamplingParams, then check_request against the context)."""
+    value = body.get(name)
+    if value is not None:
+        return value
+    room = max(1, info.max_model_len - num_prompt_tokens)  # a prompt that fills the context is the engine's to refuse
+    return room if default is None else min(default, room)
+
+
+def _sampling(body: dict, max_tokens, fields: dict[str, str], *, ignore_eos: bool | None = None) -> SamplingParams:
+    """The request's SamplingParams. SamplingParams checks every field itself; its error becomes the 400."""
+    top_k = _value(body, "top_k", 0)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_value(body, "temperature", 1.0),
+            top_k=0 if is_int(top_k) and top_k == -1 else top_k,  # -1 is vLLM's "off", as 0 is ours
+            top_p=_value(body, "top_p", 1.0),
+            seed=body.get("seed"),
+            stop=body.get("stop"),
+            ignore_eos=_value(body, "ignore_eos", False) if ignore_eos is None else ignore_eos,
+        )
+    except ValueError as e:
+        raise invalid_request(e, fields) from None
+
+
 # ---- the three request kinds ---------------------------------------------------------
 
 
 def _prompt_ids(prompt, info: ModelInfo, param: str = "prompt") -> list[int]:
-    """A string, a list of token ids, or a batch of exactly one of those."""
+    """A string, a list of token ids, or a batch of exactly one of those. Whether the ids fit the
+    vocabulary and the context is the engine's to say (check_request)."""
     if prompt is None:
         raise invalid(param, f"'{param}' is required", "missing_required_parameter")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # OpenAI clients may send a batch of one
     if isinstance(prompt, str):
-        ids = info.tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        bad = next((t for t in prompt if not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise invalid(param, f"token id {bad} in '{param}' is outside the vocabulary [0, {info.vocab_size})")
-        ids = list(prompt)
-    elif isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+        return info.tokenizer.encode(prompt)
+    if isinstance(prompt, list) and all(is_int(t) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
         raise invalid(param, f"only one prompt per request is supported, got {len(prompt)}")
-    else:
-        raise invalid(param, f"'{param}' must be a string or a list of token ids, got {_show(prompt)}", "invalid_type")
-    if not ids:
-        raise invalid(param, f"'{param}' is empty: it must have at least one token")
-    if len(ids) >= info.max_model_len:
-        raise invalid(
-            param,
-            f"the prompt is {len(ids)} tokens; the model's context of {info.max_model_len} tokens "
-            "leaves no room for output",
-            "context_length_exceeded",
-        )
-    return ids
+    raise invalid(param, f"'{param}' must be a string or a list of token ids, got {_show(prompt)}", "invalid_type")
 
 
 COMPLETION_UNSUPPORTED = {
@@ -286,9 +280,9 @@ def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
     _check_n(body)
     _reject_unsupported(body, COMPLETION_UNSUPPORTED)
     ids = _prompt_ids(body.get("prompt"), info)
-    max_tokens = _max_tokens(_get(body, "max_tokens", "int"), "max_tokens", len(ids), info, default=16)
+    max_tokens = _max_tokens(body, "max_tokens", len(ids), info, default=16)
     stream, include_usage = _stream_flags(body)
-    return ParsedRequest(ids, _sampling(body, max_tokens), stream, include_usage)
+    return ParsedRequest(ids, _sampling(body, max_tokens, {}), stream, include_usage)
 
 
 def _message_text(content, i: int) -> str:
@@ -330,12 +324,14 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
     ids = _prompt_ids(text, info, param="messages")
     # max_completion_tokens is the current name; max_tokens the deprecated one. No limit: up to the context.
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _max_tokens(_get(body, name, "int"), name, len(ids), info, default=None)
+    max_tokens = _max_tokens(body, name, len(ids), info, default=None)
     stream, include_usage = _stream_flags(body)
-    params = _sampling(body, max_tokens)
+    fields = {"prompt": "messages", "max_tokens": name}
+    params = _sampling(body, max_tokens, fields)
     if info.chat_template.stop_token_ids and not params.ignore_eos:  # the reply ends at the end of its turn
-        params = replace(params, stop_token_ids=[*(params.stop_token_ids or ()), *info.chat_template.stop_token_ids])
-    return ParsedRequest(ids, params, stream, include_usage)
+        stops = [*(params.stop_token_ids or ()), *info.chat_template.stop_token_ids]
+        params = dataclasses.replace(params, stop_token_ids=stops)
+    return ParsedRequest(ids, params, stream, include_usage, fields)
 
 
 def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:
@@ -344,10 +340,11 @@ def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:
     if prompt is not None and not isinstance(prompt, str):
         raise invalid("prompt", f"'prompt' must be a string, got {_show(prompt)}", "invalid_type")
     ids = _prompt_ids(prompt, info)
-    max_tokens = _max_tokens(_get(body, "max_new_tokens", "int"), "max_new_tokens", len(ids), info, default=64)
+    max_tokens = _max_tokens(body, "max_new_tokens", len(ids), info, default=64)
     stop_on_eos = _get(body, "stop_on_eos", "bool", True)
     stream = _get(body, "stream", "bool", False)
-    return ParsedRequest(ids, _sampling(body, max_tokens, ignore_eos=not stop_on_eos), stream)
+    fields = {"max_tokens": "max_new_tokens"}
+    return ParsedRequest(ids, _sampling(body, max_tokens, fields, ignore_eos=not stop_on_eos), stream, fields=fields)
 
 
 # ---- responses -----------------------------------------------------------------------

@@ -42,7 +42,7 @@ def test_the_template_renders_chatml_and_stops_at_the_end_of_turn(qwen):
     assert template.stop_token_ids == [tok.token_to_id("<|im_end|>")]
     variables = ChatTemplate("{{ greeting }} {{ messages | length }}{{ add_generation_prompt }}")
     assert variables.render(MESSAGES, variables={"greeting": "hi", "messages": []}) == "hi 2True"  # can't clobber
-    info = ModelInfo("q", tok, tok.vocab_size, 512, template)
+    info = ModelInfo("q", tok, 512, template)
     parsed = parse_chat({"model": "q", "messages": MESSAGES, "max_tokens": 5}, info)
     assert parsed.prompt_token_ids == tok.encode(text)
     assert tok.token_to_id("<|im_end|>") in parsed.params.stop_token_ids

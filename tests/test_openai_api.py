@@ -4,11 +4,13 @@ import json
 
 import pytest
 
-from minfer.metrics import Histogram, Metrics
+from minfer.prometheus import Histogram, Metrics
+from minfer.errors import InvalidParameter
 from minfer.openai_api import (
     APIError,
     ModelInfo,
     Responder,
+    invalid_request,
     parse_chat,
     parse_completion,
     parse_generate,
@@ -22,7 +24,7 @@ from minfer.tokenizer import Tokenizer
 @pytest.fixture(scope="module")
 def info(tiny_checkpoint):
     tok = Tokenizer.from_dir(tiny_checkpoint)
-    return ModelInfo("tiny", tok, tok.vocab_size, max_model_len=64)
+    return ModelInfo("tiny", tok, max_model_len=64)
 
 
 def error_of(fn, *args) -> APIError:
@@ -87,13 +89,19 @@ def test_generate_fields(info):
     "parse, body, status, param",
     [
         (parse_completion, {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
-        (parse_completion, {"prompt": "a", "max_tokens": 64}, 400, "max_tokens"),  # no room left for it
         (parse_completion, {"prompt": "a", "max_tokens": True}, 400, "max_tokens"),
-        (parse_completion, {"prompt": list(range(64))}, 400, "prompt"),
         (parse_completion, {"prompt": ["a", "b"]}, 400, "prompt"),
         (parse_completion, {"prompt": [1, "a"]}, 400, "prompt"),
         (parse_completion, {"prompt": "a", "top_k": -2}, 400, "top_k"),
         (parse_completion, {"prompt": "a", "stop": 3}, 400, "stop"),
+        (parse_completion, {"prompt": "a", "seed": 1.5}, 400, "seed"),
+        (
+            parse_chat,
+            {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 0},
+            400,
+            "max_completion_tokens",
+        ),
+        (parse_generate, {"prompt": "a", "max_new_tokens": "5"}, 400, "max_new_tokens"),
         (parse_completion, {"prompt": "a", "best_of": 2}, 400, "best_of"),
         (parse_completion, {"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty"),
         (
@@ -114,6 +122,24 @@ def test_bad_fields_name_their_param(info, parse, body, status, param):
     e = error_of(parse, body, info)
     assert (e.status, e.param) == (status, param)
     assert set(e.body()["error"]) == {"message", "type", "param", "code"} and e.message
+
+
+def test_engine_errors_become_400s_naming_the_requests_field():
+    e = invalid_request(InvalidParameter("prompt", "the prompt is empty", "invalid_value"))
+    assert (e.status, e.param, e.code, e.message) == (400, "prompt", "invalid_value", "the prompt is empty")
+    # The engine names its own field; the request's name for it may differ (chat's prompt is its messages).
+    e = invalid_request(
+        InvalidParameter("max_tokens", "too long", "context_length_exceeded"), {"max_tokens": "max_new_tokens"}
+    )
+    assert (e.param, e.code) == ("max_new_tokens", "context_length_exceeded") and "'max_new_tokens'" in e.message
+    assert invalid_request(ValueError("something else went wrong")).param is None
+
+
+def test_prompts_are_parsed_not_judged(info):
+    # Whether ids fit the vocabulary and the context is the engine's to say (check_request, tested in test_serve).
+    req = parse_completion({"prompt": list(range(64))}, info)
+    assert req.prompt_token_ids == list(range(64)) and req.params.max_tokens == 1  # the default keeps max_tokens valid
+    assert parse_chat({"messages": [{"role": "user", "content": "a"}]}, info).fields["prompt"] == "messages"
 
 
 @pytest.mark.parametrize("raw", [b"{", b"[1, 2]", b'{"a": NaN}', b"\xff\xfe", b'"text"'])

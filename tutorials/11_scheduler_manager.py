@@ -2,7 +2,7 @@
 
 Uses minfer.manager.SchedulerManager in-process, exactly as the HTTP server of
 stage 12 does, minus HTTP: client threads submit token ids and read their
-request's events (ACCEPTED, TEXT pieces, DONE or ERROR). Shows that the idle
+request's events (minfer/messages.py: Accepted, Text pieces, Done or Error). Shows that the idle
 worker sleeps (its own CPU time stays ~0) and wakes at once, that only client
 threads tokenize, that a request released early (a client that went away) has
 its KV blocks freed, and what a refused request, a full queue and a shutdown
@@ -16,9 +16,11 @@ import time
 
 from _common import model_path, section
 from minfer import OnlineScheduler, SamplingParams
-from minfer.manager import ACCEPTED, DONE, ERROR, TEXT, EngineError, SchedulerManager
-from minfer.metrics import Metrics
+from minfer.errors import InvalidParameter
+from minfer.manager import EngineError, SchedulerManager
+from minfer.messages import Accepted, Done, Error, Text
 from minfer.model import GPT2
+from minfer.prometheus import Metrics
 from minfer.tokenizer import Tokenizer
 
 path = model_path()
@@ -67,9 +69,9 @@ assert idle_cpu < 0.1 * wall, "an idle worker must not spin"  # a polling loop w
 t0 = time.perf_counter()
 handle = manager.submit(tokenizer.encode(prompts[0]), GREEDY)  # appends to the inbox, then wake.set()
 event = handle.next_event(timeout=30)
-print(f"submit -> ACCEPTED in {1e3 * (time.perf_counter() - t0):.2f} ms (the worker woke up at once)")
-assert event == (ACCEPTED,)
-while event[0] != DONE:
+print(f"submit -> Accepted in {1e3 * (time.perf_counter() - t0):.2f} ms (the worker woke up at once)")
+assert event == Accepted()
+while not isinstance(event, Done):
     event = handle.next_event(timeout=30)
 manager.release(handle)
 
@@ -85,7 +87,7 @@ def client(prompt: str) -> None:
     h = manager.submit(ids, GREEDY)
     events = []
     try:
-        while not events or events[-1][0] not in (DONE, ERROR):
+        while not events or not isinstance(events[-1], (Done, Error)):
             events.append(h.next_event(timeout=60))
     finally:
         manager.release(h)  # always: a handler that stops early must give the request back
@@ -99,28 +101,28 @@ for t in threads:
     t.join()
 for p in prompts:
     events = results[p]["events"]
-    kinds = [e[0] for e in events]
-    assert kinds[0] == ACCEPTED and kinds[-1] == DONE and set(kinds[1:-1]) <= {TEXT}, kinds
-    out = events[-1][1]
-    streamed = "".join(e[1] for e in events if e[0] == TEXT)
-    print(f"{p!r:34} {kinds.count(TEXT):2} TEXT events -> {streamed!r}")
+    kinds = [type(e) for e in events]
+    assert kinds[0] is Accepted and kinds[-1] is Done and set(kinds[1:-1]) <= {Text}, kinds
+    out = events[-1].output
+    streamed = "".join(e.piece for e in events if isinstance(e, Text))
+    print(f"{p!r:34} {kinds.count(Text):2} Text events -> {streamed!r}")
     assert streamed == out.text, "the streamed pieces add up to the final text"
     assert out.token_ids == expected[p].token_ids, "the same tokens as the request run alone"
 # They ran together: the engine produced every request's first token before it finished any of
 # them. (One may join a step or two after the others: continuous batching admits it at the next
 # step.) The engine's own timestamps, not the clients': a client thread may read its events late.
-outs = [results[p]["events"][-1][1] for p in prompts]
+outs = [results[p]["events"][-1].output for p in prompts]
 assert max(o.first_token_time for o in outs) < min(o.finish_time for o in outs)
 print(f"tokenized by: {sorted(set(encoders))}")
 assert len(encoders) == 1 + len(prompts) and "minfer-engine" not in encoders
 
-section("a client that goes away: release() before DONE, and the worker frees its blocks")
+section("a client that goes away: release() before Done, and the worker frees its blocks")
 total = sched.allocator.num_blocks
 handle = manager.submit(tokenizer.encode("Tell me a very long story about"), LONG)
-assert handle.next_event(timeout=30) == (ACCEPTED,)
+assert handle.next_event(timeout=30) == Accepted()
 for _ in range(3):
     event = handle.next_event(timeout=30)
-    assert event is not None and event[0] == TEXT
+    assert isinstance(event, Text)
 stats = manager.stats()  # a snapshot the worker publishes after every step; handlers never touch sched
 print(
     f"streaming; stats snapshot: running {stats['num_running']}, "
@@ -135,12 +137,13 @@ took = wait_for(
 print(f"released; {total}/{total} blocks free {1e3 * took:.1f} ms later; aborted requests: {manager.metrics.aborted}")
 assert manager.metrics.aborted == 1
 
-section("a request the scheduler refuses comes back as an ERROR event")
-handle = manager.submit(tokenizer.encode("Hi"), SamplingParams(max_tokens=model.config.n_positions))
-event = handle.next_event(timeout=30)
-manager.release(handle)
-print(f"event: {event}")
-assert event[0] == ERROR and event[1] == 400
+section("a request that could never run is refused by submit(), in the client's thread")
+try:  # the scheduler's own check (check_request), run before the request reaches the worker
+    manager.submit(tokenizer.encode("Hi"), SamplingParams(max_tokens=model.config.n_positions))
+    raise AssertionError("the manager must refuse a request longer than the context")
+except InvalidParameter as e:
+    print(f"InvalidParameter(param={e.param!r}, code={e.code!r}): {e}")
+    assert e.param == "max_tokens" and e.code == "context_length_exceeded"
 
 section(f"a full queue: at most max_num_seqs + max_queued = {manager.max_in_flight} requests in flight")
 handles = [manager.submit(tokenizer.encode(f"Request number {i}"), LONG) for i in range(manager.max_in_flight)]
@@ -155,21 +158,21 @@ for h in handles:
 wait_for(lambda: manager.stats()["num_kv_blocks_free"] == total and manager.stats()["num_waiting"] == 0, "the discards")
 print(f"all released: {manager.stats()['num_kv_blocks_free']}/{total} blocks free")
 
-section("idle again, then shut down: requests in flight get a 503 ERROR")
+section("idle again, then shut down: requests in flight get a 503 Error")
 cpu0, wall0 = time.clock_gettime(clock), time.perf_counter()
 time.sleep(0.3)
 idle_cpu, wall = time.clock_gettime(clock) - cpu0, time.perf_counter() - wall0
 print(f"worker CPU time over {wall:.2f} s idle: {1e3 * idle_cpu:.2f} ms")
 assert idle_cpu < 0.1 * wall
 handle = manager.submit(tokenizer.encode("Unfinished business"), LONG)
-assert handle.next_event(timeout=30) == (ACCEPTED,)
+assert handle.next_event(timeout=30) == Accepted()
 manager.shutdown()
 event = handle.next_event(timeout=30)
-while event[0] == TEXT:  # pieces generated before the shutdown, then the error
+while isinstance(event, Text):  # pieces generated before the shutdown, then the error
     event = handle.next_event(timeout=30)
 manager.release(handle)
 print(f"in flight at shutdown: {event}")
-assert event[0] == ERROR and event[1] == 503 and not manager.is_alive()
+assert isinstance(event, Error) and event.status == 503 and not manager.is_alive()
 try:
     manager.submit(tokenizer.encode("too late"), GREEDY)
     raise AssertionError("a stopped manager must refuse")

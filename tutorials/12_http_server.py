@@ -152,17 +152,15 @@ for bad in [dict(request, max_tokens=-5), dict(request, model="gpt-9"), b"{not j
     status, err = call("POST", "/v1/completions", bad)
     print(f"{status} {json.dumps(err)}")
     assert 400 <= status < 500 and set(err["error"]) == {"message", "type", "param", "code"}
-assert call("POST", "/v1/completions", dict(request, max_tokens=-5)) == (
-    400,
-    {
-        "error": {
-            "message": "'max_tokens' must be at least 1, got -5",
-            "type": "invalid_request_error",
-            "param": "max_tokens",
-            "code": "invalid_value",
-        }
-    },
-)
+# The rule that max_tokens is at least 1 is the engine's (SamplingParams); the server passes on its verdict,
+# naming the field, instead of checking it a second time.
+status, err = call("POST", "/v1/completions", dict(request, max_tokens=-5))
+assert status == 400 and "max_tokens" in err["error"]["message"] and "-5" in err["error"]["message"]
+assert {k: v for k, v in err["error"].items() if k != "message"} == {
+    "type": "invalid_request_error",
+    "param": "max_tokens",
+    "code": "invalid_value",
+}
 status, _ = call("GET", "/health")
 assert status == 200, "the server survives bad requests"
 

@@ -1,6 +1,6 @@
 """Online mode: streaming `POST /v1/completions` from client threads to an OpenAI-compatible server.
 
-`MinferServer` starts `python -m minfer.serve` on a free port (--port 0) and stops it with
+`ServerProcess` starts `python -m minfer.serve` on a free port (--port 0) and stops it with
 SIGTERM afterwards; any other server (vLLM, llama.cpp's server, ...) is measured
 the same way through its base URL. One thread per request sends it at its arrival
 time (a semaphore enforces --max-concurrency: the request is sent, and its clock
@@ -74,7 +74,7 @@ class Endpoint:
         return wanted if wanted in names or not names else names[0]
 
 
-class MinferServer:
+class ServerProcess:
     """`python -m minfer.serve` in a subprocess, for the duration of a `with` block."""
 
     def __init__(self, model_dir, server_args: list[str], startup_timeout: float = 300.0):
@@ -82,7 +82,7 @@ class MinferServer:
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "MinferServer":
+    def __enter__(self) -> "ServerProcess":
         # Port 0: the server binds any free port and prints where it listens, so no race for a port.
         # Its output goes to a file opened for appending, so reading it here never moves its writes.
         fd, self.log_path = tempfile.mkstemp(prefix="minfer-serve-", suffix=".log")

@@ -1,4 +1,4 @@
-"""Server metrics: counters and histograms, rendered in the Prometheus text format.
+"""Prometheus: the server's counters and histograms, rendered in the Prometheus text format for /metrics.
 
 The engine worker thread updates them; HTTP handler threads render them for
 `GET /metrics`. One lock guards everything, so a scrape sees a consistent view.
@@ -17,6 +17,22 @@ from .sequence import RequestOutput
 # Seconds. TTFT spans queueing + prefill; TPOT is one decode step, usually much shorter.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+# What /metrics reads from the scheduler's stats snapshot: (metric name, type, help, key in scheduler.stats())
+FROM_STATS = [
+    ("requests_running", "gauge", "Requests being scheduled (holding KV blocks).", "num_running"),
+    ("requests_waiting", "gauge", "Requests queued for a slot, including preempted ones.", "num_waiting"),
+    ("kv_blocks_free", "gauge", "Free KV cache blocks.", "num_kv_blocks_free"),
+    ("kv_blocks_total", "gauge", "KV cache blocks in all.", "num_kv_blocks_total"),
+    ("preemptions_total", "counter", "Sequences preempted to free KV blocks.", "num_preemptions"),
+    (
+        "prefix_cache_hit_tokens_total",
+        "counter",
+        "Prompt tokens served from the prefix cache.",
+        "prefix_cache_hit_tokens",
+    ),
+]
 
 
 class Histogram:
@@ -87,56 +103,37 @@ class Metrics:
     def render(self, stats: dict) -> str:
         """Prometheus text exposition; `stats` is the latest scheduler.stats() snapshot."""
         with self._lock:
-            samples = [
-                (
-                    "requests_running",
-                    "gauge",
-                    "Requests being scheduled (holding KV blocks).",
-                    stats.get("num_running", 0),
-                ),
-                (
-                    "requests_waiting",
-                    "gauge",
-                    "Requests queued for a slot, including preempted ones.",
-                    stats.get("num_waiting", 0),
-                ),
-                ("requests_finished_total", "counter", "Requests that finished (stop or length).", self.finished),
-                ("requests_aborted_total", "counter", "Requests discarded before finishing.", self.aborted),
-                ("requests_rejected_total", "counter", "Requests refused because the queue was full.", self.rejected),
-                ("kv_blocks_free", "gauge", "Free KV cache blocks.", stats.get("num_kv_blocks_free", 0)),
-                ("kv_blocks_total", "gauge", "KV cache blocks in all.", stats.get("num_kv_blocks_total", 0)),
-                (
-                    "preemptions_total",
-                    "counter",
-                    "Sequences preempted to free KV blocks.",
-                    stats.get("num_preemptions", 0),
-                ),
-                (
-                    "prefix_cache_hit_tokens_total",
-                    "counter",
-                    "Prompt tokens served from the prefix cache.",
-                    stats.get("prefix_cache_hit_tokens", 0),
-                ),
-                ("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", self.prompt_tokens),
-                ("generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens),
-            ]
             lines = []
-            for name, kind, help_text, value in samples:
-                lines += [f"# HELP minfer_{name} {help_text}", f"# TYPE minfer_{name} {kind}", f"minfer_{name} {value}"]
+            for name, kind, help_text, key in FROM_STATS:
+                lines += metric("minfer_" + name, kind, help_text, stats.get(key, 0))
+            for name, help_text, value in [
+                ("requests_finished_total", "Requests that finished (stop or length).", self.finished),
+                ("requests_aborted_total", "Requests discarded before finishing.", self.aborted),
+                ("requests_rejected_total", "Requests refused because the queue was full.", self.rejected),
+                ("prompt_tokens_total", "Prompt tokens of admitted requests.", self.prompt_tokens),
+                ("generation_tokens_total", "Tokens generated.", self.generation_tokens),
+            ]:
+                lines += metric("minfer_" + name, "counter", help_text, value)
             for name, help_text, hist in [
                 ("time_to_first_token_seconds", "Time from arrival to the first generated token.", self.ttft),
                 ("time_per_output_token_seconds", "Mean time between output tokens, per request.", self.tpot),
             ]:
-                lines += [f"# HELP minfer_{name} {help_text}", f"# TYPE minfer_{name} histogram"]
-                lines += hist.render(f"minfer_{name}")
+                lines += metric("minfer_" + name, "histogram", help_text, hist)
         rss = resident_memory_bytes()
         if rss is not None:  # the standard process metric's name, so dashboards find it
-            lines += [
-                "# HELP process_resident_memory_bytes Resident memory size in bytes.",
-                "# TYPE process_resident_memory_bytes gauge",
-                f"process_resident_memory_bytes {rss}",
-            ]
+            lines += metric("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", rss)
         return "\n".join(lines) + "\n"
+
+
+def metric(name: str, kind: str, help_text: str, value) -> list[str]:
+    """One metric in the text format: its HELP and TYPE lines, then its sample(s). `value` is a number,
+    a Histogram, or a {label text: number} dict for a labelled family (`kind="x"` -> name{kind="x"})."""
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    if isinstance(value, Histogram):
+        return lines + value.render(name)
+    if isinstance(value, dict):
+        return lines + [f"{name}{{{labels}}} {n}" for labels, n in value.items()]
+    return lines + [f"{name} {value}"]
 
 
 def resident_memory_bytes() -> int | None:
