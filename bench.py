@@ -216,7 +216,7 @@ def baseline_hf(args, model_dir, tokenizer: Tokenizer, workload, minfer_summary:
     """The first run's workload through transformers' generate, with the same threads and dtype."""
     set_threads(args)
     model = load_hf_model(model_dir, args.device, dtype, progress=not args.disable_tqdm)
-    prompts = [r.prompt_token_ids or tokenizer.encode(r.prompt) for r in workload]  # tokenized up front
+    prompts = [r.prompt_token_ids or tokenizer.encode_prompt(r.prompt) for r in workload]  # tokenized up front
     pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     if args.warmup_runs:
         generate_batch(model, prompts[:2], 4, pad)

@@ -244,7 +244,7 @@ def _prompt_ids(prompt, info: ModelInfo, param: str = "prompt") -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # OpenAI clients may send a batch of one
     if isinstance(prompt, str):
-        return info.tokenizer.encode(prompt)
+        return info.tokenizer.encode_prompt(prompt)
     if isinstance(prompt, list) and all(is_int(t) for t in prompt):
         return list(prompt)
     if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
@@ -321,7 +321,7 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
         text = info.chat_template.render(rendered, variables=_get(body, "chat_template_kwargs", "object"))
     except ChatTemplateError as e:
         raise invalid("messages", str(e)) from None
-    ids = _prompt_ids(text, info, param="messages")
+    ids = info.tokenizer.encode(text)  # as is: the template wrote any BOS itself
     # max_completion_tokens is the current name; max_tokens the deprecated one. No limit: up to the context.
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(body, name, len(ids), info, default=None)

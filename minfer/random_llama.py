@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import processors
 
 from .random_model import train_tokenizer
 
@@ -176,7 +177,18 @@ def write_random_llama(out: Path, preset: str, seed: int = 0, **overrides) -> Pa
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     specials = QWEN3_SPECIALS if qwen else LLAMA_SPECIALS
     tokenizer_size = LLAMA_CONFIGS[preset].get("tokenizer_size", config["vocab_size"])
-    train_tokenizer(tokenizer_size, seed, specials).save(str(out / "tokenizer.json"))
+    tokenizer = train_tokenizer(tokenizer_size, seed, specials)
+    if not qwen:  # like Llama 3's, the tokenizer puts <|begin_of_text|> before every prompt
+        bos = ("<|begin_of_text|>", tokenizer.token_to_id("<|begin_of_text|>"))
+        tokenizer.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(trim_offsets=False),
+                processors.TemplateProcessing(
+                    single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B", special_tokens=[bos]
+                ),
+            ]
+        )
+    tokenizer.save(str(out / "tokenizer.json"))
     eos = config["eos_token_id"] if isinstance(config["eos_token_id"], list) else [config["eos_token_id"]]
     if qwen:  # a Qwen3 reply ends with <|im_end|>; plain text with <|endoftext|>
         eos = [config["eos_token_id"], config["bos_token_id"]]

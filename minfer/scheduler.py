@@ -100,7 +100,7 @@ class OnlineScheduler:
                 raise InvalidParameter(
                     "prompt", f"prompt must be a string, got {type(prompt).__name__}", "invalid_type"
                 )
-            prompt_token_ids = self.tokenizer.encode(prompt)
+            prompt_token_ids = self.tokenizer.encode_prompt(prompt)
         ids = self.check_request(prompt_token_ids, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:

@@ -147,8 +147,14 @@ class Tokenizer:
     # ---- encode / decode -----------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        # GPT-2 adds no BOS/EOS around a prompt; the caller decides.
+        """The text's ids, nothing added (special tokens written in the text are still one id each)."""
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt as the model was trained to see one: with what the checkpoint's post-processor
+        adds around it, such as Llama 3's <|begin_of_text|>. GPT-2 and Qwen3 add nothing. (A chat
+        template writes these tokens itself, so rendered chats go through encode.)"""
+        return self.backend.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text for `ids`, skipping special tokens and ids outside the vocabulary.

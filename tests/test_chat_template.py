@@ -31,6 +31,7 @@ def test_special_tokens_are_single_ids_and_decode_skips_them(qwen):
     assert "".join(stream.add(i) for i in ids) + stream.flush() == "user\nHi"  # the stream agrees
     # config.json names <|im_end|>; generation_config.json adds <|endoftext|>: a reply may end with either.
     assert tok.eos_token_ids == [im_end, tok.token_to_id("<|endoftext|>")] and tok.eos_token_id == im_end
+    assert tok.encode_prompt("Hi") == tok.encode("Hi")  # Qwen3 adds no BOS
 
 
 def test_the_template_renders_chatml_and_stops_at_the_end_of_turn(qwen):
@@ -62,6 +63,11 @@ def test_llama3_template_uses_bos_and_eot(make_checkpoint):
     )
     assert template.stop_token_ids == [tok.token_to_id("<|eot_id|>")]
     assert tok.token_to_id("<|eot_id|>") in tok.eos_token_ids
+    # A plain prompt gets the BOS the tokenizer's post-processor adds; a rendered chat has its own.
+    bos = tok.token_to_id("<|begin_of_text|>")
+    assert tok.encode_prompt("Hi") == [bos, *tok.encode("Hi")] and tok.encode(text).count(bos) == 1
+    info = ModelInfo("l", tok, 512, template)
+    assert parse_chat({"messages": MESSAGES[1:]}, info).prompt_token_ids == tok.encode(text)
 
 
 def test_templates_are_sandboxed_and_gpt2_keeps_plain_rendering(tiny_checkpoint):
