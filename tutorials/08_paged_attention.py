@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import model_path, section
-from minfer.kv_cache import BlockAllocator, KVCache
+from minfer.kv_cache import BlockAllocator, KVCache, cdiv, slot_of
 from minfer.model import GPT2
 from minfer.model_runner import ModelRunner, ScheduledChunk, group_by_length
 from minfer.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention
@@ -48,14 +48,14 @@ def check(name: str, paged: torch.Tensor, dense: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------------------------------
 section("part 1: paged_attention by hand, on a cache with shuffled blocks")
-BS, NUM_BLOCKS = 4, 16
+BLOCK_SIZE, NUM_BLOCKS = 4, 16
 # (num_slots, H, D): one layer's keys and values. The engine allocates them with torch.empty, whose
 # memory may hold anything, NaN included; NaN here makes any read of a never-written slot show up.
-k_cache = torch.full(((NUM_BLOCKS + 1) * BS, H, D), float("nan"))
-v_cache = torch.full(((NUM_BLOCKS + 1) * BS, H, D), float("nan"))
+k_cache = torch.full(((NUM_BLOCKS + 1) * BLOCK_SIZE, H, D), float("nan"))
+v_cache = torch.full(((NUM_BLOCKS + 1) * BLOCK_SIZE, H, D), float("nan"))
 NULL = NUM_BLOCKS  # the extra block no sequence owns, kept zeroed: padding reads it
-k_cache[NULL * BS :] = 0
-v_cache[NULL * BS :] = 0
+k_cache[NULL * BLOCK_SIZE :] = 0
+v_cache[NULL * BLOCK_SIZE :] = 0
 ids = list(range(NUM_BLOCKS))
 random.Random(0).shuffle(ids)  # a cache that has served for a while hands out blocks in no order
 tables = {"A": ids[0:4], "B": ids[4:6]}  # A gets up to 16 tokens, B up to 8
@@ -76,7 +76,7 @@ def dense(s: str) -> torch.Tensor:
 
 def slots(s: str, positions) -> torch.Tensor:
     table = tables[s]
-    return torch.tensor([table[p // BS] * BS + p % BS for p in positions])  # (len(positions),)
+    return torch.tensor([slot_of(table, p, BLOCK_SIZE) for p in positions])  # (len(positions),)
 
 
 def step(rows: list[tuple[str, int, int]], meta: AttentionMetadata) -> torch.Tensor:
@@ -98,10 +98,10 @@ assert torch.equal(k_cache[slots("A", range(10))], k["A"][:10]), "keys were stor
 print("step 2: one decode each, A position 10 and B position 5, batched in one group")
 lens = [11, 6]  # context lengths, the new token included
 L = max(lens)
-padded = [t + [NULL] * (-(-L // BS) - len(t)) for t in (tables["A"][: -(-11 // BS)], tables["B"])]
+padded = [t + [NULL] * (cdiv(L, BLOCK_SIZE) - len(t)) for t in (tables["A"][: cdiv(11, BLOCK_SIZE)], tables["B"])]
 table_t = torch.tensor(padded)  # (S, max_blocks): short tables padded with the null block
 pos = torch.arange(L)  # (L,)
-grid = table_t[:, pos // BS] * BS + pos % BS  # (S, L): slot of every context position
+grid = slot_of(table_t, pos, BLOCK_SIZE)  # (S, L): slot of every context position
 valid = pos[None, :] < torch.tensor(lens)[:, None]  # (S, L): False on padding
 mask = valid[:, None, None, :]  # (S, 1, 1, L), the shape sdpa broadcasts over heads and the query
 # B's positions 6 and 7 fall in B's own last block, in slots nothing has written yet. The mask hides
@@ -109,7 +109,7 @@ mask = valid[:, None, None, :]  # (S, 1, 1, L), the shape sdpa broadcasts over h
 meta = AttentionMetadata(slot_mapping=None, decode_groups=[DecodeGroup(torch.tensor([0, 1]), grid, mask)], prefills=[])
 assert step([("A", 10, 11), ("B", 5, 6)], meta)[1].isnan().all(), "unwritten slots leak through the mask"
 print("  padding that reads B's own unwritten slots gives NaN, masked or not; so padding reads the null block:")
-grid = torch.where(valid, grid, NULL * BS)  # every padded position -> a zeroed slot
+grid = torch.where(valid, grid, NULL * BLOCK_SIZE)  # every padded position -> a zeroed slot
 print(f"  slots (S, L) =\n{grid}")
 meta.decode_groups = [DecodeGroup(torch.tensor([0, 1]), grid, mask)]
 out = step([("A", 10, 11), ("B", 5, 6)], meta)  # the same step again: it rewrites the same keys
@@ -130,14 +130,14 @@ check("A chunk (5 queries over 16 cached keys)", out[1:6], dense("A")[11:16])
 
 # ---------------------------------------------------------------------------------------
 section("part 2: the engine's own metadata (ModelRunner.prepare) and the whole model")
-BS = 16
-NUM_BLOCKS = 4 * (-(-cfg.n_positions // BS))
-alloc = BlockAllocator(NUM_BLOCKS, BS, enable_prefix_caching=False)
+BLOCK_SIZE = 16
+NUM_BLOCKS = 4 * cdiv(cfg.n_positions, BLOCK_SIZE)
+alloc = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=False)
 order = alloc.allocate(NUM_BLOCKS)
 random.Random(1).shuffle(order)
 alloc.free(order)  # the free queue is now in shuffled order, so block tables come out scattered
-kv = KVCache(cfg, NUM_BLOCKS, BS, model.device, model.dtype)
-runner = ModelRunner(model, kv, BS)
+kv = KVCache(cfg, NUM_BLOCKS, BLOCK_SIZE, model.device, model.dtype)
+runner = ModelRunner(model, kv, BLOCK_SIZE)
 text = (
     "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
     "foolishness, it was the epoch of belief, it was the epoch of incredulity."
@@ -148,8 +148,8 @@ words = tokenizer.encode(text)
 def make_seq(name: str, length: int) -> Sequence:
     """A sequence of exactly `length` prompt tokens, holding enough blocks for all of them."""
     ids = (words * (length // len(words) + 1))[:length]
-    seq = Sequence(name, ids, SamplingParams(temperature=0), tokenizer.detokenizer(), tokenizer.eos_token_id, None)
-    seq.block_table = alloc.allocate(-(-length // BS))
+    seq = Sequence(name, ids, SamplingParams(temperature=0))
+    seq.block_table = alloc.allocate(cdiv(length, BLOCK_SIZE))
     return seq
 
 
@@ -207,11 +207,13 @@ section("part 3: reading the context a tile at a time (cpu_fast_paths.ContextRea
 from minfer.cpu_fast_paths import ContextReader, tile_bytes  # noqa: E402
 from minfer.paged_attention import decode_attention  # noqa: E402
 
-L = min(cfg.n_positions, 192) // BS * BS  # context length of each sequence
-S = max(32, -(-4 * tile_bytes() // (2 * L * H * D * 4)))  # sequences: keys+values of 4 tiles at least
-blocks = torch.randperm(S * L // BS + 1)[: S * L // BS].view(S, L // BS)  # scattered block tables
-grid = blocks[:, torch.arange(L) // BS] * BS + torch.arange(L) % BS  # (S, L) slots
-big_k = torch.randn((S * L // BS + 2) * BS, H, D)  # (num_slots, H, D): one layer's cache
+L = min(cfg.n_positions, 192) // BLOCK_SIZE * BLOCK_SIZE  # context length of each sequence
+S = max(32, cdiv(4 * tile_bytes(), 2 * L * H * D * 4))  # sequences: keys+values of 4 tiles at least
+blocks = torch.randperm(S * L // BLOCK_SIZE + 1)[: S * L // BLOCK_SIZE].view(
+    S, L // BLOCK_SIZE
+)  # scattered block tables
+grid = slot_of(blocks, torch.arange(L), BLOCK_SIZE)  # (S, L) slots
+big_k = torch.randn((S * L // BLOCK_SIZE + 2) * BLOCK_SIZE, H, D)  # (num_slots, H, D): one layer's cache
 big_v = torch.randn_like(big_k)
 q_dec = torch.randn(S, H, D)
 group = DecodeGroup(torch.arange(S), grid, None)

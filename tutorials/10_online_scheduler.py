@@ -55,7 +55,7 @@ def run(sched: OnlineScheduler, arrivals: dict[int, list[tuple]], width: int = 1
         step += 1
         for name, ids, params in arrivals.get(step, []):  # requests arrive between steps
             rid_of[name] = sched.add_request(prompt_token_ids=ids, sampling_params=params)
-        seqs = {n: sched.requests[r] for n, r in rid_of.items() if r in sched.requests}  # not finished yet
+        seqs = {n: sched.requests[r].seq for n, r in rid_of.items() if r in sched.requests}  # not finished yet
         before = {n: (s.num_computed_tokens, s.num_preemptions, s.status) for n, s in seqs.items()}
         sched.step()  # one forward pass for every scheduled token; returns {request_id: token}
         did = {}
@@ -79,10 +79,10 @@ def run(sched: OnlineScheduler, arrivals: dict[int, list[tuple]], width: int = 1
             outputs[name] = sched.pop_response(rid)
         s = sched.last_step
         history.append(did)
-        assert s["num_prefill_tokens"] + s["num_decode_tokens"] <= sched.max_num_batched_tokens
-        assert s["num_seqs"] <= sched.max_num_seqs
+        assert s.num_prefill_tokens + s.num_decode_tokens <= sched.max_num_batched_tokens
+        assert s.num_seqs <= sched.max_num_seqs
         row = "".join(f"{did.get(n, ''):<{width}}" for n in names)
-        row += f"| {s['num_prefill_tokens']:3} + {s['num_decode_tokens']}, {s['kv_blocks_used']:2} blocks"
+        row += f"| {s.num_prefill_tokens:3} + {s.num_decode_tokens}, {s.kv_blocks_used:2} blocks"
         if len(history) > 1 and did == history[-2] and sched.has_unfinished():
             folded += 1  # the same as the step before: fold it
             continue
