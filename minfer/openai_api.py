@@ -19,7 +19,6 @@ GPT-2 has no chat template, so chat messages are rendered as one
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import uuid
@@ -96,19 +95,12 @@ def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
-SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-
-
 def invalid_request(e: ValueError, fields: dict[str, str] | None = None) -> APIError:
     """The engine's verdict on a request (SamplingParams, OnlineScheduler.check_request) as a 400.
 
     The engine is the one place those rules live: its InvalidParameter names the field at fault, and
     `fields` maps that name to this endpoint's (chat's prompt is its "messages")."""
     param, code = getattr(e, "param", None), getattr(e, "code", "invalid_value")
-    if param is None:
-        # Bridge while SamplingParams raises plain ValueErrors: their message starts with the field's name.
-        first = str(e).split(" ", 1)[0]
-        param = first if first in SAMPLING_FIELDS else None
     message = str(e)
     name = (fields or {}).get(param, param)
     if name != param:  # the engine's words name its own field: say which of the request's it is
