@@ -74,7 +74,7 @@ class GPT2Config:
     n_inner: int | None = None  # MLP width; None means 4 * n_embd
     layer_norm_epsilon: float = 1e-5
     activation_function: str = "gelu_new"
-    eos_token_id: int | None = 50256
+    # The EOS id is the tokenizer's business (Tokenizer.eos_token_id reads config.json for it).
 
     def __post_init__(self):
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
@@ -134,9 +134,6 @@ class GPT2Config:
             unsupported.append("scale_attn_weights=false")
         if unsupported:
             raise ValueError(f"{path}: GPT-2 variant options not supported by minfer: {', '.join(unsupported)}")
-        eos = raw.get("eos_token_id")
-        if isinstance(eos, list):  # some configs list several stop ids; the first is EOS
-            eos = eos[0] if eos else None
         fields = {
             "vocab_size": raw.get("vocab_size", cls.vocab_size),
             "n_positions": raw.get("n_positions", raw.get("n_ctx", cls.n_positions)),
@@ -146,6 +143,5 @@ class GPT2Config:
             "n_inner": raw.get("n_inner"),
             "layer_norm_epsilon": float(raw.get("layer_norm_epsilon", cls.layer_norm_epsilon)),
             "activation_function": raw.get("activation_function", cls.activation_function),
-            "eos_token_id": eos,
         }
         return cls(**fields)

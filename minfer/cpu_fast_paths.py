@@ -40,6 +40,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .kv_cache import cdiv
+
 PACKING_BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows; good at 1 to 512 too
 
 
@@ -113,7 +115,7 @@ def padded_rows(n: int) -> int:
     if n <= 16:
         return n
     step = 1 << (n.bit_length() - 3)
-    return -(-n // step) * step
+    return cdiv(n, step) * step
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -184,7 +186,7 @@ class LMHead(nn.Module):
         self.sliced = None
         if weight.dtype == torch.float32 and threads > 1:
             V, C = weight.shape
-            width = -(-V // threads)
+            width = cdiv(V, threads)
             padded = torch.zeros(threads * width, C, dtype=weight.dtype)
             padded[:V] = weight
             self.sliced = padded.t().reshape(C, threads, width).permute(1, 0, 2).contiguous()  # (P, C, V/P)

@@ -29,8 +29,6 @@ DTYPES = {
     "fp16": torch.float16,
 }
 
-Completion = RequestOutput  # what generate returns: text, token_ids, prompt_token_ids, finish_reason, ...
-
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device = torch.device("cpu")) -> torch.dtype:
     """A torch dtype from a dtype or a name; "auto" picks bf16 where it is fast, else fp32."""
@@ -93,8 +91,9 @@ class LLM:
         prompts: list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
-    ) -> list[Completion]:
-        """Run every prompt to completion, all together; results come back in prompt order."""
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, all together; results (text, token_ids, prompt_token_ids,
+        finish_reason, ...) come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -109,8 +108,7 @@ class LLM:
                 else:
                     ids.append(self.scheduler.add_request(prompt_token_ids=prompt, sampling_params=params))
             with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
-                while self.scheduler.has_unfinished():
-                    self.scheduler.step()
+                for _ in self.scheduler.steps():
                     bar.update(len(self.scheduler.pop_finished_ids()))
             return [self.scheduler.pop_response(i) for i in ids]
         finally:  # an error (or Ctrl-C) must not leave requests holding KV blocks

@@ -88,13 +88,13 @@ class EventRecorder:
         event = {
             "type": "step",
             "step": s.num_steps,
-            "start": info["start"] + self.wall_offset,
-            "end": info["end"] + self.wall_offset,
-            "num_seqs": info["num_seqs"],
-            "num_prefill_tokens": info["num_prefill_tokens"],
-            "num_decode_tokens": info["num_decode_tokens"],
+            "start": info.start + self.wall_offset,
+            "end": info.end + self.wall_offset,
+            "num_seqs": info.num_seqs,
+            "num_prefill_tokens": info.num_prefill_tokens,
+            "num_decode_tokens": info.num_decode_tokens,
             "num_sampled": num_sampled,
-            "kv_blocks_used": info["kv_blocks_used"],
+            "kv_blocks_used": info.kv_blocks_used,
             "chunks": [[c.seq.request_id, c.start, c.num_tokens] for c in s.last_chunks],
         }
         return self._changes(event, finished)

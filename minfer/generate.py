@@ -41,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     # One request through the same engine the server uses: step, print the new text.
     scheduler = llm.scheduler
     sys.stdout.write(args.prompt)
-    while not scheduler.is_finished(request_id):
-        scheduler.step()
+    for _ in scheduler.steps():
         sys.stdout.write(scheduler.get_new_text(request_id))
         sys.stdout.flush()
     sys.stdout.write(scheduler.get_new_text(request_id) + "\n")

@@ -3,8 +3,8 @@
 Every layer's keys and values live in one preallocated tensor of
 `num_blocks * block_size` token slots. A sequence owns a *block table*: the list
 of block ids that hold its tokens, in order, so token `p` of a sequence lives in
-slot `table[p // block_size] * block_size + p % block_size` — the same trick as
-virtual memory pages.
+slot `table[p // block_size] * block_size + p % block_size` (`slot_of`) — the same
+trick as virtual memory pages.
 
 Prefix caching: a full block is named by a hash chained over (parent block's
 hash, the block's token ids). When a new request starts with the same tokens,
@@ -23,6 +23,20 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import ModelConfig
+
+
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up: how many blocks hold `a` tokens (a partly filled block is still a block)."""
+    return -(-a // b)
+
+
+def slot_of(block_table, position, block_size: int):
+    """The cache slot of token `position` of a sequence: table[p // block_size] * block_size + p % block_size.
+    Takes a list table and an int position, or tensors: a (..., num_blocks) table and (L,) positions
+    give (..., L) slots."""
+    index = position // block_size
+    block = block_table[..., index] if isinstance(block_table, torch.Tensor) else block_table[index]
+    return block * block_size + position % block_size
 
 
 @dataclass
@@ -69,9 +83,9 @@ class BlockAllocator:
         """Block ids of the longest run of cached full blocks that starts `token_ids`. No side effects."""
         if not self.enable_prefix_caching:
             return []
-        hits, parent, bs = [], None, self.block_size
-        for start in range(0, len(token_ids) - bs + 1, bs):
-            chunk = tuple(token_ids[start : start + bs])
+        hits, parent, block_size = [], None, self.block_size
+        for start in range(0, len(token_ids) - block_size + 1, block_size):
+            chunk = tuple(token_ids[start : start + block_size])
             h = block_hash(parent, chunk)
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != chunk:
@@ -207,7 +221,7 @@ def choose_num_blocks(
         if not 0 < fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {fraction}")
         memory_bytes = int(available_memory(device) * fraction)
-    blocks_per_seq = -(-config.max_positions // block_size)
+    blocks_per_seq = cdiv(config.max_positions, block_size)
     num_blocks = min(memory_bytes // per_block, 2 * max_num_seqs * blocks_per_seq)
     needed = min(blocks_per_seq, -(-LONGEST_REQUIRED // block_size))
     if num_blocks < needed:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, cdiv, slot_of
 from .cpu_fast_paths import ContextReader, optimize_for_cpu
 from .paged_attention import AttentionMetadata, DecodeGroup, PagedBatch, PrefillChunk
 from .sampling import sample
@@ -30,7 +30,7 @@ class ScheduledChunk:
     num_tokens: int
 
     @property
-    def samples(self) -> bool:
+    def produces_token(self) -> bool:
         """A chunk that reaches the sequence's last token produces the next token."""
         return self.start + self.num_tokens == self.seq.num_tokens
 
@@ -52,13 +52,13 @@ class ModelRunner:
             input_ids, batch = self.prepare(chunks)
         logits = self.model(input_ids[None], batch)[0]  # (S, V): one forward, every sequence's tokens in one row
         with part("sampling"):
-            sampling = [c.seq for c in chunks if c.samples]
+            sampling = [c.seq for c in chunks if c.produces_token]
             tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
             return tokens.tolist()  # the step's single host sync
 
     def prepare(self, chunks: list[ScheduledChunk]):
         """Flatten the chunks into rows and describe, for attention, where each row's context is."""
-        bs = self.block_size
+        block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -73,14 +73,14 @@ class ModelRunner:
             table = seq.block_table
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            slots += [slot_of(table, p, block_size) for p in range(start, end)]
             if chunk.num_tokens == 1:
                 decode_rows.append(row)
                 decode_lens.append(end)
                 decode_tables.append(table)
             else:
                 prefills.append((row, chunk.num_tokens, start, table))
-            if chunk.samples:
+            if chunk.produces_token:
                 sample_rows.append(len(input_ids) - 1)
 
         # One host->device copy for all the flat per-token integers.
@@ -101,9 +101,9 @@ class ModelRunner:
                 meta.prefills.append(PrefillChunk(row, row + num, None, None))
                 continue
             end = start + num
-            table_t = torch.tensor(table[: -(-end // bs)], device=self.device)
+            table_t = torch.tensor(table[: cdiv(end, block_size)], device=self.device)
             pos = torch.arange(end, device=self.device)  # (L,) context positions
-            context_slots = slots_of(table_t, pos, bs)  # (L,)
+            context_slots = slot_of(table_t, pos, block_size)  # (L,)
             query_pos = torch.arange(start, end, device=self.device)  # (T,)
             mask = pos[None, :] <= query_pos[:, None]  # (T, L) causal over the whole context
             meta.prefills.append(PrefillChunk(row, row + num, context_slots, mask))
@@ -111,28 +111,22 @@ class ModelRunner:
 
     def decode_group(self, rows: list[int], lens: list[int], tables: list[list[int]]) -> DecodeGroup:
         """Slots of each sequence's context, padded to the group's longest, and the padding mask."""
-        bs = self.block_size
+        block_size = self.block_size
         max_len = max(lens)
-        max_blocks = -(-max_len // bs)
+        max_blocks = cdiv(max_len, block_size)
         null = self.kv_cache.null_block
         padded = [t[:max_blocks] + [null] * (max_blocks - min(len(t), max_blocks)) for t in tables]
         ints = torch.tensor([rows, lens]).to(self.device, non_blocking=True)  # (2, S)
         tables_t = torch.tensor(padded).to(self.device, non_blocking=True)  # (S, max_blocks)
         pos = torch.arange(max_len, device=self.device)  # (L,)
-        slots = slots_of(tables_t, pos, bs)  # (S, L)
+        slots = slot_of(tables_t, pos, block_size)  # (S, L)
         if min(lens) == max_len:  # nothing padded: no mask at all (sdpa is faster without one)
             return DecodeGroup(rows=ints[0], slots=slots, mask=None)
         valid = pos[None, :] < ints[1][:, None]  # (S, L)
         # Padding must read the zeroed null block, even inside a sequence's own last block:
         # its unwritten slots may hold NaN, and a masked NaN still poisons the sum (0 * NaN).
-        slots = torch.where(valid, slots, null * bs)
+        slots = torch.where(valid, slots, null * block_size)
         return DecodeGroup(rows=ints[0], slots=slots, mask=valid[:, None, None, :])  # mask (S, 1, 1, L)
-
-
-def slots_of(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of positions `pos` (L,) through block tables (..., num_blocks) -> (..., L):
-    position p lives at slot table[p // block_size] * block_size + p % block_size."""
-    return tables[..., pos // block_size] * block_size + pos % block_size
 
 
 def group_by_length(lens: list[int], max_waste: float = 1.25) -> list[list[int]]:

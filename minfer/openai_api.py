@@ -20,11 +20,10 @@ followed by `assistant:` for the model to continue:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .chat_template import ChatTemplate, ChatTemplateError
 from .errors import is_int
@@ -99,19 +98,12 @@ def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
-SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-
-
 def invalid_request(e: ValueError, fields: dict[str, str] | None = None) -> APIError:
     """The engine's verdict on a request (SamplingParams, OnlineScheduler.check_request) as a 400.
 
     The engine is the one place those rules live: its InvalidParameter names the field at fault, and
     `fields` maps that name to this endpoint's (chat's prompt is its "messages")."""
     param, code = getattr(e, "param", None), getattr(e, "code", "invalid_value")
-    if param is None:
-        # Bridge while SamplingParams raises plain ValueErrors: their message starts with the field's name.
-        first = str(e).split(" ", 1)[0]
-        param = first if first in SAMPLING_FIELDS else None
     message = str(e)
     name = (fields or {}).get(param, param)
     if name != param:  # the engine's words name its own field: say which of the request's it is
@@ -330,7 +322,7 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
     params = _sampling(body, max_tokens, fields)
     if info.chat_template.stop_token_ids and not params.ignore_eos:  # the reply ends at the end of its turn
         stops = [*(params.stop_token_ids or ()), *info.chat_template.stop_token_ids]
-        params = dataclasses.replace(params, stop_token_ids=stops)
+        params = replace(params, stop_token_ids=stops)
     return ParsedRequest(ids, params, stream, include_usage, fields)
 
 

@@ -13,9 +13,7 @@ from typing import Sequence
 
 import torch
 
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+from .errors import InvalidParameter, is_int
 
 
 def _is_number(x) -> bool:
@@ -34,24 +32,25 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        """Check every field; a bad one raises InvalidParameter naming it."""
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise InvalidParameter("max_tokens", f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         t = self.temperature
         if not _is_number(t) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {t!r}")
+            raise InvalidParameter("temperature", f"temperature must be a number >= 0, got {t!r}")
         self.temperature = float(t)
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise InvalidParameter("top_k", f"top_k must be an int >= 0, got {self.top_k!r}")
         p = self.top_p
         if not _is_number(p) or not 0 < p <= 1:  # also rejects nan
-            raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
+            raise InvalidParameter("top_p", f"top_p must be a number in (0, 1], got {p!r}")
         self.top_p = float(p)
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise InvalidParameter("seed", f"seed must be None or an int, got {self.seed!r}")
         self.stop = _normalise_stop(self.stop)
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise InvalidParameter("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -63,15 +62,15 @@ def _normalise_stop(stop) -> list[str] | None:
         return None
     items = [stop] if isinstance(stop, str) else stop
     if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
-        raise ValueError(f"stop must be None, a non-empty str or a list of non-empty str, got {stop!r}")
+        raise InvalidParameter("stop", f"stop must be None, a non-empty str or a list of non-empty str, got {stop!r}")
     return list(items)
 
 
 def _normalise_stop_token_ids(ids) -> list[int] | None:
     if ids is None:
         return None
-    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
-        raise ValueError(f"stop_token_ids must be None or a list of ints >= 0, got {ids!r}")
+    if not isinstance(ids, (list, tuple)) or not all(is_int(i) and i >= 0 for i in ids):
+        raise InvalidParameter("stop_token_ids", f"stop_token_ids must be None or a list of ints >= 0, got {ids!r}")
     return list(ids)
 
 

@@ -219,7 +219,7 @@ def engine_logits(llm: LLM, prompt: list[int], prefill: int) -> torch.Tensor:
     `prefill` tokens, then the rest teacher-forced through decode steps. Returns (T, V) in fp32."""
     model, sched = llm.model, llm.scheduler
     rid = sched.add_request(prompt_token_ids=prompt[:prefill], sampling_params=SamplingParams(max_tokens=20))
-    seq = sched.requests[rid]
+    seq = sched.requests[rid].seq
     logits = []
     model.forward = lambda *args: logits.append(type(model).forward(model, *args)) or logits[-1]
     try:
@@ -266,7 +266,7 @@ def test_paged_forward_equals_dense_forward(tiny_checkpoint):
     dense = model(torch.tensor([prompt]))[0]  # (T, V)
     sched = llm.scheduler
     rid = sched.add_request(prompt_token_ids=prompt[:90], sampling_params=SamplingParams(max_tokens=20))
-    seq = sched.requests[rid]
+    seq = sched.requests[rid].seq
     logits = []
 
     def capture(input_ids, paged):
@@ -339,7 +339,7 @@ def test_one_flat_forward_per_step_and_lm_head_only_where_sampling(tiny_checkpoi
         del model.forward
         hook.remove()
     assert calls == [("forward", (1, 40)), ("lm_head", (1, 3, model.config.n_embd))]
-    assert sched.last_step["num_decode_tokens"] == 3 and sched.last_step["num_prefill_tokens"] == 37
+    assert sched.last_step.num_decode_tokens == 3 and sched.last_step.num_prefill_tokens == 37
     for i in short + [long_id]:
         sched.discard_request(i)
     assert_all_free(llm)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minfer.config import GPT2Config
-from minfer.kv_cache import BlockAllocator, KVCache, choose_num_blocks
+from minfer.kv_cache import BlockAllocator, KVCache, cdiv, choose_num_blocks
 
 
 def test_allocate_share_free_counts():
@@ -65,15 +65,17 @@ def test_randomized_allocator_keeps_its_invariants():
     """Long random runs of allocate / share (prefix hits) / register / free."""
     rng = random.Random(0)
     for trial in range(20):
-        bs = rng.choice([1, 2, 4])
-        alloc = BlockAllocator(num_blocks=rng.randint(4, 40), block_size=bs, enable_prefix_caching=trial % 4 != 0)
+        block_size = rng.choice([1, 2, 4])
+        alloc = BlockAllocator(
+            num_blocks=rng.randint(4, 40), block_size=block_size, enable_prefix_caching=trial % 4 != 0
+        )
         live: list[tuple[list[int], list[int]]] = []  # (block table, tokens)
         for _ in range(400):
             op = rng.random()
             if op < 0.45:  # a new sequence: reuse a cached prefix, allocate the rest
-                tokens = [rng.randint(0, 3) for _ in range(rng.randint(1, 6 * bs))]
+                tokens = [rng.randint(0, 3) for _ in range(rng.randint(1, 6 * block_size))]
                 hits = alloc.match_prefix(tokens)
-                need = -(-len(tokens) // bs) - len(hits)
+                need = cdiv(len(tokens), block_size) - len(hits)
                 if need + alloc.num_unreferenced(hits) > alloc.num_free_blocks:
                     with pytest.raises(RuntimeError):
                         alloc.allocate(alloc.num_free_blocks + 1)
@@ -85,8 +87,8 @@ def test_randomized_allocator_keeps_its_invariants():
                     1 for b in hits if alloc.blocks[b].ref_count == 1
                 )
                 parent = None
-                for i in range(len(tokens) // bs):  # its full blocks are computed and registered
-                    parent = alloc.register(table[i], parent, tuple(tokens[i * bs : (i + 1) * bs]))
+                for i in range(len(tokens) // block_size):  # its full blocks are computed and registered
+                    parent = alloc.register(table[i], parent, tuple(tokens[i * block_size : (i + 1) * block_size]))
                 live.append((table, tokens))
             elif live:  # a sequence ends
                 table, _ = live.pop(rng.randrange(len(live)))
@@ -94,7 +96,9 @@ def test_randomized_allocator_keeps_its_invariants():
             alloc.check_invariants([t for t, _ in live])
             for table, tokens in live:  # a live sequence's cached prefix really holds its tokens
                 for b in alloc.match_prefix(tokens):
-                    assert alloc.blocks[b].token_ids in {tuple(tokens[i : i + bs]) for i in range(0, len(tokens), bs)}
+                    assert alloc.blocks[b].token_ids in {
+                        tuple(tokens[i : i + block_size]) for i in range(0, len(tokens), block_size)
+                    }
         for table, _ in live:
             alloc.free(table)
         assert alloc.num_free_blocks == alloc.num_blocks

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from minfer.errors import InvalidParameter
 from minfer.sampling import SamplingParams, apply_top_k_top_p, make_generator, sample
 
 SP = SamplingParams
@@ -292,6 +293,7 @@ def test_params_defaults_and_normalisation():
     ],
 )
 def test_invalid_params_raise_naming_the_field(kwargs, field):
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(InvalidParameter) as err:
         SP(**kwargs)
+    assert err.value.param == field and err.value.code == "invalid_value"
     assert str(err.value).startswith(field + " ")

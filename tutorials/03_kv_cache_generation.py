@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from _common import model_path, section
 from minfer import LLM, SamplingParams
+from minfer.kv_cache import cdiv
 from minfer.model import GPT2
 from minfer.tokenizer import Tokenizer
 
@@ -126,7 +127,7 @@ print(
 section("minfer's engine does the same with a paged cache")
 # LLM keeps K and V in fixed-size blocks of one preallocated tensor instead of a growing
 # torch.cat per sequence (stages 07-10); greedy decoding must give the very same tokens.
-llm = LLM(path, num_kv_blocks=-(-(P + NEW_TOKENS) // 16), max_num_seqs=1)
+llm = LLM(path, num_kv_blocks=cdiv(P + NEW_TOKENS, 16), max_num_seqs=1)
 out = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False)[0]
 assert out.token_ids == cached_tokens
 print(f"LLM.generate: the same {len(out.token_ids)} tokens")

@@ -135,7 +135,7 @@ t0 = time.perf_counter()
 while sched.has_unfinished():
     sched.step()
     step += 1
-    engine_computed += sched.last_step["num_prefill_tokens"] + sched.last_step["num_decode_tokens"]
+    engine_computed += sched.last_step.num_prefill_tokens + sched.last_step.num_decode_tokens
     for rid in sched.pop_finished_ids():
         finished_at[rid] = step
 engine_ms = 1e3 * (time.perf_counter() - t0)

@@ -19,7 +19,7 @@ import torch
 from _common import model_path, section
 from minfer import LLM, SamplingParams
 from minfer.config import GPT2Config
-from minfer.kv_cache import BlockAllocator, KVCache, choose_num_blocks
+from minfer.kv_cache import BlockAllocator, KVCache, cdiv, choose_num_blocks, slot_of
 
 path = model_path()
 cfg = GPT2Config.from_json(path)
@@ -28,28 +28,28 @@ bytes_per_token = 2 * cfg.n_layer * cfg.n_embd * 4  # K and V, every layer, floa
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)  # ceil division: a partly filled block is still a block
+    return cdiv(num_tokens, block_size)  # ceil division: a partly filled block is still a block
 
 
 section("why blocks: reserving the whole context per sequence wastes memory")
-BS = 16
+BLOCK_SIZE = 16
 # Tokens 8 requests actually hold at some moment, given for GPT-2's 1024-token context and
 # scaled to this checkpoint's: most requests use a small part of the context.
 lengths = [max(1, n * cfg.n_positions // 1024) for n in (37, 120, 5, 300, 64, 17, 250, 90)]
 assert max(lengths) <= cfg.n_positions
 reserved = len(lengths) * cfg.n_positions  # a contiguous cache per sequence, sized for the worst case
-in_blocks = sum(blocks_for(n, BS) for n in lengths) * BS  # whole blocks, allocated on demand
+in_blocks = sum(blocks_for(n, BLOCK_SIZE) for n in lengths) * BLOCK_SIZE  # whole blocks, allocated on demand
 used = sum(lengths)
 print(f"{len(lengths)} sequences holding {used} tokens ({bytes_per_token:,} bytes each):")
 print(f"  {f'contiguous, {cfg.n_positions} slots reserved each:':<45}{reserved * bytes_per_token / 2**20:8.1f} MiB")
-print(f"  {f'blocks of {BS} slots, allocated on demand:':<45}{in_blocks * bytes_per_token / 2**20:8.1f} MiB")
+print(f"  {f'blocks of {BLOCK_SIZE} slots, allocated on demand:':<45}{in_blocks * bytes_per_token / 2**20:8.1f} MiB")
 # A sequence never wastes more than the unused tail of its last block.
-assert in_blocks - used < len(lengths) * BS
+assert in_blocks - used < len(lengths) * BLOCK_SIZE
 assert in_blocks < reserved
 
 section("BlockAllocator: a free queue of block ids and a reference count per block")
-BS, NUM_BLOCKS = 4, 10  # tiny, so every id can be printed
-alloc = BlockAllocator(NUM_BLOCKS, BS, enable_prefix_caching=False)  # prefix caching is stage 09
+BLOCK_SIZE, NUM_BLOCKS = 4, 10  # tiny, so every id can be printed
+alloc = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=False)  # prefix caching is stage 09
 tables: dict[str, list[int]] = {}  # request -> its block table
 tokens: dict[str, list[int]] = {}  # request -> its token ids (made up: 100 + position for A, ...)
 
@@ -60,32 +60,32 @@ def append_tokens(name: str, n: int) -> None:
     table, toks = tables.setdefault(name, []), tokens.setdefault(name, [])
     base = {"A": 100, "B": 200, "C": 300}[name]
     toks += [base + len(toks) + i for i in range(n)]
-    need = blocks_for(len(toks), BS) - len(table)
+    need = blocks_for(len(toks), BLOCK_SIZE) - len(table)
     table += alloc.allocate(need)  # pops `need` ids off the front of the free queue
 
 
 append_tokens("A", 6)  # A's prompt: 6 tokens -> 2 blocks
 append_tokens("B", 3)  # B's prompt: 3 tokens -> 1 block
-for _ in range(5):  # then both decode, one token a step, taking a block every BS tokens
+for _ in range(5):  # then both decode, one token a step, taking a block every BLOCK_SIZE tokens
     append_tokens("A", 1)
     append_tokens("B", 1)
 for name in tables:
     print(f"{name}: {len(tokens[name]):2} tokens in blocks {tables[name]}")
 print(f"free queue: {list(alloc.free_queue)}  ({alloc.num_free_blocks} free)")
 assert tables == {"A": [0, 1, 4], "B": [2, 3]}  # interleaved growth: tables are not contiguous runs
-assert all(len(tables[n]) == blocks_for(len(tokens[n]), BS) for n in tables)
+assert all(len(tables[n]) == blocks_for(len(tokens[n]), BLOCK_SIZE) for n in tables)
 assert alloc.num_free_blocks == NUM_BLOCKS - 5
 alloc.check_invariants(list(tables.values()))  # ref counts match the live tables
 
-section("slot mapping: token p of a sequence lives in slot table[p // BS] * BS + p % BS")
+section("slot mapping: token p of a sequence lives in slot table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE")
 
 
 def slots_of(table: list[int], num_tokens: int) -> list[int]:
-    return [table[p // BS] * BS + p % BS for p in range(num_tokens)]
+    return [slot_of(table, p, BLOCK_SIZE) for p in range(num_tokens)]  # the engine's own slot formula
 
 
 # A toy "cache" that stores one number per slot instead of a key and a value vector.
-store = torch.full((NUM_BLOCKS * BS,), -1)  # (num_slots,)
+store = torch.full((NUM_BLOCKS * BLOCK_SIZE,), -1)  # (num_slots,)
 for name in tables:
     slots = slots_of(tables[name], len(tokens[name]))
     store[slots] = torch.tensor(tokens[name])  # write: scatter each token to its slot
@@ -130,34 +130,34 @@ assert alloc.num_free_blocks == NUM_BLOCKS
 alloc.check_invariants([])
 
 section(f"the real tensors for this checkpoint ({cfg.n_layer} layers, {cfg.n_head} heads x {cfg.head_dim})")
-BS = 16
-per_block = KVCache.bytes_per_block(cfg, BS, fp32)
-assert per_block == BS * bytes_per_token
-kv = KVCache(cfg, num_blocks=8, block_size=BS, device="cpu", dtype=fp32)
+BLOCK_SIZE = 16
+per_block = KVCache.bytes_per_block(cfg, BLOCK_SIZE, fp32)
+assert per_block == BLOCK_SIZE * bytes_per_token
+kv = KVCache(cfg, num_blocks=8, block_size=BLOCK_SIZE, device="cpu", dtype=fp32)
 print(f"KVCache(num_blocks=8): k and v are each {tuple(kv.k.shape)} = (layers, slots, heads, head_dim)")
-print(f"{per_block:,} bytes per block of {BS} tokens")
-assert kv.k.shape == kv.v.shape == (cfg.n_layer, (8 + 1) * BS, cfg.n_head, cfg.head_dim)
+print(f"{per_block:,} bytes per block of {BLOCK_SIZE} tokens")
+assert kv.k.shape == kv.v.shape == (cfg.n_layer, (8 + 1) * BLOCK_SIZE, cfg.n_head, cfg.head_dim)
 # One extra block, never handed out: padded reads in stage 08 point at it, so it must hold zeros.
-assert kv.null_block == 8 and not kv.k[:, 8 * BS :].any() and not kv.v[:, 8 * BS :].any()
+assert kv.null_block == 8 and not kv.k[:, 8 * BLOCK_SIZE :].any() and not kv.v[:, 8 * BLOCK_SIZE :].any()
 assert 2 * kv.k.numel() * kv.k.element_size() == 9 * per_block
 
 section("choose_num_blocks: how many blocks a memory budget buys")
 cpu = torch.device("cpu")
-per_seq = blocks_for(cfg.n_positions, BS)  # blocks one full-length sequence needs
+per_seq = blocks_for(cfg.n_positions, BLOCK_SIZE)  # blocks one full-length sequence needs
 budget = int(3.5 * per_seq * per_block)  # room for three and a half full-length sequences
-n = choose_num_blocks(cfg, BS, fp32, cpu, max_num_seqs=64, memory_bytes=budget)
-print(f"{budget / 2**20:.1f} MiB -> {n} blocks ({n * BS} token slots; a full sequence needs {per_seq} blocks)")
+n = choose_num_blocks(cfg, BLOCK_SIZE, fp32, cpu, max_num_seqs=64, memory_bytes=budget)
+print(f"{budget / 2**20:.1f} MiB -> {n} blocks ({n * BLOCK_SIZE} token slots; a full sequence needs {per_seq} blocks)")
 assert n == budget // per_block
 # Never more than every running sequence at full length could use, twice over (the rest keeps prefixes).
-n1 = choose_num_blocks(cfg, BS, fp32, cpu, max_num_seqs=1, memory_bytes=budget)
+n1 = choose_num_blocks(cfg, BLOCK_SIZE, fp32, cpu, max_num_seqs=1, memory_bytes=budget)
 print(f"same budget, max_num_seqs=1 -> {n1} blocks (capped at 2 x {per_seq})")
 assert n1 == 2 * per_seq
 try:
-    choose_num_blocks(cfg, BS, fp32, cpu, max_num_seqs=64, memory_bytes=per_block * (per_seq - 1))
+    choose_num_blocks(cfg, BLOCK_SIZE, fp32, cpu, max_num_seqs=64, memory_bytes=per_block * (per_seq - 1))
     raise AssertionError("a budget below one full sequence must be refused")
 except ValueError as e:
     print(f"too small a budget -> ValueError: {e}")
-auto = choose_num_blocks(cfg, BS, fp32, cpu, max_num_seqs=64)  # default: a quarter of free RAM on CPU
+auto = choose_num_blocks(cfg, BLOCK_SIZE, fp32, cpu, max_num_seqs=64)  # default: a quarter of free RAM on CPU
 print(f"default budget on this machine: {auto} blocks = {auto * per_block / 2**20:.0f} MiB")
 assert per_seq <= auto <= 2 * 64 * per_seq
 

@@ -7,10 +7,10 @@ a prompt continued in a later chunk. Each output is compared with
 F.scaled_dot_product_attention over the same keys and values laid out
 contiguously.
 
-Part 2 lets the engine's ModelRunner.prepare build that metadata from real
-sequences, runs the whole model with it (GPT2.forward given a PagedBatch) and checks its
-logits against the plain GPT2.forward of stage 01: a prompt run in chunks, and a
-step that mixes decodes and prefills of four sequences.
+Part 2 reads a decode group's context a tile at a time (the engine's way on CPU)
+and checks it against gathering everything at once, then times both against the
+floor. Who builds this metadata for a real step (ModelRunner) comes in stage 10,
+after the scheduler that decides the step.
 
     python tutorials/08_paged_attention.py   # MINFER_MODEL=/path to choose the checkpoint
 """
@@ -23,18 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from _common import model_path, section
-from minfer.kv_cache import BlockAllocator, KVCache
+from minfer.kv_cache import cdiv, slot_of
 from minfer.model import GPT2
-from minfer.model_runner import ModelRunner, ScheduledChunk, group_by_length
 from minfer.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention
-from minfer.sampling import SamplingParams
-from minfer.sequence import Sequence
-from minfer.tokenizer import Tokenizer
 
 torch.manual_seed(0)
 path = model_path()
 model = GPT2.from_pretrained(path)
-tokenizer = Tokenizer.from_dir(path)
 cfg = model.config
 H, D = cfg.n_head, cfg.head_dim
 scale = 1 / math.sqrt(D)
@@ -48,14 +43,14 @@ def check(name: str, paged: torch.Tensor, dense: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------------------------------
 section("part 1: paged_attention by hand, on a cache with shuffled blocks")
-BS, NUM_BLOCKS = 4, 16
+BLOCK_SIZE, NUM_BLOCKS = 4, 16
 # (num_slots, H, D): one layer's keys and values. The engine allocates them with torch.empty, whose
 # memory may hold anything, NaN included; NaN here makes any read of a never-written slot show up.
-k_cache = torch.full(((NUM_BLOCKS + 1) * BS, H, D), float("nan"))
-v_cache = torch.full(((NUM_BLOCKS + 1) * BS, H, D), float("nan"))
+k_cache = torch.full(((NUM_BLOCKS + 1) * BLOCK_SIZE, H, D), float("nan"))
+v_cache = torch.full(((NUM_BLOCKS + 1) * BLOCK_SIZE, H, D), float("nan"))
 NULL = NUM_BLOCKS  # the extra block no sequence owns, kept zeroed: padding reads it
-k_cache[NULL * BS :] = 0
-v_cache[NULL * BS :] = 0
+k_cache[NULL * BLOCK_SIZE :] = 0
+v_cache[NULL * BLOCK_SIZE :] = 0
 ids = list(range(NUM_BLOCKS))
 random.Random(0).shuffle(ids)  # a cache that has served for a while hands out blocks in no order
 tables = {"A": ids[0:4], "B": ids[4:6]}  # A gets up to 16 tokens, B up to 8
@@ -76,7 +71,7 @@ def dense(s: str) -> torch.Tensor:
 
 def slots(s: str, positions) -> torch.Tensor:
     table = tables[s]
-    return torch.tensor([table[p // BS] * BS + p % BS for p in positions])  # (len(positions),)
+    return torch.tensor([slot_of(table, p, BLOCK_SIZE) for p in positions])  # (len(positions),)
 
 
 def step(rows: list[tuple[str, int, int]], meta: AttentionMetadata) -> torch.Tensor:
@@ -98,10 +93,10 @@ assert torch.equal(k_cache[slots("A", range(10))], k["A"][:10]), "keys were stor
 print("step 2: one decode each, A position 10 and B position 5, batched in one group")
 lens = [11, 6]  # context lengths, the new token included
 L = max(lens)
-padded = [t + [NULL] * (-(-L // BS) - len(t)) for t in (tables["A"][: -(-11 // BS)], tables["B"])]
+padded = [t + [NULL] * (cdiv(L, BLOCK_SIZE) - len(t)) for t in (tables["A"][: cdiv(11, BLOCK_SIZE)], tables["B"])]
 table_t = torch.tensor(padded)  # (S, max_blocks): short tables padded with the null block
 pos = torch.arange(L)  # (L,)
-grid = table_t[:, pos // BS] * BS + pos % BS  # (S, L): slot of every context position
+grid = slot_of(table_t, pos, BLOCK_SIZE)  # (S, L): slot of every context position
 valid = pos[None, :] < torch.tensor(lens)[:, None]  # (S, L): False on padding
 mask = valid[:, None, None, :]  # (S, 1, 1, L), the shape sdpa broadcasts over heads and the query
 # B's positions 6 and 7 fall in B's own last block, in slots nothing has written yet. The mask hides
@@ -109,7 +104,7 @@ mask = valid[:, None, None, :]  # (S, 1, 1, L), the shape sdpa broadcasts over h
 meta = AttentionMetadata(slot_mapping=None, decode_groups=[DecodeGroup(torch.tensor([0, 1]), grid, mask)], prefills=[])
 assert step([("A", 10, 11), ("B", 5, 6)], meta)[1].isnan().all(), "unwritten slots leak through the mask"
 print("  padding that reads B's own unwritten slots gives NaN, masked or not; so padding reads the null block:")
-grid = torch.where(valid, grid, NULL * BS)  # every padded position -> a zeroed slot
+grid = torch.where(valid, grid, NULL * BLOCK_SIZE)  # every padded position -> a zeroed slot
 print(f"  slots (S, L) =\n{grid}")
 meta.decode_groups = [DecodeGroup(torch.tensor([0, 1]), grid, mask)]
 out = step([("A", 10, 11), ("B", 5, 6)], meta)  # the same step again: it rewrites the same keys
@@ -129,89 +124,21 @@ check("B decode", out[0], dense("B")[6])
 check("A chunk (5 queries over 16 cached keys)", out[1:6], dense("A")[11:16])
 
 # ---------------------------------------------------------------------------------------
-section("part 2: the engine's own metadata (ModelRunner.prepare) and the whole model")
-BS = 16
-NUM_BLOCKS = 4 * (-(-cfg.n_positions // BS))
-alloc = BlockAllocator(NUM_BLOCKS, BS, enable_prefix_caching=False)
-order = alloc.allocate(NUM_BLOCKS)
-random.Random(1).shuffle(order)
-alloc.free(order)  # the free queue is now in shuffled order, so block tables come out scattered
-kv = KVCache(cfg, NUM_BLOCKS, BS, model.device, model.dtype)
-runner = ModelRunner(model, kv, BS)
-text = (
-    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
-    "foolishness, it was the epoch of belief, it was the epoch of incredulity."
-)
-words = tokenizer.encode(text)
-
-
-def make_seq(name: str, length: int) -> Sequence:
-    """A sequence of exactly `length` prompt tokens, holding enough blocks for all of them."""
-    ids = (words * (length // len(words) + 1))[:length]
-    seq = Sequence(name, ids, SamplingParams(temperature=0), tokenizer.detokenizer(), tokenizer.eos_token_ids, None)
-    seq.block_table = alloc.allocate(-(-length // BS))
-    return seq
-
-
-@torch.inference_mode()
-def run(chunks: list[ScheduledChunk], show: bool = False) -> torch.Tensor:
-    """One engine step without sampling: logits (N, V) of every row, not just the sampling ones."""
-    input_ids, batch = runner.prepare(chunks)
-    meta = batch.attention
-    if show:
-        print(f"  rows: {len(input_ids)}, positions {batch.positions.tolist()}")
-        print(f"  slot_mapping {meta.slot_mapping.tolist()}")
-        prefills = [(c.start, c.end, None if c.context_slots is None else len(c.context_slots)) for c in meta.prefills]
-        print(f"  prefill chunks: {prefills}  (first row, end row, context length)")
-        print(f"  decode groups: {[tuple(g.slots.shape) for g in meta.decode_groups]}  (sequences, padded length)")
-    batch.sample_rows = torch.arange(len(input_ids))  # every row; the engine keeps only the sampling ones
-    return model(input_ids[None], batch)[0]  # (N, V): input_ids as one row of N tokens
-
-
-@torch.inference_mode()
-def reference(seq: Sequence) -> torch.Tensor:
-    return model(torch.tensor([seq.token_ids]))[0]  # (T, V): stage 01's plain forward, no cache
-
-
-P, CHUNK = 45, 11  # chunks that straddle block boundaries on purpose
-seq = make_seq("prompt", P)
-print(f"a {P}-token prompt in chunks of {CHUNK}; block table {seq.block_table}")
-logits = []
-for start in range(0, P, CHUNK):
-    n = min(CHUNK, P - start)
-    logits.append(run([ScheduledChunk(seq, start, n)], show=start == CHUNK))
-check(f"logits of all {P} positions vs GPT2.forward", torch.cat(logits), reference(seq))
-
-print("one step with four sequences: two decodes of very different lengths, a fresh prompt, a continued one")
-x, y, z, w = make_seq("x", 70), make_seq("y", 20), make_seq("z", 9), make_seq("w", 30)
-run([ScheduledChunk(x, 0, 69), ScheduledChunk(y, 0, 19), ScheduledChunk(w, 0, 12)])  # earlier steps
-chunks = [ScheduledChunk(x, 69, 1), ScheduledChunk(y, 19, 1), ScheduledChunk(z, 0, 9), ScheduledChunk(w, 12, 18)]
-mixed = run(chunks, show=True)
-_, batch = runner.prepare(chunks)
-meta, sample_rows = batch.attention, batch.sample_rows
-# Decodes of 70 and 20 tokens are not padded into one (2, 70) grid: that would be 55% padding.
-assert group_by_length([70, 20]) == [[0], [1]] and len(meta.decode_groups) == 2
-assert [c.context_slots is None for c in meta.prefills] == [True, False]  # z is fresh, w reads the cache
-print(f"  sampling rows (the last row of each chunk): {sample_rows.tolist()}")
-for s, row in zip((x, y, z, w), sample_rows.tolist()):
-    check(f"next-token logits of {s.request_id} ({s.num_tokens} tokens)", mixed[row], reference(s)[-1])
-for s in (seq, x, y, z, w):
-    alloc.free(s.block_table)
-alloc.check_invariants([])
-
-# ---------------------------------------------------------------------------------------
-section("part 3: reading the context a tile at a time (cpu_fast_paths.ContextReader)")
+section("part 2: reading the context a tile at a time (cpu_fast_paths.ContextReader)")
+BLOCK_SIZE = 16
 # A decode step of many sequences: gather every context at once, then attend, and the gathered
 # keys/values (tens of MB) go out to DRAM and come back. Gather a few sequences at a time and
 # each tile is still in cache when sdpa reads it. Same result; only the memory traffic differs.
 from minfer.cpu_fast_paths import ContextReader, tile_bytes  # noqa: E402
 from minfer.paged_attention import decode_attention  # noqa: E402
 
-L = min(cfg.n_positions, 192) // BS * BS  # context length of each sequence
-S = max(32, -(-4 * tile_bytes() // (2 * L * H * D * 4)))  # sequences: keys+values of 4 tiles at least
-blocks = torch.randperm(S * L // BS + 1)[: S * L // BS].view(S, L // BS)  # scattered block tables
-grid = blocks[:, torch.arange(L) // BS] * BS + torch.arange(L) % BS  # (S, L) slots
-big_k = torch.randn((S * L // BS + 2) * BS, H, D)  # (num_slots, H, D): one layer's cache
+L = min(cfg.n_positions, 192) // BLOCK_SIZE * BLOCK_SIZE  # context length of each sequence
+S = max(32, cdiv(4 * tile_bytes(), 2 * L * H * D * 4))  # sequences: keys+values of 4 tiles at least
+blocks = torch.randperm(S * L // BLOCK_SIZE + 1)[: S * L // BLOCK_SIZE].view(
+    S, L // BLOCK_SIZE
+)  # scattered block tables
+grid = slot_of(blocks, torch.arange(L), BLOCK_SIZE)  # (S, L) slots
+big_k = torch.randn((S * L // BLOCK_SIZE + 2) * BLOCK_SIZE, H, D)  # (num_slots, H, D): one layer's cache
 big_v = torch.randn_like(big_k)
 q_dec = torch.randn(S, H, D)
 group = DecodeGroup(torch.arange(S), grid, None)
@@ -255,4 +182,4 @@ for name, ms in timings.items():
     print(f"  {name:<46} {ms:7.2f} ms")
 print("  (timings depend on the machine and its load; bench.py --profile shows the same split for a real step)")
 
-print("\nOK: paged attention equals dense attention, by hand and through the whole model, tiled or not.")
+print("\nOK: paged attention equals dense attention, gathered at once or a tile at a time.")

@@ -19,8 +19,8 @@ from minfer.kv_cache import BlockAllocator, block_hash
 
 # ---------------------------------------------------------------------------------------
 section("part 1: the prefix index, by hand (blocks of 4 tokens)")
-BS = 4
-alloc = BlockAllocator(num_blocks=6, block_size=BS)  # enable_prefix_caching=True is the default
+BLOCK_SIZE = 4
+alloc = BlockAllocator(num_blocks=6, block_size=BLOCK_SIZE)  # enable_prefix_caching=True is the default
 a = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32]  # request A: 2 full blocks and 2 tokens
 table_a = alloc.allocate(3)
 # Once a block is full and its K/V computed, the scheduler names it by a hash chained over
@@ -42,7 +42,9 @@ b = [11, 12, 13, 14, 21, 22, 23, 24, 41, 42, 43]  # request B: A's first 8 token
 hits = alloc.match_prefix(b)
 alloc.share(hits)  # B references A's blocks: no new memory, and their 8 tokens need no compute
 table_b = hits + alloc.allocate(1)
-print(f"B: tokens {b}, block table {table_b}: {len(hits) * BS} tokens reused, {len(b) - len(hits) * BS} to compute")
+print(
+    f"B: tokens {b}, block table {table_b}: {len(hits) * BLOCK_SIZE} tokens reused, {len(b) - len(hits) * BLOCK_SIZE} to compute"
+)
 assert table_b[:2] == table_a[:2] and [alloc.blocks[x].ref_count for x in table_a[:2]] == [2, 2]
 
 section("part 1: cached blocks outlive their requests, and are evicted least recently freed first")
@@ -64,9 +66,9 @@ alloc.check_invariants([])
 section("part 2: a shared system prompt through the engine")
 path = model_path()
 llm = LLM(path, num_kv_blocks=48, max_num_seqs=4)
-BS = llm.scheduler.block_size
+BLOCK_SIZE = llm.scheduler.block_size
 words = llm.tokenizer.encode("You are a helpful assistant. Answer briefly, politely and truthfully. ")
-system = (words * 50)[: 3 * BS + 2]  # exactly 3 full blocks and 2 tokens: lengths are the same on any tokenizer
+system = (words * 50)[: 3 * BLOCK_SIZE + 2]  # exactly 3 full blocks and 2 tokens: lengths are the same on any tokenizer
 q1 = (llm.tokenizer.encode(" What is the capital of France?") * 10)[:10]
 q2 = (llm.tokenizer.encode(" How many legs does a spider have?") * 10)[:12]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)  # exactly 8 tokens each
@@ -79,8 +81,8 @@ def run_alone(sched: OnlineScheduler, prompt: list[int]):
     prefill_tokens, first_step = 0, None
     while sched.has_unfinished():
         sched.step()
-        prefill_tokens += sched.last_step["num_prefill_tokens"]
-        first_step = first_step or sched.last_step["end"] - sched.last_step["start"]
+        prefill_tokens += sched.last_step.num_prefill_tokens
+        first_step = first_step or sched.last_step.end - sched.last_step.start
     sched.pop_finished_ids()
     return sched.pop_response(rid), prefill_tokens, first_step
 
@@ -97,11 +99,11 @@ requests = [
 # again too: the last token is never taken from the cache, its logits are needed to sample). The
 # second turn also finds the first chat's generated tokens: all of them went through the model but
 # the last one sampled, and the full blocks among those were registered.
-expected = [3 * BS, 3 * BS, (len(system + q1) + GREEDY.max_tokens - 1) // BS * BS]
+expected = [3 * BLOCK_SIZE, 3 * BLOCK_SIZE, (len(system + q1) + GREEDY.max_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE]
 print(
     f"first request: {len(system + q1)} prompt tokens ({len(system)} of them the system prompt), "
     f"computed in full; its {len(system + q1) + GREEDY.max_tokens - 1} computed tokens fill "
-    f"{(len(system + q1) + GREEDY.max_tokens - 1) // BS} blocks, now cached"
+    f"{(len(system + q1) + GREEDY.max_tokens - 1) // BLOCK_SIZE} blocks, now cached"
 )
 print(f"{'':34} {'prompt':>6} {'cached':>6} {'computed':>8} {'(no cache)':>10}")
 for (name, prompt), want in zip(requests, expected):

@@ -7,16 +7,25 @@ step, what each request did (prefill chunk, decode, waiting), so you can watch
 requests join and leave the batch. Then a cache too small for everyone forces
 preemptions, and discard_request drops a request mid-flight. Throughout, the
 outputs must equal those of each request run alone, and no KV block may leak.
+Last, the part under the scheduler: ModelRunner.prepare builds stage 08's attention
+metadata from real sequences, the whole model runs on it (GPT2.forward given a
+PagedBatch), and its logits must equal the plain GPT2.forward of stage 01: a
+prompt run in chunks, and a step that mixes decodes and prefills of four sequences.
 
     python tutorials/10_online_scheduler.py   # MINFER_MODEL=/path to choose the checkpoint
 """
 
+import random
 import time
+
+import torch
 
 from _common import model_path, section
 from minfer import OnlineScheduler, SamplingParams
+from minfer.kv_cache import BlockAllocator, KVCache, cdiv
 from minfer.model import GPT2
-from minfer.sequence import Status
+from minfer.model_runner import ModelRunner, ScheduledChunk, group_by_length
+from minfer.sequence import Sequence, Status
 from minfer.tokenizer import Tokenizer
 
 path = model_path()
@@ -30,6 +39,12 @@ def prompt(length: int, offset: int = 0) -> list[int]:
     return (words * (length // len(words) + offset + 2))[offset : offset + length]
 
 
+def check(name: str, paged: torch.Tensor, dense: torch.Tensor) -> None:
+    err = (paged - dense).abs().max().item()
+    print(f"  {name:<44} max |paged - dense| = {err:.1e}")
+    torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-4)
+
+
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # exactly n tokens
 
@@ -38,8 +53,8 @@ def run_alone(prompt_ids: list[int], params: SamplingParams) -> list[int]:
     """The reference: the request by itself, on a scheduler of its own."""
     solo = OnlineScheduler(model, tokenizer, num_kv_blocks=64, max_num_seqs=1)
     rid = solo.add_request(prompt_token_ids=prompt_ids, sampling_params=params)
-    while solo.has_unfinished():
-        solo.step()
+    for _ in solo.steps():  # step until nothing is left
+        pass
     return solo.pop_response(rid).token_ids
 
 
@@ -55,7 +70,7 @@ def run(sched: OnlineScheduler, arrivals: dict[int, list[tuple]], width: int = 1
         step += 1
         for name, ids, params in arrivals.get(step, []):  # requests arrive between steps
             rid_of[name] = sched.add_request(prompt_token_ids=ids, sampling_params=params)
-        seqs = {n: sched.requests[r] for n, r in rid_of.items() if r in sched.requests}  # not finished yet
+        seqs = {n: sched.requests[r].seq for n, r in rid_of.items() if r in sched.requests}  # not finished yet
         before = {n: (s.num_computed_tokens, s.num_preemptions, s.status) for n, s in seqs.items()}
         sched.step()  # one forward pass for every scheduled token; returns {request_id: token}
         did = {}
@@ -79,10 +94,10 @@ def run(sched: OnlineScheduler, arrivals: dict[int, list[tuple]], width: int = 1
             outputs[name] = sched.pop_response(rid)
         s = sched.last_step
         history.append(did)
-        assert s["num_prefill_tokens"] + s["num_decode_tokens"] <= sched.max_num_batched_tokens
-        assert s["num_seqs"] <= sched.max_num_seqs
+        assert s.num_prefill_tokens + s.num_decode_tokens <= sched.max_num_batched_tokens
+        assert s.num_seqs <= sched.max_num_seqs
         row = "".join(f"{did.get(n, ''):<{width}}" for n in names)
-        row += f"| {s['num_prefill_tokens']:3} + {s['num_decode_tokens']}, {s['kv_blocks_used']:2} blocks"
+        row += f"| {s.num_prefill_tokens:3} + {s.num_decode_tokens}, {s.kv_blocks_used:2} blocks"
         if len(history) > 1 and did == history[-2] and sched.has_unfinished():
             folded += 1  # the same as the step before: fold it
             continue
@@ -155,7 +170,79 @@ print(f"discarded; stats {small.stats()}")
 assert small.allocator.num_free_blocks == 8 and not small.has_unfinished()
 assert small.discard_request(rid) is False  # unknown now: nothing to do
 small.check_invariants()
+# ---------------------------------------------------------------------------------------
+section("under the scheduler: the ModelRunner turns one step's chunks into one forward pass")
+# The runner by itself, fed chunks by hand as _schedule would: check its metadata and the logits.
+BLOCK_SIZE = 16
+NUM_BLOCKS = 4 * cdiv(model.config.n_positions, BLOCK_SIZE)
+alloc = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=False)
+order = alloc.allocate(NUM_BLOCKS)
+random.Random(1).shuffle(order)
+alloc.free(order)  # the free queue is now in shuffled order, so block tables come out scattered
+kv = KVCache(model.config, NUM_BLOCKS, BLOCK_SIZE, model.device, model.dtype)
+runner = ModelRunner(model, kv, BLOCK_SIZE)
+novel = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+    "foolishness, it was the epoch of belief, it was the epoch of incredulity."
+)
+novel_ids = tokenizer.encode(novel)
+
+
+def make_seq(name: str, length: int) -> Sequence:
+    """A sequence of exactly `length` prompt tokens, holding enough blocks for all of them."""
+    ids = (novel_ids * (length // len(novel_ids) + 1))[:length]
+    seq = Sequence(name, ids, SamplingParams(temperature=0))
+    seq.block_table = alloc.allocate(cdiv(length, BLOCK_SIZE))
+    return seq
+
+
+@torch.inference_mode()
+def run(chunks: list[ScheduledChunk], show: bool = False) -> torch.Tensor:
+    """One engine step without sampling: logits (N, V) of every row, not just the sampling ones."""
+    input_ids, batch = runner.prepare(chunks)
+    meta = batch.attention
+    if show:
+        print(f"  rows: {len(input_ids)}, positions {batch.positions.tolist()}")
+        print(f"  slot_mapping {meta.slot_mapping.tolist()}")
+        prefills = [(c.start, c.end, None if c.context_slots is None else len(c.context_slots)) for c in meta.prefills]
+        print(f"  prefill chunks: {prefills}  (first row, end row, context length)")
+        print(f"  decode groups: {[tuple(g.slots.shape) for g in meta.decode_groups]}  (sequences, padded length)")
+    batch.sample_rows = torch.arange(len(input_ids))  # every row; the engine keeps only the sampling ones
+    return model(input_ids[None], batch)[0]  # (N, V): input_ids as one row of N tokens
+
+
+@torch.inference_mode()
+def reference(seq: Sequence) -> torch.Tensor:
+    return model(torch.tensor([seq.token_ids]))[0]  # (T, V): stage 01's plain forward, no cache
+
+
+P, CHUNK = 45, 11  # chunks that straddle block boundaries on purpose
+seq = make_seq("prompt", P)
+print(f"a {P}-token prompt in chunks of {CHUNK}; block table {seq.block_table}")
+logits = []
+for start in range(0, P, CHUNK):
+    n = min(CHUNK, P - start)
+    logits.append(run([ScheduledChunk(seq, start, n)], show=start == CHUNK))
+check(f"logits of all {P} positions vs GPT2.forward", torch.cat(logits), reference(seq))
+
+print("one step with four sequences: two decodes of very different lengths, a fresh prompt, a continued one")
+x, y, z, w = make_seq("x", 70), make_seq("y", 20), make_seq("z", 9), make_seq("w", 30)
+run([ScheduledChunk(x, 0, 69), ScheduledChunk(y, 0, 19), ScheduledChunk(w, 0, 12)])  # earlier steps
+chunks = [ScheduledChunk(x, 69, 1), ScheduledChunk(y, 19, 1), ScheduledChunk(z, 0, 9), ScheduledChunk(w, 12, 18)]
+mixed = run(chunks, show=True)
+_, batch = runner.prepare(chunks)
+meta, sample_rows = batch.attention, batch.sample_rows
+# Decodes of 70 and 20 tokens are not padded into one (2, 70) grid: that would be 55% padding.
+assert group_by_length([70, 20]) == [[0], [1]] and len(meta.decode_groups) == 2
+assert [c.context_slots is None for c in meta.prefills] == [True, False]  # z is fresh, w reads the cache
+print(f"  sampling rows (the last row of each chunk): {sample_rows.tolist()}")
+for s, row in zip((x, y, z, w), sample_rows.tolist()):
+    check(f"next-token logits of {s.request_id} ({s.num_tokens} tokens)", mixed[row], reference(s)[-1])
+for s in (seq, x, y, z, w):
+    alloc.free(s.block_table)
+alloc.check_invariants([])
+
 print(
     "\nOK: requests join and leave every step, prompts are chunked, preemption recomputes, "
-    "outputs never change, and every block comes back."
+    "outputs never change, every block comes back, and the runner's paged forward equals the plain one."
 )

@@ -73,7 +73,7 @@ class RunResult:
 
     records: list[RequestRecord]  # in request order
     duration: float  # seconds from the run's start (just before the first submit) to the last completion
-    steps: list[dict] = field(default_factory=list)  # scheduler.last_step per step, times since the start
+    steps: list[dict] = field(default_factory=list)  # asdict(scheduler.last_step) per step, times since the start
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import asdict
 
 from tqdm import tqdm
 
 from ..sampling import SamplingParams
 from ..scheduler import OnlineScheduler
+from ..sequence import RequestOutput
 from .metrics import RequestRecord, RunResult
 from .workload import BenchRequest
 
@@ -31,39 +33,49 @@ def run_offline(
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     live: dict[str, RequestRecord] = {}  # submitted, not yet finished
     unscheduled: dict[str, RequestRecord] = {}  # submitted, never run by a step yet (in submit order)
+    token_times: dict[str, list[float]] = {}  # per live request: the end of each step that sampled for it
     done: list[RequestRecord] = []
     steps: list[dict] = []
     t0 = time.perf_counter()
+
+    def submit_due() -> None:
+        while (
+            pending
+            and pending[0].arrival <= time.perf_counter() - t0
+            and (max_concurrency is None or len(live) < max_concurrency)
+        ):
+            r = pending.popleft()
+            submit = time.perf_counter() - t0
+            rid = submit_request(scheduler, r)
+            live[rid] = unscheduled[rid] = RequestRecord(r.index, r.input_len, r.output_len, submit_time=submit)
+            token_times[rid] = []
+
     try:
         with tqdm(total=len(requests), desc=desc, unit="req", disable=not progress) as bar:
             while pending or live:
-                while (
-                    pending
-                    and pending[0].arrival <= time.perf_counter() - t0
-                    and (max_concurrency is None or len(live) < max_concurrency)
-                ):
-                    r = pending.popleft()
-                    submit = time.perf_counter() - t0
-                    rid = submit_request(scheduler, r)
-                    live[rid] = unscheduled[rid] = RequestRecord(r.index, r.input_len, r.output_len, submit_time=submit)
+                submit_due()
                 if not live:  # idle until the next arrival
                     time.sleep(max(0.0, pending[0].arrival - (time.perf_counter() - t0)))
                     continue
                 before = scheduler.num_steps
-                scheduler.step()
-                if scheduler.num_steps == before:
-                    continue  # nothing could be scheduled this time
-                step = dict(
-                    scheduler.last_step, start=scheduler.last_step["start"] - t0, end=scheduler.last_step["end"] - t0
-                )
-                steps.append(step)
-                # Admission is first come first served, so the newly scheduled are a prefix.
-                while unscheduled and scheduler.get_step_count(rid := next(iter(unscheduled))) > 0:
-                    unscheduled.pop(rid).scheduled_time = step["start"]
-                for rid in scheduler.pop_finished_ids():
-                    if rid in live:
-                        done.append(_finish(live.pop(rid), scheduler.pop_response(rid), t0))
-                        bar.update(1)
+                for sampled in scheduler.steps():  # new arrivals join between steps
+                    if scheduler.num_steps > before:  # a step ran (none may fit, e.g. all blocks taken)
+                        before = scheduler.num_steps
+                        step = asdict(scheduler.last_step)
+                        step["start"] -= t0
+                        step["end"] -= t0
+                        steps.append(step)
+                        for rid in sampled:
+                            token_times[rid].append(step["end"])
+                        # Admission is first come first served, so the newly scheduled are a prefix.
+                        while unscheduled and scheduler.get_step_count(rid := next(iter(unscheduled))) > 0:
+                            unscheduled.pop(rid).scheduled_time = step["start"]
+                        for rid in scheduler.pop_finished_ids():
+                            if rid in live:
+                                out = scheduler.pop_response(rid)
+                                done.append(_finish(live.pop(rid), out, token_times.pop(rid)))
+                                bar.update(1)
+                    submit_due()
     finally:  # an error (or Ctrl-C) must not leave requests holding KV blocks
         for rid in live:
             scheduler.discard_request(rid)
@@ -79,12 +91,12 @@ def submit_request(scheduler: OnlineScheduler, r: BenchRequest) -> str:
     return scheduler.add_request(r.prompt, sampling_params=params)
 
 
-def _finish(rec: RequestRecord, out, t0: float) -> RequestRecord:
-    times = [t - t0 for t in out.token_times]
+def _finish(rec: RequestRecord, out: RequestOutput, times: list[float]) -> RequestRecord:
+    """Fill in a finished request's record; `times` are when each of its tokens was sampled."""
     rec.output_len = len(out.token_ids)
     rec.input_len = len(out.prompt_token_ids)
     rec.first_token_time = times[0] if times else None
-    rec.finish_time = (out.finish_time - t0) if out.finish_time is not None else (times[-1] if times else None)
+    rec.finish_time = times[-1] if times else None
     rec.itl = [b - a for a, b in zip(times, times[1:])]
     rec.num_preemptions = out.num_preemptions
     rec.num_cached_tokens = out.num_cached_tokens

@@ -177,8 +177,8 @@ class EngineFeedReader:
             pass  # closed by __exit__, or the server went away
 
     def steps(self, t0_wall: float, t_end_wall: float) -> list[dict]:
-        """The steps that began in [t0_wall, t_end_wall], as scheduler.last_step dicts with times in
-        seconds since t0_wall (the feed's times are wall-clock: the server is another process)."""
+        """The steps that began in [t0_wall, t_end_wall], as dicts of StepStats fields (scheduler.last_step),
+        times in seconds since t0_wall (the feed's times are wall-clock: the server is another process)."""
         time.sleep(0.2)  # the feed sends at most 20 messages a second: let the last one arrive
         return [
             {

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import asdict
 
 import torch
 
@@ -49,7 +50,7 @@ def profile_steps(scheduler: OnlineScheduler, requests: list[BenchRequest], num_
     try:
         prefill = _record(scheduler, num_steps)
         # Then run on until the batch decodes steadily: nothing waiting, no prompt left to prefill.
-        while scheduler.has_unfinished() and (scheduler.waiting or scheduler.last_step["num_prefill_tokens"]):
+        while scheduler.has_unfinished() and (scheduler.waiting or scheduler.last_step.num_prefill_tokens):
             scheduler.step()
         decode = _record(scheduler, num_steps) if scheduler.has_unfinished() else None
     finally:
@@ -79,7 +80,7 @@ def _record(scheduler: OnlineScheduler, num_steps: int) -> dict | None:
             scheduler.step()
             wall += time.perf_counter() - start
             if scheduler.num_steps > before:
-                steps.append(dict(scheduler.last_step))
+                steps.append(asdict(scheduler.last_step))
     finally:
         step_parts.stop_timing()
         for hook in hooks:

@@ -1,0 +1,61 @@
+"""TextStream: one request's generated text, built token by token, cut at a stop string, streamed in pieces.
+
+The engine works on token ids; this is where they become text. Each generated
+token goes through the request's incremental detokenizer (tokenizer.py); the
+text is searched for the request's stop strings, and cut before the first one
+found. `pop_new_text` hands out what was added since the last call, holding
+back a tail that could still turn out to be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from .tokenizer import IncrementalDetokenizer
+
+
+class TextStream:
+    def __init__(self, detokenizer: IncrementalDetokenizer, stop: list[str] | None = None):
+        self.detokenizer = detokenizer
+        self.stop = stop or []
+        self.text = ""
+        self.num_streamed_chars = 0  # how much of `text` pop_new_text has handed out
+        self.hit_stop = False  # a stop string was found: the text is final
+
+    def add_token(self, token_id: int) -> bool:
+        """Add one generated token's text. True if it completed a stop string (the text is cut before it)."""
+        return self._add_text(self.detokenizer.add(token_id))
+
+    def flush(self) -> bool:
+        """End of generation: add an unfinished UTF-8 tail, as decode() renders it. True on a stop string."""
+        return self._add_text(self.detokenizer.flush())
+
+    def _add_text(self, piece: str) -> bool:
+        if not piece or self.hit_stop:
+            return False
+        self.text += piece
+        if self.stop:
+            # Only the tail can hold a stop string that was not there before this piece.
+            longest = max(map(len, self.stop))
+            search_from = max(0, len(self.text) - len(piece) - longest + 1)
+            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]  # cut the stop string and all after it
+                self.hit_stop = True
+        return self.hit_stop
+
+    def pop_new_text(self, finished: bool) -> str:
+        """Text added since the last call; while not finished, minus a tail that might become a stop string."""
+        end = len(self.text) if finished else self._stable_length()
+        piece = self.text[self.num_streamed_chars : end]
+        self.num_streamed_chars = max(self.num_streamed_chars, end)
+        return piece
+
+    def _stable_length(self) -> int:
+        """How much of `text` can no longer change: hold back a tail that could still become a stop
+        string (it would have to be cut)."""
+        held = 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(self.text)), held, -1):
+                if self.text.endswith(stop[:k]):
+                    held = k
+                    break
+        return len(self.text) - held
