@@ -123,7 +123,8 @@ class GPT2Config:
         if model_type != "gpt2" and not any(str(a).startswith("GPT2") for a in architectures):
             found = model_type or ", ".join(map(str, architectures)) or "unknown"
             raise ValueError(
-                f"{path} describes a {found!r} model; minfer runs GPT-2 checkpoints only (model_type 'gpt2')"
+                f"{path} describes a {found!r} model, not GPT-2 (model_type 'gpt2'); "
+                f"minfer.models.load_model picks the model class a checkpoint needs"
             )
         unsupported = [
             key

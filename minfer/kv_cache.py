@@ -223,7 +223,7 @@ def choose_num_blocks(
         memory_bytes = int(available_memory(device) * fraction)
     blocks_per_seq = cdiv(config.max_positions, block_size)
     num_blocks = min(memory_bytes // per_block, 2 * max_num_seqs * blocks_per_seq)
-    needed = min(blocks_per_seq, -(-LONGEST_REQUIRED // block_size))
+    needed = min(blocks_per_seq, cdiv(LONGEST_REQUIRED, block_size))
     if num_blocks < needed:
         raise ValueError(
             f"the KV cache budget of {memory_bytes / 2**20:.2f} MiB holds {num_blocks} blocks, "
