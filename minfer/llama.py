@@ -37,9 +37,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # F.rms_norm without a weight is x * rsqrt(mean(x^2) + eps), in one fused op.
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_frequencies(config: LlamaConfig) -> torch.Tensor:
