@@ -157,9 +157,6 @@ class BlockAllocator:
             assert self.blocks[b].hash == h and len(self.blocks[b].token_ids) == self.block_size
 
 
-LONGEST_REQUIRED = 8192  # tokens: the longest sequence a KV cache budget must be able to hold
-
-
 class KVCache:
     """The preallocated key/value tensors: (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim).
     With grouped-query attention only the key/value heads are stored, fewer than the query heads.
@@ -201,6 +198,9 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+LONGEST_REQUIRED = 8192  # tokens: the longest sequence a KV cache budget must be able to hold
+
+
 def choose_num_blocks(
     config: ModelConfig,
     block_size: int,
@@ -225,9 +225,9 @@ def choose_num_blocks(
     num_blocks = min(memory_bytes // per_block, 2 * max_num_seqs * blocks_per_seq)
     needed = min(blocks_per_seq, cdiv(LONGEST_REQUIRED, block_size))
     if num_blocks < needed:
+        length = "full-length" if needed == blocks_per_seq else f"{LONGEST_REQUIRED}-token"
         raise ValueError(
             f"the KV cache budget of {memory_bytes / 2**20:.2f} MiB holds {num_blocks} blocks, "
-            f"fewer than the {needed} one {'full-length' if needed == blocks_per_seq else f'{LONGEST_REQUIRED}-token'} "
-            f"sequence needs; give more memory or num_kv_blocks"
+            f"fewer than the {needed} one {length} sequence needs; give more memory or num_kv_blocks"
         )
     return int(num_blocks)

@@ -107,10 +107,10 @@ def create_server(
         device = torch.device(device)
     except RuntimeError as e:
         raise ValueError(f"bad device {device!r}: {e}") from None
-    model_ = load_model(model, device=device, dtype=resolve_dtype(dtype, device))
-    tokenizer = Tokenizer.from_dir(model_.model_dir)
-    scheduler = OnlineScheduler(model_, tokenizer, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
-    chat_template = ChatTemplate.from_dir(model_.model_dir, tokenizer)
+    language_model = load_model(model, device=device, dtype=resolve_dtype(dtype, device))
+    tokenizer = Tokenizer.from_dir(language_model.model_dir)
+    scheduler = OnlineScheduler(language_model, tokenizer, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
+    chat_template = ChatTemplate.from_dir(language_model.model_dir, tokenizer)
     info = ModelInfo(served_model_name or model, tokenizer, scheduler.max_model_len, chat_template)
     manager = SchedulerManager(scheduler, Metrics(), max_queued=max_queued)
     server = MinferServer((host, port), manager, info, api_key, limits)  # binds now: a taken port fails here
