@@ -87,8 +87,9 @@ class LlamaConfig:
             raise ValueError(f"{path} describes a {found!r} model, not one of {', '.join(QK_NORM)}")
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (the Llama family uses silu)")
-        if raw.get("use_sliding_window"):
-            raise ValueError(f"{path}: sliding-window attention (use_sliding_window) is not supported")
+        layer_types = raw.get("layer_types") or []
+        if raw.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"{path}: sliding-window attention (use_sliding_window, layer_types) is not supported")
         # transformers 5 moved rope_theta and rope_scaling into one rope_parameters dict.
         rope = raw.get("rope_parameters") or {}
         scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)

@@ -132,6 +132,7 @@ def _edited(path, tmp_path, config=None, tensors=None):
         (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), None, "rope_scaling 'yarn'"),
         (lambda c: c.update(num_key_value_heads=3), None, "multiple of num_key_value_heads"),
         (lambda c: c.update(hidden_act="gelu"), None, "hidden_act 'gelu'"),
+        (lambda c: c.update(use_sliding_window=True), None, "sliding-window attention"),
         (None, lambda s: s.pop("model.layers.1.self_attn.k_norm.weight"), "lacks tensor 'layers.1.self_attn.k_norm"),
         (None, lambda s: s.update({"model.extra.weight": torch.zeros(2)}), "unexpected tensor 'model.extra.weight'"),
         (None, lambda s: s.update({"model.norm.weight": torch.zeros(3)}), "has shape [3], but config.json implies"),
