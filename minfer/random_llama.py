@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import processors
+from tokenizers import AddedToken, processors
 
 from .random_model import train_tokenizer
 
@@ -60,6 +60,8 @@ LLAMA_CONFIGS = {
 }
 
 QWEN3_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Added but not special, as in Qwen3: one id each, yet part of the reply's text (its reasoning).
+QWEN3_ADDED = ["<think>", "</think>"]
 LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 # ChatML, as Qwen uses it: <|im_start|>role\ncontent<|im_end|>\n per message.
@@ -90,7 +92,8 @@ def make_llama_config(preset: str, **overrides) -> dict:
     shape.pop("tokenizer_size", None)
     tokenizer_size = LLAMA_CONFIGS[preset].get("tokenizer_size", shape["vocab_size"])
     specials = QWEN3_SPECIALS if family == "qwen3" else LLAMA_SPECIALS
-    first_special = tokenizer_size - len(specials)  # special tokens come after the learned ones
+    added = QWEN3_ADDED if family == "qwen3" else []
+    first_special = tokenizer_size - len(added) - len(specials)  # after the learned tokens
     ids = {t: first_special + i for i, t in enumerate(specials)}
     common = dict(
         hidden_act="silu",
@@ -177,7 +180,9 @@ def write_random_llama(out: Path, preset: str, seed: int = 0, **overrides) -> Pa
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     specials = QWEN3_SPECIALS if qwen else LLAMA_SPECIALS
     tokenizer_size = LLAMA_CONFIGS[preset].get("tokenizer_size", config["vocab_size"])
-    tokenizer = train_tokenizer(tokenizer_size, seed, specials)
+    added = QWEN3_ADDED if qwen else []
+    tokenizer = train_tokenizer(tokenizer_size - len(added), seed, specials)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     if not qwen:  # like Llama 3's, the tokenizer puts <|begin_of_text|> before every prompt
         bos = ("<|begin_of_text|>", tokenizer.token_to_id("<|begin_of_text|>"))
         tokenizer.post_processor = processors.Sequence(

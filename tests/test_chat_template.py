@@ -32,6 +32,11 @@ def test_special_tokens_are_single_ids_and_decode_skips_them(qwen):
     # config.json names <|im_end|>; generation_config.json adds <|endoftext|>: a reply may end with either.
     assert tok.eos_token_ids == [im_end, tok.token_to_id("<|endoftext|>")] and tok.eos_token_id == im_end
     assert tok.encode_prompt("Hi") == tok.encode("Hi")  # Qwen3 adds no BOS
+    # <think> is an added token but not a special one: one id, and kept in the text, streamed too.
+    think = tok.encode("<think>ok</think>")
+    assert think[0] == tok.token_to_id("<think>") and tok.decode(think) == "<think>ok</think>"
+    stream = tok.detokenizer()
+    assert "".join(stream.add(i) for i in think) == "<think>ok</think>"
 
 
 def test_the_template_renders_chatml_and_stops_at_the_end_of_turn(qwen):
