@@ -33,7 +33,7 @@ from minfer.bench.profile import format_profile, profile_steps
 from minfer.bench.roofline import format_roofline, roofline
 from minfer.bench.trace import write_trace
 from minfer.bench.workload import build_workload, read_prompts, warmup_workload
-from minfer.config import GPT2Config
+from minfer.models import read_config
 from minfer.engine import LLM, resolve_dtype, set_cpu_threads
 from minfer.loader import ModelNotFoundError, resolve_model_dir
 from minfer.scheduler import OnlineScheduler
@@ -216,7 +216,7 @@ def baseline_hf(args, model_dir, tokenizer: Tokenizer, workload, minfer_summary:
     """The first run's workload through transformers' generate, with the same threads and dtype."""
     set_threads(args)
     model = load_hf_model(model_dir, args.device, dtype, progress=not args.disable_tqdm)
-    prompts = [r.prompt_token_ids or tokenizer.encode(r.prompt) for r in workload]  # tokenized up front
+    prompts = [r.prompt_token_ids or tokenizer.encode_prompt(r.prompt) for r in workload]  # tokenized up front
     pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     if args.warmup_runs:
         generate_batch(model, prompts[:2], 4, pad)
@@ -254,8 +254,8 @@ def run(args) -> int:
             "--baseline, --roofline and --profile load the checkpoint here: pass its directory as --tokenizer"
         )
     tokenizer = Tokenizer.from_dir(model_dir) if model_dir else None
-    config = GPT2Config.from_json(model_dir / "config.json") if model_dir else None
-    vocab, context = (config.vocab_size, config.n_positions) if config else (None, None)
+    config = read_config(model_dir) if model_dir else None
+    vocab, context = (config.vocab_size, config.max_positions) if config else (None, None)
     texts = read_prompts(args.prompt, args.prompts_file)
     workloads = [
         build_workload(

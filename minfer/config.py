@@ -1,7 +1,9 @@
-"""GPT-2 hyper-parameters, read from a checkpoint's config.json.
+"""Model hyper-parameters, read from a checkpoint's config.json.
 
 Every member of the GPT-2 family (gpt2, gpt2-medium, gpt2-large, gpt2-xl,
-distilgpt2) is the same architecture with different numbers here.
+distilgpt2) is the same architecture with different numbers in GPT2Config;
+llama_config.py holds the Llama family's (Llama, Qwen3). The engine reads only
+the facts of `ModelConfig`, which both provide, so it runs either model.
 """
 
 from __future__ import annotations
@@ -9,6 +11,54 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
+
+
+class ModelConfig(Protocol):
+    """What the engine (KV cache, scheduler, bench) needs to know about any model."""
+
+    vocab_size: int  # rows of the LM head: token ids are in [0, vocab_size)
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int  # heads of keys and values the KV cache stores (fewer than query heads with GQA)
+    head_dim: int
+    max_positions: int  # the longest context the model supports
+
+
+def read_config_json(path: str | Path) -> tuple[Path, dict]:
+    """config.json's path (given it or its directory) and its contents, or one clear error."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json found at {path}")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return path, raw
+
+
+def read_eos_token_ids(model_dir: str | Path) -> list[int]:
+    """Every end-of-sequence id the checkpoint names: config.json's eos_token_id, then
+    generation_config.json's (either may be one id or a list; chat models list their
+    end-of-turn token there too). The one place EOS ids are parsed."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        try:
+            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise ValueError(f"{path} is not a valid JSON object: {e}") from None
+        for i in eos if isinstance(eos, list) else [eos]:
+            if isinstance(i, int) and not isinstance(i, bool) and i >= 0 and i not in ids:
+                ids.append(i)
+    return ids
+
 
 # GPT-2's "gelu_new" is GELU with the tanh approximation; "gelu" is the exact erf form.
 SUPPORTED_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu")
@@ -47,26 +97,34 @@ class GPT2Config:
     def mlp_dim(self) -> int:
         return self.n_inner or 4 * self.n_embd
 
+    # The ModelConfig names, which the engine reads.
+    @property
+    def num_layers(self) -> int:
+        return self.n_layer
+
+    @property
+    def num_heads(self) -> int:
+        return self.n_head
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.n_head  # GPT-2 keeps keys and values for every head
+
+    @property
+    def max_positions(self) -> int:
+        return self.n_positions
+
     @classmethod
     def from_json(cls, path: str | Path) -> "GPT2Config":
         """Read config.json; refuse checkpoints of other architectures with one sentence."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json found at {path}")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path} must hold a JSON object")
+        path, raw = read_config_json(path)
         model_type = raw.get("model_type")
         architectures = raw.get("architectures") or []
         if model_type != "gpt2" and not any(str(a).startswith("GPT2") for a in architectures):
             found = model_type or ", ".join(map(str, architectures)) or "unknown"
             raise ValueError(
-                f"{path} describes a {found!r} model; minfer runs GPT-2 checkpoints only (model_type 'gpt2')"
+                f"{path} describes a {found!r} model, not GPT-2 (model_type 'gpt2'); "
+                f"minfer.models.load_model picks the model class a checkpoint needs"
             )
         unsupported = [
             key

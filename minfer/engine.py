@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from .cpu_fast_paths import cpu_has_native_bf16
-from .model import GPT2
+from .models import load_model
 from .sampling import SamplingParams
 from .scheduler import OnlineScheduler
 from .sequence import RequestOutput
@@ -72,7 +72,7 @@ class LLM:
         device = torch.device(device)
         if device.type == "cpu":
             set_cpu_threads(num_threads)
-        self.model = GPT2.from_pretrained(model, device=device, dtype=resolve_dtype(dtype, device))
+        self.model = load_model(model, device=device, dtype=resolve_dtype(dtype, device))
         self.tokenizer = Tokenizer.from_dir(self.model.model_dir)
         self.scheduler = OnlineScheduler(
             self.model,

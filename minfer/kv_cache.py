@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import GPT2Config
+from .config import ModelConfig
 
 
 def cdiv(a: int, b: int) -> int:
@@ -158,7 +158,8 @@ class BlockAllocator:
 
 
 class KVCache:
-    """The preallocated key/value tensors: (n_layer, (num_blocks + 1) * block_size, n_head, head_dim).
+    """The preallocated key/value tensors: (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim).
+    With grouped-query attention only the key/value heads are stored, fewer than the query heads.
 
     Block `num_blocks` is an extra, never-allocated *null block*, kept zeroed: padded
     positions of a batched gather read it. Everything else starts uninitialised
@@ -167,8 +168,8 @@ class KVCache:
     (0 * NaN = NaN in the attention sum), hence the zeroed null block.
     """
 
-    def __init__(self, config: GPT2Config, num_blocks: int, block_size: int, device, dtype):
-        shape = (config.n_layer, (num_blocks + 1) * block_size, config.n_head, config.head_dim)
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device, dtype):
+        shape = (config.num_layers, (num_blocks + 1) * block_size, config.num_kv_heads, config.head_dim)
         self.null_block = num_blocks
         self.k = torch.empty(shape, device=device, dtype=dtype)
         self.v = torch.empty(shape, device=device, dtype=dtype)
@@ -176,9 +177,10 @@ class KVCache:
         self.v[:, num_blocks * block_size :].zero_()
 
     @staticmethod
-    def bytes_per_block(config: GPT2Config, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.n_layer * block_size * config.n_embd * element  # keys + values
+        token_bytes = config.num_layers * config.num_kv_heads * config.head_dim * element
+        return 2 * block_size * token_bytes  # keys + values
 
 
 def available_memory(device: torch.device) -> int:
@@ -196,8 +198,11 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+LONGEST_REQUIRED = 8192  # tokens: the longest sequence a KV cache budget must be able to hold
+
+
 def choose_num_blocks(
-    config: GPT2Config,
+    config: ModelConfig,
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
@@ -207,18 +212,22 @@ def choose_num_blocks(
 ) -> int:
     """Size the cache from a budget: bytes, or a fraction of free memory (default 0.9 on a GPU,
     0.25 on CPU). Never more than every running sequence at full context could use
-    (plus as much again to keep prefixes cached) — more would be memory held for nothing."""
+    (plus as much again to keep prefixes cached) — more would be memory held for nothing. The budget
+    must hold one sequence of the full context, or of LONGEST_REQUIRED tokens for long-context
+    models (Qwen3's 40960 would need GBs): the scheduler refuses requests longer than the cache."""
     per_block = KVCache.bytes_per_block(config, block_size, dtype)
     if memory_bytes is None:
         fraction = memory_fraction if memory_fraction is not None else (0.9 if device.type == "cuda" else 0.25)
         if not 0 < fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {fraction}")
         memory_bytes = int(available_memory(device) * fraction)
-    blocks_per_seq = cdiv(config.n_positions, block_size)
+    blocks_per_seq = cdiv(config.max_positions, block_size)
     num_blocks = min(memory_bytes // per_block, 2 * max_num_seqs * blocks_per_seq)
-    if num_blocks < blocks_per_seq:
+    needed = min(blocks_per_seq, cdiv(LONGEST_REQUIRED, block_size))
+    if num_blocks < needed:
+        length = "full-length" if needed == blocks_per_seq else f"{LONGEST_REQUIRED}-token"
         raise ValueError(
             f"the KV cache budget of {memory_bytes / 2**20:.2f} MiB holds {num_blocks} blocks, "
-            f"fewer than the {blocks_per_seq} one full-length sequence needs; give more memory or num_kv_blocks"
+            f"fewer than the {needed} one {length} sequence needs; give more memory or num_kv_blocks"
         )
     return int(num_blocks)

@@ -15,6 +15,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -118,6 +119,43 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(
         f"no model.safetensors (or model.safetensors.index.json) in {model_dir}; minfer loads safetensors weights only"
     )
+
+
+def read_checked_weights(
+    model_dir: str | Path,
+    expected: dict[str, tuple[int, ...] | None],
+    rename: Callable[[str], str | None],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, under the model's names (`rename`: None skips a non-weight),
+    checked against `expected` (name -> shape; None: optional, ignored). A missing, unexpected or
+    mis-shaped tensor raises ValueError naming it: a partial load would run and produce garbage."""
+    model_dir = Path(model_dir)
+    state: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(model_dir):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = rename(key)
+                    if name is None or (name in expected and expected[name] is None):
+                        continue
+                    if name not in expected:
+                        raise ValueError(f"{file.name} holds unexpected tensor {key!r}: not part of this model")
+                    tensor = f.get_slice(key)
+                    if tuple(tensor.get_shape()) != expected[name]:
+                        raise ValueError(
+                            f"tensor {key!r} in {file.name} has shape {list(tensor.get_shape())}, "
+                            f"but config.json implies {list(expected[name])}"
+                        )
+                    state[name] = f.get_tensor(key).to(device=device, dtype=dtype).contiguous()
+        except SafetensorError as e:
+            raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+    missing = [name for name, shape in expected.items() if shape is not None and name not in state]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"checkpoint in {model_dir} lacks tensor {missing[0]!r}{more}")
+    return state
 
 
 def load_model_weights(

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from .kv_cache import KVCache, cdiv, slot_of
-from .model import GPT2
 from .cpu_fast_paths import ContextReader, optimize_for_cpu
 from .paged_attention import AttentionMetadata, DecodeGroup, PagedBatch, PrefillChunk
 from .sampling import sample
@@ -37,7 +36,7 @@ class ScheduledChunk:
 
 
 class ModelRunner:
-    def __init__(self, model: GPT2, kv_cache: KVCache, block_size: int):
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size

@@ -9,8 +9,9 @@ OnlineScheduler.check_request the prompt against the vocabulary and context,
 each raising InvalidParameter naming the field; `invalid_request` turns that
 into the 400 naming the request's own field.
 
-GPT-2 has no chat template, so chat messages are rendered as one
-`role: content` line each, followed by `assistant:` for the model to continue:
+Chat messages are rendered with the checkpoint's own chat template (chat_template.py).
+GPT-2 has none, so its chat messages are rendered as one `role: content` line each,
+followed by `assistant:` for the model to continue:
 
     system: You are terse.
     user: Hi!
@@ -22,8 +23,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from .chat_template import ChatTemplate, ChatTemplateError
 from .errors import is_int
 from .sampling import SamplingParams
 from .sequence import RequestOutput
@@ -75,6 +77,7 @@ class ModelInfo:
     name: str  # the name clients must use in "model"
     tokenizer: Tokenizer
     max_model_len: int  # prompt + output tokens one request may use
+    chat_template: ChatTemplate = field(default_factory=lambda: ChatTemplate(None))  # None: plain rendering
 
 
 @dataclass
@@ -233,7 +236,7 @@ def _prompt_ids(prompt, info: ModelInfo, param: str = "prompt") -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # OpenAI clients may send a batch of one
     if isinstance(prompt, str):
-        return info.tokenizer.encode(prompt)
+        return info.tokenizer.encode_prompt(prompt)
     if isinstance(prompt, list) and all(is_int(t) for t in prompt):
         return list(prompt)
     if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
@@ -274,11 +277,6 @@ def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
     return ParsedRequest(ids, _sampling(body, max_tokens, {}), stream, include_usage)
 
 
-def render_chat(messages: list[dict]) -> str:
-    """The documented template: a `role: content` line per message, then `assistant:`."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-
-
 def _message_text(content, i: int) -> str:
     """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
     param = f"messages[{i}].content"
@@ -310,13 +308,22 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
         if m.get("role") not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}")
         rendered.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
-    ids = _prompt_ids(render_chat(rendered), info, param="messages")
+    try:
+        # chat_template_kwargs: vLLM's extension, e.g. {"enable_thinking": false} for Qwen3.
+        text = info.chat_template.render(rendered, variables=_get(body, "chat_template_kwargs", "object"))
+    except ChatTemplateError as e:
+        raise invalid("messages", str(e)) from None
+    ids = info.tokenizer.encode(text)  # as is: the template wrote any BOS itself
     # max_completion_tokens is the current name; max_tokens the deprecated one. No limit: up to the context.
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(body, name, len(ids), info, default=None)
     stream, include_usage = _stream_flags(body)
     fields = {"prompt": "messages", "max_tokens": name}
-    return ParsedRequest(ids, _sampling(body, max_tokens, fields), stream, include_usage, fields)
+    params = _sampling(body, max_tokens, fields)
+    if info.chat_template.stop_token_ids and not params.ignore_eos:  # the reply ends at the end of its turn
+        stops = [*(params.stop_token_ids or ()), *info.chat_template.stop_token_ids]
+        params = replace(params, stop_token_ids=stops)
+    return ParsedRequest(ids, params, stream, include_usage, fields)
 
 
 def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:

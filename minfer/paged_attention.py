@@ -10,6 +10,9 @@ only per-sequence part, in two groups:
 - prefill chunks (several new tokens of one sequence) attend causally, one
   sdpa call per chunk. A chunk with no earlier context (a fresh prompt) attends
   to its own new keys directly and skips the gather.
+With grouped-query attention (Llama, Qwen3) the cache holds fewer key/value heads
+than there are query heads; sdpa's enable_gqa lets each group of query heads read
+its shared key/value head without copying it.
 """
 
 from __future__ import annotations
@@ -63,10 +66,10 @@ class PagedBatch:
 
 def paged_attention(
     q: torch.Tensor,  # (N, H, D)
-    k: torch.Tensor,  # (N, H, D)
-    v: torch.Tensor,  # (N, H, D)
-    k_cache: torch.Tensor,  # (num_slots, H, D) this layer's keys
-    v_cache: torch.Tensor,  # (num_slots, H, D)
+    k: torch.Tensor,  # (N, Hkv, D): Hkv = H, or H / group size with grouped-query attention
+    v: torch.Tensor,  # (N, Hkv, D)
+    k_cache: torch.Tensor,  # (num_slots, Hkv, D) this layer's keys
+    v_cache: torch.Tensor,  # (num_slots, Hkv, D)
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # (N, H, D)
@@ -75,6 +78,7 @@ def paged_attention(
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
 
+    gqa = q.shape[1] != k.shape[1]  # query heads share key/value heads
     if meta.all_decode:
         return decode_attention(q, k_cache, v_cache, meta.decode_groups[0], meta, scale)
     out = torch.empty_like(q)
@@ -86,13 +90,15 @@ def paged_attention(
             ks = k[chunk.start : chunk.end].transpose(0, 1)  # (H, T, D)
             vs = v[chunk.start : chunk.end].transpose(0, 1)
             with part("attention"):
-                y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+                y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:  # continuing a prompt (chunked prefill, prefix-cache hit): read the cache
             with part("context read"):
                 ks = meta.reader.read(k_cache, chunk.context_slots, "k").transpose(0, 1)  # (H, L, D)
                 vs = meta.reader.read(v_cache, chunk.context_slots, "v").transpose(0, 1)
             with part("attention"):
-                y = F.scaled_dot_product_attention(qs.to(ks.dtype), ks, vs, attn_mask=chunk.mask, scale=scale)
+                y = F.scaled_dot_product_attention(
+                    qs.to(ks.dtype), ks, vs, attn_mask=chunk.mask, scale=scale, enable_gqa=gqa
+                )
         out[chunk.start : chunk.end] = y.transpose(0, 1)  # (T, H, D)
     return out
 
@@ -114,6 +120,8 @@ def decode_attention(q, k_cache, v_cache, group: DecodeGroup, meta: AttentionMet
         mask = None if group.mask is None else group.mask[i : i + step]  # (T, 1, 1, L)
         with part("attention"):
             qs = q[i : i + step].unsqueeze(2).to(ks.dtype)  # (T, H, 1, D)
-            y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)  # (T, H, 1, D)
+            y = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=qs.shape[1] != ks.shape[1]
+            )  # (T, H, 1, D)
             out[i : i + step] = y.squeeze(2)  # back in q's dtype
     return out

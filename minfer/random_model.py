@@ -1,11 +1,13 @@
-"""Write a GPT-2 checkpoint with random weights: config.json, model.safetensors, tokenizer.json.
+"""Write a checkpoint with random weights: config.json, model.safetensors, tokenizer.json.
 
 The Hugging Face Hub is not always reachable (CI, air-gapped machines), so tests,
 tutorials and benchmarks run on checkpoints this module writes. They have exactly
-the files and tensor names of a real GPT-2 checkpoint, in either layout found in
-the wild, so everything downstream exercises the real loading path.
+the files and tensor names of a real checkpoint (GPT-2 in either layout found in
+the wild; Qwen3 and Llama with their special tokens, chat template and
+generation_config.json), so everything downstream exercises the real loading path.
 
-    python -m minfer.random_model OUT_DIR [--config gpt2|tiny] [--layout hub|transformers]
+    python -m minfer.random_model OUT_DIR [--config gpt2|tiny|qwen3-tiny|llama-tiny|qwen3-0.6b]
+                                          [--layout hub|transformers]
 """
 
 from __future__ import annotations
@@ -105,22 +107,25 @@ def _training_text(seed: int, num_words: int):
         yield " ".join(words[i : i + 2000])
 
 
-def train_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
-    """A byte-level BPE tokenizer like GPT-2's, with exactly `vocab_size` ids (EOS last)."""
-    if vocab_size < 258:
-        raise ValueError(f"vocab_size must be at least 258 (256 bytes + EOS + 1 merge), got {vocab_size}")
+def train_tokenizer(vocab_size: int, seed: int = 0, special_tokens: list[str] = [EOS_TOKEN]) -> Tokenizer:
+    """A byte-level BPE tokenizer like GPT-2's, with exactly `vocab_size` ids (the special tokens last)."""
+    if vocab_size < 257 + len(special_tokens):
+        raise ValueError(
+            f"vocab_size must be at least {257 + len(special_tokens)} (256 bytes, the special tokens and "
+            f"1 merge), got {vocab_size}"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - 1,
+        vocab_size=vocab_size - len(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     num_words = 0 if vocab_size <= 1024 else 8 * vocab_size
     tok.train_from_iterator(_training_text(seed, num_words), trainer)
-    tok.add_special_tokens([EOS_TOKEN])
+    tok.add_special_tokens(special_tokens)
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"trained {tok.get_vocab_size()} tokens, wanted {vocab_size}")
     return tok
@@ -130,8 +135,12 @@ def write_random_checkpoint(
     out_dir: str | Path, preset: str = "tiny", layout: str = "hub", seed: int = 0, **overrides
 ) -> Path:
     """Write config.json, model.safetensors, tokenizer.json (+ tokenizer_config.json) to out_dir."""
+    from .random_llama import LLAMA_CONFIGS, write_random_llama  # it builds on this module
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if preset in LLAMA_CONFIGS:
+        return write_random_llama(out, preset, seed, **overrides)
     config = make_config(preset, **overrides)
     tensors = random_state_dict(config, layout, seed)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -149,17 +158,20 @@ def write_random_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .random_llama import LLAMA_CONFIGS
+
     parser = argparse.ArgumentParser(
         prog="python -m minfer.random_model",
-        description="Write a GPT-2 checkpoint with random weights (for tests and offline use).",
+        description="Write a GPT-2, Qwen3 or Llama checkpoint with random weights (for tests and offline use).",
     )
     parser.add_argument("out_dir", help="directory to write (created if missing)")
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny", help="model shape")
+    parser.add_argument("--config", choices=sorted(CONFIGS) + list(LLAMA_CONFIGS), default="tiny", help="model shape")
     parser.add_argument("--layout", choices=LAYOUTS, default="hub", help="tensor-name layout")
     parser.add_argument("--seed", type=int, default=0, help="seed for the weights and tokenizer")
     args = parser.parse_args(argv)
     out = write_random_checkpoint(args.out_dir, args.config, args.layout, args.seed)
-    print(f"wrote a random {args.config} checkpoint ({args.layout} layout) to {out}")
+    layout = "" if args.config in LLAMA_CONFIGS else f" ({args.layout} layout)"
+    print(f"wrote a random {args.config} checkpoint{layout} to {out}")
 
 
 if __name__ == "__main__":

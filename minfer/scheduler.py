@@ -22,10 +22,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import torch
+
 from .continuous_batcher import ContinuousBatcher
 from .errors import InvalidParameter
 from .kv_cache import BlockAllocator, KVCache, cdiv, choose_num_blocks
-from .model import GPT2
 from .model_runner import ModelRunner, ScheduledChunk
 from .sampling import SamplingParams, make_generator
 from .sequence import RequestOutput, Sequence, Status
@@ -65,7 +66,7 @@ class StepStats:
 class OnlineScheduler:
     def __init__(
         self,
-        model: GPT2,
+        model: torch.nn.Module,  # any of models.ARCHITECTURES
         tokenizer: Tokenizer,
         *,
         block_size: int = 16,
@@ -131,7 +132,7 @@ class OnlineScheduler:
     @property
     def max_model_len(self) -> int:
         """The longest request (prompt + max_tokens) add_request can accept."""
-        return min(self.config.n_positions, self.allocator.num_blocks * self.block_size)
+        return min(self.config.max_positions, self.allocator.num_blocks * self.block_size)
 
     # ---- requests in -----------------------------------------------------------------
 
@@ -152,13 +153,13 @@ class OnlineScheduler:
                 raise InvalidParameter(
                     "prompt", f"prompt must be a string, got {type(prompt).__name__}", "invalid_type"
                 )
-            prompt_token_ids = self.tokenizer.encode(prompt)
+            prompt_token_ids = self.tokenizer.encode_prompt(prompt)
         ids = self.check_request(prompt_token_ids, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         generator = make_generator(params.seed, self.model.device)
-        seq = Sequence(request_id, ids, params, self.tokenizer.eos_token_id, generator)
+        seq = Sequence(request_id, ids, params, self.tokenizer.eos_token_ids, generator)
         text = TextStream(self.tokenizer.detokenizer(), params.stop)
         self.requests[request_id] = Request(seq, text, arrival_time=time.perf_counter())
         self.batcher.add(seq)
@@ -175,7 +176,7 @@ class OnlineScheduler:
         bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidParameter("prompt", f"prompt token id {bad!r} is not in the vocabulary [0, {vocab})")
-        context = self.config.n_positions
+        context = self.config.max_positions
         if len(ids) + params.max_tokens > context:
             raise InvalidParameter(
                 "max_tokens" if len(ids) < context else "prompt",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 
@@ -51,7 +52,7 @@ class Sequence:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        eos_token_id: int | None = None,
+        eos_token_ids: Iterable[int] = (),  # every id that ends the sequence (chat models have several)
         generator: torch.Generator | None = None,
     ):
         self.request_id = request_id
@@ -67,8 +68,8 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.stop_token_ids = set(params.stop_token_ids or ())
-        if eos_token_id is not None and not params.ignore_eos:
-            self.stop_token_ids.add(eos_token_id)
+        if not params.ignore_eos:
+            self.stop_token_ids.update(eos_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -39,8 +39,9 @@ import torch
 from .connections import CappedHTTPServer, ConnectionLimits, add_arguments, limits_from_args
 from .endpoints import APIHandler
 from .engine import resolve_dtype, set_cpu_threads
+from .chat_template import ChatTemplate
 from .manager import SchedulerManager
-from .model import GPT2
+from .models import load_model
 from .openai_api import ModelInfo
 from .prometheus import Metrics
 from .scheduler import OnlineScheduler
@@ -106,10 +107,11 @@ def create_server(
         device = torch.device(device)
     except RuntimeError as e:
         raise ValueError(f"bad device {device!r}: {e}") from None
-    gpt2 = GPT2.from_pretrained(model, device=device, dtype=resolve_dtype(dtype, device))
-    tokenizer = Tokenizer.from_dir(gpt2.model_dir)
-    scheduler = OnlineScheduler(gpt2, tokenizer, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
-    info = ModelInfo(served_model_name or model, tokenizer, scheduler.max_model_len)
+    language_model = load_model(model, device=device, dtype=resolve_dtype(dtype, device))
+    tokenizer = Tokenizer.from_dir(language_model.model_dir)
+    scheduler = OnlineScheduler(language_model, tokenizer, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
+    chat_template = ChatTemplate.from_dir(language_model.model_dir, tokenizer)
+    info = ModelInfo(served_model_name or model, tokenizer, scheduler.max_model_len, chat_template)
     manager = SchedulerManager(scheduler, Metrics(), max_queued=max_queued)
     server = MinferServer((host, port), manager, info, api_key, limits)  # binds now: a taken port fails here
     manager.start()

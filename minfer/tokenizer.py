@@ -19,6 +19,8 @@ from typing import Iterable, Sequence
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
+from .config import read_eos_token_ids
+
 EOS_TOKEN = "<|endoftext|>"
 
 
@@ -69,9 +71,11 @@ def _read_json(path: Path) -> dict:
 class Tokenizer:
     """A GPT-2 style byte-level BPE tokenizer wrapping a `tokenizers.Tokenizer`."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, eos_token_id: int | None = None):
+    def __init__(self, backend: tokenizers.Tokenizer, eos_token_id: int | list[int] | None = None):
         self.backend = backend
-        self.eos_token_id = eos_token_id
+        # Every id that ends a generation (chat models name several: end of text, end of turn).
+        ids = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
+        self.eos_token_ids: list[int] = [i for i in ids if i is not None]
         self._token_bytes: list[bytes] | None = None
 
     # ---- loading -------------------------------------------------------------------
@@ -92,7 +96,7 @@ class Tokenizer:
             raise FileNotFoundError(
                 f"no tokenizer found in {d}: looked for tokenizer.json, or vocab.json with merges.txt."
             )
-        return cls(backend, _find_eos_id(d, backend))
+        return cls(backend, _find_eos_ids(d, backend))
 
     @staticmethod
     def _from_vocab_merges(vocab: Path, merges: Path) -> tokenizers.Tokenizer:
@@ -108,6 +112,11 @@ class Tokenizer:
             # Special, so the literal text "<|endoftext|>" maps to the one id and decode() skips it.
             backend.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
         return backend
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The main end-of-sequence id: the first the checkpoint names."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     # ---- vocabulary ----------------------------------------------------------------
 
@@ -138,8 +147,14 @@ class Tokenizer:
     # ---- encode / decode -----------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        # GPT-2 adds no BOS/EOS around a prompt; the caller decides.
+        """The text's ids, nothing added (special tokens written in the text are still one id each)."""
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt as the model was trained to see one: with what the checkpoint's post-processor
+        adds around it, such as Llama 3's <|begin_of_text|>. GPT-2 and Qwen3 add nothing. (A chat
+        template writes these tokens itself, so rendered chats go through encode.)"""
+        return self.backend.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text for `ids`, skipping special tokens and ids outside the vocabulary.
@@ -158,21 +173,19 @@ class Tokenizer:
         return IncrementalDetokenizer(self.token_bytes)
 
 
-def _find_eos_id(d: Path, backend: tokenizers.Tokenizer) -> int | None:
-    """The checkpoint's config.json wins; then tokenizer_config.json; then GPT-2's usual token."""
-    if (d / "config.json").is_file():
-        eos = _read_json(d / "config.json").get("eos_token_id")
-        if isinstance(eos, list):  # some configs list several stop ids; the first is the EOS
-            eos = eos[0] if eos else None
-        if isinstance(eos, int):
-            return eos
+def _find_eos_ids(d: Path, backend: tokenizers.Tokenizer) -> list[int]:
+    """The ids config.json and generation_config.json name come first (the first is the EOS);
+    then tokenizer_config.json's eos_token; failing all of them, GPT-2's usual token."""
+    ids = read_eos_token_ids(d)
     if (d / "tokenizer_config.json").is_file():
         eos = _read_json(d / "tokenizer_config.json").get("eos_token")
         if isinstance(eos, dict):  # the serialized AddedToken form
             eos = eos.get("content")
-        if isinstance(eos, str) and backend.token_to_id(eos) is not None:
-            return backend.token_to_id(eos)
-    return backend.token_to_id(EOS_TOKEN)
+        if isinstance(eos, str) and backend.token_to_id(eos) is not None and backend.token_to_id(eos) not in ids:
+            ids.append(backend.token_to_id(eos))
+    if not ids and backend.token_to_id(EOS_TOKEN) is not None:
+        ids.append(backend.token_to_id(EOS_TOKEN))
+    return ids
 
 
 class IncrementalDetokenizer:

@@ -1,5 +1,7 @@
 """Shared fixtures: random GPT-2 checkpoints written once per test session (the Hub is offline)."""
 
+import json
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ def make_checkpoint(tmp_path_factory):
     cache = {}
 
     def make(preset="tiny", layout="hub", seed=0, **overrides):
-        key = (preset, layout, seed, tuple(sorted(overrides.items())))
+        key = (preset, layout, seed, json.dumps(overrides, sort_keys=True))  # overrides may hold dicts
         if key not in cache:
             out = tmp_path_factory.mktemp(f"ckpt-{preset}-{layout}")
             cache[key] = write_random_checkpoint(out, preset, layout, seed, **overrides)

@@ -87,7 +87,7 @@ BAD_CHECKPOINTS = {
     "no safetensors": (lambda d: (d / "model.safetensors").unlink(), FileNotFoundError, "no model.safetensors"),
     "truncated": (lambda d: truncate(d / "model.safetensors"), ValueError, "truncated or corrupt"),
     "not safetensors": (lambda d: (d / "model.safetensors").write_text("hello"), ValueError, "not a readable"),
-    "other architecture": (other_architecture, ValueError, "'llama' model; minfer runs GPT-2"),
+    "other architecture": (other_architecture, ValueError, "'llama' model, not GPT-2"),
     "no config": (lambda d: (d / "config.json").unlink(), FileNotFoundError, "no config.json"),
     "broken config": (lambda d: (d / "config.json").write_text("{"), ValueError, "not valid JSON"),
     "missing tensor": (

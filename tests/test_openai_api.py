@@ -15,8 +15,8 @@ from minfer.openai_api import (
     parse_completion,
     parse_generate,
     parse_json_body,
-    render_chat,
 )
+from minfer.chat_template import render_chat
 from minfer.sequence import RequestOutput
 from minfer.tokenizer import Tokenizer
 

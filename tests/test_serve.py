@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from minfer import LLM, SamplingParams
-from minfer.openai_api import render_chat
+from minfer.chat_template import render_chat
 from minfer.serve import create_server
 from minfer.tokenizer import Tokenizer
 

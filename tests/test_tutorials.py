@@ -28,6 +28,7 @@ STAGES = [
     "11_scheduler_manager",
     "12_http_server",
     "13_benchmarking",
+    "14_modern_llm",
 ]
 # Every stage takes its sizes from the checkpoint's config: it must run on any GPT-2 shape.
 SHAPES = {

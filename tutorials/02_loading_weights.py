@@ -170,7 +170,7 @@ cases = {  # what goes wrong: (how to break the copy, words the error must conta
     "config.json says one more layer": (edit_config(n_layer=config.n_layer + 1), f"lacks tensor 'h.{config.n_layer}."),
     "config.json says twice the width": (edit_config(n_embd=2 * C), "but config.json implies"),
     "a truncated download": (truncate_weights, "truncated or corrupt"),
-    "another architecture": (llama, "GPT-2 checkpoints only"),
+    "another architecture": (llama, "not GPT-2"),
     "no weights file": (remove_weights, "no model.safetensors"),
 }
 for what, (damage, expected_words) in cases.items():

@@ -30,7 +30,7 @@ def load_hf_model(model_dir, device: str, dtype: torch.dtype, progress: bool = T
         raise ImportError("--baseline hf needs transformers: pip install transformers") from None
     if not progress:
         transformers.logging.disable_progress_bar()
-    model = transformers.GPT2LMHeadModel.from_pretrained(str(model_dir))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir))  # the class config.json names
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -109,9 +109,9 @@ def step_work(steps: list[dict], model) -> dict[str, tuple[float, float]]:
     """(bytes, FLOPs) each part must move and compute over these steps, from what they scheduled."""
     c = model.config
     elem = torch.empty((), dtype=model.dtype).element_size()
-    linear_params = c.n_layer * (4 * c.n_embd * c.n_embd + 2 * c.n_embd * c.mlp_dim)
-    head_params = c.vocab_size * c.n_embd
-    token_kv = 2 * c.n_layer * c.n_embd * elem  # keys + values of one token, all layers
+    linear_params = sum(m.in_features * m.out_features for m in weight_linears(model))  # any architecture
+    head_params = model.lm_head.in_features * c.vocab_size
+    token_kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * elem  # keys + values of one token, all layers
     work = defaultdict(lambda: [0.0, 0.0])
     for s in steps:
         tokens = s["num_decode_tokens"] + s["num_prefill_tokens"]
@@ -122,7 +122,7 @@ def step_work(steps: list[dict], model) -> dict[str, tuple[float, float]]:
         work["KV write"][0] += tokens * token_kv
         work["context read"][0] += s["cached_context_tokens"] * token_kv
         work["attention"][0] += s["cached_context_tokens"] * token_kv
-        work["attention"][1] += 4 * c.n_layer * c.n_embd * s["attended_pairs"]  # q.k and p.v
+        work["attention"][1] += 4 * c.num_layers * c.num_heads * c.head_dim * s["attended_pairs"]  # q.k and p.v
     return {k: tuple(v) for k, v in work.items()}
 
 
@@ -166,13 +166,18 @@ def breakdown(phase: dict, model, peaks: dict) -> dict:
     }
 
 
+def weight_linears(model) -> list:
+    """The model's linear layers, as loaded (plain or CPU fast path), without the LM head."""
+    return [m for m in model.modules() if m is not model.lm_head and type(m).__name__.endswith("Linear")]
+
+
 def matmul_rate(model) -> float:
-    """FLOP/s of a batch-sized matmul through the model's own first linear (fast paths included)."""
-    linear = model.h[0].mlp.c_fc
-    x = torch.randn(256, model.config.n_embd, dtype=model.dtype, device=model.device)
+    """FLOP/s of a batch-sized matmul through the model's own largest linear (fast paths included)."""
+    linear = max(weight_linears(model), key=lambda m: m.in_features * m.out_features)
+    x = torch.randn(256, linear.in_features, dtype=model.dtype, device=model.device)
     with torch.inference_mode():
         seconds = best_time(lambda: linear(x), model.device)
-    return 2 * x.shape[0] * model.config.n_embd * model.config.mlp_dim / seconds
+    return 2 * x.shape[0] * linear.in_features * linear.out_features / seconds
 
 
 def format_profile(p: dict) -> str:

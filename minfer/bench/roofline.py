@@ -75,7 +75,7 @@ def matmul_floor(model: torch.nn.Module, repeats: int = 5) -> float:
 
 def batch1_tpot(scheduler: OnlineScheduler, prompt_len: int = 32, output_len: int = 64, seed: int = 0) -> float:
     """TPOT (seconds) of one request running alone: a random prompt, greedy, exactly output_len tokens."""
-    context = scheduler.config.n_positions
+    context = scheduler.config.max_positions
     output_len = max(2, min(output_len, context // 2))
     prompt_len = max(1, min(prompt_len, context - output_len))
     ids = sampleable_token_ids(scheduler.tokenizer, scheduler.config.vocab_size)

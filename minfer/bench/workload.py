@@ -109,7 +109,7 @@ def build_workload(
     for i in range(num_requests):
         if texts:
             text = texts[i % len(texts)]
-            token_ids = tokenizer.encode(text) if tokenizer else None
+            token_ids = tokenizer.encode_prompt(text) if tokenizer else None
             n_in = len(token_ids) if token_ids is not None else None
             prompt, sent_ids = (None, token_ids) if pretok and token_ids else (text, None)
         else:

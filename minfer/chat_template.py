@@ -1,0 +1,104 @@
+"""Chat templates: turn a list of messages into the prompt text a chat model was trained on.
+
+A chat checkpoint ships its own template, a Jinja program in tokenizer_config.json's
+`chat_template`. Qwen3's (ChatML) wraps each message as
+
+    <|im_start|>user
+    Hi!<|im_end|>
+
+and, with `add_generation_prompt`, ends with `<|im_start|>assistant\\n` for the model
+to continue; the model then ends its turn with `<|im_end|>`, so generation must stop
+there (`stop_token_ids`). The template is untrusted code from the checkpoint: it runs
+in Jinja's sandbox, with the same helpers transformers gives it (`raise_exception`,
+`tojson`, `strftime_now`).
+
+A checkpoint without a template (GPT-2) gets the plain rendering: one `role: content`
+line per message, then `assistant:`.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+# Tokens chat templates end a turn with: a chat request stops on each one its template writes.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+class ChatTemplateError(ValueError):
+    """The template could not render these messages (it raised, or it is broken)."""
+
+
+def render_chat(messages: list[dict]) -> str:
+    """The rendering for models without a template: a `role: content` line per message, then `assistant:`."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ChatTemplate:
+    def __init__(self, source: str | None, special_tokens: dict[str, str] | None = None, stop_token_ids=()):
+        self.source = source  # None: the plain rendering
+        self.special_tokens = special_tokens or {}  # bos_token, eos_token, ... as the template names them
+        self.stop_token_ids = list(stop_token_ids)  # the end-of-turn tokens this template writes
+        self._template = None
+        if source is not None:
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = _tojson
+            try:
+                self._template = env.from_string(source)
+            except TemplateError as e:
+                raise ValueError(f"the checkpoint's chat_template does not compile: {e}") from None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, tokenizer) -> "ChatTemplate":
+        """tokenizer_config.json's chat_template (or chat_template.jinja beside it), else the plain one."""
+        d = Path(model_dir)
+        config = {}
+        if (d / "tokenizer_config.json").is_file():
+            try:
+                config = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{d / 'tokenizer_config.json'} is not valid JSON ({e}).") from None
+        source = config.get("chat_template")
+        if isinstance(source, list):  # several named templates: the "default" one
+            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        if source is None and (d / "chat_template.jinja").is_file():
+            source = (d / "chat_template.jinja").read_text(encoding="utf-8")
+        if not isinstance(source, str):
+            return cls(None)
+        special = {k: t for k, v in config.items() if k.endswith("_token") and (t := _token_text(v)) is not None}
+        stops = [tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS if t in source]
+        return cls(source, special, [i for i in stops if i is not None])
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None) -> str:
+        """The prompt text for these messages, ending where the assistant's reply begins. `variables`
+        are more names the template may read (Qwen3's `enable_thinking`, for one)."""
+        if self._template is None:
+            return render_chat(messages)
+        from jinja2.exceptions import TemplateError
+
+        try:
+            context = {**self.special_tokens, **(variables or {})}
+            return self._template.render(context, messages=messages, add_generation_prompt=add_generation_prompt)
+        except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            raise ChatTemplateError(f"the chat template could not render these messages: {e}") from None
+
+
+def _raise(message: str):
+    raise ChatTemplateError(message)
+
+
+def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)

@@ -1,0 +1,121 @@
+"""Llama-family hyper-parameters (LlamaForCausalLM, Qwen3ForCausalLM), read from config.json.
+
+Llama, SmolLM2, Qwen3 and their relatives are one architecture with a few switches:
+Qwen3 adds an RMSNorm over each head's queries and keys (`qk_norm`), some models
+tie the LM head to the embedding, some put biases on their projections.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import read_config_json
+
+# The architectures this config describes, and whether each normalises queries and keys per head.
+QK_NORM = {"LlamaForCausalLM": False, "Qwen3ForCausalLM": True}
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int  # C, the width of the residual stream
+    intermediate_size: int  # the SwiGLU MLP's hidden width
+    num_hidden_layers: int
+    num_attention_heads: int  # query heads
+    num_key_value_heads: int  # key/value heads, each shared by num_attention_heads // num_key_value_heads queries
+    head_dim: int  # Qwen3 sets it apart from hidden_size // num_attention_heads
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # None, or Llama 3's frequency rescaling ({"rope_type": "llama3", ...})
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm on every head's queries and keys before RoPE
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"config.json: head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta) and self.rope_theta > 1):
+            raise ValueError(f"config.json: rope_theta must be a number above 1, got {self.rope_theta!r}")
+
+    # The ModelConfig names, which the engine reads.
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def num_heads(self) -> int:
+        return self.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_key_value_heads
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "LlamaConfig":
+        """Read config.json; anything this implementation would silently get wrong is refused."""
+        path, raw = read_config_json(path)
+        architecture = next((a for a in raw.get("architectures") or [] if a in QK_NORM), None)
+        if architecture is None:
+            found = ", ".join(map(str, raw.get("architectures") or [])) or raw.get("model_type") or "unknown"
+            raise ValueError(f"{path} describes a {found!r} model, not one of {', '.join(QK_NORM)}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (the Llama family uses silu)")
+        layer_types = raw.get("layer_types") or []
+        if raw.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"{path}: sliding-window attention (use_sliding_window, layer_types) is not supported")
+        # transformers 5 moved rope_theta and rope_scaling into one rope_parameters dict.
+        rope = raw.get("rope_parameters") or {}
+        scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
+            if kind == "default":
+                scaling = None
+            elif kind != "llama3":
+                raise ValueError(f"{path}: rope_scaling {kind!r} is not supported (minfer supports none and 'llama3')")
+        heads, hidden = raw.get("num_attention_heads"), raw.get("hidden_size")
+        default_head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+        return cls(
+            vocab_size=raw.get("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=raw.get("intermediate_size"),
+            num_hidden_layers=raw.get("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or default_head_dim,
+            max_position_embeddings=raw.get("max_position_embeddings"),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=QK_NORM[architecture],
+            architecture=architecture,
+        )

@@ -1,0 +1,106 @@
+"""Chat models' tokenizers and templates: special tokens, EOS ids, rendering, and /v1/chat/completions."""
+
+import http.client
+import json
+import threading
+
+import pytest
+
+from minfer.chat_template import ChatTemplate
+from minfer.openai_api import APIError, ModelInfo, parse_chat
+from minfer.serve import create_server
+from minfer.tokenizer import Tokenizer
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi, 世界!"}]
+
+
+@pytest.fixture(scope="module")
+def qwen(make_checkpoint):
+    path = make_checkpoint("qwen3-tiny")
+    tok = Tokenizer.from_dir(path)
+    return path, tok, ChatTemplate.from_dir(path, tok)
+
+
+def test_special_tokens_are_single_ids_and_decode_skips_them(qwen):
+    _, tok, _ = qwen
+    im_start, im_end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
+    ids = tok.encode("<|im_start|>user\nHi<|im_end|>")
+    assert ids[0] == im_start and ids[-1] == im_end and ids.count(im_end) == 1  # never split into bytes
+    assert tok.decode(ids) == "user\nHi"
+    stream = tok.detokenizer()
+    assert "".join(stream.add(i) for i in ids) + stream.flush() == "user\nHi"  # the stream agrees
+    # config.json names <|im_end|>; generation_config.json adds <|endoftext|>: a reply may end with either.
+    assert tok.eos_token_ids == [im_end, tok.token_to_id("<|endoftext|>")] and tok.eos_token_id == im_end
+    assert tok.encode_prompt("Hi") == tok.encode("Hi")  # Qwen3 adds no BOS
+    # <think> is an added token but not a special one: one id, and kept in the text, streamed too.
+    think = tok.encode("<think>ok</think>")
+    assert think[0] == tok.token_to_id("<think>") and tok.decode(think) == "<think>ok</think>"
+    stream = tok.detokenizer()
+    assert "".join(stream.add(i) for i in think) == "<think>ok</think>"
+
+
+def test_the_template_renders_chatml_and_stops_at_the_end_of_turn(qwen):
+    _, tok, template = qwen
+    text = template.render(MESSAGES)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi, 世界!<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert template.stop_token_ids == [tok.token_to_id("<|im_end|>")]
+    variables = ChatTemplate("{{ greeting }} {{ messages | length }}{{ add_generation_prompt }}")
+    assert variables.render(MESSAGES, variables={"greeting": "hi", "messages": []}) == "hi 2True"  # can't clobber
+    info = ModelInfo("q", tok, 512, template)
+    parsed = parse_chat({"model": "q", "messages": MESSAGES, "max_tokens": 5}, info)
+    assert parsed.prompt_token_ids == tok.encode(text)
+    assert tok.token_to_id("<|im_end|>") in parsed.params.stop_token_ids
+    with pytest.raises(APIError, match="unsupported role tool") as e:  # the template's raise_exception
+        parse_chat({"model": "q", "messages": [{"role": "tool", "content": "x"}]}, info)
+    assert e.value.status == 400 and e.value.param == "messages"
+
+
+def test_llama3_template_uses_bos_and_eot(make_checkpoint):
+    path = make_checkpoint("llama-tiny")
+    tok = Tokenizer.from_dir(path)
+    template = ChatTemplate.from_dir(path, tok)
+    text = template.render(MESSAGES[1:])
+    assert text == (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi, 世界!<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert template.stop_token_ids == [tok.token_to_id("<|eot_id|>")]
+    assert tok.token_to_id("<|eot_id|>") in tok.eos_token_ids
+    # A plain prompt gets the BOS the tokenizer's post-processor adds; a rendered chat has its own.
+    bos = tok.token_to_id("<|begin_of_text|>")
+    assert tok.encode_prompt("Hi") == [bos, *tok.encode("Hi")] and tok.encode(text).count(bos) == 1
+    info = ModelInfo("l", tok, 512, template)
+    assert parse_chat({"messages": MESSAGES[1:]}, info).prompt_token_ids == tok.encode(text)
+
+
+def test_templates_are_sandboxed_and_gpt2_keeps_plain_rendering(tiny_checkpoint):
+    unsafe = ChatTemplate("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ValueError, match="could not render"):
+        unsafe.render(MESSAGES)
+    with pytest.raises(ValueError, match="does not compile"):
+        ChatTemplate("{% for %}")
+    gpt2 = ChatTemplate.from_dir(tiny_checkpoint, Tokenizer.from_dir(tiny_checkpoint))
+    assert gpt2.render(MESSAGES) == "system: Be brief.\nuser: Hi, 世界!\nassistant:" and not gpt2.stop_token_ids
+
+
+def test_chat_over_http(qwen):
+    path, tok, _ = qwen
+    server = create_server(str(path), port=0, num_kv_blocks=64, max_num_seqs=2)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+
+        def post(body):
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            return response.status, json.loads(response.read())
+
+        status, reply = post({"model": str(path), "messages": MESSAGES, "max_tokens": 8, "temperature": 0})
+        assert status == 200 and reply["choices"][0]["message"]["role"] == "assistant"
+        assert reply["usage"]["prompt_tokens"] == len(tok.encode(ChatTemplate.from_dir(path, tok).render(MESSAGES)))
+        status, reply = post({"model": str(path), "messages": [{"role": "tool", "content": "x"}]})
+        assert status == 400 and reply["error"]["param"] == "messages"
+    finally:
+        server.stop(grace=1.0)
