@@ -127,10 +127,12 @@ def read_checked_weights(
     rename: Callable[[str], str | None],
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    optional: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, under the model's names (`rename`: None skips a non-weight),
-    checked against `expected` (name -> shape; None: optional, ignored). A missing, unexpected or
-    mis-shaped tensor raises ValueError naming it: a partial load would run and produce garbage."""
+    checked against `expected` (name -> shape; None: ignored if present). Names in `optional` are
+    read and checked if present, and not required. A missing, unexpected or mis-shaped tensor
+    raises ValueError naming it: a partial load would run and produce garbage."""
     model_dir = Path(model_dir)
     state: dict[str, torch.Tensor] = {}
     for file in safetensors_files(model_dir):
@@ -151,7 +153,7 @@ def read_checked_weights(
                     state[name] = f.get_tensor(key).to(device=device, dtype=dtype).contiguous()
         except SafetensorError as e:
             raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
-    missing = [name for name, shape in expected.items() if shape is not None and name not in state]
+    missing = [n for n, shape in expected.items() if shape is not None and n not in state and n not in optional]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"checkpoint in {model_dir} lacks tensor {missing[0]!r}{more}")
@@ -166,38 +168,19 @@ def load_model_weights(
     A missing, unexpected or mis-shaped tensor raises ValueError naming it:
     a partial load would run and quietly produce garbage.
     """
-    model_dir = Path(model_dir)
-    expected = expected_shapes(config)
-    state: dict[str, torch.Tensor] = {}
-    lm_head = None
-    for file in safetensors_files(model_dir):
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    name = key.removeprefix("transformer.")
-                    if SKIPPED.fullmatch(name):
-                        continue
-                    if name == "lm_head.weight":  # present in some exports; must equal wte
-                        lm_head = f.get_tensor(key)
-                        continue
-                    if name not in expected:
-                        raise ValueError(f"{file.name} holds unexpected tensor {key!r}: not part of GPT-2")
-                    tensor = f.get_tensor(key)
-                    if tuple(tensor.shape) != expected[name]:
-                        raise ValueError(
-                            f"tensor {key!r} in {file.name} has shape {list(tensor.shape)}, "
-                            f"but config.json implies {list(expected[name])}"
-                        )
-                    if name.endswith(CONV1D_WEIGHTS):
-                        tensor = tensor.t()  # Conv1D [in, out] -> Linear [out, in]
-                    state[name] = tensor.to(device=device, dtype=dtype).contiguous()
-        except SafetensorError as e:
-            raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
-    missing = [name for name in expected if name not in state]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"checkpoint in {model_dir} lacks tensor {missing[0]!r}{more}")
-    if lm_head is not None and not torch.equal(lm_head.to(device=device, dtype=dtype), state["wte.weight"]):
+
+    def rename(key: str) -> str | None:
+        name = key.removeprefix("transformer.")
+        return None if SKIPPED.fullmatch(name) else name  # the causal-mask buffers are no weights
+
+    # Some exports store the tied LM head as well: read it to check that it is the embedding.
+    expected = expected_shapes(config) | {"lm_head.weight": (config.vocab_size, config.n_embd)}
+    state = read_checked_weights(model_dir, expected, rename, device, dtype, optional=frozenset({"lm_head.weight"}))
+    for name in state:
+        if name.endswith(CONV1D_WEIGHTS):
+            state[name] = state[name].t().contiguous()  # Conv1D [in, out] -> Linear [out, in]
+    lm_head = state.pop("lm_head.weight", None)
+    if lm_head is not None and not torch.equal(lm_head, state["wte.weight"]):
         raise ValueError("lm_head.weight differs from wte.weight; GPT-2's LM head must be tied to the embedding")
     state["lm_head.weight"] = state["wte.weight"]  # tied: one tensor under both names
     return state
