@@ -95,8 +95,8 @@ def in_passing_thread(fn):
     of its threads exist than CPUs, and a second team, the one loading the model, would
     cross that line on a small machine: then every parallel region of a step waits for a
     sleeping worker to wake. A team is freed when its thread ends, so the model loads on a
-    thread of its own. Measured on 2 cores: a 16-sequence bf16 decode step took 38-46 ms
-    on the loading thread, 52-62 ms on a second thread, 41-45 ms loaded this way."""
+    thread of its own. To see it, compare the decode steps of `bench.py --mode online`
+    with `--mode offline` (the engine on the main thread) in their `--trace`."""
     result: dict = {}
 
     def run():
