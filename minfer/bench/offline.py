@@ -33,7 +33,6 @@ def run_offline(
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     live: dict[str, RequestRecord] = {}  # submitted, not yet finished
     unscheduled: dict[str, RequestRecord] = {}  # submitted, never run by a step yet (in submit order)
-    token_times: dict[str, list[float]] = {}  # per live request: the end of each step that sampled for it
     done: list[RequestRecord] = []
     steps: list[dict] = []
     t0 = time.perf_counter()
@@ -48,7 +47,6 @@ def run_offline(
             submit = time.perf_counter() - t0
             rid = submit_request(scheduler, r)
             live[rid] = unscheduled[rid] = RequestRecord(r.index, r.input_len, r.output_len, submit_time=submit)
-            token_times[rid] = []
 
     try:
         with tqdm(total=len(requests), desc=desc, unit="req", disable=not progress) as bar:
@@ -58,22 +56,20 @@ def run_offline(
                     time.sleep(max(0.0, pending[0].arrival - (time.perf_counter() - t0)))
                     continue
                 before = scheduler.num_steps
-                for sampled in scheduler.steps():  # new arrivals join between steps
+                for _ in scheduler.steps():  # new arrivals join between steps
                     if scheduler.num_steps > before:  # a step ran (none may fit, e.g. all blocks taken)
                         before = scheduler.num_steps
                         step = asdict(scheduler.last_step)
                         step["start"] -= t0
                         step["end"] -= t0
                         steps.append(step)
-                        for rid in sampled:
-                            token_times[rid].append(step["end"])
                         # Admission is first come first served, so the newly scheduled are a prefix.
                         while unscheduled and scheduler.get_step_count(rid := next(iter(unscheduled))) > 0:
                             unscheduled.pop(rid).scheduled_time = step["start"]
                         for rid in scheduler.pop_finished_ids():
                             if rid in live:
                                 out = scheduler.pop_response(rid)
-                                done.append(_finish(live.pop(rid), out, token_times.pop(rid)))
+                                done.append(_finish(live.pop(rid), out, t0))
                                 bar.update(1)
                     submit_due()
     finally:  # an error (or Ctrl-C) must not leave requests holding KV blocks
@@ -91,8 +87,9 @@ def submit_request(scheduler: OnlineScheduler, r: BenchRequest) -> str:
     return scheduler.add_request(r.prompt, sampling_params=params)
 
 
-def _finish(rec: RequestRecord, out: RequestOutput, times: list[float]) -> RequestRecord:
-    """Fill in a finished request's record; `times` are when each of its tokens was sampled."""
+def _finish(rec: RequestRecord, out: RequestOutput, t0: float) -> RequestRecord:
+    """Fill in a finished request's record, its times counted from t0."""
+    times = [t - t0 for t in out.token_times]  # the end of each step that sampled one of its tokens
     rec.output_len = len(out.token_ids)
     rec.input_len = len(out.prompt_token_ids)
     rec.first_token_time = times[0] if times else None

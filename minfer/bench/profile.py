@@ -26,7 +26,7 @@ import torch
 from .. import step_parts
 from ..scheduler import OnlineScheduler
 from .offline import submit_request
-from .roofline import best_time, measure_bandwidth
+from .roofline import best_time, measure_bandwidth, weight_linears
 from .workload import BenchRequest
 
 REST = "norms, GELU, residuals, Python"  # the step's wall time that no part covers
@@ -92,13 +92,8 @@ def _time_modules(model) -> list:
     """Time the model's linears and its LM head as parts, whatever modules they are (plain nn.Linear
     or a CPU fast path): a timer entered before each call and left after it."""
     hooks = []
-    for module in model.modules():
-        if module is model.lm_head:
-            label = "LM head"
-        elif type(module).__name__.endswith("Linear"):
-            label = "linears"
-        else:
-            continue
+    labelled = [(m, "linears") for m in weight_linears(model)] + [(model.lm_head, "LM head")]
+    for module, label in labelled:
         timer = step_parts.part(label)
         hooks.append(module.register_forward_pre_hook(lambda m, args, t=timer: t.__enter__()))
         hooks.append(module.register_forward_hook(lambda m, args, out, t=timer: t.__exit__(None, None, None)))
@@ -164,11 +159,6 @@ def breakdown(phase: dict, model, peaks: dict) -> dict:
         "context_tokens": mean("cached_context_tokens"),
         "rows": rows,
     }
-
-
-def weight_linears(model) -> list:
-    """The model's linear layers, as loaded (plain or CPU fast path), without the LM head."""
-    return [m for m in model.modules() if m is not model.lm_head and type(m).__name__.endswith("Linear")]
 
 
 def matmul_rate(model) -> float:

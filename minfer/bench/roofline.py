@@ -57,11 +57,16 @@ def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, repeats: i
     return read, copy
 
 
+def weight_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's linear layers, as loaded (plain nn.Linear or a CPU fast path), without the LM head."""
+    return [m for m in model.modules() if m is not model.lm_head and type(m).__name__.endswith("Linear")]
+
+
 def matmul_floor(model: torch.nn.Module, repeats: int = 5) -> float:
     """Seconds to run every weight matmul of the model once at one row: its linears and LM head, as
     loaded (CPU fast paths included), back to back. The weights total far more than any cache, so
     each is read from memory, as in a decode step."""
-    matmuls = [m for m in model.modules() if m is model.lm_head or type(m).__name__.endswith("Linear")]
+    matmuls = [*weight_linears(model), model.lm_head]
     inputs = [torch.randn(1, m.in_features, dtype=model.dtype, device=model.device) for m in matmuls]
 
     def run_all():
