@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from .errors import is_int
+
 
 class ModelConfig(Protocol):
     """What the engine (KV cache, scheduler, bench) needs to know about any model."""
@@ -55,9 +57,17 @@ def read_eos_token_ids(model_dir: str | Path) -> list[int]:
         except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
             raise ValueError(f"{path} is not a valid JSON object: {e}") from None
         for i in eos if isinstance(eos, list) else [eos]:
-            if isinstance(i, int) and not isinstance(i, bool) and i >= 0 and i not in ids:
+            if is_int(i) and i >= 0 and i not in ids:
                 ids.append(i)
     return ids
+
+
+def require_positive_ints(config, names) -> None:
+    """Every named field of a config read from config.json must be a positive int."""
+    for name in names:
+        value = getattr(config, name)
+        if not is_int(value) or value <= 0:
+            raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
 
 
 # GPT-2's "gelu_new" is GELU with the tanh approximation; "gelu" is the exact erf form.
@@ -77,10 +87,7 @@ class GPT2Config:
     # The EOS id is the tokenizer's business (Tokenizer.eos_token_id reads config.json for it).
 
     def __post_init__(self):
-        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+        require_positive_ints(self, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"))
         if self.n_embd % self.n_head:
             raise ValueError(f"config.json: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.activation_function not in SUPPORTED_ACTIVATIONS:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import read_config_json
+from .config import read_config_json, require_positive_ints
 
 # The architectures this config describes, and whether each normalises queries and keys per head.
 QK_NORM = {"LlamaForCausalLM": False, "Qwen3ForCausalLM": True}
@@ -37,19 +37,19 @@ class LlamaConfig:
     architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self):
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+        require_positive_ints(
+            self,
+            (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "max_position_embeddings",
+            ),
+        )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple of "

@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 
 from .continuous_batcher import ContinuousBatcher
-from .errors import InvalidParameter
+from .errors import InvalidParameter, is_int
 from .kv_cache import BlockAllocator, KVCache, cdiv, choose_num_blocks
 from .model_runner import ModelRunner, ScheduledChunk
 from .sampling import SamplingParams, make_generator
@@ -173,7 +173,7 @@ class OnlineScheduler:
         if not ids:
             raise InvalidParameter("prompt", "the prompt is empty: it must have at least one token")
         vocab = self.config.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        bad = next((t for t in ids if not is_int(t) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidParameter("prompt", f"prompt token id {bad!r} is not in the vocabulary [0, {vocab})")
         context = self.config.max_positions
