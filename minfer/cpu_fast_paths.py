@@ -34,6 +34,7 @@ Figures go stale and differ between CPUs; bench.py prints them for the machine a
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
@@ -216,27 +217,33 @@ class ContextReader:
         self._buffers: dict[str, torch.Tensor] = {}
         self._tile_bytes = tile_bytes()
 
-    def seqs_per_tile(self, cache: torch.Tensor, context_len: int) -> int | None:
+    def seqs_per_tile(self, kv_cache: torch.Tensor, context_len: int) -> int | None:
         """How many sequences of this (padded) context length one tile holds; None: all of them
         (on a GPU, where the gathered batch is read back from fast memory anyway)."""
-        if cache.device.type != "cpu":
+        if kv_cache.device.type != "cpu":
             return None
-        key_and_value_bytes = 2 * cache[0].numel() * 4 * context_len  # as read: in fp32 (see read)
+        key_and_value_bytes = math.prod(kv_cache.shape[1:]) * 4 * context_len  # as read: in fp32 (see read)
         return max(1, self._tile_bytes // key_and_value_bytes)
+
+    @staticmethod
+    def dtype_read(kv_cache: torch.Tensor) -> torch.dtype:
+        """The dtype `read` returns: fp32 on a CPU (whose sdpa is slower in bf16 with one query), else the cache's."""
+        return torch.float32 if kv_cache.device.type == "cpu" else kv_cache.dtype
 
     @property
     def largest_buffer_bytes(self) -> int:
         return max((b.numel() * b.element_size() for b in self._buffers.values()), default=0)
 
-    def read(self, cache: torch.Tensor, slots: torch.Tensor, which: str) -> torch.Tensor:
-        """cache (num_slots, H, D), slots (...) -> cache[slots] as (..., H, D), upcast to fp32 on a CPU.
-        `which` names the buffer ("k" or "v"): a result is valid until the next read of the same name."""
-        row, n = cache[0].numel(), slots.numel()
-        out = self._buffer(which, cache.dtype, cache.device, n * row).view(n, row)
-        torch.index_select(cache.view(cache.shape[0], row), 0, slots.reshape(-1), out=out)
-        if cache.device.type == "cpu" and cache.dtype != torch.float32:  # upcast while still in cache
-            out = self._buffer(which + "32", torch.float32, cache.device, n * row).view(n, row).copy_(out)
-        return out.view(*slots.shape, *cache.shape[1:])
+    def read(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """kv_cache (num_slots, 2, Hkv, D), slots (...) -> kv_cache[slots] (..., 2, Hkv, D) in dtype_read.
+        One gather reads keys and values: a slot's key and value sit side by side, one contiguous row
+        per slot. The result lives in a reused buffer: it is valid until the next read."""
+        row, n = math.prod(kv_cache.shape[1:]), slots.numel()
+        out = self._buffer("kv", kv_cache.dtype, kv_cache.device, n * row).view(n, row)
+        torch.index_select(kv_cache.view(-1, row), 0, slots.view(-1), out=out)
+        if out.dtype != self.dtype_read(kv_cache):  # upcast while still in cache
+            out = self._buffer("kv32", torch.float32, kv_cache.device, n * row).view(n, row).copy_(out)
+        return out.view(*slots.shape, *kv_cache.shape[1:])
 
     def _buffer(self, name: str, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
         buf = self._buffers.get(name)

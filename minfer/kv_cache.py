@@ -158,8 +158,10 @@ class BlockAllocator:
 
 
 class KVCache:
-    """The preallocated key/value tensors: (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim).
-    With grouped-query attention only the key/value heads are stored, fewer than the query heads.
+    """The preallocated keys and values, side by side: `kv` is (num_layers, (num_blocks + 1) * block_size,
+    2, num_kv_heads, head_dim), a slot's key next to its value, so one gather reads both (contiguous rows
+    of 2 x num_kv_heads x head_dim; paged_attention). `k` and `v` are views of its two halves. With
+    grouped-query attention only the key/value heads are stored, fewer than the query heads.
 
     Block `num_blocks` is an extra, never-allocated *null block*, kept zeroed: padded
     positions of a batched gather read it. Everything else starts uninitialised
@@ -169,12 +171,12 @@ class KVCache:
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device, dtype):
-        shape = (config.num_layers, (num_blocks + 1) * block_size, config.num_kv_heads, config.head_dim)
+        num_slots = (num_blocks + 1) * block_size
+        shape = (config.num_layers, num_slots, 2, config.num_kv_heads, config.head_dim)
         self.null_block = num_blocks
-        self.k = torch.empty(shape, device=device, dtype=dtype)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
-        self.k[:, num_blocks * block_size :].zero_()
-        self.v[:, num_blocks * block_size :].zero_()
+        self.kv = torch.empty(shape, device=device, dtype=dtype)
+        self.kv[:, num_blocks * block_size :].zero_()
+        self.k, self.v = self.kv[:, :, 0], self.kv[:, :, 1]  # (num_layers, num_slots, num_kv_heads, head_dim)
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -101,8 +101,8 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
             y = y.transpose(1, 2)  # (B, T, nh, hd)
         else:  # the engine's step (B == 1): store k, v in the cache, attend over each sequence's context
-            k_cache, v_cache = paged.kv_cache.k[self.layer], paged.kv_cache.v[self.layer]
-            y = paged_attention(q[0], k[0], v[0], k_cache, v_cache, paged.attention, self.scale)[None]
+            kv_cache = paged.kv_cache.kv[self.layer]  # (num_slots, 2, n_kv_head, head_dim)
+            y = paged_attention(q[0], k[0], v[0], kv_cache, paged.attention, self.scale)[None]
         return self.o_proj(y.reshape(B, T, self.n_head * self.head_dim))
 
 

@@ -54,8 +54,8 @@ class CausalSelfAttention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hd)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale).transpose(1, 2)
         else:  # the engine's step (B == 1): store k, v in the cache, attend over each sequence's context
-            k_cache, v_cache = paged.kv_cache.k[self.layer], paged.kv_cache.v[self.layer]
-            y = paged_attention(q[0], k[0], v[0], k_cache, v_cache, paged.attention, self.scale)[None]
+            kv_cache = paged.kv_cache.kv[self.layer]  # (num_slots, 2, nh, hd): this layer's keys and values
+            y = paged_attention(q[0], k[0], v[0], kv_cache, paged.attention, self.scale)[None]
         return self.c_proj(y.reshape(B, T, C))  # heads side by side again: (B, T, nh, hd) -> (B, T, C)
 
 

@@ -68,22 +68,20 @@ def paged_attention(
     q: torch.Tensor,  # (N, H, D)
     k: torch.Tensor,  # (N, Hkv, D): Hkv = H, or H / group size with grouped-query attention
     v: torch.Tensor,  # (N, Hkv, D)
-    k_cache: torch.Tensor,  # (num_slots, Hkv, D) this layer's keys
-    v_cache: torch.Tensor,  # (num_slots, Hkv, D)
+    kv_cache: torch.Tensor,  # (num_slots, 2, Hkv, D) this layer's keys and values, a slot's key next to its value
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # (N, H, D)
     # Store this step's keys and values first: the queries below attend to them too.
     with part("KV write"):
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        kv_cache.index_copy_(0, meta.slot_mapping, torch.stack((k, v), dim=1))  # (N, 2, Hkv, D) into their slots
 
     gqa = q.shape[1] != k.shape[1]  # query heads share key/value heads
     if meta.all_decode:
-        return decode_attention(q, k_cache, v_cache, meta.decode_groups[0], meta, scale)
+        return decode_attention(q, kv_cache, meta.decode_groups[0], meta, scale)
     out = torch.empty_like(q)
     for group in meta.decode_groups:
-        out[group.rows] = decode_attention(q[group.rows], k_cache, v_cache, group, meta, scale)
+        out[group.rows] = decode_attention(q[group.rows], kv_cache, group, meta, scale)
     for chunk in meta.prefills:
         qs = q[chunk.start : chunk.end].transpose(0, 1)  # (H, T, D)
         if chunk.context_slots is None:  # fresh prompt: its own keys are the whole context
@@ -93,8 +91,8 @@ def paged_attention(
                 y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:  # continuing a prompt (chunked prefill, prefix-cache hit): read the cache
             with part("context read"):
-                ks = meta.reader.read(k_cache, chunk.context_slots, "k").transpose(0, 1)  # (H, L, D)
-                vs = meta.reader.read(v_cache, chunk.context_slots, "v").transpose(0, 1)
+                kv = meta.reader.read(kv_cache, chunk.context_slots)  # (L, 2, Hkv, D)
+                ks, vs = kv.permute(1, 2, 0, 3)  # 2 x (Hkv, L, D)
             with part("attention"):
                 y = F.scaled_dot_product_attention(
                     qs.to(ks.dtype), ks, vs, attn_mask=chunk.mask, scale=scale, enable_gqa=gqa
@@ -103,25 +101,24 @@ def paged_attention(
     return out
 
 
-def decode_attention(q, k_cache, v_cache, group: DecodeGroup, meta: AttentionMetadata, scale: float):
+def decode_attention(q, kv_cache, group: DecodeGroup, meta: AttentionMetadata, scale: float):
     """q (S, H, D): one query per sequence against its whole context. Returns (S, H, D).
 
     The context is read a tile of sequences at a time, so each gathered tile is still in
     cache when sdpa reads it (cpu_fast_paths.ContextReader)."""
     S, L = group.slots.shape
-    step = meta.reader.seqs_per_tile(k_cache, L) or S
-    out = torch.empty_like(q)
+    step = meta.reader.seqs_per_tile(kv_cache, L) or S
+    queries = q.unsqueeze(2).to(meta.reader.dtype_read(kv_cache))  # (S, H, 1, D)
+    gqa = q.shape[1] != kv_cache.shape[2]
+    out = torch.empty_like(q).unsqueeze(2)  # (S, H, 1, D)
     for i in range(0, S, step):
         with part("context read"):
-            ks = meta.reader.read(k_cache, group.slots[i : i + step], "k").transpose(
-                1, 2
-            )  # (T, L, H, D) -> (T, H, L, D)
-            vs = meta.reader.read(v_cache, group.slots[i : i + step], "v").transpose(1, 2)
+            kv = meta.reader.read(kv_cache, group.slots[i : i + step])  # (T, L, 2, Hkv, D)
+            ks, vs = kv.permute(2, 0, 3, 1, 4)  # 2 x (T, Hkv, L, D)
         mask = None if group.mask is None else group.mask[i : i + step]  # (T, 1, 1, L)
         with part("attention"):
-            qs = q[i : i + step].unsqueeze(2).to(ks.dtype)  # (T, H, 1, D)
             y = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=qs.shape[1] != ks.shape[1]
-            )  # (T, H, 1, D)
-            out[i : i + step] = y.squeeze(2)  # back in q's dtype
-    return out
+                queries[i : i + step], ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa
+            )
+            out[i : i + step] = y  # (T, H, 1, D), back in q's dtype
+    return out.squeeze(2)

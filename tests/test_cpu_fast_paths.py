@@ -66,12 +66,12 @@ def test_optimize_for_cpu_gives_a_tied_lm_head_its_own_copy(tiny_checkpoint):
 
 
 def test_context_reader_upcasts_bf16_and_keeps_its_buffers():
-    cache = torch.randn(64, 2, 4).bfloat16()  # (slots, H, D)
+    kv_cache = torch.randn(64, 2, 2, 4).bfloat16()  # (slots, key/value, H, D)
     slots = torch.tensor([[5, 6, 7], [40, 41, 0]])
     reader = ContextReader()
-    out = reader.read(cache, slots, "k")
-    assert out.dtype == torch.float32 and out.shape == (2, 3, 2, 4)
-    torch.testing.assert_close(out, cache[slots].float())
+    kv = reader.read(kv_cache, slots)
+    assert kv.dtype == torch.float32 and kv.shape == (2, 3, 2, 2, 4)  # (seqs, positions, key/value, H, D)
+    torch.testing.assert_close(kv, kv_cache[slots].float())
     size = reader.largest_buffer_bytes
-    reader.read(cache, slots[:1], "k")  # smaller reads reuse the buffer: nothing new is allocated
+    reader.read(kv_cache, slots[:1])  # smaller reads reuse the buffer: nothing new is allocated
     assert reader.largest_buffer_bytes == size

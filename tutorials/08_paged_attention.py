@@ -44,13 +44,13 @@ def check(name: str, paged: torch.Tensor, dense: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------------
 section("part 1: paged_attention by hand, on a cache with shuffled blocks")
 BLOCK_SIZE, NUM_BLOCKS = 4, 16
-# (num_slots, H, D): one layer's keys and values. The engine allocates them with torch.empty, whose
-# memory may hold anything, NaN included; NaN here makes any read of a never-written slot show up.
-k_cache = torch.full(((NUM_BLOCKS + 1) * BLOCK_SIZE, H, D), float("nan"))
-v_cache = torch.full(((NUM_BLOCKS + 1) * BLOCK_SIZE, H, D), float("nan"))
+# (num_slots, 2, H, D): one layer's keys and values, each slot's key next to its value (one row per
+# slot, so one gather reads both). The engine allocates it with torch.empty, whose memory may hold
+# anything, NaN included; NaN here makes any read of a never-written slot show up.
+kv_cache = torch.full(((NUM_BLOCKS + 1) * BLOCK_SIZE, 2, H, D), float("nan"))
+k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]  # views of the two halves
 NULL = NUM_BLOCKS  # the extra block no sequence owns, kept zeroed: padding reads it
-k_cache[NULL * BLOCK_SIZE :] = 0
-v_cache[NULL * BLOCK_SIZE :] = 0
+kv_cache[NULL * BLOCK_SIZE :] = 0
 ids = list(range(NUM_BLOCKS))
 random.Random(0).shuffle(ids)  # a cache that has served for a while hands out blocks in no order
 tables = {"A": ids[0:4], "B": ids[4:6]}  # A gets up to 16 tokens, B up to 8
@@ -78,7 +78,7 @@ def step(rows: list[tuple[str, int, int]], meta: AttentionMetadata) -> torch.Ten
     """Flatten rows [(seq, start, end)] into (N, H, D) and run paged_attention on them."""
     pick = lambda t: torch.cat([t[s][a:b] for s, a, b in rows])  # noqa: E731  (N, H, D)
     meta.slot_mapping = torch.cat([slots(s, range(a, b)) for s, a, b in rows])  # (N,)
-    return paged_attention(pick(q), pick(k), pick(v), k_cache, v_cache, meta, scale)  # (N, H, D)
+    return paged_attention(pick(q), pick(k), pick(v), kv_cache, meta, scale)  # (N, H, D)
 
 
 print("step 1: two fresh prompts, A[0:10] and B[0:5], flattened into 15 rows")
@@ -138,23 +138,24 @@ blocks = torch.randperm(S * L // BLOCK_SIZE + 1)[: S * L // BLOCK_SIZE].view(
     S, L // BLOCK_SIZE
 )  # scattered block tables
 grid = slot_of(blocks, torch.arange(L), BLOCK_SIZE)  # (S, L) slots
-big_k = torch.randn((S * L // BLOCK_SIZE + 2) * BLOCK_SIZE, H, D)  # (num_slots, H, D): one layer's cache
-big_v = torch.randn_like(big_k)
+big_kv = torch.randn((S * L // BLOCK_SIZE + 2) * BLOCK_SIZE, 2, H, D)  # (num_slots, 2, H, D): one layer's cache
 q_dec = torch.randn(S, H, D)
 group = DecodeGroup(torch.arange(S), grid, None)
 
 
 def gather_all() -> torch.Tensor:
-    ks, vs = big_k[grid].transpose(1, 2), big_v[grid].transpose(1, 2)  # (S, H, L, D) each, in fresh memory
+    kv = big_kv[grid]  # (S, L, 2, H, D), in fresh memory
+    ks, vs = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (S, H, L, D) each
     return F.scaled_dot_product_attention(q_dec.unsqueeze(2), ks, vs, scale=scale).squeeze(2)
 
 
 reader = ContextReader()
-tiled = lambda: decode_attention(q_dec, big_k, big_v, group, AttentionMetadata(None, [group], [], reader=reader), scale)  # noqa: E731
-dense_k, dense_v = big_k[grid].transpose(1, 2).contiguous(), big_v[grid].transpose(1, 2).contiguous()
+tiled = lambda: decode_attention(q_dec, big_kv, group, AttentionMetadata(None, [group], [], reader=reader), scale)  # noqa: E731
+dense_k = big_kv[grid, 0].transpose(1, 2).contiguous()  # (S, H, L, D)
+dense_v = big_kv[grid, 1].transpose(1, 2).contiguous()
 contiguous = lambda: F.scaled_dot_product_attention(q_dec.unsqueeze(2), dense_k, dense_v, scale=scale).squeeze(2)  # noqa: E731
 check("tiled read vs gather-everything", tiled(), gather_all())
-per_tile = reader.seqs_per_tile(big_k, L)
+per_tile = reader.seqs_per_tile(big_kv, L)
 context_bytes = 2 * S * L * H * D * 4
 print(
     f"  {S} sequences x {L} positions: {context_bytes / 1e6:.1f} MB of keys+values; a tile holds {per_tile} "
