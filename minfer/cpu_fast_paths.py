@@ -27,7 +27,8 @@ Figures go stale and differ between CPUs; bench.py prints them for the machine a
    table directly: a sequence's keys and values must first be gathered into a
    contiguous tensor. Gathering a whole batch moves the bytes three times (read,
    write, read back from DRAM); gathering a few sequences at a time keeps each tile
-   in cache, so attention reads it from there. The tile is sized from the CPU's
+   in cache, so attention reads it from there. The cache stores a slot's key next to
+   its value, so one gather of whole rows reads both. The tile is sized from the CPU's
    cache (`tile_bytes`). CPU sdpa in bf16 with one query per sequence is slower than
    in fp32, so bf16 tiles are upcast to fp32 while they are in cache.
 """
