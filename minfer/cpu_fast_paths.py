@@ -242,8 +242,9 @@ class ContextReader:
         row, n = math.prod(kv_cache.shape[1:]), slots.numel()
         out = self._buffer("kv", kv_cache.dtype, kv_cache.device, n * row).view(n, row)
         torch.index_select(kv_cache.view(-1, row), 0, slots.view(-1), out=out)
-        if out.dtype != self.dtype_read(kv_cache):  # upcast while still in cache
-            out = self._buffer("kv32", torch.float32, kv_cache.device, n * row).view(n, row).copy_(out)
+        wanted = self.dtype_read(kv_cache)
+        if out.dtype != wanted:  # upcast while still in cache
+            out = self._buffer("kv32", wanted, kv_cache.device, n * row).view(n, row).copy_(out)
         return out.view(*slots.shape, *kv_cache.shape[1:])
 
     def _buffer(self, name: str, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:

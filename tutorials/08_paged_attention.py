@@ -48,7 +48,6 @@ BLOCK_SIZE, NUM_BLOCKS = 4, 16
 # slot, so one gather reads both). The engine allocates it with torch.empty, whose memory may hold
 # anything, NaN included; NaN here makes any read of a never-written slot show up.
 kv_cache = torch.full(((NUM_BLOCKS + 1) * BLOCK_SIZE, 2, H, D), float("nan"))
-k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]  # views of the two halves
 NULL = NUM_BLOCKS  # the extra block no sequence owns, kept zeroed: padding reads it
 kv_cache[NULL * BLOCK_SIZE :] = 0
 ids = list(range(NUM_BLOCKS))
@@ -88,7 +87,7 @@ meta = AttentionMetadata(
 out = step([("A", 0, 10), ("B", 0, 5)], meta)
 check("A prefill (its own keys, causal)", out[0:10], dense("A")[0:10])
 check("B prefill", out[10:15], dense("B")[0:5])
-assert torch.equal(k_cache[slots("A", range(10))], k["A"][:10]), "keys were stored in A's slots"
+assert torch.equal(kv_cache[slots("A", range(10)), 0], k["A"][:10]), "keys were stored in A's slots"
 
 print("step 2: one decode each, A position 10 and B position 5, batched in one group")
 lens = [11, 6]  # context lengths, the new token included
