@@ -31,6 +31,12 @@ Figures go stale and differ between CPUs; bench.py prints them for the machine a
    its value, so one gather of whole rows reads both. The tile is sized from the CPU's
    cache (`tile_bytes`). CPU sdpa in bf16 with one query per sequence is slower than
    in fp32, so bf16 tiles are upcast to fp32 while they are in cache.
+5. Prefill attention by matmuls (`causal_attention_by_matmuls`). With many queries, CPU sdpa
+   (its flash-attention kernel) runs well below what plain batched matmuls reach on the
+   same tensors, the more so the longer the chunk. Two matmuls and a softmax in fp32, a
+   block of query rows at a time, compute the same attention: each block's scores stay
+   within a tile (`tile_bytes`), and keys after a block's last query are never read.
+   Measure it with `bench.py --profile` on long prompts ("attention" in prefill steps).
 """
 
 from __future__ import annotations
@@ -204,6 +210,33 @@ class LMHead(nn.Module):
 def _as_bf16_storage(linear: nn.Linear) -> Bf16StorageLinear:
     linear.__class__ = Bf16StorageLinear  # same parameters, a different forward
     return linear
+
+
+def causal_attention_by_matmuls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prefill chunk (path 5): q (H, T, D) holds the queries of the last T of the
+    L positions whose keys and values k, v (Hkv, L, D) hold. Returns (H, T, D) in q's dtype.
+
+    Computed in fp32 whatever the dtype (bf16 inputs are upcast), like the decode path's tiles. With
+    grouped-query attention (Hkv < H) the G query heads that share a key/value head are stacked into one
+    matrix of G x rows. Memory: a block's scores, at most a tile or 32 query rows against the context."""
+    H, T, D = q.shape
+    Hkv, L, _ = k.shape
+    G = H // Hkv  # query heads per key/value head
+    k, v = k.float(), v.float()
+    q = q.view(Hkv, G, T, D)  # head h reads key/value head h // G
+    out = torch.empty(H, T, D, dtype=q.dtype, device=q.device)
+    out_groups = out.view(Hkv, G, T, D)
+    rows = max(32, tile_bytes() // (H * L * 4))  # query rows per block: a block's fp32 scores fill about a tile
+    for first in range(0, T, rows):
+        last = min(T, first + rows)  # this block's queries: rows first..last-1 of the chunk
+        keys = L - T + last  # the block's last query sits at position keys - 1: later keys are all masked
+        future = torch.ones(last - first, keys, dtype=torch.bool, device=q.device).triu_(L - T + first + 1)
+        bias = torch.zeros(future.shape, device=q.device).masked_fill_(future, float("-inf"))  # (rows, keys)
+        queries = (q[:, :, first:last].float() * scale).reshape(Hkv, G * (last - first), D)  # (Hkv, G x rows, D)
+        scores = torch.bmm(queries, k[:, :keys].transpose(1, 2)).add_(bias.repeat(G, 1))  # (Hkv, G x rows, keys)
+        y = torch.bmm(torch.softmax(scores, dim=-1), v[:, :keys])  # (Hkv, G x rows, D)
+        out_groups[:, :, first:last] = y.view(Hkv, G, last - first, D)
+    return out
 
 
 class ContextReader:

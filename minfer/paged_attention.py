@@ -7,12 +7,13 @@ only per-sequence part, in two groups:
   gathered from the cache into a padded (S, L) grid and masked (sequences of
   very different lengths go in separate groups, so little of the grid is padding),
   a few sequences at a time, so each gathered tile is read back from cache;
-- prefill chunks (several new tokens of one sequence) attend causally, one
-  sdpa call per chunk. A chunk with no earlier context (a fresh prompt) attends
-  to its own new keys directly and skips the gather.
+- prefill chunks (several new tokens of one sequence) attend causally, one chunk
+  at a time (sdpa, or on a CPU two plain matmuls: cpu_fast_paths, path 5). A chunk
+  with no earlier context (a fresh prompt) attends to its own new keys directly
+  and skips the gather.
 With grouped-query attention (Llama, Qwen3) the cache holds fewer key/value heads
-than there are query heads; sdpa's enable_gqa lets each group of query heads read
-its shared key/value head without copying it.
+than there are query heads; each group of query heads reads its shared key/value
+head without copying it (sdpa's enable_gqa, or the group's queries stacked).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .cpu_fast_paths import ContextReader
+from .cpu_fast_paths import ContextReader, causal_attention_by_matmuls
 from .step_parts import part
 
 if TYPE_CHECKING:
@@ -76,7 +77,6 @@ def paged_attention(
     with part("KV write"):
         kv_cache.index_copy_(0, meta.slot_mapping, torch.stack((k, v), dim=1))  # (N, 2, Hkv, D) into their slots
 
-    gqa = q.shape[1] != k.shape[1]  # query heads share key/value heads
     if meta.all_decode:
         return decode_attention(q, kv_cache, meta.decode_groups[0], meta, scale)
     out = torch.empty_like(q)
@@ -85,20 +85,28 @@ def paged_attention(
     for chunk in meta.prefills:
         qs = q[chunk.start : chunk.end].transpose(0, 1)  # (H, T, D)
         if chunk.context_slots is None:  # fresh prompt: its own keys are the whole context
-            ks = k[chunk.start : chunk.end].transpose(0, 1)  # (H, T, D)
+            ks = k[chunk.start : chunk.end].transpose(0, 1)  # (Hkv, T, D)
             vs = v[chunk.start : chunk.end].transpose(0, 1)
-            with part("attention"):
-                y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:  # continuing a prompt (chunked prefill, prefix-cache hit): read the cache
             with part("context read"):
                 kv = meta.reader.read(kv_cache, chunk.context_slots)  # (L, 2, Hkv, D)
                 ks, vs = kv.permute(1, 2, 0, 3)  # 2 x (Hkv, L, D)
-            with part("attention"):
-                y = F.scaled_dot_product_attention(
-                    qs.to(ks.dtype), ks, vs, attn_mask=chunk.mask, scale=scale, enable_gqa=gqa
-                )
+        with part("attention"):
+            y = chunk_attention(qs, ks, vs, chunk.mask, scale)  # (H, T, D)
         out[chunk.start : chunk.end] = y.transpose(0, 1)  # (T, H, D)
     return out
+
+
+def chunk_attention(q, k, v, mask, scale: float) -> torch.Tensor:
+    """Causal attention of a prefill chunk: q (H, T, D) are the last T of the L positions in k, v (Hkv, L, D);
+    mask (T, L) says the same, or is None when T == L. Returns (H, T, D) in q's dtype."""
+    if q.device.type == "cpu":  # plain matmuls beat CPU sdpa at many queries (cpu_fast_paths, path 5)
+        return causal_attention_by_matmuls(q, k, v, scale)
+    gqa = q.shape[0] != k.shape[0]
+    y = F.scaled_dot_product_attention(
+        q.to(k.dtype), k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+    )
+    return y.to(q.dtype)
 
 
 def decode_attention(q, kv_cache, group: DecodeGroup, meta: AttentionMetadata, scale: float):

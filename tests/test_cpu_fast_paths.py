@@ -75,3 +75,21 @@ def test_context_reader_upcasts_bf16_and_keeps_its_buffers():
     size = reader.largest_buffer_bytes
     reader.read(kv_cache, slots[:1])  # smaller reads reuse the buffer: nothing new is allocated
     assert reader.largest_buffer_bytes == size
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])  # plain and grouped-query attention
+@pytest.mark.parametrize("T, L", [(1, 1), (70, 70), (70, 100), (3, 100)])  # fresh prompts and chunks after context
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_by_matmuls_equals_sdpa(monkeypatch, heads, kv_heads, T, L, dtype):
+    """The queries are the last T of L positions; a small tile forces several query blocks (32 rows each)."""
+    monkeypatch.setattr(cpu_fast_paths, "tile_bytes", lambda: 1024)
+    torch.manual_seed(0)
+    q = torch.randn(T, heads, 16).to(dtype).transpose(0, 1)  # (H, T, D), strided like the engine's
+    k, v = torch.randn(2, L, kv_heads, 16).to(dtype).transpose(1, 2)  # 2 x (Hkv, L, D)
+    mask = torch.arange(L)[None, :] <= torch.arange(L - T, L)[:, None]  # (T, L) causal
+    kf, vf = (x.float().repeat_interleave(heads // kv_heads, dim=0) for x in (k, v))
+    expected = F.scaled_dot_product_attention(q.float(), kf, vf, attn_mask=mask, scale=0.25)
+    out = cpu_fast_paths.causal_attention_by_matmuls(q, k, v, scale=0.25)
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = {} if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)  # bf16: the output's rounding
+    torch.testing.assert_close(out.float(), expected, **tolerance)
