@@ -155,13 +155,18 @@ def _drain(stream, put) -> None:
     put("")
 
 
+def sse_data(stdout: str) -> list[str]:
+    """The payloads of a Server-Sent Events stream's `data:` lines, in order."""
+    return [line[len("data: ") :] for line in stdout.splitlines() if line.startswith("data: ")]
+
+
 def sse_text(stdout: str) -> str | None:
     """The text a Server-Sent Events completion stream carried, or None if stdout is not one. A stream
     without its final [DONE] carries "". So does one whose model ended at once: then its last
     finish_reason is "stop" (see stream_is_whole)."""
     import json
 
-    data = [line[len("data: ") :] for line in stdout.splitlines() if line.startswith("data: ")]
+    data = sse_data(stdout)
     if not data:
         return None
     if data[-1] != "[DONE]":
@@ -182,7 +187,7 @@ def stream_is_whole(stdout: str) -> bool:
 
     if (sse_text(stdout) or "").strip():
         return True
-    data = [line[len("data: ") :] for line in stdout.splitlines() if line.startswith("data: ")]
+    data = sse_data(stdout)
     if len(data) < 2 or data[-1] != "[DONE]":
         return False
     last = json.loads(data[-2]).get("choices") or [{}]
