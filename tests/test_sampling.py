@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from minfer.errors import InvalidParameter
+from minfer import sampling
 from minfer.sampling import SamplingParams, apply_top_k_top_p, make_generator, sample
 
 SP = SamplingParams
@@ -43,11 +44,13 @@ def test_top_k_1_equals_greedy():
 
 
 def test_sample_does_not_sync(monkeypatch):
+    # Rows narrower than CPU_HEAD take the whole-row path, the one a GPU always takes: it never
+    # reads a tensor on the host. (A CPU's head path checks one flag per batch, which is free there.)
     def boom(*a, **k):
         raise AssertionError("sample() must not sync with the host")
 
-    monkeypatch.setattr(torch.Tensor, "item", boom)
-    monkeypatch.setattr(torch.Tensor, "tolist", boom)
+    for method in ("item", "tolist", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, method, boom)
     params = [SP(temperature=0), SP(top_k=3, seed=1), SP(top_p=0.5), SP(temperature=0.7)]
     sample(torch.randn(4, 30), params, _gens(params))
 
@@ -159,6 +162,40 @@ def test_top_k_then_top_p_renormalises():
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     filtered = apply_top_k_top_p(logits, torch.tensor([3]), torch.tensor([0.8]))
     assert torch.isfinite(filtered[0]).tolist() == [True, True, False, False]
+
+
+def test_head_path_draws_what_sorting_whole_rows_draws(monkeypatch):
+    # On a CPU top-k/top-p sort only each row's likeliest tokens, growing the head 16x while a row's
+    # nucleus reaches past it. Same seeds must give the same tokens as sorting whole rows.
+    V = 3000
+    g = torch.Generator().manual_seed(5)
+    rows = torch.stack([torch.randn(V, generator=g) * s for s in (12.0, 3.0, 4.0, 0.2)])  # peaked .. flat
+    params = [SP(top_p=0.9, seed=1), SP(top_p=0.95, seed=2), SP(top_k=100, top_p=0.8, seed=3), SP(top_p=0.7, seed=4)]
+    heads = []
+    real_kept_head = sampling._kept_head
+    monkeypatch.setattr(sampling, "_kept_head", lambda *a: heads.append(a[-1]) or real_kept_head(*a))
+
+    def draws(head_size):
+        monkeypatch.setattr(sampling, "CPU_HEAD", head_size)
+        gens = _gens(params)
+        return [sample(rows, params, gens).tolist() for _ in range(30)]
+
+    whole = draws(10**9)
+    assert set(heads) == {V}
+    heads.clear()
+    assert draws(8) == whole
+    assert set(heads) == {100, 1600, V}  # top_k=100 widens the first head; the flat rows need all of V
+    nucleus = [
+        int(torch.isfinite(apply_top_k_top_p(r[None], torch.tensor([p.top_k]), torch.tensor([p.top_p]))).sum())
+        for r, p in zip(rows, params)
+    ]
+    assert nucleus[0] <= 100 < nucleus[1] <= 1600 < nucleus[3]  # each head size was really needed
+
+
+def test_inverse_cdf_never_draws_a_zero_probability_token():
+    probs = torch.tensor([[0.0, 0.2, 0.8, 0.0, 0.0]] * 3)
+    u = torch.tensor([0.0, 0.5, 1.0])  # rand draws from [0, 1); the guard holds even at 1, whatever the rounding
+    assert sampling._draw(probs.clone(), u).tolist() == [1, 2, 2]
 
 
 # --- distributions --------------------------------------------------------------

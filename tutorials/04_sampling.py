@@ -50,7 +50,7 @@ print(
     f"{tokenizer.decode([model_logits.argmax().item()])!r}, every time, whatever the other rows do"
 )
 
-section("sampling draws each token with its probability (the exponential race)")
+section("sampling draws each token with its probability (inverse CDF)")
 n = 20_000
 counts = torch.bincount(draw(toy, SamplingParams(temperature=1.0), n), minlength=5) / n
 print(f"p    = {[round(x, 3) for x in probs.tolist()]}")
