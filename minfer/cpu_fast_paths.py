@@ -30,7 +30,9 @@ Figures go stale and differ between CPUs; bench.py prints them for the machine a
    in cache, so attention reads it from there. The cache stores a slot's key next to
    its value, so one gather of whole rows reads both. The tile is sized from the CPU's
    cache (`tile_bytes`). CPU sdpa in bf16 with one query per sequence is slower than
-   in fp32, so bf16 tiles are upcast to fp32 while they are in cache.
+   in fp32, so bf16 tiles are upcast to fp32 while they are in cache. (Values could be
+   read in place, `F.embedding_bag` with the softmax as per-sample weights, but exact
+   scores still need the keys gathered and upcast; in the engine that was no faster.)
 5. Prefill attention by matmuls (`causal_attention_by_matmuls`). With many queries, CPU sdpa
    (its flash-attention kernel) runs well below what plain batched matmuls reach on the
    same tensors, the more so the longer the chunk. Two matmuls and a softmax in fp32, a
