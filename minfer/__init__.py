@@ -1,9 +1,14 @@
-"""minfer: a from-scratch GPT-2 inference engine in pure PyTorch."""
+"""minfer: a from-scratch LLM inference engine in pure PyTorch (GPT-2, Qwen3, Llama).
 
-from .engine import LLM
-from .sampling import SamplingParams
-from .scheduler import OnlineScheduler
-from .sequence import RequestOutput
+The package is cut into layers, bottom up: attention, text, models, engine, server, with
+bench and stress as clients; docs/architecture.md draws them. This file re-exports what
+users import: `from minfer import LLM, SamplingParams`.
+"""
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "OnlineScheduler"]
-__version__ = "0.1.0"
+from .engine.llm import LLM
+from .engine.sampling import SamplingParams
+from .engine.scheduler import OnlineScheduler
+from .engine.sequence import RequestOutput
+from .version import __version__
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "OnlineScheduler", "__version__"]

@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .engine import DTYPES, LLM
-from .sampling import SamplingParams
+from .engine.llm import DTYPES, LLM
+from .engine.sampling import SamplingParams
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minfer.generate", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str = "python -m minfer.generate") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("prompt", help="text to continue")
     parser.add_argument("--model", default="gpt2", help="local checkpoint directory or Hub repo id")
     parser.add_argument("--max-tokens", type=int, default=32)

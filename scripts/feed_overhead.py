@@ -20,8 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-from minfer.random_model import write_random_checkpoint
-from minfer.serve import create_server
+from minfer.checkpoints import write_random_checkpoint
+from minfer.server.serve import create_server
 
 VIEWER = """
 import http.client, sys, threading

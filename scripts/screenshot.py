@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # the headless-browser helper the tests
 
 from browser import Browser, missing  # noqa: E402
 
-from minfer.random_model import write_random_checkpoint  # noqa: E402
-from minfer.serve import create_server  # noqa: E402
+from minfer.checkpoints import write_random_checkpoint  # noqa: E402
+from minfer.server.serve import create_server  # noqa: E402
 
 
 def client(port: int, seed: int, stop: threading.Event) -> None:

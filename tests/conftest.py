@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from minfer.random_model import write_random_checkpoint
+from minfer.checkpoints import write_random_checkpoint
 
 torch.set_num_threads(2)
 

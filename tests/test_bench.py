@@ -1,7 +1,6 @@
 """bench.py end to end on a tiny random checkpoint: offline and online, the JSON summary checked
 against its own per-request records, the trace, the transformers baseline and the roofline."""
 
-import importlib.util
 import itertools
 import json
 import math
@@ -12,22 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from minfer.bench import cli as bench
 from minfer.bench.metrics import percentile
 from minfer.bench.workload import arrival_times, build_workload, parse_length, sampleable_token_ids
-from minfer.tokenizer import Tokenizer
+from minfer.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ["--num-requests", "6", "--input-len", "8:24", "--output-len", "4:12", "--disable-tqdm"]
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
 
 
 def run_bench(capsys, *argv):

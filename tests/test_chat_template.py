@@ -6,10 +6,11 @@ import threading
 
 import pytest
 
-from minfer.chat_template import ChatTemplate
-from minfer.openai_api import APIError, ModelInfo, parse_chat
-from minfer.serve import create_server
-from minfer.tokenizer import Tokenizer
+from minfer.errors import APIError
+from minfer.server.openai_api import ModelInfo, parse_chat
+from minfer.server.serve import create_server
+from minfer.text.chat_template import ChatTemplate
+from minfer.text.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi, 世界!"}]
 

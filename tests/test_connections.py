@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from minfer.connections import ConnectionLimits
-from minfer.serve import create_server
+from minfer.server.connections import ConnectionLimits
+from minfer.server.serve import create_server
 
 LIMITS = ConnectionLimits(request_timeout=1.0, keepalive_timeout=0.5, write_timeout=1.0, max_connections=6)
 

@@ -5,11 +5,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minfer import cpu_fast_paths
-from minfer.cpu_fast_paths import ContextReader, LMHead, PackedLinear, optimize_for_cpu, padded_rows
+from minfer.attention import cpu_tiled
+from minfer.attention.cpu_tiled import ContextReader
+from minfer.engine import cpu_packing
+from minfer.engine.cpu_packing import LMHead, PackedLinear, optimize_for_cpu, padded_rows
 
 needs_packing = pytest.mark.skipif(
-    not cpu_fast_paths.packing_available(torch.float32),
+    not cpu_packing.packing_available(torch.float32),
     reason="this torch build has no oneDNN (mkldnn) to pack weights with",
 )
 
@@ -52,7 +54,7 @@ def test_optimize_for_cpu_swaps_every_linear_in_place():
 
 @needs_packing
 def test_optimize_for_cpu_gives_a_tied_lm_head_its_own_copy(tiny_checkpoint):
-    from minfer.model import GPT2
+    from minfer.models.gpt2 import GPT2
 
     model = GPT2.from_pretrained(tiny_checkpoint)
     ids = torch.tensor([[5, 6, 7]])
@@ -82,14 +84,14 @@ def test_context_reader_upcasts_bf16_and_keeps_its_buffers():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_attention_by_matmuls_equals_sdpa(monkeypatch, heads, kv_heads, T, L, dtype):
     """The queries are the last T of L positions; a small tile forces several query blocks (32 rows each)."""
-    monkeypatch.setattr(cpu_fast_paths, "tile_bytes", lambda: 1024)
+    monkeypatch.setattr(cpu_tiled, "tile_bytes", lambda: 1024)
     torch.manual_seed(0)
     q = torch.randn(T, heads, 16).to(dtype).transpose(0, 1)  # (H, T, D), strided like the engine's
     k, v = torch.randn(2, L, kv_heads, 16).to(dtype).transpose(1, 2)  # 2 x (Hkv, L, D)
     mask = torch.arange(L)[None, :] <= torch.arange(L - T, L)[:, None]  # (T, L) causal
     kf, vf = (x.float().repeat_interleave(heads // kv_heads, dim=0) for x in (k, v))
     expected = F.scaled_dot_product_attention(q.float(), kf, vf, attn_mask=mask, scale=0.25)
-    out = cpu_fast_paths.causal_attention_by_matmuls(q, k, v, scale=0.25)
+    out = cpu_tiled.causal_attention_by_matmuls(q, k, v, scale=0.25)
     assert out.dtype == dtype and out.shape == q.shape
     tolerance = {} if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)  # bf16: the output's rounding
     torch.testing.assert_close(out.float(), expected, **tolerance)

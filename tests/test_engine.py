@@ -4,9 +4,10 @@ never change a greedy result, and every KV block must come back."""
 import pytest
 import torch
 
-from minfer import LLM, SamplingParams, cpu_fast_paths
-from minfer.cpu_fast_paths import Bf16StorageLinear
-from minfer.model import GPT2
+from minfer import LLM, SamplingParams
+from minfer.engine import cpu_packing
+from minfer.engine.cpu_packing import Bf16StorageLinear
+from minfer.models.gpt2 import GPT2
 
 transformers = pytest.importorskip("transformers")
 
@@ -246,9 +247,9 @@ def test_bf16_engine_matches_a_bf16_reference(tiny_checkpoint, hf_model, monkeyp
     hf_bf16 = transformers.GPT2LMHeadModel.from_pretrained(tiny_checkpoint, torch_dtype=torch.bfloat16).eval()
     reference_error = (hf_bf16(torch.tensor([prompt])).logits[0, 89:].float() - exact).abs().max().item()
     if path != "this CPU's":  # what a CPU without native bf16 runs (e.g. AVX2-only)
-        monkeypatch.setattr(cpu_fast_paths, "packing_available", lambda dtype: False)
+        monkeypatch.setattr(cpu_packing, "packing_available", lambda dtype: False)
     llm = LLM(tiny_checkpoint, dtype="bfloat16", num_kv_blocks=32, max_num_batched_tokens=37)
-    expected = cpu_fast_paths.PackedLinear if cpu_fast_paths.packing_available(torch.bfloat16) else Bf16StorageLinear
+    expected = cpu_packing.PackedLinear if cpu_packing.packing_available(torch.bfloat16) else Bf16StorageLinear
     assert type(llm.model.h[0].mlp.c_fc) is expected
     ours = engine_logits(llm, prompt, 90)
     assert llm.scheduler.kv_cache.k.dtype == torch.bfloat16
@@ -313,7 +314,7 @@ def test_generate_cli_streams_the_engine_output(tiny_checkpoint):
 
 
 def test_auto_dtype_follows_the_hardware(monkeypatch):
-    from minfer import engine
+    from minfer.engine import llm as engine
 
     monkeypatch.setattr(engine, "cpu_has_native_bf16", lambda: True)
     assert engine.resolve_dtype("auto") == torch.bfloat16

@@ -5,8 +5,9 @@ import random
 import pytest
 import torch
 
-from minfer.config import GPT2Config
-from minfer.kv_cache import BlockAllocator, KVCache, cdiv, choose_num_blocks
+from minfer.attention.kv_cache import KVCache, cdiv, choose_num_blocks
+from minfer.engine.block_allocator import BlockAllocator
+from minfer.models.config import GPT2Config
 
 
 def test_allocate_share_free_counts():
@@ -46,7 +47,7 @@ def test_prefix_match_and_lru_eviction():
 
 
 def test_hash_collision_is_caught_by_comparing_tokens(monkeypatch):
-    monkeypatch.setattr("minfer.kv_cache.block_hash", lambda parent, tokens: 7)  # everything collides
+    monkeypatch.setattr("minfer.engine.block_allocator.block_hash", lambda parent, tokens: 7)  # everything collides
     alloc = BlockAllocator(num_blocks=2, block_size=2)
     [b] = alloc.allocate(1)
     alloc.register(b, None, (1, 2))
@@ -120,7 +121,7 @@ def test_cache_size_from_a_memory_budget():
 
 
 def test_decode_groups_bound_padding():
-    from minfer.model_runner import group_by_length
+    from minfer.engine.model_runner import group_by_length
 
     lens = [300, 20, 290, 25, 150, 18, 160]
     groups = group_by_length(lens)

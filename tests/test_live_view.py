@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from minfer.engine_events import EngineFeed, FeedClosed
-from minfer.serve import create_server
+from minfer.server.engine_events import EngineFeed, FeedClosed
+from minfer.server.serve import create_server
 
 KEY = "live-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -8,7 +8,7 @@ import threading
 import pytest
 from browser import Browser, in_ci, missing
 
-from minfer.serve import create_server
+from minfer.server.serve import create_server
 
 NUM_BLOCKS = 48
 USED = "return document.querySelectorAll('#blocks [data-state=used]').length"

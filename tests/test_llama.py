@@ -7,14 +7,14 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-from minfer import LLM, SamplingParams
-from minfer.cpu_fast_paths import LMHead, packing_available
-from minfer.kv_cache import KVCache
-from minfer.llama import Llama
-from minfer.models import load_model, read_config
 from test_engine import assert_all_free, random_prompts
 from test_model import greedy_without_cache
+
+from minfer import LLM, SamplingParams
+from minfer.attention.kv_cache import KVCache
+from minfer.engine.cpu_packing import LMHead, packing_available
+from minfer.models.llama import Llama
+from minfer.models.registry import load_model, read_config
 
 transformers = pytest.importorskip("transformers")
 

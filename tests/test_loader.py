@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from minfer.config import GPT2Config
-from minfer.loader import ModelNotFoundError, load_model_weights, resolve_model_dir
-from minfer.model import GPT2
+from minfer.models.config import GPT2Config
+from minfer.models.gpt2 import GPT2
+from minfer.models.loader import ModelNotFoundError, load_model_weights, resolve_model_dir
 
 
 def copy_checkpoint(src, dst):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minfer.model import GPT2
+from minfer.models.gpt2 import GPT2
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,10 +4,9 @@ import json
 
 import pytest
 
-from minfer.prometheus import Histogram, Metrics
-from minfer.errors import InvalidParameter
-from minfer.openai_api import (
-    APIError,
+from minfer.engine.sequence import RequestOutput
+from minfer.errors import APIError, InvalidParameter
+from minfer.server.openai_api import (
     ModelInfo,
     Responder,
     invalid_request,
@@ -16,9 +15,9 @@ from minfer.openai_api import (
     parse_generate,
     parse_json_body,
 )
-from minfer.chat_template import render_chat
-from minfer.sequence import RequestOutput
-from minfer.tokenizer import Tokenizer
+from minfer.server.prometheus import Histogram, Metrics
+from minfer.text.chat_template import render_chat
+from minfer.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import sys
 import pytest
 from safetensors import safe_open
 
-from minfer.config import GPT2Config
-from minfer.random_model import random_state_dict, make_config, train_tokenizer
-from minfer.tokenizer import Tokenizer
+from minfer.checkpoints import make_config, random_state_dict, train_tokenizer
+from minfer.models.config import GPT2Config
+from minfer.text.tokenizer import Tokenizer
 
 
 @pytest.mark.parametrize("layout", ["hub", "transformers"])

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from readme_commands import README, ROOT, ReadmeSession, hub_model, script_env, skip_reason, snippets, stream_is_whole
 
 SNIPPETS = snippets(README.read_text(encoding="utf-8"))
@@ -75,8 +74,7 @@ def test_hub_snippets_stop_only_at_the_hub(tmp_path):
 
 def test_bench_commands_parse(monkeypatch):
     """bench.py's README lines are benchmarks (minutes each): check that their flags are bench.py's."""
-    monkeypatch.syspath_prepend(str(ROOT))
-    import bench
+    from minfer.bench import cli as bench
 
     lines = [s.text for s in SNIPPETS if s.lang == "bash" and s.text.startswith("python bench.py")]
     assert lines

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
+from minfer.engine import sampling
+from minfer.engine.sampling import SamplingParams, apply_top_k_top_p, make_generator, sample
 from minfer.errors import InvalidParameter
-from minfer import sampling
-from minfer.sampling import SamplingParams, apply_top_k_top_p, make_generator, sample
 
 SP = SamplingParams
 

@@ -16,9 +16,9 @@ import openai
 import pytest
 
 from minfer import LLM, SamplingParams
-from minfer.chat_template import render_chat
-from minfer.serve import create_server
-from minfer.tokenizer import Tokenizer
+from minfer.server.serve import create_server
+from minfer.text.chat_template import render_chat
+from minfer.text.tokenizer import Tokenizer
 
 API_KEY = "test-key"
 MODEL = "tiny-gpt2"

@@ -11,8 +11,8 @@ import pytest
 import tokenizers
 from tokenizers import decoders, pre_tokenizers
 
-from minfer.random_model import EOS_TOKEN, write_random_checkpoint
-from minfer.tokenizer import IncrementalDetokenizer, Tokenizer, bytes_to_unicode
+from minfer.checkpoints import EOS_TOKEN, write_random_checkpoint
+from minfer.text.tokenizer import IncrementalDetokenizer, Tokenizer, bytes_to_unicode
 
 TEXTS = {
     "ascii": "Hello, world! The quick brown fox jumps over the lazy dog 0123456789.",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from minfer.loader import ModelNotFoundError
+from minfer.models.loader import ModelNotFoundError
 
 TUTORIALS = Path(__file__).resolve().parent.parent / "tutorials"
 SCRIPTS = sorted(TUTORIALS.glob("[0-9][0-9]_*.py"))
@@ -96,7 +96,7 @@ def test_model_path_order(monkeypatch, tmp_path, tiny_checkpoint, capsys):
         raise ModelNotFoundError(f"could not get model {name!r} (test)")
 
     monkeypatch.delenv("MINFER_MODEL")
-    monkeypatch.setattr("minfer.loader.resolve_model_dir", no_hub)
+    monkeypatch.setattr("minfer.models.loader.resolve_model_dir", no_hub)
     monkeypatch.setattr(_common, "TINY_DIR", tmp_path / "tiny")
     first = _common.model_path()
     assert first == str(tmp_path / "tiny") and (tmp_path / "tiny" / "config.json").is_file()

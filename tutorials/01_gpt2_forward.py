@@ -9,10 +9,10 @@ GPT2LMHeadModel, and picks the greedy next token.
 """
 
 import torch
-
 from _common import model_path, section
-from minfer.model import GPT2
-from minfer.tokenizer import Tokenizer
+
+from minfer.models.gpt2 import GPT2
+from minfer.text.tokenizer import Tokenizer
 
 torch.manual_seed(0)
 path = model_path()

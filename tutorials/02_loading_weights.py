@@ -17,11 +17,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import model_path, section
 from safetensors import safe_open
 
-from _common import model_path, section
-from minfer.config import GPT2Config
-from minfer.loader import (
+from minfer.models.config import GPT2Config
+from minfer.models.gpt2 import GPT2
+from minfer.models.loader import (
     CONV1D_WEIGHTS,
     SKIPPED,
     ModelNotFoundError,
@@ -30,7 +31,6 @@ from minfer.loader import (
     resolve_model_dir,
     safetensors_files,
 )
-from minfer.model import GPT2
 
 model_dir = Path(model_path())
 config = GPT2Config.from_json(model_dir / "config.json")

@@ -15,12 +15,12 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from _common import model_path, section
+
 from minfer import LLM, SamplingParams
-from minfer.kv_cache import cdiv
-from minfer.model import GPT2
-from minfer.tokenizer import Tokenizer
+from minfer.attention.kv_cache import cdiv
+from minfer.models.gpt2 import GPT2
+from minfer.text.tokenizer import Tokenizer
 
 path = model_path()
 model = GPT2.from_pretrained(path)

@@ -9,10 +9,10 @@ whatever else shares its batch, in the sampler and in the engine.
 """
 
 import torch
-
 from _common import model_path, section
+
 from minfer import LLM, SamplingParams
-from minfer.sampling import apply_top_k_top_p, make_generator, sample
+from minfer.engine.sampling import apply_top_k_top_p, make_generator, sample
 
 torch.manual_seed(0)  # the shared RNG, used by rows without a seed
 path = model_path()

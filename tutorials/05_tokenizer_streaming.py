@@ -9,8 +9,9 @@ incomplete bytes back until the next token completes them.
 """
 
 from _common import model_path, section
+
 from minfer import LLM, SamplingParams
-from minfer.tokenizer import Tokenizer
+from minfer.text.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are not valid UTF-8
 

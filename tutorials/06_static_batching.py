@@ -15,8 +15,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from _common import model_path, section
+
 from minfer import LLM, SamplingParams
 
 path = model_path()

@@ -6,7 +6,7 @@ front, and most of it is never used. minfer cuts the cache into blocks of
 its *block table* (the list of its block ids, in order) says where each of its
 tokens lives: slot = table[p // block_size] * block_size + p % block_size.
 
-This script drives minfer.kv_cache.BlockAllocator by hand (allocate, free,
+This script drives minfer.engine.block_allocator.BlockAllocator by hand (allocate, free,
 share, free queue, ref counts), writes and reads a toy cache through block
 tables, then sizes real KV tensors for the checkpoint's config (KVCache,
 choose_num_blocks) and checks the engine frees every block it used.
@@ -15,11 +15,12 @@ choose_num_blocks) and checks the engine frees every block it used.
 """
 
 import torch
-
 from _common import model_path, section
+from minfer.models.config import GPT2Config
+from minfer.engine.block_allocator import BlockAllocator
+from minfer.attention.kv_cache import KVCache, cdiv, choose_num_blocks, slot_of
+
 from minfer import LLM, SamplingParams
-from minfer.config import GPT2Config
-from minfer.kv_cache import BlockAllocator, KVCache, cdiv, choose_num_blocks, slot_of
 
 path = model_path()
 cfg = GPT2Config.from_json(path)
@@ -56,7 +57,7 @@ tokens: dict[str, list[int]] = {}  # request -> its token ids (made up: 100 + po
 
 def append_tokens(name: str, n: int) -> None:
     """Add n tokens to a sequence, taking a new block whenever its last one is full
-    (the same arithmetic as OnlineScheduler._grow in minfer/scheduler.py)."""
+    (the same arithmetic as OnlineScheduler._grow in minfer/engine/scheduler.py)."""
     table, toks = tables.setdefault(name, []), tokens.setdefault(name, [])
     base = {"A": 100, "B": 200, "C": 300}[name]
     toks += [base + len(toks) + i for i in range(n)]
@@ -162,7 +163,7 @@ print(f"default budget on this machine: {auto} blocks = {auto * per_block / 2**2
 assert per_seq <= auto <= 2 * 64 * per_seq
 
 section("the engine builds the same pieces, and gives every block back")
-# OnlineScheduler.__init__ (minfer/scheduler.py) sizes the cache with choose_num_blocks unless told
+# OnlineScheduler.__init__ (minfer/engine/scheduler.py) sizes the cache with choose_num_blocks unless told
 # num_kv_blocks, then builds a BlockAllocator and a KVCache; stage 10 is about that scheduler.
 llm = LLM(path, num_kv_blocks=40, max_num_seqs=4)
 sched = llm.scheduler

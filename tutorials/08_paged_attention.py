@@ -21,11 +21,11 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from _common import model_path, section
-from minfer.kv_cache import cdiv, slot_of
-from minfer.model import GPT2
-from minfer.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention
+
+from minfer.attention.kv_cache import cdiv, slot_of
+from minfer.attention.paged import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention
+from minfer.models.gpt2 import GPT2
 
 torch.manual_seed(0)
 path = model_path()
@@ -123,13 +123,13 @@ check("B decode", out[0], dense("B")[6])
 check("A chunk (5 queries over 16 cached keys)", out[1:6], dense("A")[11:16])
 
 # ---------------------------------------------------------------------------------------
-section("part 2: reading the context a tile at a time (cpu_fast_paths.ContextReader)")
+section("part 2: reading the context a tile at a time (attention/cpu_tiled.py's ContextReader)")
 BLOCK_SIZE = 16
 # A decode step of many sequences: gather every context at once, then attend, and the gathered
 # keys/values (tens of MB) go out to DRAM and come back. Gather a few sequences at a time and
 # each tile is still in cache when sdpa reads it. Same result; only the memory traffic differs.
-from minfer.cpu_fast_paths import ContextReader, tile_bytes  # noqa: E402
-from minfer.paged_attention import decode_attention  # noqa: E402
+from minfer.attention.cpu_tiled import ContextReader, tile_bytes  # noqa: E402
+from minfer.attention.paged import decode_attention  # noqa: E402
 
 L = min(cfg.n_positions, 192) // BLOCK_SIZE * BLOCK_SIZE  # context length of each sequence
 S = max(32, cdiv(4 * tile_bytes(), 2 * L * H * D * 4))  # sequences: keys+values of 4 tiles at least

@@ -1,6 +1,6 @@
 """Stage 09: prefix caching: reuse the KV blocks of a prompt prefix the engine has already computed.
 
-Part 1 drives the prefix index of minfer.kv_cache.BlockAllocator by hand:
+Part 1 drives the prefix index of minfer.engine.block_allocator.BlockAllocator by hand:
 chained block hashes (register, match_prefix), sharing a hit (share), cached
 blocks that outlive their request in the free queue, and least-recently-freed
 eviction, tail before head.
@@ -14,8 +14,9 @@ while the greedy output stays the same.
 """
 
 from _common import model_path, section
+
 from minfer import LLM, OnlineScheduler, SamplingParams
-from minfer.kv_cache import BlockAllocator, block_hash
+from minfer.engine.block_allocator import BlockAllocator, block_hash
 
 # ---------------------------------------------------------------------------------------
 section("part 1: the prefix index, by hand (blocks of 4 tokens)")

@@ -19,14 +19,15 @@ import random
 import time
 
 import torch
-
 from _common import model_path, section
+
 from minfer import OnlineScheduler, SamplingParams
-from minfer.kv_cache import BlockAllocator, KVCache, cdiv
-from minfer.model import GPT2
-from minfer.model_runner import ModelRunner, ScheduledChunk, group_by_length
-from minfer.sequence import Sequence, Status
-from minfer.tokenizer import Tokenizer
+from minfer.attention.kv_cache import KVCache, cdiv
+from minfer.engine.block_allocator import BlockAllocator
+from minfer.engine.model_runner import ModelRunner, group_by_length
+from minfer.engine.sequence import ScheduledChunk, Sequence, Status
+from minfer.models.gpt2 import GPT2
+from minfer.text.tokenizer import Tokenizer
 
 path = model_path()
 model = GPT2.from_pretrained(path)

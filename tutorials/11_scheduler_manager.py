@@ -15,13 +15,14 @@ import threading
 import time
 
 from _common import model_path, section
+
 from minfer import OnlineScheduler, SamplingParams
 from minfer.errors import InvalidParameter
-from minfer.manager import EngineError, SchedulerManager
-from minfer.messages import Accepted, Done, Error, Text
-from minfer.model import GPT2
-from minfer.prometheus import Metrics
-from minfer.tokenizer import Tokenizer
+from minfer.models.gpt2 import GPT2
+from minfer.server.manager import EngineError, SchedulerManager
+from minfer.server.messages import Accepted, Done, Error, Text
+from minfer.server.prometheus import Metrics
+from minfer.text.tokenizer import Tokenizer
 
 path = model_path()
 model = GPT2.from_pretrained(path)

@@ -23,9 +23,10 @@ import urllib.request
 from pathlib import Path
 
 from _common import model_path, section
-from minfer.config import GPT2Config
-from minfer.serve import create_server
-from minfer.tokenizer import Tokenizer
+
+from minfer.models.config import GPT2Config
+from minfer.server.serve import create_server
+from minfer.text.tokenizer import Tokenizer
 
 
 class LogLines(logging.Handler):

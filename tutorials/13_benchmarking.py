@@ -21,7 +21,8 @@ import tempfile
 from pathlib import Path
 
 from _common import model_path, section
-from minfer.config import GPT2Config
+
+from minfer.models.config import GPT2Config
 
 path = model_path()
 BENCH = Path(__file__).resolve().parent.parent / "bench.py"

@@ -14,17 +14,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from _common import model_path, section
+
 from minfer import LLM, SamplingParams
-from minfer.chat_template import ChatTemplate, render_chat
-from minfer.kv_cache import KVCache
-from minfer.llama import Llama, RMSNorm, apply_rope, rope_frequencies
-from minfer.llama_config import LlamaConfig
-from minfer.models import load_model
-from minfer.random_llama import make_llama_config
-from minfer.random_model import write_random_checkpoint
-from minfer.tokenizer import Tokenizer
+from minfer.attention.kv_cache import KVCache
+from minfer.checkpoints import write_random_checkpoint
+from minfer.checkpoints.random_llama import make_llama_config
+from minfer.models.llama import Llama, RMSNorm, apply_rope, rope_frequencies
+from minfer.models.llama_config import LlamaConfig
+from minfer.models.registry import load_model
+from minfer.text.chat_template import ChatTemplate, render_chat
+from minfer.text.tokenizer import Tokenizer
 
 torch.manual_seed(0)
 gpt2_path = model_path()

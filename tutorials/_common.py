@@ -19,7 +19,7 @@ def model_path() -> str:
 
     Prints one line saying which model it picked.
     """
-    from minfer.loader import ModelNotFoundError, resolve_model_dir
+    from minfer.models.loader import ModelNotFoundError, resolve_model_dir
 
     if os.environ.get("MINFER_MODEL"):
         path = resolve_model_dir(os.environ["MINFER_MODEL"])
@@ -32,7 +32,7 @@ def model_path() -> str:
     except ModelNotFoundError:
         pass
     if not (TINY_DIR / "config.json").is_file():
-        from minfer.random_model import write_random_checkpoint
+        from minfer.checkpoints import write_random_checkpoint
 
         # Write next to it, then rename: a run that stops half-way leaves no broken checkpoint.
         partial = TINY_DIR.with_name(f"{TINY_DIR.name}.{os.getpid()}")

@@ -16,9 +16,9 @@ from dataclasses import asdict
 
 from tqdm import tqdm
 
-from ..sampling import SamplingParams
-from ..scheduler import OnlineScheduler
-from ..sequence import RequestOutput
+from ..engine.sampling import SamplingParams
+from ..engine.scheduler import OnlineScheduler
+from ..engine.sequence import RequestOutput
 from .metrics import RequestRecord, RunResult
 from .workload import BenchRequest
 

@@ -24,7 +24,7 @@ from dataclasses import asdict
 import torch
 
 from .. import step_parts
-from ..scheduler import OnlineScheduler
+from ..engine.scheduler import OnlineScheduler
 from .offline import submit_request
 from .roofline import best_time, measure_bandwidth, weight_linears
 from .workload import BenchRequest

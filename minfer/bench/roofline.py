@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ..scheduler import OnlineScheduler
+from ..engine.scheduler import OnlineScheduler
 from .offline import run_offline
 from .workload import BenchRequest, sampleable_token_ids
 

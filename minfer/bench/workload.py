@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 
 
 @dataclass

@@ -7,14 +7,14 @@ import json
 import sys
 from urllib.parse import urlsplit
 
-from . import __doc__ as DOC
+from ..stress import __doc__ as DOC
 from .clients import Tally, Target
 from .soak import ServerDidNotStart, SoakConfig, run_spawned, soak
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m minfer.stress") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m minfer.stress",
+        prog=prog,
         description=DOC.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,0 +1,7 @@
+"""`python -m minfer ...`: the `minfer` command (cli.py)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,137 @@
+"""CPU attention helpers: what makes paged attention fast on a CPU, chosen from what the CPU has.
+
+paged.py reads decode context through a `ContextReader`, and prefill chunks attend with
+`causal_attention_by_matmuls` on a CPU. `python bench.py --profile` splits an engine step
+into KV write, context read, attention, linears, LM head, sampling and host time, so
+running it with and without a path shows what the path is worth. (Paths 1-3, the packed
+linears, live in engine/cpu_packing.py.)
+
+4. Tiled context reads (`ContextReader`). Pure torch cannot attend through a block
+   table directly: a sequence's keys and values must first be gathered into a
+   contiguous tensor. Gathering a whole batch moves the bytes three times (read,
+   write, read back from DRAM); gathering a few sequences at a time keeps each tile
+   in cache, so attention reads it from there. The cache stores a slot's key next to
+   its value, so one gather of whole rows reads both. The tile is sized from the CPU's
+   cache (`tile_bytes`). CPU sdpa in bf16 with one query per sequence is slower than
+   in fp32, so bf16 tiles are upcast to fp32 while they are in cache. (Values could be
+   read in place, `F.embedding_bag` with the softmax as per-sample weights, but exact
+   scores still need the keys gathered and upcast; in the engine that was no faster.)
+5. Prefill attention by matmuls (`causal_attention_by_matmuls`). With many queries, CPU sdpa
+   (its flash-attention kernel) runs well below what plain batched matmuls reach on the
+   same tensors, the more so the longer the chunk. Two matmuls and a softmax in fp32, a
+   block of query rows at a time, compute the same attention: each block's scores stay
+   within a tile (`tile_bytes`), and keys after a block's last query are never read.
+   Measure it with `bench.py --profile` on long prompts ("attention" in prefill steps).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=None)
+def cache_bytes(level: int) -> int | None:
+    """Size of this CPU's level-`level` data/unified cache as Linux reports it (per instance), or None."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    for index in range(8):
+        try:
+            with open(f"{root}/index{index}/level") as f:
+                if int(f.read()) != level:
+                    continue
+            with open(f"{root}/index{index}/type") as f:
+                if f.read().strip() == "Instruction":
+                    continue
+            with open(f"{root}/index{index}/size") as f:
+                size = f.read().strip()
+        except (OSError, ValueError):
+            return None
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    return None
+
+
+def tile_bytes() -> int:
+    """How many bytes of gathered keys + values one attention tile may hold: a quarter of the
+    last-level cache, so the tile is still in cache when attention reads it (4 MiB if unknown)."""
+    llc = cache_bytes(3) or cache_bytes(2)
+    return max(llc // 4, 1 << 20) if llc else 4 << 20
+
+
+def causal_attention_by_matmuls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prefill chunk (path 5): q (H, T, D) holds the queries of the last T of the
+    L positions whose keys and values k, v (Hkv, L, D) hold. Returns (H, T, D) in q's dtype.
+
+    Computed in fp32 whatever the dtype (bf16 inputs are upcast), like the decode path's tiles. With
+    grouped-query attention (Hkv < H) the G query heads that share a key/value head are stacked into one
+    matrix of G x rows. Memory: a block's scores, at most a tile or 32 query rows against the context."""
+    H, T, D = q.shape
+    Hkv, L, _ = k.shape
+    G = H // Hkv  # query heads per key/value head
+    k, v = k.float(), v.float()
+    q = q.view(Hkv, G, T, D)  # head h reads key/value head h // G
+    out = torch.empty(H, T, D, dtype=q.dtype, device=q.device)
+    out_groups = out.view(Hkv, G, T, D)
+    rows = max(32, tile_bytes() // (H * L * 4))  # query rows per block: a block's fp32 scores fill about a tile
+    for first in range(0, T, rows):
+        last = min(T, first + rows)  # this block's queries: rows first..last-1 of the chunk
+        keys = L - T + last  # the block's last query sits at position keys - 1: later keys are all masked
+        future = torch.ones(last - first, keys, dtype=torch.bool, device=q.device).triu_(L - T + first + 1)
+        bias = torch.zeros(future.shape, device=q.device).masked_fill_(future, float("-inf"))  # (rows, keys)
+        queries = (q[:, :, first:last].float() * scale).reshape(Hkv, G * (last - first), D)  # (Hkv, G x rows, D)
+        scores = torch.bmm(queries, k[:, :keys].transpose(1, 2)).add_(bias.repeat(G, 1))  # (Hkv, G x rows, keys)
+        y = torch.bmm(torch.softmax(scores, dim=-1), v[:, :keys])  # (Hkv, G x rows, D)
+        out_groups[:, :, first:last] = y.view(Hkv, G, last - first, D)
+    return out
+
+
+class ContextReader:
+    """Gathers context from the paged cache into buffers it reuses, a tile at a time (path 4).
+
+    A fresh tensor of tens of MB comes from mmap and pays a page fault per 4 KB on first
+    touch: several times the copy itself. These buffers are allocated once, grown rarely,
+    and bounded by a tile (or by one sequence's full context), never by the batch.
+    """
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._tile_bytes = tile_bytes()
+
+    def seqs_per_tile(self, kv_cache: torch.Tensor, context_len: int) -> int | None:
+        """How many sequences of this (padded) context length one tile holds; None: all of them
+        (on a GPU, where the gathered batch is read back from fast memory anyway)."""
+        if kv_cache.device.type != "cpu":
+            return None
+        key_and_value_bytes = math.prod(kv_cache.shape[1:]) * 4 * context_len  # as read: in fp32 (see read)
+        return max(1, self._tile_bytes // key_and_value_bytes)
+
+    @staticmethod
+    def dtype_read(kv_cache: torch.Tensor) -> torch.dtype:
+        """The dtype `read` returns: fp32 on a CPU (whose sdpa is slower in bf16 with one query), else the cache's."""
+        return torch.float32 if kv_cache.device.type == "cpu" else kv_cache.dtype
+
+    @property
+    def largest_buffer_bytes(self) -> int:
+        return max((b.numel() * b.element_size() for b in self._buffers.values()), default=0)
+
+    def read(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """kv_cache (num_slots, 2, Hkv, D), slots (...) -> kv_cache[slots] (..., 2, Hkv, D) in dtype_read.
+        One gather reads keys and values: a slot's key and value sit side by side, one contiguous row
+        per slot. The result lives in a reused buffer: it is valid until the next read."""
+        row, n = math.prod(kv_cache.shape[1:]), slots.numel()
+        out = self._buffer("kv", kv_cache.dtype, kv_cache.device, n * row).view(n, row)
+        torch.index_select(kv_cache.view(-1, row), 0, slots.view(-1), out=out)
+        wanted = self.dtype_read(kv_cache)
+        if out.dtype != wanted:  # upcast while still in cache
+            out = self._buffer("kv32", wanted, kv_cache.device, n * row).view(n, row).copy_(out)
+        return out.view(*slots.shape, *kv_cache.shape[1:])
+
+    def _buffer(self, name: str, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            # Grow by half again, not by the few bytes asked for: decode contexts grow a token a step.
+            grown = 3 * buf.numel() // 2 if buf is not None and buf.dtype == dtype else 0
+            buf = self._buffers[name] = torch.empty(max(numel, grown), dtype=dtype, device=device)
+        return buf[:numel]

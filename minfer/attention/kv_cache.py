@@ -1,0 +1,119 @@
+"""The paged KV cache's storage: preallocated tensors that attention writes and reads by slot.
+
+Every layer's keys and values live in one preallocated tensor of
+`num_blocks * block_size` token slots. A sequence owns a *block table*: the list
+of block ids that hold its tokens, in order, so token `p` of a sequence lives in
+slot `table[p // block_size] * block_size + p % block_size` (`slot_of`) — the same
+trick as virtual memory pages.
+
+Which blocks a sequence holds is the engine's business (engine/block_allocator.py);
+this module only knows slots, tensors and how many blocks a memory budget buys.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import torch
+
+
+class ModelConfig(Protocol):
+    """What the cache needs of a model's config (every models/ config has it)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+
+
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up: how many blocks hold `a` tokens (a partly filled block is still a block)."""
+    return -(-a // b)
+
+
+def slot_of(block_table, position, block_size: int):
+    """The cache slot of token `position` of a sequence: table[p // block_size] * block_size + p % block_size.
+    Takes a list table and an int position, or tensors: a (..., num_blocks) table and (L,) positions
+    give (..., L) slots."""
+    index = position // block_size
+    block = block_table[..., index] if isinstance(block_table, torch.Tensor) else block_table[index]
+    return block * block_size + position % block_size
+
+
+class KVCache:
+    """The preallocated keys and values, side by side: `kv` is (num_layers, (num_blocks + 1) * block_size,
+    2, num_kv_heads, head_dim), a slot's key next to its value, so one gather reads both (contiguous rows
+    of 2 x num_kv_heads x head_dim; paged_attention). `k` and `v` are views of its two halves. With
+    grouped-query attention only the key/value heads are stored, fewer than the query heads.
+
+    Block `num_blocks` is an extra, never-allocated *null block*, kept zeroed: padded
+    positions of a batched gather read it. Everything else starts uninitialised
+    (torch.empty): a slot is always written before attention reads it unmasked, and
+    untouched memory costs no RAM until used. Masked reads must still be finite
+    (0 * NaN = NaN in the attention sum), hence the zeroed null block.
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device, dtype):
+        num_slots = (num_blocks + 1) * block_size
+        shape = (config.num_layers, num_slots, 2, config.num_kv_heads, config.head_dim)
+        self.null_block = num_blocks
+        self.kv = torch.empty(shape, device=device, dtype=dtype)
+        self.kv[:, num_blocks * block_size :].zero_()
+        self.k, self.v = self.kv[:, :, 0], self.kv[:, :, 1]  # (num_layers, num_slots, num_kv_heads, head_dim)
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        token_bytes = config.num_layers * config.num_kv_heads * config.head_dim * element
+        return 2 * block_size * token_bytes  # keys + values
+
+
+def available_memory(device: torch.device) -> int:
+    """Free bytes on the device: free GPU memory, or MemAvailable from /proc/meminfo on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+LONGEST_REQUIRED = 8192  # tokens: the longest sequence a KV cache budget must be able to hold
+
+
+def choose_num_blocks(
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_num_seqs: int,
+    memory_bytes: int | None = None,
+    memory_fraction: float | None = None,
+) -> int:
+    """Size the cache from a budget: bytes, or a fraction of free memory (default 0.9 on a GPU,
+    0.25 on CPU). Never more than every running sequence at full context could use
+    (plus as much again to keep prefixes cached) — more would be memory held for nothing. The budget
+    must hold one sequence of the full context, or of LONGEST_REQUIRED tokens for long-context
+    models (Qwen3's 40960 would need GBs): the scheduler refuses requests longer than the cache."""
+    per_block = KVCache.bytes_per_block(config, block_size, dtype)
+    if memory_bytes is None:
+        fraction = memory_fraction if memory_fraction is not None else (0.9 if device.type == "cuda" else 0.25)
+        if not 0 < fraction <= 1:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {fraction}")
+        memory_bytes = int(available_memory(device) * fraction)
+    blocks_per_seq = cdiv(config.max_positions, block_size)
+    num_blocks = min(memory_bytes // per_block, 2 * max_num_seqs * blocks_per_seq)
+    needed = min(blocks_per_seq, cdiv(LONGEST_REQUIRED, block_size))
+    if num_blocks < needed:
+        length = "full-length" if needed == blocks_per_seq else f"{LONGEST_REQUIRED}-token"
+        raise ValueError(
+            f"the KV cache budget of {memory_bytes / 2**20:.2f} MiB holds {num_blocks} blocks, "
+            f"fewer than the {needed} one {length} sequence needs; give more memory or num_kv_blocks"
+        )
+    return int(num_blocks)

@@ -1,0 +1,334 @@
+"""Benchmark minfer: TTFT, TPOT, ITL, end-to-end latency, throughput and peak memory.
+
+Offline mode drives the engine in-process; online mode starts `python -m minfer.serve`
+(or targets any OpenAI-compatible server with --base-url) and streams completions
+from client threads. Metric definitions follow vLLM's benchmark (minfer/bench/metrics.py).
+
+    python -m minfer.random_model /tmp/gpt2-random --config gpt2      # no Hub? a random GPT-2
+    python bench.py --model /tmp/gpt2-random --num-requests 64 --input-len 128 --output-len 128
+    python bench.py --model /tmp/gpt2-random --input-len 32:256 --output-len 16:256 --baseline hf
+    python bench.py --model /tmp/gpt2-random --mode online --request-rate 4 --trace run.trace.json
+    python bench.py --model /tmp/gpt2-random --roofline --num-requests 1 --output-len 64
+    python bench.py --base-url http://localhost:8000 --model gpt2 --tokenizer /tmp/gpt2-random  # e.g. vLLM
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import shlex
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from .hf_baseline import compare, format_comparison, generate_batch, load_hf_model, run_hf
+from .metrics import RunResult, format_summary, median_summary, summarize
+from .offline import run_offline
+from .online import Endpoint, EngineFeedReader, ServerProcess, run_online, server_flags
+from .profile import format_profile, profile_steps
+from .roofline import format_roofline, roofline
+from .trace import write_trace
+from .workload import build_workload, read_prompts, warmup_workload
+from ..engine.llm import LLM, resolve_dtype, set_cpu_threads
+from ..engine.scheduler import OnlineScheduler
+from ..models.loader import ModelNotFoundError, resolve_model_dir
+from ..models.registry import read_config
+from ..text.tokenizer import Tokenizer
+
+NO_MODEL_HINT = (
+    "bench.py: cannot load model {model!r} ({why}). Pass a local checkpoint with --model DIR; "
+    "write a random GPT-2-sized one with: python -m minfer.random_model DIR --config gpt2"
+)
+
+
+def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--mode",
+        choices=["offline", "online"],
+        default="offline",
+        help="offline: minfer in-process; online: HTTP to minfer.serve (or to --base-url)",
+    )
+    p.add_argument("--model", default="gpt2", help="checkpoint dir or Hub id (--base-url: the served name)")
+    p.add_argument("--tokenizer", help="with --base-url: a checkpoint directory, for random prompts")
+    p.add_argument("--base-url", help="measure this OpenAI-compatible server instead of starting minfer.serve")
+    p.add_argument("--server-args", default="", help="extra flags for minfer.serve: --server-args='--max-queued 512'")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-requests", type=int, default=64)
+    w.add_argument("--input-len", default="128", help="prompt tokens: N, or A:B drawn uniformly per request")
+    w.add_argument("--output-len", default="128", help="generated tokens, exactly (ignore_eos): N or A:B")
+    w.add_argument(
+        "--prompt", action="append", help="a text prompt instead of random tokens (repeatable; --input-len is unused)"
+    )
+    w.add_argument("--prompts-file", help="text prompts, one per line, used in turn")
+    w.add_argument("--pretok", action="store_true", help="tokenize text prompts outside the timed region")
+    w.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    w.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    w.add_argument("--seed", type=int, default=0)
+    r = p.add_argument_group("runs and output")
+    r.add_argument("--warmup-runs", type=int, default=1, help="small unmeasured workloads run first")
+    r.add_argument("--repeat-runs", type=int, default=1, help="measured runs; the summary is their median")
+    r.add_argument("--json", help="write config, summary, per-request records (and baseline, roofline) here")
+    r.add_argument("--trace", help="write a Chrome/Perfetto trace of the last run here (ui.perfetto.dev)")
+    r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    e = p.add_argument_group("engine")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 (or auto, where the engine has it)")
+    e.add_argument("--num-threads", type=int, help="torch threads in this process (None: every core)")
+    e.add_argument("--num-kv-blocks", type=int)
+    e.add_argument("--max-num-seqs", type=int)
+    e.add_argument("--max-num-batched-tokens", type=int, help="offline only")
+    e.add_argument("--no-prefix-caching", action="store_true", help="offline only")
+    x = p.add_argument_group("comparisons")
+    x.add_argument("--baseline", choices=["hf"], help="also run the workload through transformers' generate")
+    x.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf baseline")
+    x.add_argument("--roofline", action="store_true", help="batch-1 TPOT beside the weights/bandwidth floor")
+    x.add_argument(
+        "--profile",
+        action="store_true",
+        help="split prefill and decode steps into parts (KV write, context read, attention, linears, "
+        "LM head, sampling, host), each with its bytes, FLOPs and bound",
+    )
+    args = p.parse_args(argv)
+    if args.base_url:
+        args.mode = "online"
+    for name in ("repeat_runs", "max_concurrency", "hf_batch_size", "num_requests"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup_runs < 0:
+        p.error("--warmup-runs must be >= 0")
+    if args.mode == "online" and (args.max_num_batched_tokens or args.no_prefix_caching):
+        p.error("--max-num-batched-tokens and --no-prefix-caching are offline-mode settings")
+    return args
+
+
+def find_model_dir(args) -> Path | None:
+    """The local checkpoint: always needed, except by --base-url with a served model name."""
+    if args.base_url:
+        for candidate in (args.tokenizer, args.model):
+            if candidate and Path(candidate).expanduser().is_dir():
+                return Path(candidate).expanduser()
+        if args.tokenizer:
+            raise FileNotFoundError(f"--tokenizer {args.tokenizer!r} is not a directory")
+        return None
+    try:
+        return resolve_model_dir(args.model)
+    except FileNotFoundError as e:  # a mistyped path: the same advice as for an unreachable Hub id
+        raise ModelNotFoundError(str(e)) from None
+
+
+def set_threads(args) -> None:
+    """Every core, as LLM does, unless --num-threads: minfer and the hf baseline get the same."""
+    if torch.device(args.device).type == "cpu":
+        set_cpu_threads(args.num_threads)
+
+
+def peak_memory(device: torch.device) -> dict:
+    """This process's high-water RSS, and on a GPU the CUDA peak since the last reset."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    out = {"peak_rss_mib": rss / (2**20 if sys.platform == "darwin" else 1024)}
+    if device.type == "cuda":
+        out["peak_cuda_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
+
+
+def machine(device: str) -> str:
+    """What ran the benchmark, for the JSON: the GPU's name, else the CPU model."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def run_summary(result: RunResult, **extra) -> dict:
+    done = [r for r in result.records if r.success]
+    extra["num_preemptions"] = sum(r.num_preemptions or 0 for r in done)
+    extra["prefix_cache_hit_tokens"] = sum(r.num_cached_tokens or 0 for r in done)
+    return summarize(result.records, result.duration, **extra)
+
+
+def offline_runs(args, model_dir, workloads, warm) -> tuple[list[RunResult], list[dict], OnlineScheduler]:
+    settings = dict(
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_threads=args.num_threads,
+        enable_prefix_caching=False if args.no_prefix_caching else None,
+    )
+    llm = LLM(
+        str(model_dir), device=args.device, dtype=args.dtype, **{k: v for k, v in settings.items() if v is not None}
+    )  # the engine's defaults otherwise
+    device = llm.model.device
+    for _ in range(args.warmup_runs):
+        run_offline(llm.scheduler, warm, progress=False)
+    results, summaries = [], []
+    for k, workload in enumerate(workloads):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        results.append(run_offline(llm.scheduler, workload, args.max_concurrency, not args.disable_tqdm, f"run {k}"))
+        summaries.append(run_summary(results[-1], **peak_memory(device)))
+    return results, summaries, llm.scheduler
+
+
+def online_runs(args, model_dir, workloads, warm) -> tuple[list[RunResult], list[dict]]:
+    results, summaries = [], []
+
+    def measure(endpoint: Endpoint, server: ServerProcess | None = None) -> None:
+        model = endpoint.served_model(args.model)
+        for _ in range(args.warmup_runs):
+            run_online(endpoint, model, warm, progress=False)
+        for k, workload in enumerate(workloads):
+            # Watching the engine costs the server a little: only for the run that is traced.
+            with EngineFeedReader(endpoint) if args.trace and k == len(workloads) - 1 else nullcontext() as feed:
+                results.append(
+                    run_online(endpoint, model, workload, args.max_concurrency, not args.disable_tqdm, f"run {k}", feed)
+                )
+            memory = {"peak_rss_mib": server.peak_rss_mib()} if server else {}  # the server's, not ours
+            summaries.append(run_summary(results[-1], **memory))
+
+    if args.base_url:
+        measure(Endpoint(args.base_url))
+        return results, summaries
+    flags = server_flags(
+        args.device,
+        args.dtype,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_queued=args.num_requests if args.num_requests > 128 else None,
+    )  # or the excess gets 429
+    with ServerProcess(model_dir, flags + shlex.split(args.server_args)) as server:
+        measure(server.endpoint, server)
+    return results, summaries
+
+
+def baseline_hf(args, model_dir, tokenizer: Tokenizer, workload, minfer_summary: dict, dtype: torch.dtype) -> dict:
+    """The first run's workload through transformers' generate, with the same threads and dtype."""
+    set_threads(args)
+    model = load_hf_model(model_dir, args.device, dtype, progress=not args.disable_tqdm)
+    prompts = [r.prompt_token_ids or tokenizer.encode_prompt(r.prompt) for r in workload]  # tokenized up front
+    pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    if args.warmup_runs:
+        generate_batch(model, prompts[:2], 4, pad)
+    device = model.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    result = run_hf(model, prompts, [r.output_len for r in workload], args.hf_batch_size, pad, not args.disable_tqdm)
+    # Peak RSS is the whole process's and minfer ran in it first; only a GPU's peak can be reset.
+    memory = {"peak_cuda_mib": torch.cuda.max_memory_allocated(device) / 2**20} if device.type == "cuda" else {}
+    summary = summarize(result.records, result.duration, **memory)
+    ratios = compare(minfer_summary, summary)
+    records = [r.to_json() for r in result.records]
+    return {
+        "name": "hf",
+        "batch_size": args.hf_batch_size,
+        "summary": summary,
+        "minfer_over_hf": ratios,
+        "requests": records,
+    }
+
+
+def print_runs(summaries: list[dict]) -> None:
+    fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+    for k, s in enumerate(summaries):
+        print(
+            f"run {k}: {s['duration']:.2f} s, {s['output_throughput']:.1f} output tok/s, "
+            f"mean TTFT {fmt(s['mean_ttft_ms'], '.1f')} ms, mean TPOT {fmt(s['mean_tpot_ms'], '.2f')} ms"
+        )
+
+
+def run(args) -> int:
+    model_dir = find_model_dir(args)
+    if (args.baseline or args.roofline or args.profile) and model_dir is None:
+        raise ValueError(
+            "--baseline, --roofline and --profile load the checkpoint here: pass its directory as --tokenizer"
+        )
+    tokenizer = Tokenizer.from_dir(model_dir) if model_dir else None
+    config = read_config(model_dir) if model_dir else None
+    vocab, context = (config.vocab_size, config.max_positions) if config else (None, None)
+    texts = read_prompts(args.prompt, args.prompts_file)
+    workloads = [
+        build_workload(
+            args.num_requests,
+            args.input_len,
+            args.output_len,
+            texts=texts,
+            tokenizer=tokenizer,
+            vocab_size=vocab,
+            context=context,
+            rate=args.request_rate,
+            seed=args.seed,
+            pretok=args.pretok,
+            run=k,
+        )
+        for k in range(args.repeat_runs)
+    ]
+    warm = warmup_workload(workloads[0], tokenizer, vocab)
+    if args.mode == "offline":
+        results, summaries, scheduler = offline_runs(args, model_dir, workloads, warm)
+    else:
+        (results, summaries), scheduler = online_runs(args, model_dir, workloads, warm), None
+
+    summary = median_summary(summaries)
+    if len(summaries) > 1:
+        print_runs(summaries)
+    print(
+        format_summary(
+            summary, "Serving Benchmark Result" + (f" (median of {len(summaries)} runs)" if len(summaries) > 1 else "")
+        )
+    )
+    # The dtype minfer ran in ("auto" resolves per machine); the baseline uses the same.
+    dtype = scheduler.model.dtype if scheduler else resolve_dtype(args.dtype, torch.device(args.device))
+    settings = {
+        **vars(args),
+        "request_rate": str(args.request_rate),
+        "model_dir": model_dir and str(model_dir),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": machine(args.device),
+    }
+    records = [dict(r.to_json(), run=k) for k, res in enumerate(results) for r in res.records]
+    report = {"config": settings, "summary": summary, "runs": summaries, "requests": records}
+    if args.baseline:
+        report["baseline"] = base = baseline_hf(args, model_dir, tokenizer, workloads[0], summaries[0], dtype)
+        print(format_summary(base["summary"], f"transformers generate, batch {args.hf_batch_size}"))
+        print(format_comparison(base["minfer_over_hf"], args.hf_batch_size))
+    if (args.roofline or args.profile) and scheduler is None:  # online: the server is gone; load minfer here
+        scheduler = LLM(str(model_dir), device=args.device, dtype=args.dtype, num_threads=args.num_threads).scheduler
+    if args.roofline:
+        report["roofline"] = roofline(scheduler, output_len=64, seed=args.seed)
+        print(format_roofline(report["roofline"]))
+    if args.profile:
+        report["profile"] = profile_steps(scheduler, workloads[0])
+        print(format_profile(report["profile"]))
+    if args.trace:
+        write_trace(args.trace, results[-1].records, results[-1].steps, {"mode": args.mode, "model": args.model})
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str = "python bench.py") -> int:
+    args = parse_args(argv, prog)
+    try:
+        return run(args)
+    except ModelNotFoundError as e:
+        print(NO_MODEL_HINT.format(model=args.model, why=str(e).split(" (")[0]), file=sys.stderr)
+    except (ValueError, OSError, ImportError) as e:  # bad flags, files or servers: one line, no traceback
+        print(f"bench.py: error: {e}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

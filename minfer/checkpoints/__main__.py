@@ -1,0 +1,28 @@
+"""python -m minfer.checkpoints OUT_DIR [--config ...] [--layout ...] [--seed N]: write a random checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import LAYOUTS, LLAMA_CONFIGS, PRESETS, write_random_checkpoint
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m minfer.random_model") -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Write a GPT-2, Qwen3 or Llama checkpoint with random weights (for tests and offline use).",
+    )
+    parser.add_argument("out_dir", help="directory to write (created if missing)")
+    parser.add_argument("--config", choices=PRESETS, default="tiny", help="model shape")
+    parser.add_argument("--layout", choices=LAYOUTS, default="hub", help="tensor-name layout")
+    parser.add_argument("--seed", type=int, default=0, help="seed for the weights and tokenizer")
+    args = parser.parse_args(argv)
+    out = write_random_checkpoint(args.out_dir, args.config, args.layout, args.seed)
+    layout = "" if args.config in LLAMA_CONFIGS else f" ({args.layout} layout)"
+    print(f"wrote a random {args.config} checkpoint{layout} to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

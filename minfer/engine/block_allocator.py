@@ -1,0 +1,135 @@
+"""The block allocator and the prefix-cache index: which KV blocks each sequence holds.
+
+A sequence owns a *block table*: the list of block ids that hold its tokens, in
+order (attention/kv_cache.py turns a table and a position into a cache slot).
+
+Prefix caching: a full block is named by a hash chained over (parent block's
+hash, the block's token ids). When a new request starts with the same tokens,
+it reuses those blocks instead of recomputing them. A block that nobody
+references any more keeps its contents and its hash, and sits in the free queue
+until the allocator needs it (least recently freed first), so cached blocks are
+always reclaimable and the cache can never cause an out-of-blocks failure.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and registered in the prefix index
+    token_ids: tuple[int, ...] = field(default=())  # kept to verify a hash hit, never trusted blindly
+
+
+def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained hash: a block's identity includes every token before it."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockAllocator:
+    """Hands out block ids, counts references, and indexes full blocks for prefix reuse."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks with ref_count 0, least recently freed first. An OrderedDict gives O(1)
+        # pop-from-front, append and removal from the middle (when a cached block is hit).
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now: truly empty ones plus unreferenced cached ones."""
+        return len(self.free_queue)
+
+    def block_state(self, block_id: int) -> str:
+        """ "used" (referenced), "cached" (unreferenced but holding a registered prefix: reclaimable) or "free"."""
+        block = self.blocks[block_id]
+        if block.ref_count:
+            return "used"
+        return "cached" if block.hash is not None else "free"
+
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Block ids of the longest run of cached full blocks that starts `token_ids`. No side effects."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent, block_size = [], None, self.block_size
+        for start in range(0, len(token_ids) - block_size + 1, block_size):
+            chunk = tuple(token_ids[start : start + block_size])
+            h = block_hash(parent, chunk)
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break  # a miss, or a hash collision caught by comparing the tokens
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def num_unreferenced(self, block_ids: list[int]) -> int:
+        """How many of these (cached) blocks sit in the free queue; reusing them uses up free blocks."""
+        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
+
+    def share(self, block_ids: list[int]) -> None:
+        """Take a reference to blocks that already hold the right tokens (prefix-cache hits)."""
+        for b in block_ids:
+            block = self.blocks[b]
+            if block.ref_count == 0:
+                del self.free_queue[b]
+            block.ref_count += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """n empty blocks with one reference each; evicts the least recently used cached blocks."""
+        if n > len(self.free_queue):
+            raise RuntimeError(f"asked for {n} KV blocks, only {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            b, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[b]
+            if block.hash is not None:  # evict: its old contents are about to be overwritten
+                if self.cached.get(block.hash) == b:
+                    del self.cached[block.hash]
+                block.hash, block.token_ids = None, ()
+            block.ref_count = 1
+            out.append(b)
+        return out
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block. Freed in reverse, so a sequence's tail is evicted
+        before its head: the head is the part other requests are likeliest to share."""
+        for b in reversed(block_ids):
+            block = self.blocks[b]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"KV block {b} freed more often than it was allocated")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None or not self.enable_prefix_caching:
+                    block.hash, block.token_ids = None, ()
+                self.free_queue[b] = None
+
+    def register(self, block_id: int, parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+        """Name a block that just became full, so later requests can find it. Returns its hash."""
+        h = block_hash(parent_hash, token_ids)
+        if self.enable_prefix_caching and h not in self.cached:
+            block = self.blocks[block_id]
+            block.hash, block.token_ids = h, token_ids
+            self.cached[h] = block_id
+        return h
+
+    def check_invariants(self, live_tables: list[list[int]] = ()) -> None:
+        """Assert the bookkeeping is consistent (tests call this; cheap enough for debugging)."""
+        refs = [0] * self.num_blocks
+        for table in live_tables:
+            for b in table:
+                refs[b] += 1
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], f"block {block.block_id}: ref count mismatch"
+            assert (block.ref_count == 0) == (block.block_id in self.free_queue), f"block {block.block_id}"
+        for h, b in self.cached.items():
+            assert self.blocks[b].hash == h and len(self.blocks[b].token_ids) == self.block_size

@@ -1,0 +1,145 @@
+"""ContinuousBatcher: the scheduling policy. Which tokens of which sequences run each step, in which KV blocks.
+
+It holds the waiting and running queues and the block allocator's side of every
+sequence. Each `schedule()`:
+1. schedules the running sequences first, oldest first: one token each for
+   decodes, a chunk for prompts still prefilling. If the KV blocks run out, the
+   most recently admitted running sequence is preempted: its blocks are freed
+   and it goes back to the front of the queue, to be recomputed later;
+2. admits waiting requests, first come first served, while there are free
+   blocks, free sequence slots (`max_num_seqs`) and token budget left
+   (`max_num_batched_tokens`); a long prompt gets a chunk of the budget now and
+   the rest in later steps, alongside the running decodes.
+After the forward pass, `advance()` counts the computed tokens and registers
+newly filled blocks in the prefix cache, and `retire()` frees a finished
+sequence's blocks at once. What a request's text is, or who asked for it, is
+the OnlineScheduler's business (scheduler.py), not this class's.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ..attention.kv_cache import cdiv
+from .block_allocator import BlockAllocator
+from .sequence import ScheduledChunk, Sequence, Status
+
+
+class ContinuousBatcher:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int):
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.num_preemptions = 0
+        self.prefix_cache_hit_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """This step's chunks: running sequences first, then newly admitted ones, within the token budget."""
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._grow(seq, seq.num_computed_tokens + n):
+                preempted = True
+                if seq not in self.running:  # it was itself the newest: nothing left to schedule
+                    break
+                continue  # a newer sequence gave up its blocks; try this one again
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+            i += 1
+        # Admitting right after a preemption would just take the blocks back.
+        while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            chunk = self._admit(seq, budget)
+            if chunk is None:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+        return chunks
+
+    def advance(self, chunks: list[ScheduledChunk]) -> None:
+        """The chunks' K/V are now in the cache: count them, and make newly full blocks findable."""
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            self._register_full_blocks(chunk.seq)
+
+    def retire(self, seq: Sequence) -> None:
+        """A running sequence finished: free its blocks now."""
+        self.running.remove(seq)
+        self._free_blocks(seq)
+
+    def discard(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is, freeing its blocks."""
+        if seq.status is Status.RUNNING:
+            self.retire(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give seq blocks for num_tokens tokens; if short, preempt the newest running sequence."""
+        need = cdiv(num_tokens, self.block_size) - len(seq.block_table)
+        if need <= self.allocator.num_free_blocks:
+            seq.block_table += self.allocator.allocate(max(need, 0))
+            return True
+        self._preempt(self.running[-1])
+        return False
+
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+        """Reuse the longest cached prefix (always leaving one token to compute), give blocks for the
+        first chunk, or return None if the blocks are not there."""
+        hits = self.allocator.match_prefix(seq.token_ids[: seq.num_tokens - 1])
+        cached = len(hits) * self.block_size
+        n = min(seq.num_tokens - cached, budget)
+        new_blocks = cdiv(cached + n, self.block_size) - len(hits)
+        if new_blocks + self.allocator.num_unreferenced(hits) > self.allocator.num_free_blocks:
+            return None
+        self.allocator.share(hits)
+        seq.block_table = hits + self.allocator.allocate(new_blocks)
+        seq.block_hashes = [self.allocator.blocks[b].hash for b in hits]
+        seq.num_computed_tokens = seq.num_cached_tokens = cached
+        self.prefix_cache_hit_tokens += cached
+        seq.status = Status.RUNNING
+        return ScheduledChunk(seq, cached, n)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it waits at the front and is recomputed later."""
+        self.running.remove(seq)
+        self._free_blocks(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Blocks whose every slot now holds computed K/V become findable by later requests."""
+        block_size = self.block_size
+        while len(seq.block_hashes) < seq.num_computed_tokens // block_size:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            tokens = tuple(seq.token_ids[i * block_size : (i + 1) * block_size])
+            seq.block_hashes.append(self.allocator.register(seq.block_table[i], parent, tokens))
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def check_invariants(self) -> None:
+        """Assert the allocator agrees with the block tables of the running sequences (for tests)."""
+        self.allocator.check_invariants([seq.block_table for seq in self.running])
+        assert all(not s.block_table for s in self.waiting), "a waiting sequence holds blocks"

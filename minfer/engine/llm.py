@@ -1,0 +1,119 @@
+"""LLM: offline batch generation on top of the OnlineScheduler.
+
+from .. import LLM, SamplingParams
+llm = LLM("gpt2")
+for out in llm.generate(["Hello, my name is", "The sky is"], SamplingParams(temperature=0)):
+    print(out.text)
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from tqdm import tqdm
+
+from ..models.registry import load_model
+from ..text.tokenizer import Tokenizer
+from .cpu_packing import cpu_has_native_bf16
+from .sampling import SamplingParams
+from .scheduler import OnlineScheduler
+from .sequence import RequestOutput
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device = torch.device("cpu")) -> torch.dtype:
+    """A torch dtype from a dtype or a name; "auto" picks bf16 where it is fast, else fp32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def set_cpu_threads(num_threads: int | None = None) -> int:
+    """Give torch every core this process may use (or num_threads): decode is memory-bound and
+    prefill compute-bound, both want them all. Call it before loading a model: the fp32 LM head
+    is sliced once per thread at load time. Returns the thread count."""
+    if num_threads is None:
+        affinity = getattr(os, "sched_getaffinity", None)  # Linux only; elsewhere count all cores
+        num_threads = len(affinity(0)) if affinity else (os.cpu_count() or 1)
+    torch.set_num_threads(num_threads)
+    return num_threads
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "gpt2",
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory: int | None = None,
+        kv_cache_fraction: float | None = None,
+        num_threads: int | None = None,
+    ):
+        device = torch.device(device)
+        if device.type == "cpu":
+            set_cpu_threads(num_threads)
+        self.model = load_model(model, device=device, dtype=resolve_dtype(dtype, device))
+        self.tokenizer = Tokenizer.from_dir(self.model.model_dir)
+        self.scheduler = OnlineScheduler(
+            self.model,
+            self.tokenizer,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory=kv_cache_memory,
+            kv_cache_fraction=kv_cache_fraction,
+        )
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, all together; results (text, token_ids, prompt_token_ids,
+        finish_reason, ...) come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt given bare
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                if isinstance(prompt, str):
+                    ids.append(self.scheduler.add_request(prompt, sampling_params=params))
+                else:
+                    ids.append(self.scheduler.add_request(prompt_token_ids=prompt, sampling_params=params))
+            with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+                for _ in self.scheduler.steps():
+                    bar.update(len(self.scheduler.pop_finished_ids()))
+            return [self.scheduler.pop_response(i) for i in ids]
+        finally:  # an error (or Ctrl-C) must not leave requests holding KV blocks
+            for i in ids:
+                self.scheduler.discard_request(i)
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()

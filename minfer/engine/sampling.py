@@ -1,0 +1,208 @@
+"""Per-request sampling parameters and a batched token sampler.
+
+Every row of a batch carries its own SamplingParams. The sampler turns a
+(B, V) logits tensor into (B,) token ids without any host sync on a GPU, so the
+engine can do exactly one .tolist() per decode step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..errors import InvalidParameter, is_int
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 means disabled
+    top_p: float = 1.0  # 1.0 means disabled
+    seed: int | None = None
+    stop: str | list[str] | None = None  # normalised to list[str] or None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        """Check every field; a bad one raises InvalidParameter naming it."""
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise InvalidParameter("max_tokens", f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        t = self.temperature
+        if not _is_number(t) or not math.isfinite(t) or t < 0:
+            raise InvalidParameter("temperature", f"temperature must be a number >= 0, got {t!r}")
+        self.temperature = float(t)
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise InvalidParameter("top_k", f"top_k must be an int >= 0, got {self.top_k!r}")
+        p = self.top_p
+        if not _is_number(p) or not 0 < p <= 1:  # also rejects nan
+            raise InvalidParameter("top_p", f"top_p must be a number in (0, 1], got {p!r}")
+        self.top_p = float(p)
+        if self.seed is not None and not is_int(self.seed):
+            raise InvalidParameter("seed", f"seed must be None or an int, got {self.seed!r}")
+        self.stop = _normalise_stop(self.stop)
+        self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidParameter("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _normalise_stop(stop) -> list[str] | None:
+    if stop is None:
+        return None
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+        raise InvalidParameter("stop", f"stop must be None, a non-empty str or a list of non-empty str, got {stop!r}")
+    return list(items)
+
+
+def _normalise_stop_token_ids(ids) -> list[int] | None:
+    if ids is None:
+        return None
+    if not isinstance(ids, (list, tuple)) or not all(is_int(i) and i >= 0 for i in ids):
+        raise InvalidParameter("stop_token_ids", f"stop_token_ids must be None or a list of ints >= 0, got {ids!r}")
+    return list(ids)
+
+
+_TOP_P_TOL = 1e-6  # float32 slack when comparing cumulative probability to top_p
+CPU_HEAD = 256  # on a CPU, top-k/top-p first sort only this many likeliest tokens per row (_draw_filtered)
+
+
+def make_generator(seed: int | None, device) -> torch.Generator | None:
+    """One generator per seeded request; None means "use the global RNG"."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(seed % 2**64)  # torch accepts only 64-bit seeds
+    return g
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set filtered entries to -inf. top_k: (B,) int, 0 = off; top_p: (B,) float, 1 = off.
+
+    Top-k is applied first, then top-p over what top-k kept (the HF / vLLM order).
+    """
+    V = logits.shape[-1]
+    _, token_ids, kept, _ = _kept_head(logits, top_k.to(logits.device), top_p.to(logits.device), V)  # (B, V)
+    drop = torch.empty_like(kept).scatter_(-1, token_ids, ~kept)  # back to vocab order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _kept_head(logits, top_k, top_p, K: int):
+    """Top-k and top-p on the K likeliest tokens of each row (its head), most likely first.
+    logits (R, V); top_k (R,) int, 0 = off; top_p (R,) float, 1 = off. Returns, each (R, K) but the last:
+    probs (renormalised over the top-k set; 0 where dropped), token_ids, kept (bool), and
+    within (R,): whether the row's kept set lies inside its head."""
+    if K == logits.shape[-1]:
+        values, token_ids = logits.sort(dim=-1, descending=True)  # (R, V)
+    else:
+        values, token_ids = logits.topk(K, dim=-1)  # (R, K), sorted: far cheaper than sorting the row
+    k, p = top_k[:, None], top_p.to(logits.dtype)[:, None]  # (R, 1)
+    drop = (k > 0) & (torch.arange(K, device=logits.device) >= k)  # (R, K): past the k-th
+    values = values.masked_fill(drop, float("-inf"))
+    # Probabilities over the top-k set (inside the head: K >= k), or over the whole row when top-k is off.
+    log_total = torch.where(k > 0, values.logsumexp(-1, keepdim=True), logits.logsumexp(-1, keepdim=True))
+    probs = (values - log_total).exp()  # (R, K)
+    mass_through = probs.cumsum(dim=-1)  # (R, K) mass of each token and those ranked above it
+    # The tolerance lets a set summing to exactly p (0.5 + 0.3 for p=0.8) count as
+    # reaching it despite float32 rounding; p == 1 must keep every token.
+    reached = p - _TOP_P_TOL
+    drop |= (mass_through - probs >= reached) & (p < 1)
+    drop[:, 0] = False  # the top token always survives
+    # The head holds the whole top-k set; without top-k it holds the nucleus if its mass reaches p.
+    within = (k[:, 0] > 0) | (p[:, 0] >= 1) | (mass_through[:, -1] >= reached[:, 0])  # (R,)
+    return probs.masked_fill_(drop, 0.0), token_ids, ~drop, within
+
+
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: for each row of probs (R, K), which need not sum to 1, the first index
+    whose cumulative probability passes u (R,) in [0, 1) times the row's total. Index i comes up with
+    probability probs[i] / total, and a zero entry never does. probs is overwritten."""
+    cdf = probs.cumsum_(dim=-1)  # (R, K), non-decreasing
+    total = cdf[:, -1:]  # (R, 1)
+    target = torch.minimum(u[:, None] * total, total.nextafter(torch.zeros_like(total)))  # < total, even rounded
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)  # (R,)
+
+
+def _draw_filtered(logits, u, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Draw from rows (R, V) of temperature-scaled logits that use top-k and/or top-p. Returns (R,) ids.
+
+    Sorting 50k-wide rows is what costs here. On a CPU only each row's head is sorted (topk): its
+    CPU_HEAD likeliest tokens, or top_k of them if more. A row whose nucleus reaches past its head is
+    redone with a head 16 times larger, up to the whole row. Checking that reads a tensor: free on a
+    CPU, but it would stall a GPU's queue, so a GPU sorts whole rows, which it does fast."""
+    R, V = logits.shape
+    device = logits.device
+    k = torch.tensor(top_k, device=device)
+    p = torch.tensor(top_p, device=device)
+    K = min(V, max(CPU_HEAD, *top_k)) if device.type == "cpu" else V
+    tokens = torch.empty(R, dtype=torch.long, device=device)
+    rows = torch.arange(R, device=device)  # the rows still to draw, and their inputs
+    x, k_rows, p_rows, u_rows = logits, k, p, u
+    while True:
+        probs, token_ids, _, within = _kept_head(x, k_rows, p_rows, K)  # (r, K)
+        tokens[rows] = token_ids.gather(1, _draw(probs, u_rows)[:, None]).squeeze(1)
+        if K == V or within.all():  # a CPU tensor: reading it costs nothing
+            return tokens
+        rows, K = rows[~within], min(V, 16 * K)
+        x, k_rows, p_rows, u_rows = logits[rows], k[rows], p[rows], u[rows]
+
+
+def _uniforms(generators: Sequence[torch.Generator | None], params: Sequence[SamplingParams], device) -> torch.Tensor:
+    """One uniform draw in [0, 1) per row (B,). A seeded row draws from its own generator, so its
+    neighbours in the batch cannot change what it gets; the others share the global RNG."""
+    u = torch.rand(len(params), device=device)
+    for i, (g, p) in enumerate(zip(generators, params)):
+        if g is not None and not p.is_greedy:
+            u[i] = torch.rand(1, device=device, generator=g)[0]
+    return u
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """Pick one token per row of `logits` (B, V). Returns (B,) int64 on logits.device.
+
+    Greedy rows take the argmax. The others divide by their temperature, keep what top-k/top-p leave,
+    and draw by inverse CDF: one uniform per row against the cumulative probabilities (see _draw)."""
+    B, V = logits.shape
+    assert len(params) == B and len(generators) == B, "need one params and generator per row"
+    device = logits.device
+    logits = logits.float()  # (B, V) — bf16/fp16 are too coarse for softmax/cumsum
+    tokens = logits.argmax(dim=-1)  # (B,) one argmax for all rows; the sampled ones are overwritten below
+    if all(p.is_greedy for p in params):
+        return tokens
+
+    # Greedy rows get temperature 1 so they stay finite (their draw is discarded).
+    temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
+    scaled = logits / temps[:, None]  # (B, V)
+    u = _uniforms(generators, params, device)  # (B,)
+    plain = [i for i, p in enumerate(params) if not p.is_greedy and p.top_k == 0 and p.top_p == 1]
+    filtered = [i for i, p in enumerate(params) if not p.is_greedy and (p.top_k > 0 or p.top_p < 1)]
+    if plain:  # temperature only: the usual case
+        tokens[_index(plain, device)] = _draw(_rows(scaled, plain).softmax(dim=-1), _rows(u, plain))
+    if filtered:
+        top_k, top_p = [params[i].top_k for i in filtered], [params[i].top_p for i in filtered]
+        tokens[_index(filtered, device)] = _draw_filtered(_rows(scaled, filtered), _rows(u, filtered), top_k, top_p)
+    return tokens
+
+
+def _index(rows: list[int], device) -> torch.Tensor:
+    return torch.tensor(rows, device=device)
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] along the first dimension, without a copy when rows are all of them."""
+    return x if len(rows) == x.shape[0] else x[_index(rows, x.device)]

@@ -1,0 +1,336 @@
+"""OnlineScheduler: the engine's public face. Requests in, one step at a time, tokens and text out.
+
+It owns the request registry (every request not yet popped or discarded), each
+request's text stream, the step statistics, and the parts that do the work:
+- ContinuousBatcher (continuous_batcher.py), the scheduling policy: waiting and
+  running queues, admission under a token budget, chunked prefill, preemption,
+  KV block growth, prefix-cache registration;
+- ModelRunner (model_runner.py): one scheduled step -> one forward pass -> one
+  sampled token per sequence that reached its last token.
+
+Every call to `step()` asks the batcher for this step's chunks, runs them as one
+forward pass, lets the batcher count the computed tokens, and then records each
+sampled token: in its sequence (stop tokens, max_tokens), in its text stream
+(stop strings) and in its request's timeline; a finished request's blocks are
+freed at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ..attention.kv_cache import KVCache, cdiv, choose_num_blocks
+from ..errors import InvalidParameter, is_int
+from ..step_parts import part
+from ..text.text_stream import TextStream
+from ..text.tokenizer import Tokenizer
+from .block_allocator import BlockAllocator
+from .continuous_batcher import ContinuousBatcher
+from .model_runner import ModelRunner
+from .sampling import SamplingParams, make_generator
+from .sequence import RequestOutput, ScheduledChunk, Sequence, Status
+
+
+@dataclass
+class Request:
+    """The registry's entry for one request: its engine state, its text, and its timeline."""
+
+    seq: Sequence
+    text: TextStream
+    arrival_time: float  # time.perf_counter() values
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    num_steps: int = 0  # engine steps that ran it (prefill chunks and decodes)
+
+
+@dataclass
+class StepStats:
+    """What one step did, for benchmarks, traces and the engine event feed."""
+
+    start: float  # time.perf_counter() when the step began
+    end: float  # ... and when its tokens were sampled
+    num_seqs: int
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    num_sampled: int
+    attended_pairs: int  # attention work: queries x the context each attends to
+    cached_context_tokens: int  # context read from the cache (chunks that do not start at 0)
+    num_preemptions: int
+    kv_blocks_used: int
+
+
+class OnlineScheduler:
+    def __init__(
+        self,
+        model: torch.nn.Module,  # any of models.ARCHITECTURES
+        tokenizer: Tokenizer,
+        *,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory: int | None = None,
+        kv_cache_fraction: float | None = None,
+    ):
+        for name, value in [
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ]:
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.block_size = block_size
+        if num_kv_blocks is None:
+            num_kv_blocks = choose_num_blocks(
+                model.config, block_size, model.dtype, model.device, max_num_seqs, kv_cache_memory, kv_cache_fraction
+            )
+        self.allocator = BlockAllocator(num_kv_blocks, block_size, enable_prefix_caching)
+        self.kv_cache = KVCache(model.config, num_kv_blocks, block_size, model.device, model.dtype)
+        self.batcher = ContinuousBatcher(self.allocator, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv_cache, block_size)
+        self.requests: dict[str, Request] = {}  # every request not yet popped or discarded
+        self.finished_ids: list[str] = []  # finished since the last pop_finished_ids()
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.last_step: StepStats | None = None
+        self.last_chunks: list[ScheduledChunk] = []  # what the last step ran, for the engine event feed
+
+    # ---- the batcher's state, read-only for callers ----------------------------------
+
+    @property
+    def waiting(self):
+        return self.batcher.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.batcher.running
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.batcher.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.batcher.max_num_batched_tokens
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.batcher.num_preemptions
+
+    @property
+    def prefix_cache_hit_tokens(self) -> int:
+        return self.batcher.prefix_cache_hit_tokens
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest request (prompt + max_tokens) add_request can accept."""
+        return min(self.config.max_positions, self.allocator.num_blocks * self.block_size)
+
+    # ---- requests in -----------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; token ids skip tokenization. Refuses what could never run."""
+        params = sampling_params or SamplingParams()
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise InvalidParameter(
+                    "prompt", f"prompt must be a string, got {type(prompt).__name__}", "invalid_type"
+                )
+            prompt_token_ids = self.tokenizer.encode_prompt(prompt)
+        ids = self.check_request(prompt_token_ids, params)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        generator = make_generator(params.seed, self.model.device)
+        seq = Sequence(request_id, ids, params, self.tokenizer.eos_token_ids, generator)
+        text = TextStream(self.tokenizer.detokenizer(), params.stop)
+        self.requests[request_id] = Request(seq, text, arrival_time=time.perf_counter())
+        self.batcher.add(seq)
+        return request_id
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list, if a request with it could ever run; else InvalidParameter naming the
+        field at fault. It reads only fixed limits, so any thread may call it (the server does, before
+        handing the request to the engine thread)."""
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise InvalidParameter("prompt", "the prompt is empty: it must have at least one token")
+        vocab = self.config.vocab_size
+        bad = next((t for t in ids if not is_int(t) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParameter("prompt", f"prompt token id {bad!r} is not in the vocabulary [0, {vocab})")
+        context = self.config.max_positions
+        if len(ids) + params.max_tokens > context:
+            raise InvalidParameter(
+                "max_tokens" if len(ids) < context else "prompt",
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {context} tokens",
+                "context_length_exceeded",
+            )
+        blocks = cdiv(len(ids) + params.max_tokens, self.block_size)
+        if blocks > self.allocator.num_blocks:
+            raise InvalidParameter(
+                "max_tokens",
+                f"the request needs {blocks} KV blocks but the cache has only {self.allocator.num_blocks}",
+                "context_length_exceeded",
+            )
+        return ids
+
+    # ---- stepping --------------------------------------------------------------------
+
+    def step(self) -> dict[str, int]:
+        """Run one engine step. Returns {request_id: token_id} for every token sampled."""
+        start = time.perf_counter()
+        preemptions_before = self.num_preemptions
+        with part("host: schedule"):
+            chunks = self.batcher.schedule()
+        if not chunks:
+            return {}
+        tokens = self.runner.execute(chunks)
+        with part("host: bookkeeping"):
+            end = time.perf_counter()
+            self._record_step(chunks, len(tokens), start, end, self.num_preemptions - preemptions_before)
+            self.batcher.advance(chunks)
+            return self._record_tokens(chunks, tokens, end)
+
+    def steps(self) -> Iterator[dict[str, int]]:
+        """Step until every request has finished, yielding each step's {request_id: token_id}.
+        Requests added between steps join the batch: the loop runs until none is left."""
+        while self.has_unfinished():
+            yield self.step()
+
+    def _record_tokens(self, chunks: list[ScheduledChunk], tokens: list[int], now: float) -> dict[str, int]:
+        out = {}
+        sampled = iter(tokens)
+        for chunk in chunks:
+            request = self.requests[chunk.seq.request_id]
+            request.num_steps += 1
+            if chunk.produces_token:
+                token = next(sampled)
+                self._add_token(request, token, now)
+                out[chunk.seq.request_id] = token
+        return out
+
+    def _add_token(self, request: Request, token: int, now: float) -> None:
+        seq = request.seq
+        seq.append_token(token)  # finishes it on a stop token or at max_tokens
+        request.token_times.append(now)
+        if seq.finish_reason != "stop":  # a stop token's text is never shown
+            # A stop string ends the request too, and wins over "length".
+            if request.text.add_token(token) or (seq.is_finished and request.text.flush()):
+                seq.finish("stop")
+        if seq.is_finished:
+            request.finish_time = now
+            self.batcher.retire(seq)
+            self.finished_ids.append(seq.request_id)
+
+    def _record_step(self, chunks: list[ScheduledChunk], num_sampled: int, start, end, num_preemptions) -> None:
+        self.num_steps += 1
+        self.last_chunks = chunks
+        decode_tokens = sum(1 for c in chunks if c.num_tokens == 1 and c.start >= c.seq.num_prompt_tokens)
+        self.last_step = StepStats(
+            start=start,
+            end=end,
+            num_seqs=len(chunks),
+            num_decode_tokens=decode_tokens,
+            num_prefill_tokens=sum(c.num_tokens for c in chunks) - decode_tokens,
+            num_sampled=num_sampled,
+            attended_pairs=sum(c.num_tokens * (c.start + c.num_tokens) for c in chunks),
+            cached_context_tokens=sum(c.start + c.num_tokens for c in chunks if c.start > 0),
+            num_preemptions=num_preemptions,
+            kv_blocks_used=self.allocator.num_blocks - self.allocator.num_free_blocks,
+        )
+
+    def has_unfinished(self) -> bool:
+        return self.batcher.has_unfinished()
+
+    # ---- results out -----------------------------------------------------------------
+
+    def is_finished(self, request_id: str) -> bool:
+        return self._get(request_id).seq.is_finished
+
+    def get_generated_ids(self, request_id: str) -> list[int]:
+        return self._get(request_id).seq.output_token_ids  # a fresh list: callers may keep it
+
+    def get_step_count(self, request_id: str) -> int:
+        """How many engine steps have run this request (prefill chunks and decodes)."""
+        return self._get(request_id).num_steps
+
+    def get_new_text(self, request_id: str) -> str:
+        """Text generated since the last call, minus a tail that might still turn into a stop string."""
+        request = self._get(request_id)
+        return request.text.pop_new_text(finished=request.seq.is_finished)
+
+    def pop_finished_ids(self) -> list[str]:
+        """Ids of the requests finished since the last call."""
+        finished, self.finished_ids = self.finished_ids, []
+        return finished
+
+    def pop_response(self, request_id: str) -> RequestOutput:
+        """The finished request's output; the scheduler forgets it."""
+        request = self._get(request_id)
+        seq = request.seq
+        if not seq.is_finished:
+            raise ValueError(f"request {request_id!r} has not finished")
+        del self.requests[request_id]
+        return RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids,
+            text=request.text.text,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions,
+            arrival_time=request.arrival_time,
+            first_token_time=request.token_times[0] if request.token_times else None,
+            token_times=request.token_times,
+            finish_time=request.finish_time,
+        )
+
+    def discard_request(self, request_id: str) -> bool:
+        """Drop a request wherever it is, freeing its KV blocks now. False if it was unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.batcher.discard(request.seq)
+        request.seq.status = Status.FINISHED
+        return True
+
+    def stats(self) -> dict:
+        return {
+            "num_kv_blocks_total": self.allocator.num_blocks,
+            "num_kv_blocks_free": self.allocator.num_free_blocks,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_preemptions": self.num_preemptions,
+            "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
+            "num_steps": self.num_steps,
+        }
+
+    def _get(self, request_id: str) -> Request:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise KeyError(f"unknown request id {request_id!r}") from None
+
+    def check_invariants(self) -> None:
+        """Assert the allocator agrees with the block tables of the running sequences (for tests)."""
+        self.batcher.check_invariants()

@@ -1,0 +1,115 @@
+"""One request's engine state: its tokens, its KV blocks, and whether it is done (plus RequestOutput,
+what a finished request becomes).
+
+A Sequence is WAITING (queued, or preempted and waiting to be recomputed), RUNNING
+(it holds KV blocks and is scheduled every step) or FINISHED. Its tokens are the
+prompt followed by everything generated; `num_computed_tokens` counts how many
+of them already have their keys and values in the cache. Prefill, chunked
+prefill, decode and recompute-after-preemption are all the same operation:
+compute the tokens from `num_computed_tokens` up to the end.
+
+Its text (detokenizing, stop strings, streaming) lives in text_stream.py: the
+engine decides on token ids alone, except that a stop string may end a request.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """A finished request, as returned by OnlineScheduler.pop_response and LLM.generate."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens, a stop token included
+    text: str  # generated text, stop strings and stop tokens excluded
+    finish_reason: str | None  # "stop" or "length"
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    num_preemptions: int = 0
+    arrival_time: float = 0.0  # time.perf_counter() values, for latency metrics
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: Iterable[int] = (),  # every id that ends the sequence (chat models have several)
+        generator: torch.Generator | None = None,
+    ):
+        self.request_id = request_id
+        self.params = params
+        self.generator = generator  # the request's own RNG when it has a seed
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hashes of the full blocks registered so far, in order
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache served at admission
+        self.num_preemptions = 0
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.stop_token_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            self.stop_token_ids.update(eos_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """Record a sampled token; a stop token or reaching max_tokens finishes the sequence."""
+        self.token_ids.append(token_id)
+        if token_id in self.stop_token_ids:
+            self.finish("stop")
+        elif self.num_output_tokens >= self.params.max_tokens:
+            self.finish("length")
+
+    def finish(self, reason: str) -> None:
+        """Mark it done: "stop" (a stop token or stop string) or "length" (max_tokens)."""
+        self.finish_reason = reason
+        self.status = Status.FINISHED
+
+
+@dataclass
+class ScheduledChunk:
+    """Compute tokens [start, start + num_tokens) of `seq` this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def produces_token(self) -> bool:
+        """A chunk that reaches the sequence's last token produces the next token."""
+        return self.start + self.num_tokens == self.seq.num_tokens

@@ -1,0 +1,55 @@
+"""Which model a checkpoint holds: config.json's `architectures` picks the class.
+
+The engine never asks which model it runs: every model here has the same forward
+(plain, or one engine step with a PagedBatch), `.config` with the ModelConfig
+facts, `.device`, `.dtype`, an nn.Linear `lm_head`, and `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .config import GPT2Config, ModelConfig, read_config_json
+from .gpt2 import GPT2
+from .llama import Llama
+from .llama_config import LlamaConfig
+from .loader import resolve_model_dir
+
+# architecture name in config.json -> (model class, config class)
+ARCHITECTURES = {
+    "GPT2LMHeadModel": (GPT2, GPT2Config),
+    "Qwen3ForCausalLM": (Llama, LlamaConfig),
+    "LlamaForCausalLM": (Llama, LlamaConfig),
+}
+# Configs without `architectures` (older exports) still name their model_type.
+MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def architecture(model_dir: str | Path) -> str:
+    """The supported architecture config.json names, or a ValueError saying what is supported."""
+    path, raw = read_config_json(model_dir)
+    names = [str(a) for a in raw.get("architectures") or []]
+    for name in names:
+        if name in ARCHITECTURES:
+            return name
+    if not names and raw.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[raw["model_type"]]
+    found = ", ".join(names) or raw.get("model_type") or "unknown"
+    raise ValueError(f"{path} describes a {found!r} model; minfer runs these architectures: {', '.join(ARCHITECTURES)}")
+
+
+def read_config(model_dir: str | Path) -> ModelConfig:
+    """The checkpoint's config, as the class its architecture uses."""
+    return ARCHITECTURES[architecture(model_dir)][1].from_json(Path(model_dir) / "config.json")
+
+
+def load_model(
+    name_or_path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """Load any supported checkpoint (local directory or Hub repo id) as the model its config names."""
+    model_dir = resolve_model_dir(name_or_path)
+    model_class = ARCHITECTURES[architecture(model_dir)][0]
+    return model_class.from_pretrained(model_dir, device=device, dtype=dtype)

@@ -1,0 +1,290 @@
+"""Connection limits for the HTTP server: timeouts for slow or stalled clients, and a connection cap.
+
+ThreadingHTTPServer gives each connection a thread and, left alone, waits on it
+forever: a client that sends half a request (slowloris), keeps an idle
+connection, or stops reading its stream holds a thread for good, and a few
+thousand such clients exhaust the server. Four limits, each a flag of
+`python -m minfer.serve`:
+
+--request-timeout 30   A request's line, headers and body must all arrive within
+    30 s: from the accept for a new connection, from the request's first byte on
+    a kept-alive one. Else the connection is closed, after a JSON 408 if any of
+    the request had arrived. nginx allows 60 s for the headers and 60 s *between
+    two reads* of the body, so a trickle can last forever; uvicorn has no such
+    limit. We bound the whole request instead, so half nginx's figure: a 1 MiB
+    body (the size limit) still gets through at 300 kbit/s.
+--keepalive-timeout 15  An idle kept-alive connection is closed after 15 s.
+    uvicorn closes after 5 s, nginx after 75 s. Longer than the 5 s for which
+    httpx (the openai client) keeps idle connections, so the client always lets
+    go first and never sends a request on a connection the server is closing;
+    short enough that idle connections don't pile up against the cap.
+--write-timeout 30   A write that cannot complete within 30 s (the client has
+    stopped reading and the TCP window is full) ends the connection; the handler
+    releases its request, so the worker discards it and frees its KV blocks. It
+    bounds one blocked write, never a stream's total time: a long stream (or the
+    /engine/events feed) that is being read is never cut off. nginx's
+    send_timeout is 60 s between two writes; uvicorn has none. The engine worker
+    never waits on any handler, so no other request waits on a stalled one.
+--max-connections 512   Connections beyond this get a quick JSON 503 (with
+    Retry-After) from one small refuser thread (refuser.py) instead of a thread each, except
+    `GET /health`, which the refuser answers as usual so probes see a live
+    server at the cap. nginx's default worker_connections is 512; uvicorn has no
+    cap unless --limit-concurrency is given.
+
+Each accepted socket also gets a 32 KiB send buffer (SEND_BUFFER_BYTES) instead
+of Linux's autotuned one, which grows to 4 MiB: token streams need little, and a
+small buffer both bounds kernel memory per connection and lets the write
+timeout notice a client that stopped reading before it has been sent megabytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from ..errors import APIError
+from .prometheus import metric
+from .refuser import Refuser
+
+SEND_BUFFER_BYTES = 32 * 1024
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    request_timeout: float = 30.0  # seconds for a whole request: line, headers, body
+    keepalive_timeout: float = 15.0  # seconds an idle kept-alive connection stays open
+    write_timeout: float = 30.0  # seconds one write may stay blocked on a client that doesn't read
+    max_connections: int = 512  # connections served at once; more get 503
+
+    def __post_init__(self):
+        for name in ("request_timeout", "keepalive_timeout", "write_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if not isinstance(self.max_connections, int) or self.max_connections < 1:
+            raise ValueError(f"max_connections must be an integer >= 1, got {self.max_connections!r}")
+
+
+FLAG_HELP = {  # one --flag per ConnectionLimits field
+    "request_timeout": "seconds a client has to send a whole request (headers and body); else 408",
+    "keepalive_timeout": "seconds an idle keep-alive connection stays open",
+    "write_timeout": "seconds a write may block on a client that stopped reading; then its stream ends",
+    "max_connections": "connections served at once; more get a quick 503",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(ConnectionLimits):
+        flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag, type=type(f.default), default=f.default, help=FLAG_HELP[f.name])
+
+
+def limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ConnectionLimits)})
+
+
+class RequestTimeout(APIError):
+    """The client did not send its whole request in time."""
+
+    def __init__(self, seconds: float):
+        super().__init__(408, f"the request did not arrive within {seconds:g} s", code="request_timeout")
+
+
+class IdleTimeout(Exception):
+    """A kept-alive connection sent no new request in time: close it without a word."""
+
+
+class WriteTimeout(ConnectionError):
+    """The client stopped reading: a write stayed blocked past the write timeout."""
+
+
+# ---- counters, for /metrics ----------------------------------------------------------
+
+
+class ConnectionStats:
+    def __init__(self, max_connections: int):
+        self.max_connections = max_connections
+        self._lock = threading.Lock()
+        self.open = 0
+        self.refused = 0
+        self.timeouts = {"request": 0, "idle": 0, "write": 0}
+
+    def try_open(self) -> bool:
+        with self._lock:
+            if self.open >= self.max_connections:
+                self.refused += 1
+                return False
+            self.open += 1
+            return True
+
+    def on_close(self) -> None:
+        with self._lock:
+            self.open -= 1
+
+    def on_timeout(self, kind: str) -> None:
+        with self._lock:
+            self.timeouts[kind] += 1
+
+    def render(self) -> str:
+        """Prometheus lines, appended to the engine's metrics."""
+        with self._lock:
+            timeouts = {f'kind="{kind}"': n for kind, n in self.timeouts.items()}
+            lines = [
+                *metric(
+                    "minfer_http_connections_open", "gauge", "Connections being served (each has a thread).", self.open
+                ),
+                *metric("minfer_http_connections_max", "gauge", "The --max-connections cap.", self.max_connections),
+                *metric(
+                    "minfer_http_connections_refused_total",
+                    "counter",
+                    "Connections refused at the cap (503).",
+                    self.refused,
+                ),
+                *metric("minfer_http_timeouts_total", "counter", "Connections closed by a timeout, by kind.", timeouts),
+            ]
+        return "\n".join(lines) + "\n"
+
+
+# ---- the socket's two sides, with time limits ----------------------------------------
+
+
+class RequestReader(io.RawIOBase):
+    """The socket's read side (under the handler's buffered rfile), with a deadline per request."""
+
+    def __init__(self, sock: socket.socket, limits: ConnectionLimits, stats: ConnectionStats):
+        self.sock = sock
+        self.limits = limits
+        self.stats = stats
+        self.idle_until: float | None = None  # waiting for a request's first byte until then
+        self.deadline: float | None = None  # the whole request must have arrived by then
+        self.started = False  # has any byte of the current request arrived?
+
+    def readable(self) -> bool:
+        return True
+
+    def next_request(self, first: bool) -> None:
+        """A new connection's first request is due within the request timeout; a later one may idle first."""
+        now = time.monotonic()
+        self.started = False
+        if first:
+            self.idle_until, self.deadline = None, now + self.limits.request_timeout
+        else:
+            self.idle_until, self.deadline = now + self.limits.keepalive_timeout, None
+
+    def readinto(self, buf) -> int:
+        idle = not self.started and self.idle_until is not None
+        limit = self.idle_until if idle else self.deadline
+        try:
+            if limit is not None:
+                left = limit - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError()
+                self.sock.settimeout(left)
+            else:
+                self.sock.settimeout(None)
+            n = self.sock.recv_into(buf)
+        except TimeoutError:
+            self.stats.on_timeout("idle" if idle else "request")
+            raise IdleTimeout() if idle else RequestTimeout(self.limits.request_timeout) from None
+        if n and not self.started:
+            self.started = True
+            if self.deadline is None:
+                self.deadline = time.monotonic() + self.limits.request_timeout
+        return n
+
+
+class TimedWriter(io.BufferedIOBase):
+    """The socket's write side (the handler's wfile): each write must complete within the write timeout."""
+
+    def __init__(self, sock: socket.socket, write_timeout: float, stats: ConnectionStats):
+        self.sock = sock
+        self.write_timeout = write_timeout
+        self.stats = stats
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.sock.settimeout(self.write_timeout)
+        try:
+            self.sock.sendall(data)
+        except TimeoutError:
+            self.stats.on_timeout("write")
+            raise WriteTimeout(f"the client read nothing for {self.write_timeout:g} s") from None
+        return len(data)
+
+
+# ---- the handler and server sides ----------------------------------------------------
+
+
+class TimedHandler(BaseHTTPRequestHandler):
+    """A request handler whose reads and writes obey the server's ConnectionLimits."""
+
+    server: "CappedHTTPServer"
+    # http.server takes a request line it cannot parse for HTTP/0.9, whose replies have no status line or
+    # headers: the client would read a bare JSON body. Every client here speaks HTTP/1.x.
+    default_request_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        self.reader = RequestReader(self.connection, self.server.limits, self.server.stats)
+        self.rfile = io.BufferedReader(self.reader)
+        self.wfile = TimedWriter(self.connection, self.server.limits.write_timeout, self.server.stats)
+        self.requests_read = 0
+
+    def handle_one_request(self) -> None:
+        self.reader.next_request(first=self.requests_read == 0)
+        self.requests_read += 1
+        # http.server sets these while parsing; a 408 may come before that
+        self.command, self.requestline, self.request_version = None, "", self.default_request_version
+        try:
+            super().handle_one_request()
+        except IdleTimeout:
+            self.close_connection = True
+        except RequestTimeout as e:  # in the request line or headers (the body's is the handler's to answer)
+            self.close_connection = True
+            if self.reader.started:  # a request began: tell the client why it gets no answer
+                try:
+                    self.send_error(408, e.message)
+                except OSError:
+                    pass
+        except OSError:  # the client vanished or stopped reading: nobody left to answer
+            self.close_connection = True
+
+
+class CappedHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with at most `limits.max_connections` handler threads; the rest are refused.
+
+    `health()` returns (status, JSON body) for GET /health; the refuser answers it even at the cap."""
+
+    daemon_threads = True  # an idle keep-alive connection must not hold up exit
+
+    def __init__(self, address, handler, limits: ConnectionLimits, health: Callable[[], tuple[int, dict]]):
+        self.limits = limits
+        self.stats = ConnectionStats(limits.max_connections)
+        self.refuser = Refuser(health, limits.max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.stats.try_open():
+            self.refuser.refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the handler thread
+        except BaseException:
+            self.stats.on_close()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.stats.on_close()

@@ -1,0 +1,185 @@
+"""The server's endpoints, and how a handler thread talks to the engine.
+
+A request to /v1/completions, /v1/chat/completions or /generate goes:
+parse it (openai_api.py) -> `manager.submit` (manager.py checks it against the
+model's limits in this thread, then the worker takes it) -> read the request's
+events (messages.py: Accepted, Text..., Done or Error) -> write them out, as
+one JSON body, Server-Sent Events (the OpenAI endpoints) or plain chunked text
+(/generate). Whatever happens, the request is released at the end: if it has
+not finished (the client left, a write failed), the worker discards it and
+frees its KV blocks before its next step.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Protocol
+
+from ..engine.sequence import RequestOutput
+from ..errors import APIError, InvalidParameter
+from . import live_view
+from .connections import ConnectionStats
+from .http_handler import ClientGone, RoutingHandler
+from .manager import EngineError, SchedulerManager
+from .messages import Accepted, Done, Error, RequestEvent, RequestHandle, Text
+from .openai_api import (
+    ModelInfo,
+    ParsedRequest,
+    Responder,
+    invalid_request,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+    usage,
+)
+
+
+class ServerState(Protocol):
+    """What the handlers read of their server (serve.py's MinferServer has it)."""
+
+    manager: SchedulerManager
+    info: ModelInfo
+    api_key: str | None
+    started: int  # unix time the server started
+    stats: ConnectionStats
+
+    def health(self) -> tuple[int, dict]: ...
+
+CLIENT_CHECK_SECONDS = 0.5  # while a request waits without output, check this often whether its client left
+
+
+class APIHandler(RoutingHandler):
+    server: ServerState
+
+    ROUTES = {
+        "/health": ("GET", "health", False),
+        "/metrics": ("GET", "metrics", False),
+        "/v1/models": ("GET", "models", True),
+        "/v1/completions": ("POST", "completions", True),
+        "/v1/chat/completions": ("POST", "chat_completions", True),
+        "/generate": ("POST", "generate", True),
+        "/": ("GET", "live_page", False),  # the page holds no data: the feed it reads needs the key
+        "/engine/events": ("GET", "engine_events", True),
+    }
+
+    # ---- talking to the engine ---------------------------------------------------------
+
+    @contextmanager
+    def _submitted(self, req: ParsedRequest):
+        """Submit to the engine and wait until it is admitted; always release it afterwards."""
+        try:
+            handle = self.server.manager.submit(req.prompt_token_ids, req.params)
+        except InvalidParameter as e:  # the prompt does not fit the model: a 400 before anything is streamed
+            raise invalid_request(e, req.fields) from None
+        except EngineError as e:
+            raise APIError(e.status, e.message) from None
+        try:
+            event = self._next_event(handle)
+            if isinstance(event, Error):
+                raise APIError(event.status, event.message)
+            assert isinstance(event, Accepted), event
+            yield handle
+        finally:
+            self.server.manager.release(handle)  # discards it if it has not finished
+
+    def _next_event(self, handle: RequestHandle) -> RequestEvent:
+        while True:
+            event = handle.next_event(timeout=CLIENT_CHECK_SECONDS)
+            if event is not None:
+                return event
+            if self.client_gone():
+                raise ClientGone()
+
+    def _events(self, handle: RequestHandle):
+        """Yield each text piece (str) as it comes, then the RequestOutput; an Error event raises APIError."""
+        while True:
+            match self._next_event(handle):
+                case Text(piece):
+                    yield piece
+                case Done(output):
+                    self.log_note = "tokens={prompt_tokens}+{completion_tokens} ".format(**usage(output))
+                    yield output
+                    return
+                case Error(status, message):
+                    raise APIError(status, message)
+
+    def _collect(self, handle: RequestHandle) -> RequestOutput:
+        for item in self._events(handle):
+            if isinstance(item, RequestOutput):  # its text is the whole text: the pieces are not needed
+                return item
+        raise AssertionError("the event stream ended without Done")
+
+    # ---- endpoints -----------------------------------------------------------------
+
+    def handle_health(self) -> None:
+        self.send_json(*self.server.health())
+
+    def handle_models(self) -> None:
+        info = self.server.info
+        model = {
+            "id": info.name,
+            "object": "model",
+            "created": self.server.started,
+            "owned_by": "minfer",
+            "max_model_len": info.max_model_len,
+        }
+        self.send_json(200, {"object": "list", "data": [model]})
+
+    def handle_metrics(self) -> None:
+        text = self.server.manager.metrics.render(self.server.manager.stats()) + self.server.stats.render()
+        self.send_body(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+    def handle_live_page(self) -> None:
+        self.send_body(200, live_view.page(), "text/html; charset=utf-8")
+
+    def handle_engine_events(self) -> None:
+        self.begin_stream("text/event-stream")
+        live_view.stream_events(self.server.manager.events, self.write_chunk, self.client_gone)
+        self.end_stream()
+
+    def handle_completions(self) -> None:
+        self._openai(parse_completion(self.read_json(), self.server.info), chat=False)
+
+    def handle_chat_completions(self) -> None:
+        self._openai(parse_chat(self.read_json(), self.server.info), chat=True)
+
+    def _openai(self, req: ParsedRequest, chat: bool) -> None:
+        r = Responder(self.server.info.name, chat)
+        with self._submitted(req) as handle:
+            if not req.stream:
+                self.send_json(200, r.response(self._collect(handle)))
+                return
+            # The engine's id for this request, as /engine/events names it: the live view's playground
+            # highlights its own request's blocks with it.
+            self.begin_stream("text/event-stream", {"X-Engine-Request-Id": handle.request_id})
+            for chunk in r.first_chunks():
+                self.send_event(chunk)
+            try:
+                for item in self._events(handle):
+                    if isinstance(item, str):
+                        self.send_event(r.text_chunk(item))
+                        continue
+                    self.send_event(r.final_chunk(item.finish_reason))
+                    if req.include_usage:
+                        self.send_event(r.usage_chunk(item))
+            except APIError as e:  # the engine failed or is shutting down: say so, then end the stream
+                self.send_event(e.body())
+            self.send_event("[DONE]")
+            self.end_stream()
+
+    def handle_generate(self) -> None:
+        req = parse_generate(self.read_json(), self.server.info)
+        with self._submitted(req) as handle:
+            if not req.stream:
+                out = self._collect(handle)
+                self.send_json(200, {"text": out.text, "finish_reason": out.finish_reason, "usage": usage(out)})
+                return
+            self.begin_stream("text/plain; charset=utf-8")
+            try:
+                for item in self._events(handle):
+                    if isinstance(item, str):
+                        self.write_chunk(item.encode())
+            except APIError:  # plain text has no error frame: end without the last chunk, so it reads as cut
+                self.close_connection = True
+                return
+            self.end_stream()

@@ -1,0 +1,179 @@
+"""The HTTP side of one request: route it by path, read its JSON body, write JSON, a chunked stream or
+Server-Sent Events, and turn every error into an OpenAI-style JSON reply.
+
+RoutingHandler knows nothing of the engine: a subclass (endpoints.py) names its
+routes in ROUTES and implements a `handle_<name>` method for each. The
+standard library calls `do_<METHOD>` for each request; every method goes to
+`route_request`, which answers 404 for an unknown path and 405 for a known path
+asked with the wrong method. Timeouts and the connection cap come from the
+TimedHandler base (connections.py).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import select
+import socket
+import time
+from urllib.parse import urlsplit
+
+from ..version import __version__
+from ..errors import APIError
+from .connections import TimedHandler
+from .openai_api import parse_json_body
+
+log = logging.getLogger("minfer.serve")
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than a 1024-token context needs
+
+
+class ClientGone(ConnectionError):
+    """The client closed the connection; nothing more can be sent."""
+
+
+class RoutingHandler(TimedHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, and chunked transfer encoding for streams
+    server_version = f"minfer/{__version__}"
+
+    # path -> (method, name of its handle_<name> method, whether it needs the API key); set by a subclass
+    ROUTES: dict[str, tuple[str, str, bool]] = {}
+
+    # ---- routing, errors, logging --------------------------------------------------
+
+    def route_request(self) -> None:
+        """Serve one request, whatever its method: find its route, check method and key, run the endpoint."""
+        self._start = time.perf_counter()
+        self._status: int | str = "-"
+        self.log_note = ""  # words for this request's log line: the endpoint adds the token counts
+        self._streaming = False  # the handler serves every request of a keep-alive connection
+        path = urlsplit(self.path).path
+        try:
+            if path not in self.ROUTES:
+                raise APIError(404, f"no such endpoint: {path}", code="not_found")
+            method, name, needs_key = self.ROUTES[path]
+            if self.command != method:
+                raise APIError(
+                    405,
+                    f"{path} accepts {method} only, not {self.command}",
+                    code="method_not_allowed",
+                    headers={"Allow": method},
+                )
+            if needs_key:
+                self.authorize(self.server.api_key)
+            getattr(self, "handle_" + name)()
+        except APIError as e:
+            self._send_error_json(e)
+        except ConnectionError:  # BrokenPipe, ConnectionReset, ClientGone: nobody left to answer
+            self.close_connection = True
+            self._status = f"{self._status} client-gone"
+        except Exception:  # a bug: log it, tell the client as little as possible, keep serving
+            log.exception("error while handling %s %s", self.command, path)
+            self._send_error_json(APIError(500, "internal server error"))
+        finally:
+            took = time.perf_counter() - self._start
+            log.info(
+                '%s "%s %s" %s %s%.3fs', self.client_address[0], self.command, path, self._status, self.log_note, took
+            )
+
+    # http.server calls do_<METHOD>; the routes decide what each method may do (404 / 405)
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = route_request
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self._status = code
+        super().send_response(code, message)
+
+    def _send_error_json(self, e: APIError) -> None:
+        self.close_connection = True  # the request body may be unread: don't reuse the connection
+        if not self._streaming:  # once a stream's headers are out, ending the connection is all we can do
+            try:
+                self.send_json(e.status, e.body(), e.headers)
+            except OSError:
+                pass
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own errors (malformed request line, unsupported method...) as JSON, too."""
+        self.close_connection = True
+        self._status = code
+        if self.command == "HEAD" or code < 200 or code in (204, 304):  # no body allowed
+            return super().send_error(code, message, explain)
+        self.send_json(code, APIError(code, message or "bad request").body())
+        log.info('%s "%s" %s', self.client_address[0], self.requestline, code)
+
+    def log_request(self, code="-", size="-") -> None:
+        pass  # route_request logs one line per request, with tokens and time
+
+    def log_message(self, format: str, *args) -> None:
+        log.warning("%s %s", self.client_address[0], format % args)
+
+    # ---- reading and writing ---------------------------------------------------------
+
+    def authorize(self, key: str | None) -> None:
+        """With a key set, the request must carry `Authorization: Bearer <key>`; else a 401."""
+        if key is None:
+            return
+        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    def read_json(self) -> dict:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            raise APIError(411, "chunked request bodies are not supported: send a Content-Length")
+        length = self.headers.get("Content-Length")
+        if length is None:
+            raise APIError(411, "a Content-Length header is required")
+        if not length.isdigit():
+            raise APIError(400, f"bad Content-Length {length!r}")
+        if int(length) > MAX_BODY_BYTES:
+            raise APIError(
+                413, f"the request body is {length} bytes; the limit is {MAX_BODY_BYTES}", code="request_too_large"
+            )
+        raw = self.rfile.read(int(length))
+        if len(raw) < int(length):
+            raise ClientGone()
+        return parse_json_body(raw)
+
+    def send_json(self, status: int, obj: dict, headers: dict | None = None) -> None:
+        self.send_body(status, json.dumps(obj).encode(), "application/json", headers)
+
+    def send_body(self, status: int, data: bytes, content_type: str, headers: dict | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def begin_stream(self, content_type: str, headers: dict | None = None) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Cache-Control", "no-cache")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self._streaming = True
+
+    def write_chunk(self, data: bytes) -> None:
+        """One HTTP chunk; a write to a vanished client raises BrokenPipe/ConnectionReset."""
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def end_stream(self) -> None:
+        self.wfile.write(b"0\r\n\r\n")
+
+    def send_event(self, obj: dict | str) -> None:
+        """One Server-Sent Event: `data: <json>` and a blank line, in a chunk of its own."""
+        data = obj if isinstance(obj, str) else json.dumps(obj)
+        self.write_chunk(f"data: {data}\n\n".encode())
+
+    def client_gone(self) -> bool:
+        """Has the client closed its end? Readable with nothing to read means EOF."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True

@@ -1,0 +1,222 @@
+"""SchedulerManager: the one engine worker thread between HTTP handlers and the OnlineScheduler.
+
+The scheduler is not thread-safe, so exactly one thread — the worker — ever
+calls it. HTTP handler threads talk to the worker through two things only:
+
+- the inbox, a deque of AddRequest and DiscardRequest messages, followed
+  by `wake.set()`. When nothing is running the worker sleeps in `wake.wait()`:
+  no polling, no CPU, and it wakes the moment a handler sets the event;
+- each request's own queue of events, which the worker fills and the handler
+  drains: Accepted (admitted to the scheduler), Text pieces as they are
+  generated, then Done with the RequestOutput, or Error with a status and message.
+  messages.py defines both kinds of message.
+
+A handler that stops early (client gone, write failed) calls `release()`,
+which queues a discard: the worker drops the request and frees its KV blocks
+before its next step. For /metrics the worker publishes a snapshot of
+`scheduler.stats()` after every step, so handlers never touch the scheduler.
+While someone watches (/engine/events), it also publishes an event per step to
+`manager.events` (engine_events.py); with no viewer that costs one flag check.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+
+from ..engine.sampling import SamplingParams
+from ..engine.scheduler import OnlineScheduler
+from .engine_events import EngineFeed, EventRecorder
+from .messages import Accepted, AddRequest, DiscardRequest, Done, Error, RequestHandle, Text
+from .prometheus import Metrics
+
+log = logging.getLogger("minfer.serve")
+
+
+class EngineError(Exception):
+    """A request the manager could not take (queue full: 429; engine stopped: 503)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class SchedulerManager:
+    def __init__(self, scheduler: OnlineScheduler, metrics: Metrics | None = None, max_queued: int = 128):
+        if not isinstance(max_queued, int) or max_queued < 0:
+            raise ValueError(f"max_queued must be an integer >= 0, got {max_queued!r}")
+        self.scheduler = scheduler  # the worker's alone once start() has run
+        self.metrics = metrics or Metrics()
+        # Up to max_num_seqs requests run at once; max_queued more may wait for a slot.
+        self.max_in_flight = scheduler.max_num_seqs + max_queued
+        self._inbox: deque[AddRequest | DiscardRequest] = deque()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # guards the fields below
+        self._released = threading.Condition(self._lock)
+        self._in_flight = 0  # submitted and not yet released by their handler
+        self._stopping = False
+        self._dead = False
+        self._ids = itertools.count()
+        self._active: dict[str, RequestHandle] = {}  # worker thread only: requests in the scheduler
+        self._stats = scheduler.stats()  # replaced (never mutated) by the worker
+        self.events = EngineFeed(wake=self._wake.set)  # viewers subscribe here, from any thread
+        self._recorder = EventRecorder(scheduler)  # worker thread only
+        self._thread = threading.Thread(target=self._run, name="minfer-engine", daemon=True)
+
+    # ---- called from handler threads --------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._dead
+
+    def stats(self) -> dict:
+        """The scheduler's stats as of the worker's last step."""
+        return self._stats
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The scheduler's own check that a request could ever run (InvalidParameter naming the field if
+        not). It reads only fixed limits, so it runs here, in the caller's thread, not on the worker."""
+        return self.scheduler.check_request(prompt_token_ids, params)
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
+        """Hand a request to the worker. Its first event is Accepted, or Error if the scheduler refused it.
+        Raises InvalidParameter for a request that could never run, EngineError when the engine cannot take it."""
+        prompt_token_ids = self.check_request(prompt_token_ids, params)  # a bad request is refused before it queues
+        with self._lock:
+            if self._stopping or self._dead:
+                raise EngineError(503, "the engine has stopped" if self._dead else "the server is shutting down")
+            if self._in_flight >= self.max_in_flight:
+                self.metrics.on_rejected()
+                raise EngineError(429, f"too many requests: {self._in_flight} are already in flight; retry later")
+            self._in_flight += 1
+            handle = RequestHandle(str(next(self._ids)), prompt_token_ids, params)
+            self._inbox.append(AddRequest(handle))  # under the lock: the worker's last drain can't miss it
+        self._wake.set()
+        return handle
+
+    def release(self, handle: RequestHandle) -> None:
+        """The handler is done with the request; if it has not finished, the worker discards it."""
+        if not handle.finished:
+            self._inbox.append(DiscardRequest(handle))
+            self._wake.set()
+        with self._lock:
+            self._in_flight -= 1
+            self._released.notify_all()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the worker: every request still in flight gets an Error (503) event."""
+        with self._lock:
+            self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def wait_released(self, timeout: float) -> bool:
+        """Wait until every handler has released its request (written its last bytes)."""
+        with self._released:
+            return self._released.wait_for(lambda: self._in_flight == 0, timeout)
+
+    # ---- the worker thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wake.clear()  # before draining: a submit after this point sets it again
+                queues_changed = self._drain_inbox()
+                if self._stopping:
+                    break
+                if self.events.active:
+                    self._publish_between_steps(queues_changed)
+                if not self.scheduler.has_unfinished():
+                    self._stats = self.scheduler.stats()
+                    self._wake.wait()  # idle: sleep until a handler adds or discards something
+                    continue
+                self._step()
+                self._stats = self.scheduler.stats()
+        except BaseException:
+            log.exception("the engine worker died")
+        finally:
+            with self._lock:
+                self._dead = not self._stopping
+                self._stopping = True  # submit() refuses from now on
+            message = "the engine has stopped" if self._dead else "the server is shutting down"
+            try:
+                self._drain_inbox(refuse=message)
+            finally:  # whatever state the scheduler is in, no handler may be left waiting
+                self._fail_all(503, message)
+                self._stats = self.scheduler.stats()
+                self.events.close()
+
+    def _drain_inbox(self, refuse: str | None = None) -> bool:
+        """Admit new requests (or refuse them with a 503 `refuse` message) and carry out discards.
+        Returns whether there was anything to do."""
+        busy = bool(self._inbox)
+        while self._inbox:
+            message = self._inbox.popleft()
+            handle = message.handle
+            if isinstance(message, AddRequest) and refuse is not None:
+                handle.events.put(Error(503, refuse))
+            elif isinstance(message, AddRequest):
+                self._add(handle)
+            elif self._active.pop(handle.request_id, None) is not None:  # a discard of a live request
+                self.scheduler.discard_request(handle.request_id)
+                self.metrics.on_aborted()
+        return busy
+
+    def _add(self, handle: RequestHandle) -> None:
+        try:
+            self.scheduler.add_request(
+                prompt_token_ids=handle.prompt_token_ids, sampling_params=handle.params, request_id=handle.request_id
+            )
+        except ValueError as e:  # a request that can never fit (e.g. more KV blocks than exist)
+            handle.events.put(Error(400, str(e)))
+            return
+        self._active[handle.request_id] = handle
+        self.metrics.on_admitted(len(handle.prompt_token_ids))
+        handle.events.put(Accepted())
+
+    def _step(self) -> None:
+        try:
+            sampled = self.scheduler.step()
+        except Exception:
+            # Fail what was in flight, free it, and keep serving: the next request may well work.
+            log.exception("engine step failed; failing %d in-flight requests", len(self._active))
+            self._fail_all(500, "the engine failed while running this request")
+            if self.events.active:
+                self.events.publish(self._recorder.update())
+            return
+        self.metrics.on_tokens(len(sampled))
+        for request_id in sampled:
+            piece = self.scheduler.get_new_text(request_id)  # holds back a possible stop-string prefix
+            if piece:
+                self._active[request_id].events.put(Text(piece))
+        finished = []
+        for request_id in self.scheduler.pop_finished_ids():
+            out = self.scheduler.pop_response(request_id)
+            self.metrics.on_finished(out)
+            self._active.pop(request_id).events.put(Done(out))
+            finished.append(out)
+        if self.events.active:
+            self.events.publish(self._recorder.step(len(sampled), finished))
+
+    def _publish_between_steps(self, queues_changed: bool) -> None:
+        """A snapshot when a viewer waits for one (it holds the queue changes too), else an update
+        when requests came or went."""
+        if self.events.snapshot_wanted:
+            self.events.publish(self._recorder.snapshot())
+        elif queues_changed:
+            self.events.publish(self._recorder.update())
+
+    def _fail_all(self, status: int, message: str) -> None:
+        for request_id, handle in self._active.items():
+            try:
+                self.scheduler.discard_request(request_id)
+            except Exception:  # the scheduler may be in a bad state after a failed step
+                log.exception("could not discard request %s", request_id)
+            handle.events.put(Error(status, message))
+        self.metrics.on_aborted(len(self._active))
+        self._active.clear()

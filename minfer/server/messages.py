@@ -1,0 +1,79 @@
+"""The messages between HTTP handler threads and the engine worker (manager.py), one small type each.
+
+Handler -> worker, through the manager's inbox:
+
+    AddRequest(handle)       run this request
+    DiscardRequest(handle)   its handler stopped early: drop it and free its KV blocks
+
+Worker -> handler, through the request's own queue (RequestHandle.events), in this order:
+
+    Accepted()               the scheduler took the request
+    Text(piece)              ... text as it is generated, zero or more times
+    Done(output)             the request finished: its RequestOutput (whose text is the whole text)
+ or Error(status, message)   it failed (or the server is stopping): an HTTP status and a sentence
+
+Only the worker calls the scheduler; these are all the two sides say to each other.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+
+from ..engine.sampling import SamplingParams
+from ..engine.sequence import RequestOutput
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    handle: RequestHandle
+
+
+@dataclass(frozen=True)
+class DiscardRequest:
+    handle: RequestHandle
+
+
+@dataclass(frozen=True)
+class Accepted:
+    pass
+
+
+@dataclass(frozen=True)
+class Text:
+    piece: str
+
+
+@dataclass(frozen=True)
+class Done:
+    output: RequestOutput
+
+
+@dataclass(frozen=True)
+class Error:
+    status: int  # 400: the scheduler refused it; 500: the engine failed; 503: the engine stopped
+    message: str
+
+
+RequestEvent = Accepted | Text | Done | Error
+
+
+class RequestHandle:
+    """One submitted request, as its HTTP handler sees it."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.events: queue.SimpleQueue = queue.SimpleQueue()  # filled by the worker only
+        self.finished = False  # the handler has read Done or Error: nothing left to discard
+
+    def next_event(self, timeout: float | None = None) -> RequestEvent | None:
+        """The next event, or None if none came within `timeout` seconds."""
+        try:
+            event = self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(event, (Done, Error)):
+            self.finished = True
+        return event

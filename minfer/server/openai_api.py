@@ -1,0 +1,363 @@
+"""The OpenAI-compatible API: parse requests, render chat prompts, build responses.
+
+Everything here is plain data in, plain data out — no sockets, no threads — so
+each rule can be tested on its own. This module checks what is the API's own:
+the JSON shape, OpenAI's fields (`model`, `n`, `stream_options`, message roles)
+and the parameters minfer does not support. The engine's rules stay the
+engine's: SamplingParams checks the sampling fields and
+OnlineScheduler.check_request the prompt against the vocabulary and context,
+each raising InvalidParameter naming the field; `invalid_request` turns that
+into the 400 naming the request's own field.
+
+Chat messages are rendered with the checkpoint's own chat template (chat_template.py).
+GPT-2 has none, so its chat messages are rendered as one `role: content` line each,
+followed by `assistant:` for the model to continue:
+
+    system: You are terse.
+    user: Hi!
+    assistant:
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+
+from ..engine.sampling import SamplingParams
+from ..engine.sequence import RequestOutput
+from ..errors import APIError, is_int
+from ..text.chat_template import ChatTemplate, ChatTemplateError
+from ..text.tokenizer import Tokenizer
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+
+
+
+@dataclass
+class ModelInfo:
+    """What request parsing needs to know about the served model."""
+
+    name: str  # the name clients must use in "model"
+    tokenizer: Tokenizer
+    max_model_len: int  # prompt + output tokens one request may use
+    chat_template: ChatTemplate = field(default_factory=lambda: ChatTemplate(None))  # None: plain rendering
+
+
+@dataclass
+class ParsedRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    # The request's own name for an engine field where the two differ ({"max_tokens": "max_new_tokens"}),
+    # so that an error the engine raises later (OnlineScheduler.check_request) names the field the client sent.
+    fields: dict[str, str] = field(default_factory=dict)
+
+
+# ---- errors --------------------------------------------------------------------------
+
+
+def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def invalid_request(e: ValueError, fields: dict[str, str] | None = None) -> APIError:
+    """The engine's verdict on a request (SamplingParams, OnlineScheduler.check_request) as a 400.
+
+    The engine is the one place those rules live: its InvalidParameter names the field at fault, and
+    `fields` maps that name to this endpoint's (chat's prompt is its "messages")."""
+    param, code = getattr(e, "param", None), getattr(e, "code", "invalid_value")
+    message = str(e)
+    name = (fields or {}).get(param, param)
+    if name != param:  # the engine's words name its own field: say which of the request's it is
+        message = f"'{name}' is invalid: {message}"
+    return APIError(400, message, param=name, code=code)
+
+
+# ---- field checks: the JSON shape and OpenAI's own fields -----------------------------
+
+
+KINDS = {  # name -> (description for the error message, check)
+    "int": ("an integer", is_int),
+    "bool": ("a boolean", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "object": ("an object", lambda v: isinstance(v, dict)),
+}
+
+
+def _show(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _value(body: dict, name: str, default=None):
+    """body[name], or `default` where it is absent or null (JSON's way of saying "the default")."""
+    value = body.get(name)
+    return default if value is None else value
+
+
+def _get(body: dict, name: str, kind: str, default=None):
+    """body[name] if present and of the right kind; `default` if absent or null; else a 400."""
+    value = body.get(name)
+    if value is None:
+        return default
+    description, check = KINDS[kind]
+    if not check(value):
+        raise invalid(name, f"'{name}' must be {description}, got {_show(value)}", "invalid_type")
+    return value
+
+
+def _reject_unsupported(body: dict, allowed: dict[str, tuple]) -> None:
+    """Fields minfer does not implement are fine at their default value and refused otherwise."""
+    for name, defaults in allowed.items():
+        value = body.get(name)
+        if value is not None and not any(value == d and type(value) is type(d) for d in defaults):
+            raise invalid(name, f"'{name}' = {_show(value)} is not supported by this server", "unsupported_parameter")
+
+
+def parse_json_body(raw: bytes) -> dict:
+    def reject_constant(name):  # json accepts NaN and Infinity; JSON does not
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=reject_constant)
+    except (ValueError, RecursionError) as e:  # ValueError covers UnicodeDecodeError
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+def _check_model(body: dict, info: ModelInfo) -> None:
+    model = _get(body, "model", "str")
+    if model is not None and model != info.name:
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {info.name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = _get(body, "stream", "bool", False)
+    options = _get(body, "stream_options", "object")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise invalid("stream_options.include_usage", "'include_usage' must be a boolean", "invalid_type")
+    return stream, bool(include_usage)
+
+
+def _check_n(body: dict) -> None:
+    n = _get(body, "n", "int", 1)
+    if n != 1:
+        raise invalid("n", f"'n' must be 1 (one completion per request), got {n}")
+
+
+# ---- sampling parameters: the engine checks them -------------------------------------
+
+
+def _max_tokens(body: dict, name: str, num_prompt_tokens: int, info: ModelInfo, default: int | None):
+    """The output budget as sent; if absent, `default` clipped to the room the prompt leaves (None: all of it).
+    The engine checks it (SamplingParams, then check_request against the context)."""
+    value = body.get(name)
+    if value is not None:
+        return value
+    room = max(1, info.max_model_len - num_prompt_tokens)  # a prompt that fills the context is the engine's to refuse
+    return room if default is None else min(default, room)
+
+
+def _sampling(body: dict, max_tokens, fields: dict[str, str], *, ignore_eos: bool | None = None) -> SamplingParams:
+    """The request's SamplingParams. SamplingParams checks every field itself; its error becomes the 400."""
+    top_k = _value(body, "top_k", 0)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_value(body, "temperature", 1.0),
+            top_k=0 if is_int(top_k) and top_k == -1 else top_k,  # -1 is vLLM's "off", as 0 is ours
+            top_p=_value(body, "top_p", 1.0),
+            seed=body.get("seed"),
+            stop=body.get("stop"),
+            ignore_eos=_value(body, "ignore_eos", False) if ignore_eos is None else ignore_eos,
+        )
+    except ValueError as e:
+        raise invalid_request(e, fields) from None
+
+
+# ---- the three request kinds ---------------------------------------------------------
+
+
+def _prompt_ids(prompt, info: ModelInfo, param: str = "prompt") -> list[int]:
+    """A string, a list of token ids, or a batch of exactly one of those. Whether the ids fit the
+    vocabulary and the context is the engine's to say (check_request)."""
+    if prompt is None:
+        raise invalid(param, f"'{param}' is required", "missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # OpenAI clients may send a batch of one
+    if isinstance(prompt, str):
+        return info.tokenizer.encode_prompt(prompt)
+    if isinstance(prompt, list) and all(is_int(t) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid(param, f"only one prompt per request is supported, got {len(prompt)}")
+    raise invalid(param, f"'{param}' must be a string or a list of token ids, got {_show(prompt)}", "invalid_type")
+
+
+COMPLETION_UNSUPPORTED = {
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "logprobs": (),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+}
+CHAT_UNSUPPORTED = {
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "response_format": ({"type": "text"},),
+}
+
+
+def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
+    """POST /v1/completions."""
+    _check_model(body, info)
+    _check_n(body)
+    _reject_unsupported(body, COMPLETION_UNSUPPORTED)
+    ids = _prompt_ids(body.get("prompt"), info)
+    max_tokens = _max_tokens(body, "max_tokens", len(ids), info, default=16)
+    stream, include_usage = _stream_flags(body)
+    return ParsedRequest(ids, _sampling(body, max_tokens, {}), stream, include_usage)
+
+
+def _message_text(content, i: int) -> str:
+    """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
+    param = f"messages[{i}].content"
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise invalid(param, f'\'{param}\' parts must all be {{"type": "text", "text": ...}}')
+        return "".join(p["text"] for p in content)
+    raise invalid(param, f"'{param}' must be a string or a list of text parts, got {_show(content)}", "invalid_type")
+
+
+def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
+    """POST /v1/chat/completions."""
+    _check_model(body, info)
+    _check_n(body)
+    _reject_unsupported(body, CHAT_UNSUPPORTED)
+    messages = body.get("messages")
+    if messages is None:
+        raise invalid("messages", "'messages' is required", "missing_required_parameter")
+    if not isinstance(messages, list):
+        raise invalid("messages", f"'messages' must be a list, got {_show(messages)}", "invalid_type")
+    if not messages:
+        raise invalid("messages", "'messages' is empty: give at least one message")
+    rendered = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid(f"messages[{i}]", f"'messages[{i}]' must be an object, got {_show(m)}", "invalid_type")
+        if m.get("role") not in CHAT_ROLES:
+            raise invalid(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}")
+        rendered.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
+    try:
+        # chat_template_kwargs: vLLM's extension, e.g. {"enable_thinking": false} for Qwen3.
+        text = info.chat_template.render(rendered, variables=_get(body, "chat_template_kwargs", "object"))
+    except ChatTemplateError as e:
+        raise invalid("messages", str(e)) from None
+    ids = info.tokenizer.encode(text)  # as is: the template wrote any BOS itself
+    # max_completion_tokens is the current name; max_tokens the deprecated one. No limit: up to the context.
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _max_tokens(body, name, len(ids), info, default=None)
+    stream, include_usage = _stream_flags(body)
+    fields = {"prompt": "messages", "max_tokens": name}
+    params = _sampling(body, max_tokens, fields)
+    if info.chat_template.stop_token_ids and not params.ignore_eos:  # the reply ends at the end of its turn
+        stops = [*(params.stop_token_ids or ()), *info.chat_template.stop_token_ids]
+        params = replace(params, stop_token_ids=stops)
+    return ParsedRequest(ids, params, stream, include_usage, fields)
+
+
+def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:
+    """POST /generate: {prompt, max_new_tokens, temperature, top_k, top_p, stop_on_eos, stream}."""
+    prompt = body.get("prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise invalid("prompt", f"'prompt' must be a string, got {_show(prompt)}", "invalid_type")
+    ids = _prompt_ids(prompt, info)
+    max_tokens = _max_tokens(body, "max_new_tokens", len(ids), info, default=64)
+    stop_on_eos = _get(body, "stop_on_eos", "bool", True)
+    stream = _get(body, "stream", "bool", False)
+    fields = {"max_tokens": "max_new_tokens"}
+    return ParsedRequest(ids, _sampling(body, max_tokens, fields, ignore_eos=not stop_on_eos), stream, fields=fields)
+
+
+# ---- responses -----------------------------------------------------------------------
+
+
+def usage(out: RequestOutput) -> dict:
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class Responder:
+    """Builds the response body, or the stream chunks, of one completion or chat request."""
+
+    def __init__(self, model: str, chat: bool):
+        self.model = model
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
+
+    def _chunk(self, choices: list, **extra) -> dict:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", choices, **extra)
+
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        delta = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def first_chunks(self) -> list[dict]:
+        """Chat streams open with the assistant's role."""
+        return [self._chunk([self._choice("", None, role=True)])] if self.chat else []
+
+    def text_chunk(self, text: str) -> dict:
+        return self._chunk([self._choice(text, None)])
+
+    def final_chunk(self, finish_reason: str | None) -> dict:
+        return self._chunk([self._choice(None, finish_reason)])
+
+    def usage_chunk(self, out: RequestOutput) -> dict:
+        return self._chunk([], usage=usage(out))
+
+    def response(self, out: RequestOutput) -> dict:
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": None,
+                "finish_reason": out.finish_reason,
+            }
+            return self._envelope("chat.completion", [choice], usage=usage(out))
+        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+        return self._envelope("text_completion", [choice], usage=usage(out))

@@ -1,0 +1,205 @@
+"""`python -m minfer.serve`: an OpenAI-compatible streaming HTTP server on the standard library.
+
+    python -m minfer.serve --model gpt2 --port 8000
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "Hello", "max_tokens": 20, "stream": true}'
+
+This file builds and runs the server: MinferServer (health, graceful stop),
+create_server (model -> scheduler -> manager -> server) and the command line.
+Threads: ThreadingHTTPServer gives each connection a handler thread. A handler
+(endpoints.py, on http_handler.py's routing and writing) parses and tokenizes
+the request (openai_api.py), submits it to the SchedulerManager (manager.py),
+whose single worker thread runs the engine, and reads text pieces back from the
+request's queue, writing each one as it comes: Server-Sent Events for the
+OpenAI endpoints, plain chunked text for /generate. If the client goes away,
+the handler releases the request and the worker frees its KV blocks before the
+next step. connections.py bounds the rest: request, keep-alive and write
+timeouts, and a cap on connections (see its docstring for the defaults and why).
+docs/life_of_a_request.md follows one request through every layer.
+
+Endpoints: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions, POST /generate, and the live view: GET / (a page)
+and GET /engine/events (live_view.py). With --api-key, the /v1 endpoints,
+/generate and /engine/events need `Authorization: Bearer KEY`; /health and
+/metrics stay open for probes and scrapers, and the page asks for the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+from ..engine.llm import resolve_dtype, set_cpu_threads
+from ..engine.scheduler import OnlineScheduler
+from ..models.registry import load_model
+from ..text.chat_template import ChatTemplate
+from ..text.tokenizer import Tokenizer
+from .connections import CappedHTTPServer, ConnectionLimits, add_arguments, limits_from_args
+from .endpoints import APIHandler
+from .manager import SchedulerManager
+from .openai_api import ModelInfo
+from .prometheus import Metrics
+
+log = logging.getLogger("minfer.serve")
+
+
+class MinferServer(CappedHTTPServer):
+    """The HTTP server: one APIHandler thread per connection, in front of one SchedulerManager."""
+
+    request_queue_size = 128  # the listen backlog; socketserver's default of 5 resets bursts of clients
+
+    def __init__(
+        self,
+        address,
+        manager: SchedulerManager,
+        info: ModelInfo,
+        api_key: str | None = None,
+        limits: ConnectionLimits | None = None,
+    ):
+        self.manager = manager
+        self.info = info
+        self.api_key = api_key
+        self.started = int(time.time())
+        super().__init__(address, APIHandler, limits or ConnectionLimits(), self.health)
+
+    def health(self) -> tuple[int, dict]:
+        """(status, body) of GET /health; also answered at the connection cap."""
+        if self.manager.is_alive():
+            return 200, {"status": "ok"}
+        return 503, {"status": "unavailable", "reason": "the engine worker is not running"}
+
+    def stop(self, grace: float = 3.0) -> None:
+        """Graceful shutdown: fail in-flight requests (streams get an error chunk), stop accepting, and
+        give handlers `grace` seconds to write their last bytes. Call from a thread other than serve_forever's."""
+        self.manager.shutdown()
+        self.shutdown()  # serve_forever returns within its 0.5 s poll interval
+        self.server_close()
+        self.manager.wait_released(grace)
+
+
+# ---- building and running the server -------------------------------------------------
+
+
+def in_passing_thread(fn):
+    """fn() run on a thread that ends with it; its exception, if any, re-raised here.
+
+    The engine thread must be the only thread running torch's OpenMP parallel work: the
+    OpenMP runtime (GNU libgomp) stops spin-waiting between parallel regions once more
+    of its threads exist than CPUs, and a second team, the one loading the model, would
+    cross that line on a small machine: then every parallel region of a step waits for a
+    sleeping worker to wake. A team is freed when its thread ends, so the model loads on a
+    thread of its own. To see it, compare the decode steps of `bench.py --mode online`
+    with `--mode offline` (the engine on the main thread) in their `--trace`."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # handed to the caller below
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name="minfer-load")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def create_server(
+    model: str = "gpt2",
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    device: str = "cpu",
+    dtype: str = "float32",
+    num_kv_blocks: int | None = None,
+    max_num_seqs: int = 64,
+    max_queued: int = 128,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    limits: ConnectionLimits | None = None,
+) -> MinferServer:
+    """Load the model, start the engine worker and bind the socket (port 0 picks a free port).
+    Raises ValueError/OSError for a bad model, setting or address. Run it with serve_forever()."""
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"bad device {device!r}: {e}") from None
+
+    def build() -> OnlineScheduler:
+        language_model = load_model(model, device=device, dtype=resolve_dtype(dtype, device))
+        tokenizer = Tokenizer.from_dir(language_model.model_dir)
+        return OnlineScheduler(language_model, tokenizer, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
+
+    scheduler = in_passing_thread(build)
+    language_model, tokenizer = scheduler.model, scheduler.tokenizer
+    chat_template = ChatTemplate.from_dir(language_model.model_dir, tokenizer)
+    info = ModelInfo(served_model_name or model, tokenizer, scheduler.max_model_len, chat_template)
+    manager = SchedulerManager(scheduler, Metrics(), max_queued=max_queued)
+    server = MinferServer((host, port), manager, info, api_key, limits)  # binds now: a taken port fails here
+    manager.start()
+    return server
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2", help="local checkpoint directory or Hub repo id")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16, or auto (bf16 where fast)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: auto)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    parser.add_argument("--max-queued", type=int, default=128, help="requests that may wait for a slot; more get 429")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("MINFER_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $MINFER_API_KEY, else none)",
+    )
+    parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    add_arguments(parser)  # timeouts and the connection cap
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+
+    if args.device == "cpu" or args.device.startswith("cpu:"):
+        set_cpu_threads()  # as LLM does, before the model loads
+    try:
+        server = create_server(
+            args.model,
+            host=args.host,
+            port=args.port,
+            device=args.device,
+            dtype=args.dtype,
+            num_kv_blocks=args.num_kv_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_queued=args.max_queued,
+            api_key=args.api_key,
+            served_model_name=args.served_model_name,
+            limits=limits_from_args(args),
+        )
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    threading.Thread(target=server.serve_forever, name="minfer-http", daemon=True).start()
+    host, port = server.server_address[:2]
+    print(f"minfer: serving {server.info.name!r} on http://{host}:{port} (Ctrl-C to stop)", flush=True)
+    stop.wait()  # the main thread only waits for a signal
+    log.info("shutting down")
+    server.stop(grace=3.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
