@@ -7,7 +7,7 @@ import sys
 import pytest
 from safetensors import safe_open
 
-from minfer.checkpoints import make_config, random_state_dict, train_tokenizer
+from minfer.checkpoints import make_config, random_state_dict, train_tokenizer, write_random_checkpoint
 from minfer.models.config import GPT2Config
 from minfer.text.tokenizer import Tokenizer
 
@@ -48,3 +48,10 @@ def test_config_json_is_what_transformers_expects():
     json.dumps(config)
     with pytest.raises(ValueError, match="divisible by n_head"):
         make_config("tiny", n_head=5)
+
+
+def test_every_file_gets_the_same_mode(tmp_path):
+    """safetensors writes 0600; the checkpoint's files all get the umask's mode, as config.json does."""
+    out = write_random_checkpoint(tmp_path / "m")
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes

@@ -2,7 +2,9 @@
 
 For the long run: MINFER_SOAK_SECONDS=60 pytest tests/test_stress.py, or `python -m minfer.stress`."""
 
+import glob
 import os
+import tempfile
 
 import pytest
 
@@ -13,6 +15,7 @@ SECONDS = float(os.environ.get("MINFER_SOAK_SECONDS", "12"))
 
 
 def test_soak_with_faults_then_sigterm(tiny_checkpoint):
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "minfer-stress-*")))
     figures, tally = run_spawned(str(tiny_checkpoint), SoakConfig(duration=SECONDS, replays=8), kv_blocks=48)
     print("\n".join(f"{k}: {v}" for k, v in figures.items()))
     assert tally.failures == []
@@ -27,6 +30,9 @@ def test_soak_with_faults_then_sigterm(tiny_checkpoint):
     assert figures["KV blocks free at the end"] == "48/48"
     assert figures["streams open at SIGTERM"] == figures["streams ended with an error event and [DONE]"] > 0
     assert figures["exit code after SIGTERM"] == 0 and figures["stack traces in the server log"] == 0
+    # a clean run leaves no server log behind in /tmp
+    assert "server log" not in figures
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "minfer-stress-*"))) <= before
 
 
 def test_cli_refuses_bad_arguments(capsys):

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from .files import save_safetensors
 from .tokenizer_training import EOS_TOKEN, train_tokenizer
 
 CONFIGS = {
@@ -86,7 +86,7 @@ def write_random_gpt2(out: Path, preset: str = "tiny", layout: str = "hub", seed
     """Write config.json, model.safetensors, tokenizer.json (+ tokenizer_config.json) to out."""
     config = make_config(preset, **overrides)
     tensors = random_state_dict(config, layout, seed)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     train_tokenizer(config["vocab_size"], seed).save(str(out / "tokenizer.json"))
     tok_config = {

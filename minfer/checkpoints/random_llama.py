@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, processors
 
+from .files import save_safetensors
 from .tokenizer_training import train_tokenizer
 
 LLAMA_CONFIGS = {
@@ -176,7 +176,7 @@ def write_random_llama(out: Path, preset: str, seed: int = 0, **overrides) -> Pa
     qwen = config["model_type"] == "qwen3"
     dtype = torch.bfloat16 if config["torch_dtype"] == "bfloat16" else torch.float32
     tensors = {k: v.to(dtype) for k, v in random_llama_state_dict(config, seed).items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     specials = QWEN3_SPECIALS if qwen else LLAMA_SPECIALS
     tokenizer_size = LLAMA_CONFIGS[preset].get("tokenizer_size", config["vocab_size"])

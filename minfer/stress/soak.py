@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -268,5 +269,9 @@ def run_spawned(model: str, cfg: SoakConfig, kv_blocks: int = 48, tally: Tally |
     tracebacks = log.count("Traceback")
     if tracebacks:
         tally.fail(f"{tracebacks} stack traces in the server log {log_path}")
-    figures.update({"stack traces in the server log": tracebacks, "server log": log_path})
+    if tally.failures:  # keep the log to read; a clean run leaves nothing behind in /tmp
+        figures["server log"] = log_path
+    else:
+        shutil.rmtree(os.path.dirname(log_path), ignore_errors=True)
+    figures["stack traces in the server log"] = tracebacks
     return figures, tally
