@@ -62,7 +62,6 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # hashes of the full blocks registered so far, in order
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served at admission
         self.num_preemptions = 0
         self.status = Status.WAITING
