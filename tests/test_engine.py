@@ -183,6 +183,38 @@ def test_streamed_text_holds_back_a_possible_stop_string(tiny_checkpoint):
     assert len(response.token_times) == len(response.token_ids) and response.finish_time >= response.token_times[-1]
 
 
+def test_prefix_hits_after_preemption_and_after_finishing(tiny_checkpoint):
+    """The allocator alone hashes: the batcher hands it token ids and block tables, and a sequence keeps no
+    chain state. So a preempted sequence finds the blocks it computed before, and a finished one's blocks,
+    generated tokens included, serve the next turn of its chat."""
+    import ast
+    from pathlib import Path
+
+    import minfer
+
+    for path in Path(minfer.__file__).parent.rglob("*.py"):
+        if path.name != "block_allocator.py":
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+            names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+            assert not attrs & {"block_hash", "hash", "block_hashes", "blocks", "cached"}, path
+            assert "block_hash" not in names, path
+    g = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(0, 511, (40,), generator=g).tolist() for _ in range(2))
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    llm = LLM(tiny_checkpoint, num_kv_blocks=7, max_num_seqs=2)  # two 80-token sequences need 10 blocks
+    first, second = llm.generate([a, b], params, use_tqdm=False)
+    assert (first.num_preemptions, second.num_preemptions) == (0, 1)
+    assert second.num_cached_tokens == 32, "re-admitted, it found the two blocks it had computed"
+    alone = LLM(tiny_checkpoint, num_kv_blocks=64, enable_prefix_caching=False)
+    assert second.token_ids == alone.generate([b], params, use_tqdm=False)[0].token_ids
+    turn = b + second.token_ids + [7]  # its 79 computed tokens filled 4 blocks
+    short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    out = llm.generate([turn], short, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 64 and out.token_ids == alone.generate([turn], short, use_tqdm=False)[0].token_ids
+    assert_all_free(llm)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

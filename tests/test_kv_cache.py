@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minfer.attention.kv_cache import KVCache, cdiv, choose_num_blocks
-from minfer.engine.block_allocator import BlockAllocator
+from minfer.engine.block_allocator import BlockAllocator, block_hash
 from minfer.models.config import GPT2Config
 
 
@@ -31,9 +31,7 @@ def test_prefix_match_and_lru_eviction():
     alloc = BlockAllocator(num_blocks=4, block_size=2)
     tokens = [1, 2, 3, 4, 5, 6, 7]
     table = alloc.allocate(4)
-    parent = None
-    for i in range(3):  # three full blocks of the sequence are computed
-        parent = alloc.register(table[i], parent, tuple(tokens[2 * i : 2 * i + 2]))
+    alloc.register_full_blocks(table, tokens, num_computed_tokens=7)  # three full blocks are computed
     assert alloc.match_prefix(tokens) == table[:3]
     assert alloc.match_prefix([1, 2, 3, 9]) == table[:1]
     assert alloc.match_prefix([9, 2, 3, 4]) == []
@@ -46,11 +44,47 @@ def test_prefix_match_and_lru_eviction():
     alloc.check_invariants([got])
 
 
+def test_the_chain_grows_step_by_step_and_lives_on_the_blocks():
+    """Registering after every step hashes only the new full blocks, chained on the ones before:
+    the same names as registering all at once, with no chain state kept outside the blocks."""
+    tokens = [5, 6, 7, 8, 9, 10, 11]
+    once, steps = BlockAllocator(num_blocks=4, block_size=2), BlockAllocator(num_blocks=4, block_size=2)
+    table = once.allocate(4)
+    once.register_full_blocks(table, tokens, 7)
+    assert steps.allocate(4) == table
+    for computed in (1, 3, 4, 4, 6, 7):  # a chunked prefill, then decodes
+        steps.register_full_blocks(table, tokens, computed)
+    parent, want = None, []
+    for i in range(3):
+        parent = block_hash(parent, tuple(tokens[2 * i : 2 * i + 2]))
+        want.append(parent)
+    assert [steps.blocks[b].hash for b in table[:3]] == [once.blocks[b].hash for b in table[:3]] == want
+    assert steps.match_prefix(tokens) == table[:3] and steps.blocks[table[3]].hash is None
+    steps.check_invariants([table])
+
+
+def test_twin_blocks_keep_the_chain_and_are_never_found():
+    """Two sequences that compute the same prefix at the same time each fill their own blocks. The index
+    keeps the first; the second's twins still chain its later blocks, and go back empty when freed."""
+    alloc = BlockAllocator(num_blocks=8, block_size=2)
+    a_tokens, b_tokens = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]
+    a, b = alloc.allocate(2), alloc.allocate(3)  # admitted together: nothing was cached yet
+    alloc.register_full_blocks(a, a_tokens, 4)
+    alloc.register_full_blocks(b, b_tokens, 6)
+    assert alloc.match_prefix(b_tokens) == a + b[2:]  # b's third block chained through its twins
+    alloc.check_invariants([a, b])
+    alloc.free(b)
+    assert [alloc.block_state(x) for x in b] == ["free", "free", "cached"]
+    alloc.free(a)
+    assert alloc.match_prefix(b_tokens) == a + b[2:]
+    alloc.check_invariants()
+
+
 def test_hash_collision_is_caught_by_comparing_tokens(monkeypatch):
     monkeypatch.setattr("minfer.engine.block_allocator.block_hash", lambda parent, tokens: 7)  # everything collides
     alloc = BlockAllocator(num_blocks=2, block_size=2)
     [b] = alloc.allocate(1)
-    alloc.register(b, None, (1, 2))
+    alloc.register_full_blocks([b], [1, 2], 2)
     assert alloc.match_prefix([1, 2, 0]) == [b]
     assert alloc.match_prefix([3, 4, 0]) == []
 
@@ -58,7 +92,7 @@ def test_hash_collision_is_caught_by_comparing_tokens(monkeypatch):
 def test_caching_off_never_matches():
     alloc = BlockAllocator(num_blocks=2, block_size=2, enable_prefix_caching=False)
     [b] = alloc.allocate(1)
-    alloc.register(b, None, (1, 2))
+    alloc.register_full_blocks([b], [1, 2], 2)
     assert alloc.match_prefix([1, 2, 3]) == [] and not alloc.cached
 
 
@@ -87,9 +121,7 @@ def test_randomized_allocator_keeps_its_invariants():
                 assert free_before - alloc.num_free_blocks == need + sum(
                     1 for b in hits if alloc.blocks[b].ref_count == 1
                 )
-                parent = None
-                for i in range(len(tokens) // block_size):  # its full blocks are computed and registered
-                    parent = alloc.register(table[i], parent, tuple(tokens[i * block_size : (i + 1) * block_size]))
+                alloc.register_full_blocks(table, tokens, len(tokens))  # its full blocks are computed
                 live.append((table, tokens))
             elif live:  # a sequence ends
                 table, _ = live.pop(rng.randrange(len(live)))

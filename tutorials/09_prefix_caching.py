@@ -1,8 +1,8 @@
 """Stage 09: prefix caching: reuse the KV blocks of a prompt prefix the engine has already computed.
 
 Part 1 drives the prefix index of minfer.engine.block_allocator.BlockAllocator by hand:
-chained block hashes (register, match_prefix), sharing a hit (share), cached
-blocks that outlive their request in the free queue, and least-recently-freed
+chained block hashes (register_full_blocks, match_prefix), sharing a hit (share),
+cached blocks that outlive their request in the free queue, and least-recently-freed
 eviction, tail before head.
 
 Part 2 runs requests that share a long "system prompt" through the engine's
@@ -24,11 +24,13 @@ BLOCK_SIZE = 4
 alloc = BlockAllocator(num_blocks=6, block_size=BLOCK_SIZE)  # enable_prefix_caching=True is the default
 a = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32]  # request A: 2 full blocks and 2 tokens
 table_a = alloc.allocate(3)
-# Once a block is full and its K/V computed, the scheduler names it by a hash chained over
-# (the previous block's hash, its own tokens): so a block's name covers every token before it.
-h0 = alloc.register(table_a[0], None, tuple(a[0:4]))
-h1 = alloc.register(table_a[1], h0, tuple(a[4:8]))
-assert h1 == block_hash(block_hash(None, (11, 12, 13, 14)), (21, 22, 23, 24))
+# After each step the scheduler tells the allocator how many of A's tokens have their K/V computed.
+# The allocator names each block that is now full by a hash chained over (the previous block's
+# hash, its own tokens): so a block's name covers every token before it. All 10 are computed here.
+alloc.register_full_blocks(table_a, a, num_computed_tokens=10)
+h0, h1 = (alloc.blocks[b].hash for b in table_a[:2])  # the hashes live on the blocks, nowhere else
+assert h0 == block_hash(None, (11, 12, 13, 14)) and h1 == block_hash(h0, (21, 22, 23, 24))
+assert alloc.blocks[table_a[2]].hash is None  # 2 tokens of 4: not full, not named
 print(f"A: tokens {a}, block table {table_a}, full blocks registered: {list(alloc.cached.values())}")
 
 for probe in ([11, 12, 13, 14, 21, 22, 23, 24, 99], [11, 12, 13, 14, 21, 22, 23], [99, 12, 13, 14, 21, 22, 23, 24]):

@@ -2,7 +2,7 @@
 
 Uses minfer.manager.SchedulerManager in-process, exactly as the HTTP server of
 stage 12 does, minus HTTP: client threads submit token ids and read their
-request's events (minfer/messages.py: Accepted, Text pieces, Done or Error). Shows that the idle
+request's events (minfer/server/messages.py: Accepted, CompletionDelta per step, Done or Error). Shows that the idle
 worker sleeps (its own CPU time stays ~0) and wakes at once, that only client
 threads tokenize, that a request released early (a client that went away) has
 its KV blocks freed, and what a refused request, a full queue and a shutdown
@@ -20,7 +20,7 @@ from minfer import OnlineScheduler, SamplingParams
 from minfer.errors import InvalidParameter
 from minfer.models.gpt2 import GPT2
 from minfer.server.manager import EngineError, SchedulerManager
-from minfer.server.messages import Accepted, Done, Error, Text
+from minfer.server.messages import Accepted, CompletionDelta, Done, Error
 from minfer.server.prometheus import Metrics
 from minfer.text.tokenizer import Tokenizer
 
@@ -103,11 +103,14 @@ for t in threads:
 for p in prompts:
     events = results[p]["events"]
     kinds = [type(e) for e in events]
-    assert kinds[0] is Accepted and kinds[-1] is Done and set(kinds[1:-1]) <= {Text}, kinds
-    out = events[-1].output
-    streamed = "".join(e.piece for e in events if isinstance(e, Text))
-    print(f"{p!r:34} {kinds.count(Text):2} Text events -> {streamed!r}")
-    assert streamed == out.text, "the streamed pieces add up to the final text"
+    assert kinds[0] is Accepted and kinds[-1] is Done and set(kinds[1:-1]) <= {CompletionDelta}, kinds
+    out, deltas = events[-1].output, events[1:-1]
+    streamed = "".join(d.text for d in deltas)
+    print(f"{p!r:34} {len(deltas):2} deltas -> {streamed!r}")
+    # One delta per step that sampled a token for it: 48 steps, one token each (the prompt in one chunk).
+    assert [d.token_ids for d in deltas] == [[t] for t in out.token_ids], "each step's new token, in order"
+    assert streamed == out.text, "the streamed text adds up to the final text"
+    assert deltas[-1].finish_reason == out.finish_reason and {d.index for d in deltas} == {0}
     assert out.token_ids == expected[p].token_ids, "the same tokens as the request run alone"
 # They ran together: the engine produced every request's first token before it finished any of
 # them. (One may join a step or two after the others: continuous batching admits it at the next
@@ -123,7 +126,7 @@ handle = manager.submit(tokenizer.encode("Tell me a very long story about"), LON
 assert handle.next_event(timeout=30) == Accepted()
 for _ in range(3):
     event = handle.next_event(timeout=30)
-    assert isinstance(event, Text)
+    assert isinstance(event, CompletionDelta)
 stats = manager.stats()  # a snapshot the worker publishes after every step; handlers never touch sched
 print(
     f"streaming; stats snapshot: running {stats['num_running']}, "
@@ -169,7 +172,7 @@ handle = manager.submit(tokenizer.encode("Unfinished business"), LONG)
 assert handle.next_event(timeout=30) == Accepted()
 manager.shutdown()
 event = handle.next_event(timeout=30)
-while isinstance(event, Text):  # pieces generated before the shutdown, then the error
+while isinstance(event, CompletionDelta):  # steps run before the shutdown, then the error
     event = handle.next_event(timeout=30)
 manager.release(handle)
 print(f"in flight at shutdown: {event}")

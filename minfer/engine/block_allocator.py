@@ -9,6 +9,11 @@ it reuses those blocks instead of recomputing them. A block that nobody
 references any more keeps its contents and its hash, and sits in the free queue
 until the allocator needs it (least recently freed first), so cached blocks are
 always reclaimable and the cache can never cause an out-of-blocks failure.
+
+This class is the one owner of the hash chain: callers hand it token ids and
+block tables (`register_full_blocks`, `match_prefix`) and never see a hash. A
+block's hash is kept on the block itself, so a sequence carries no chain state:
+nothing to reset when it is preempted, nothing to leak when it ends.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None  # set once the block is full and registered in the prefix index
+    hash: int | None = None  # set once the block is full and its K/V computed (register_full_blocks)
     token_ids: tuple[int, ...] = field(default=())  # kept to verify a hash hit, never trusted blindly
 
 
@@ -109,18 +114,30 @@ class BlockAllocator:
                 raise RuntimeError(f"KV block {b} freed more often than it was allocated")
             block.ref_count -= 1
             if block.ref_count == 0:
-                if block.hash is None or not self.enable_prefix_caching:
+                if block.hash is not None and self.cached.get(block.hash) != b:  # a twin: no one can find it
                     block.hash, block.token_ids = None, ()
                 self.free_queue[b] = None
 
-    def register(self, block_id: int, parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-        """Name a block that just became full, so later requests can find it. Returns its hash."""
-        h = block_hash(parent_hash, token_ids)
-        if self.enable_prefix_caching and h not in self.cached:
-            block = self.blocks[block_id]
-            block.hash, block.token_ids = h, token_ids
-            self.cached[h] = block_id
-        return h
+    def register_full_blocks(self, block_table: list[int], token_ids: list[int], num_computed_tokens: int) -> None:
+        """Make a sequence's blocks that are now full of computed K/V findable by later requests.
+
+        Cheap to call after every step: it hashes only the blocks not yet hashed. Those are the tail
+        of the table's full blocks (a prefix hit or an earlier call hashed the rest), and each one
+        chains on the hash of the block before it."""
+        if not self.enable_prefix_caching:
+            return
+        block_size, blocks = self.block_size, self.blocks
+        first = num_full = num_computed_tokens // block_size
+        while first > 0 and blocks[block_table[first - 1]].hash is None:
+            first -= 1
+        parent = blocks[block_table[first - 1]].hash if first else None
+        for i in range(first, num_full):
+            block = blocks[block_table[i]]
+            block.token_ids = tuple(token_ids[i * block_size : (i + 1) * block_size])
+            block.hash = parent = block_hash(parent, block.token_ids)
+            # A twin (the same tokens, computed by another sequence at the same time) keeps its hash,
+            # so the chain goes on through it, but the index keeps pointing at the first.
+            self.cached.setdefault(parent, block.block_id)
 
     def check_invariants(self, live_tables: list[list[int]] = ()) -> None:
         """Assert the bookkeeping is consistent (tests call this; cheap enough for debugging)."""
@@ -133,3 +150,5 @@ class BlockAllocator:
             assert (block.ref_count == 0) == (block.block_id in self.free_queue), f"block {block.block_id}"
         for h, b in self.cached.items():
             assert self.blocks[b].hash == h and len(self.blocks[b].token_ids) == self.block_size
+        for block in self.blocks:  # an unreferenced block with a hash is one a request can still find
+            assert block.ref_count or block.hash is None or self.cached.get(block.hash) == block.block_id

@@ -10,10 +10,12 @@ sequence. Each `schedule()`:
    blocks, free sequence slots (`max_num_seqs`) and token budget left
    (`max_num_batched_tokens`); a long prompt gets a chunk of the budget now and
    the rest in later steps, alongside the running decodes.
-After the forward pass, `advance()` counts the computed tokens and registers
-newly filled blocks in the prefix cache, and `retire()` frees a finished
-sequence's blocks at once. What a request's text is, or who asked for it, is
-the OnlineScheduler's business (scheduler.py), not this class's.
+After the forward pass, `advance()` counts the computed tokens and has the
+allocator register newly filled blocks in the prefix cache, and `retire()`
+frees a finished sequence's blocks at once. The prefix cache's hashes are the
+allocator's alone: this class hands it token ids and block tables, never a
+hash. What a request's text is, or who asked for it, is the OnlineScheduler's
+business (scheduler.py), not this class's.
 """
 
 from __future__ import annotations
@@ -74,8 +76,9 @@ class ContinuousBatcher:
     def advance(self, chunks: list[ScheduledChunk]) -> None:
         """The chunks' K/V are now in the cache: count them, and make newly full blocks findable."""
         for chunk in chunks:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
-            self._register_full_blocks(chunk.seq)
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            self.allocator.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
 
     def retire(self, seq: Sequence) -> None:
         """A running sequence finished: free its blocks now."""
@@ -109,7 +112,6 @@ class ContinuousBatcher:
             return None
         self.allocator.share(hits)
         seq.block_table = hits + self.allocator.allocate(new_blocks)
-        seq.block_hashes = [self.allocator.blocks[b].hash for b in hits]
         seq.num_computed_tokens = seq.num_cached_tokens = cached
         self.prefix_cache_hit_tokens += cached
         seq.status = Status.RUNNING
@@ -125,19 +127,9 @@ class ContinuousBatcher:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        """Blocks whose every slot now holds computed K/V become findable by later requests."""
-        block_size = self.block_size
-        while len(seq.block_hashes) < seq.num_computed_tokens // block_size:
-            i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            tokens = tuple(seq.token_ids[i * block_size : (i + 1) * block_size])
-            seq.block_hashes.append(self.allocator.register(seq.block_table[i], parent, tokens))
-
     def _free_blocks(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
         seq.block_table = []
-        seq.block_hashes = []
 
     def check_invariants(self) -> None:
         """Assert the allocator agrees with the block tables of the running sequences (for tests)."""

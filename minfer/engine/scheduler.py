@@ -33,7 +33,7 @@ from .block_allocator import BlockAllocator
 from .continuous_batcher import ContinuousBatcher
 from .model_runner import ModelRunner
 from .sampling import SamplingParams, make_generator
-from .sequence import RequestOutput, ScheduledChunk, Sequence, Status
+from .sequence import CompletionDelta, RequestOutput, ScheduledChunk, Sequence, Status
 
 
 @dataclass
@@ -46,6 +46,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     num_steps: int = 0  # engine steps that ran it (prefill chunks and decodes)
+    num_streamed_tokens: int = 0  # output tokens get_new_output has handed out
 
 
 @dataclass
@@ -278,6 +279,16 @@ class OnlineScheduler:
         """Text generated since the last call, minus a tail that might still turn into a stop string."""
         request = self._get(request_id)
         return request.text.pop_new_text(finished=request.seq.is_finished)
+
+    def get_new_output(self, request_id: str) -> CompletionDelta:
+        """The token ids sampled since the last call, with the text get_new_text hands out: what a server
+        streams for the request after a step."""
+        request = self._get(request_id)
+        seq = request.seq
+        start = seq.num_prompt_tokens + request.num_streamed_tokens
+        token_ids = seq.token_ids[start:]
+        request.num_streamed_tokens += len(token_ids)
+        return CompletionDelta(0, token_ids, self.get_new_text(request_id), seq.finish_reason)
 
     def pop_finished_ids(self) -> list[str]:
         """Ids of the requests finished since the last call."""

@@ -1,5 +1,5 @@
 """One request's engine state: its tokens, its KV blocks, and whether it is done (plus RequestOutput,
-what a finished request becomes).
+what a finished request becomes, and CompletionDelta, what it produced in one step).
 
 A Sequence is WAITING (queued, or preempted and waiting to be recomputed), RUNNING
 (it holds KV blocks and is scheduled every step) or FINISHED. Its tokens are the
@@ -46,6 +46,19 @@ class RequestOutput:
     finish_time: float | None = None
 
 
+@dataclass(frozen=True)
+class CompletionDelta:
+    """What one completion of a request produced since its last delta (OnlineScheduler.get_new_output):
+    the server's worker sends one after every step that sampled a token for it. Its token ids, and its
+    texts, concatenated over a request's deltas, are the RequestOutput's."""
+
+    index: int  # which completion of the request; 0 until a request can ask for several (n > 1)
+    token_ids: list[int]  # sampled since the last delta, a stop token included (as in RequestOutput)
+    text: str  # the text added since, less a tail held back while it might still become a stop string
+    finish_reason: str | None = None  # set on the completion's last delta: "stop" or "length"
+    logprobs: list | None = None  # one entry per token id, for a request that asks (a later issue)
+
+
 class Sequence:
     def __init__(
         self,
@@ -62,7 +75,6 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # hashes of the full blocks registered so far, in order
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served at admission
         self.num_preemptions = 0
         self.status = Status.WAITING

@@ -3,7 +3,7 @@
 A request to /v1/completions, /v1/chat/completions or /generate goes:
 parse it (openai_api.py) -> `manager.submit` (manager.py checks it against the
 model's limits in this thread, then the worker takes it) -> read the request's
-events (messages.py: Accepted, Text..., Done or Error) -> write them out, as
+events (messages.py: Accepted, CompletionDelta..., Done or Error) -> write them out, as
 one JSON body, Server-Sent Events (the OpenAI endpoints) or plain chunked text
 (/generate). Whatever happens, the request is released at the end: if it has
 not finished (the client left, a write failed), the worker discards it and
@@ -21,7 +21,7 @@ from . import live_view
 from .connections import ConnectionStats
 from .http_handler import ClientGone, RoutingHandler
 from .manager import EngineError, SchedulerManager
-from .messages import Accepted, Done, Error, RequestEvent, RequestHandle, Text
+from .messages import Accepted, CompletionDelta, Done, Error, RequestEvent, RequestHandle
 from .openai_api import (
     ModelInfo,
     ParsedRequest,
@@ -91,11 +91,11 @@ class APIHandler(RoutingHandler):
                 raise ClientGone()
 
     def _events(self, handle: RequestHandle):
-        """Yield each text piece (str) as it comes, then the RequestOutput; an Error event raises APIError."""
+        """Yield each CompletionDelta as it comes, then the RequestOutput; an Error event raises APIError."""
         while True:
             match self._next_event(handle):
-                case Text(piece):
-                    yield piece
+                case CompletionDelta() as delta:
+                    yield delta
                 case Done(output):
                     self.log_note = "tokens={prompt_tokens}+{completion_tokens} ".format(**usage(output))
                     yield output
@@ -156,8 +156,9 @@ class APIHandler(RoutingHandler):
                 self.send_event(chunk)
             try:
                 for item in self._events(handle):
-                    if isinstance(item, str):
-                        self.send_event(r.text_chunk(item))
+                    if isinstance(item, CompletionDelta):
+                        if (chunk := r.delta_chunk(item)) is not None:
+                            self.send_event(chunk)
                         continue
                     self.send_event(r.final_chunk(item.finish_reason))
                     if req.include_usage:
@@ -177,8 +178,8 @@ class APIHandler(RoutingHandler):
             self.begin_stream("text/plain; charset=utf-8")
             try:
                 for item in self._events(handle):
-                    if isinstance(item, str):
-                        self.write_chunk(item.encode())
+                    if isinstance(item, CompletionDelta) and item.text:  # an empty chunk would end the body
+                        self.write_chunk(item.text.encode())
             except APIError:  # plain text has no error frame: end without the last chunk, so it reads as cut
                 self.close_connection = True
                 return

@@ -7,9 +7,10 @@ calls it. HTTP handler threads talk to the worker through two things only:
   by `wake.set()`. When nothing is running the worker sleeps in `wake.wait()`:
   no polling, no CPU, and it wakes the moment a handler sets the event;
 - each request's own queue of events, which the worker fills and the handler
-  drains: Accepted (admitted to the scheduler), Text pieces as they are
-  generated, then Done with the RequestOutput, or Error with a status and message.
-  messages.py defines both kinds of message.
+  drains: Accepted (admitted to the scheduler), a CompletionDelta (new token
+  ids and text) after each step that sampled for it, then Done with the
+  RequestOutput, or Error with a status and message. messages.py defines both
+  kinds of message.
 
 A handler that stops early (client gone, write failed) calls `release()`,
 which queues a discard: the worker drops the request and frees its KV blocks
@@ -29,7 +30,7 @@ from collections import deque
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import OnlineScheduler
 from .engine_events import EngineFeed, EventRecorder
-from .messages import Accepted, AddRequest, DiscardRequest, Done, Error, RequestHandle, Text
+from .messages import Accepted, AddRequest, DiscardRequest, Done, Error, RequestHandle
 from .prometheus import Metrics
 
 log = logging.getLogger("minfer.serve")
@@ -190,10 +191,8 @@ class SchedulerManager:
                 self.events.publish(self._recorder.update())
             return
         self.metrics.on_tokens(len(sampled))
-        for request_id in sampled:
-            piece = self.scheduler.get_new_text(request_id)  # holds back a possible stop-string prefix
-            if piece:
-                self._active[request_id].events.put(Text(piece))
+        for request_id in sampled:  # text "" too: the handler still gets the step's token ids
+            self._active[request_id].events.put(self.scheduler.get_new_output(request_id))
         finished = []
         for request_id in self.scheduler.pop_finished_ids():
             out = self.scheduler.pop_response(request_id)

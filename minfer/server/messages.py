@@ -8,11 +8,15 @@ Handler -> worker, through the manager's inbox:
 Worker -> handler, through the request's own queue (RequestHandle.events), in this order:
 
     Accepted()               the scheduler took the request
-    Text(piece)              ... text as it is generated, zero or more times
+    CompletionDelta(index, token_ids, text, finish_reason, logprobs)
+                             ... one per step that sampled a token for it: the new token ids and
+                             the text they added (may be "": held back, or a stop token's)
     Done(output)             the request finished: its RequestOutput (whose text is the whole text)
  or Error(status, message)   it failed (or the server is stopping): an HTTP status and a sentence
 
-Only the worker calls the scheduler; these are all the two sides say to each other.
+Only the worker calls the scheduler; these are all the two sides say to each other. CompletionDelta
+is the engine's own record (engine/sequence.py), sent as it is: what the engine learns to say per
+token later (logprobs, several completions per request) reaches the handler as new fields of it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import queue
 from dataclasses import dataclass
 
 from ..engine.sampling import SamplingParams
-from ..engine.sequence import RequestOutput
+from ..engine.sequence import CompletionDelta, RequestOutput
 
 
 @dataclass(frozen=True)
@@ -40,11 +44,6 @@ class Accepted:
 
 
 @dataclass(frozen=True)
-class Text:
-    piece: str
-
-
-@dataclass(frozen=True)
 class Done:
     output: RequestOutput
 
@@ -55,7 +54,7 @@ class Error:
     message: str
 
 
-RequestEvent = Accepted | Text | Done | Error
+RequestEvent = Accepted | CompletionDelta | Done | Error
 
 
 class RequestHandle:

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 from ..engine.sampling import SamplingParams
-from ..engine.sequence import RequestOutput
+from ..engine.sequence import CompletionDelta, RequestOutput
 from ..errors import APIError, is_int
 from ..text.chat_template import ChatTemplate, ChatTemplateError
 from ..text.tokenizer import Tokenizer
@@ -329,13 +329,13 @@ class Responder:
     def _chunk(self, choices: list, **extra) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", choices, **extra)
 
-    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False, index: int = 0) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         delta = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
     def first_chunks(self) -> list[dict]:
         """Chat streams open with the assistant's role."""
@@ -343,6 +343,11 @@ class Responder:
 
     def text_chunk(self, text: str) -> dict:
         return self._chunk([self._choice(text, None)])
+
+    def delta_chunk(self, delta: CompletionDelta) -> dict | None:
+        """The stream chunk for one step's delta of a completion; None if it adds no text (its token's
+        text is held back, or is a stop token's), so the stream has no empty chunks."""
+        return self._chunk([self._choice(delta.text, None, index=delta.index)]) if delta.text else None
 
     def final_chunk(self, finish_reason: str | None) -> dict:
         return self._chunk([self._choice(None, finish_reason)])
