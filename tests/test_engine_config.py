@@ -1,0 +1,149 @@
+"""EngineConfig: one list of engine settings, checked in one place, turned into the same flags for the
+server, bench and generate, and reported by the server's /health as the engine runs them."""
+
+import argparse
+from dataclasses import fields
+
+import pytest
+import torch
+
+from minfer import EngineConfig
+from minfer.engine.config import parse_size
+
+POSITIVE_INTS = [
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "num_kv_blocks",
+    "max_model_len",
+    "num_threads",
+]
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# ---- every bad value names its flag ----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", POSITIVE_INTS)
+@pytest.mark.parametrize("value", [0, -3, 1.5, True, "8"])
+def test_positive_integers(name, value):
+    with pytest.raises(ValueError, match=f"^{flag(name)} must be a positive integer, got {value!r}$"):
+        EngineConfig(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(model=""), "--model must be a checkpoint directory or Hub repo id, got ''"),
+        (dict(model=7), "--model must be a checkpoint directory or Hub repo id"),
+        (dict(device="gpu"), "--device must be a torch device such as cpu or cuda:0, got 'gpu'"),
+        (dict(dtype="int8"), "--dtype must be 'auto' or one of"),
+        (dict(dtype=torch.int8), "--dtype must be 'auto' or one of"),
+        (dict(seed=-1), r"--seed must be an integer in \[0, 2\*\*64\), got -1"),
+        (dict(seed=2**64), "--seed must be an integer"),
+        (
+            dict(kv_cache_memory="2XB"),
+            "--kv-cache-memory must be a size in bytes such as 2GiB, 512MiB or 1e9, got '2XB'",
+        ),
+        (dict(kv_cache_memory=-1), "--kv-cache-memory must be a size in bytes"),
+        (dict(kv_cache_memory=1.5), "--kv-cache-memory must be a size in bytes"),
+        (dict(device="cuda", gpu_memory_utilization=0), r"--gpu-memory-utilization must be a fraction in \(0, 1\]"),
+        (dict(device="cuda", gpu_memory_utilization=1.5), "--gpu-memory-utilization must be a fraction"),
+        (dict(device="cuda", gpu_memory_utilization="0.5"), "--gpu-memory-utilization must be a fraction"),
+        (dict(enable_prefix_caching=None), "--enable-prefix-caching must be True or False, got None"),
+        (dict(enforce_eager=1), "--enforce-eager must be True or False, got 1"),
+    ],
+)
+def test_bad_values_name_their_flag(settings, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        EngineConfig(**settings)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            dict(gpu_memory_utilization=0.5),
+            "--gpu-memory-utilization .* CUDA devices only; on cpu .* --kv-cache-memory",
+        ),
+        (dict(num_threads=2, device="cuda"), "--num-threads sets CPU threads: it applies to --device cpu"),
+        (dict(num_kv_blocks=8, kv_cache_memory="1MiB"), "--num-kv-blocks and --kv-cache-memory each set the KV"),
+        (dict(device="cuda", kv_cache_memory=10, gpu_memory_utilization=0.5), "--kv-cache-memory and --gpu-memory"),
+    ],
+)
+def test_settings_that_contradict(settings, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**settings)
+
+
+def test_values_are_normalised_and_frozen(tmp_path):
+    config = EngineConfig(model=tmp_path, device=torch.device("cpu"), dtype=torch.bfloat16, kv_cache_memory="2GiB")
+    assert (config.model, config.device, config.dtype, config.kv_cache_memory) == (
+        str(tmp_path),
+        "cpu",
+        "bfloat16",
+        2**31,
+    )
+    with pytest.raises(AttributeError):
+        config.block_size = 0  # checked once: it cannot go bad afterwards
+
+
+@pytest.mark.parametrize(
+    "text, size",
+    [("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1e9", 10**9), ("1.5GB", 1_500_000_000), ("4096", 4096),
+     (" 8 kib ", 8192), ("3b", 3), (12, 12)],
+)  # fmt: skip
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "2 GiBs", "-1", "1e", "nan", "0x10"])
+def test_parse_size_refuses(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+# ---- flags: one per field, round trip ------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(p)
+    return p
+
+
+def test_one_flag_per_field_with_the_fields_defaults():
+    args = parser().parse_args([])
+    assert EngineConfig.from_cli_args(args) == EngineConfig()
+    assert set(vars(args)) == {f.name for f in fields(EngineConfig)}
+
+
+def test_flags_to_config_and_back():
+    argv = ["--model", "m", "--device", "cpu", "--dtype", "bfloat16", "--seed", "3", "--max-num-seqs", "5",
+            "--max-num-batched-tokens", "256", "--block-size", "32", "--kv-cache-memory", "512MiB",
+            "--no-enable-prefix-caching", "--max-model-len", "100", "--enforce-eager", "--num-threads", "2"]  # fmt: skip
+    config = EngineConfig.from_cli_args(parser().parse_args(argv))
+    assert config == EngineConfig(
+        model="m", dtype="bfloat16", seed=3, max_num_seqs=5, max_num_batched_tokens=256, block_size=32,
+        kv_cache_memory=512 * 2**20, enable_prefix_caching=False, max_model_len=100, enforce_eager=True, num_threads=2,
+    )  # fmt: skip
+    again = EngineConfig.from_cli_args(parser().parse_args(config.to_cli_args(exclude=())))
+    assert again == config
+    assert EngineConfig(model="m").to_cli_args() == []  # defaults are not repeated; --model is the caller's
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--block-size", "0"], "--block-size must be a positive integer, got 0"),
+        (["--block-size", "abc"], "--block-size must be a positive integer, got 'abc'"),
+        (["--gpu-memory-utilization", "most", "--device", "cuda"], "--gpu-memory-utilization must be a fraction"),
+        (["--kv-cache-memory", "2 GB of it"], "--kv-cache-memory must be a size in bytes"),
+    ],
+)
+def test_from_cli_args_names_the_bad_flag(argv, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        EngineConfig.from_cli_args(parser().parse_args(argv))
