@@ -2,13 +2,15 @@
 server, bench and generate, and reported by the server's /health as the engine runs them."""
 
 import argparse
-from dataclasses import fields
+from dataclasses import asdict, fields
 
 import pytest
 import torch
 
-from minfer import EngineConfig
+from minfer import LLM, EngineConfig, OnlineScheduler, SamplingParams
+from minfer.attention.kv_cache import KVCache
 from minfer.engine.config import parse_size
+from minfer.errors import InvalidParameter
 
 POSITIVE_INTS = [
     "max_num_seqs",
@@ -147,3 +149,72 @@ def test_flags_to_config_and_back():
 def test_from_cli_args_names_the_bad_flag(argv, message):
     with pytest.raises(ValueError, match=f"^{message}"):
         EngineConfig.from_cli_args(parser().parse_args(argv))
+
+
+# ---- LLM and OnlineScheduler read one config -----------------------------------------
+
+
+def test_llm_config_and_keywords_are_the_same(tiny_checkpoint):
+    settings = dict(block_size=32, num_kv_blocks=40, max_num_seqs=4, max_num_batched_tokens=64)
+    by_keywords = LLM(tiny_checkpoint, **settings)
+    by_config = LLM(config=EngineConfig(model=tiny_checkpoint, **settings))
+    overridden = LLM(tiny_checkpoint, config=EngineConfig(block_size=8, num_kv_blocks=40), **settings)
+    assert by_keywords.scheduler.engine_config == by_config.scheduler.engine_config
+    assert overridden.scheduler.engine_config == by_config.scheduler.engine_config
+    assert asdict(by_config.scheduler.engine_config) == dict(
+        asdict(EngineConfig(**settings)), model=str(tiny_checkpoint), max_model_len=512
+    )
+    assert by_config.scheduler.batcher.max_num_batched_tokens == 64 and by_config.scheduler.allocator.num_blocks == 40
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    assert [o.token_ids for o in by_keywords.generate(["a b c"] * 3, greedy, use_tqdm=False)] == [
+        o.token_ids for o in by_config.generate(["a b c"] * 3, greedy, use_tqdm=False)
+    ]
+    with pytest.raises(TypeError, match="no_such_setting"):
+        LLM(tiny_checkpoint, no_such_setting=1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, num_kv_blocks=8)
+    return llm.model, llm.tokenizer
+
+
+def test_scheduler_keywords_over_a_config(tiny):
+    sched = OnlineScheduler(*tiny, EngineConfig(block_size=32, max_num_seqs=3), num_kv_blocks=20)
+    run = sched.engine_config
+    assert (run.block_size, run.max_num_seqs, run.num_kv_blocks) == (32, 3, 20)
+    assert sched.allocator.block_size == 32 and sched.max_num_seqs == 3
+    with pytest.raises(ValueError, match="^--max-num-seqs must be a positive integer"):
+        OnlineScheduler(*tiny, max_num_seqs=0)
+
+
+def test_kv_cache_memory_buys_blocks_and_max_model_len_needs_fewer(tiny):
+    model, tokenizer = tiny
+    per_block = KVCache.bytes_per_block(model.config, 16, model.dtype)
+    sched = OnlineScheduler(model, tokenizer, kv_cache_memory=40 * per_block)
+    assert sched.engine_config.num_kv_blocks == 40 and sched.engine_config.kv_cache_memory is None
+    with pytest.raises(ValueError, match="holds 10 blocks, fewer than the 32"):  # a 512-token context: 32 blocks
+        OnlineScheduler(model, tokenizer, kv_cache_memory=10 * per_block)
+    short = OnlineScheduler(model, tokenizer, kv_cache_memory=10 * per_block, max_model_len=128)
+    assert short.max_model_len == 128 and short.engine_config.num_kv_blocks == 10
+
+
+def test_max_model_len_caps_requests(tiny):
+    sched = OnlineScheduler(*tiny, num_kv_blocks=64, max_model_len=100)
+    assert sched.max_model_len == sched.engine_config.max_model_len == 100
+    sched.check_request([1] * 90, SamplingParams(max_tokens=10))
+    with pytest.raises(InvalidParameter, match="context of 100 tokens") as refused:
+        sched.check_request([1] * 90, SamplingParams(max_tokens=11))
+    assert refused.value.param == "max_tokens" and refused.value.code == "context_length_exceeded"
+    with pytest.raises(ValueError, match="^--max-model-len 513 exceeds the model's context of 512 tokens$"):
+        OnlineScheduler(*tiny, num_kv_blocks=64, max_model_len=513)
+
+
+def test_seed_makes_unseeded_sampling_repeat(tiny):
+    def sampled(seed: int) -> list[int]:
+        sched = OnlineScheduler(*tiny, num_kv_blocks=16, seed=seed)
+        request = sched.add_request("Once upon", sampling_params=SamplingParams(max_tokens=16, ignore_eos=True))
+        list(sched.steps())
+        return sched.pop_response(request).token_ids
+
+    assert sampled(7) == sampled(7) != sampled(8)
