@@ -2,15 +2,20 @@
 server, bench and generate, and reported by the server's /health as the engine runs them."""
 
 import argparse
+import subprocess
+import sys
+import threading
 from dataclasses import asdict, fields
 
 import pytest
 import torch
+from test_serve import ServerProcess, call
 
 from minfer import LLM, EngineConfig, OnlineScheduler, SamplingParams
 from minfer.attention.kv_cache import KVCache
 from minfer.engine.config import parse_size
 from minfer.errors import InvalidParameter
+from minfer.server.serve import create_server
 
 POSITIVE_INTS = [
     "max_num_seqs",
@@ -218,3 +223,58 @@ def test_seed_makes_unseeded_sampling_repeat(tiny):
         return sched.pop_response(request).token_ids
 
     assert sampled(7) == sampled(7) != sampled(8)
+
+
+# ---- the server and bench ------------------------------------------------------------
+
+
+def test_in_process_server_reports_its_engine_in_health(tiny_checkpoint):
+    config = EngineConfig(model=str(tiny_checkpoint), block_size=32, max_num_batched_tokens=256, num_kv_blocks=40)
+    srv = create_server(config, port=0)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        status, _, health = call(srv.server_address[1], "GET", "/health", headers={})
+    finally:
+        srv.stop(grace=1.0)
+    assert status == 200 and health["status"] == "ok"
+    assert health["engine"] == {
+        "device": "cpu",
+        "dtype": "float32",
+        "seed": 0,
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 256,
+        "block_size": 32,
+        "num_kv_blocks": 40,
+        "kv_cache_memory": None,
+        "gpu_memory_utilization": None,
+        "enable_prefix_caching": True,
+        "max_model_len": 512,
+        "enforce_eager": False,
+        "num_threads": None,
+    }
+
+
+def test_serve_command_reports_its_flags_in_health(tiny_checkpoint, tmp_path):
+    srv = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--block-size", "32", "--max-num-batched-tokens",
+                        "256", "--num-kv-blocks", "40", "--no-enable-prefix-caching")  # fmt: skip
+    try:
+        status, _, health = call(srv.port, "GET", "/health", headers={})
+    finally:
+        srv.stop()
+    engine = health["engine"]
+    assert status == 200 and (engine["block_size"], engine["max_num_batched_tokens"]) == (32, 256)
+    assert engine["num_kv_blocks"] == 40 and engine["enable_prefix_caching"] is False
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--block-size", "x"], "error: --block-size must be a positive integer, got 'x'"),
+        (["--gpu-memory-utilization", "0.5"], "error: --gpu-memory-utilization is a share of GPU memory"),
+    ],
+)
+def test_serve_refuses_a_bad_flag_in_one_line(tiny_checkpoint, argv, message):
+    cmd = [sys.executable, "-m", "minfer.serve", "--model", str(tiny_checkpoint), "--port", "0", *argv]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith(message) and done.stderr.count("\n") == 1, done.stderr
