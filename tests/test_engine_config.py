@@ -13,6 +13,7 @@ from test_serve import ServerProcess, call
 
 from minfer import LLM, EngineConfig, OnlineScheduler, SamplingParams
 from minfer.attention.kv_cache import KVCache
+from minfer.bench import cli as bench
 from minfer.engine.config import parse_size
 from minfer.errors import InvalidParameter
 from minfer.server.serve import create_server
@@ -278,3 +279,13 @@ def test_serve_refuses_a_bad_flag_in_one_line(tiny_checkpoint, argv, message):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.startswith(message) and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_bench_engine_flags(tiny_checkpoint, capsys):
+    args = bench.parse_args(["--model", str(tiny_checkpoint), "--block-size", "32", "--no-enable-prefix-caching"])
+    config = EngineConfig.from_cli_args(args)
+    assert config.block_size == 32 and not config.enable_prefix_caching and config.dtype == "float32"
+    assert config.to_cli_args() == ["--block-size", "32", "--no-enable-prefix-caching"]  # what online mode passes
+    assert bench.main(["--model", str(tiny_checkpoint), "--kv-cache-memory", "lots"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("bench.py: error: --kv-cache-memory must be a size") and err.count("\n") == 1
