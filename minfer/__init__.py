@@ -2,13 +2,14 @@
 
 The package is cut into layers, bottom up: attention, text, models, engine, server, with
 bench and stress as clients; docs/architecture.md draws them. This file re-exports what
-users import: `from minfer import LLM, SamplingParams`.
+users import: `from minfer import LLM, SamplingParams` (and `EngineConfig`).
 """
 
+from .engine.config import EngineConfig
 from .engine.llm import LLM
 from .engine.sampling import SamplingParams
 from .engine.scheduler import OnlineScheduler
 from .engine.sequence import RequestOutput
 from .version import __version__
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "OnlineScheduler", "__version__"]
+__all__ = ["EngineConfig", "LLM", "RequestOutput", "SamplingParams", "OnlineScheduler", "__version__"]

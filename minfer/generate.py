@@ -9,31 +9,26 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .engine.llm import DTYPES, LLM
+from .engine.config import EngineConfig
+from .engine.llm import LLM
 from .engine.sampling import SamplingParams
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.generate") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("prompt", help="text to continue")
-    parser.add_argument("--model", default="gpt2", help="local checkpoint directory or Hub repo id")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES) + ["auto"], default="float32")
+    # --model, --dtype, --seed (the engine's RNG, which this one unseeded request samples from), ...
+    EngineConfig.add_cli_arguments(parser.add_argument_group("engine"), exclude=("max_num_seqs",))
     args = parser.parse_args(argv)
     try:
         params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
+            max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
         )
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1)
+        llm = LLM(config=EngineConfig.from_cli_args(args, max_num_seqs=1))  # one request: a small KV cache
         request_id = llm.scheduler.add_request(args.prompt, sampling_params=params)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

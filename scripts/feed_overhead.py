@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from minfer import EngineConfig
 from minfer.checkpoints import write_random_checkpoint
 from minfer.server.serve import create_server
 
@@ -62,7 +63,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     model = args.model or str(write_random_checkpoint(Path(tempfile.mkdtemp()) / "tiny", "tiny"))
-    srv = create_server(model, port=0, max_num_seqs=16)
+    srv = create_server(EngineConfig(model, max_num_seqs=16), port=0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     port = srv.server_address[1]
     run_workload(srv, port)  # warm-up

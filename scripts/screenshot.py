@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the headless-browser helper the tests
 
 from browser import Browser, missing  # noqa: E402
 
+from minfer import EngineConfig  # noqa: E402
 from minfer.checkpoints import write_random_checkpoint  # noqa: E402
 from minfer.server.serve import create_server  # noqa: E402
 
@@ -56,7 +57,7 @@ def main() -> int:
         print(f"screenshot.py: {why}", file=sys.stderr)
         return 1
     model = args.model or str(write_random_checkpoint(Path(tempfile.mkdtemp()) / "tiny", "tiny"))
-    srv = create_server(model, port=0, num_kv_blocks=160, max_num_seqs=12)
+    srv = create_server(EngineConfig(model, num_kv_blocks=160, max_num_seqs=12), port=0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     port = srv.server_address[1]
     stop = threading.Event()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from minfer import EngineConfig
 from minfer.bench import cli as bench
 from minfer.bench.metrics import percentile
 from minfer.bench.workload import arrival_times, build_workload, parse_length, sampleable_token_ids
@@ -182,7 +183,7 @@ def test_online_starts_minfer_serve(tiny_checkpoint, tmp_path, capsys):
 def test_online_base_url(tiny_checkpoint, tmp_path, capsys):
     """Any OpenAI-compatible server, here minfer's run in this process; the name comes from /v1/models."""
     serve = pytest.importorskip("minfer.serve")
-    server = serve.create_server(str(tiny_checkpoint), port=0, served_model_name="tiny")
+    server = serve.create_server(EngineConfig(str(tiny_checkpoint)), port=0, served_model_name="tiny")
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         host, port = server.server_address[:2]

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from minfer import EngineConfig
 from minfer.errors import APIError
 from minfer.server.openai_api import ModelInfo, parse_chat
 from minfer.server.serve import create_server
@@ -88,7 +89,7 @@ def test_templates_are_sandboxed_and_gpt2_keeps_plain_rendering(tiny_checkpoint)
 
 def test_chat_over_http(qwen):
     path, tok, _ = qwen
-    server = create_server(str(path), port=0, num_kv_blocks=64, max_num_seqs=2)
+    server = create_server(EngineConfig(str(path), num_kv_blocks=64, max_num_seqs=2), port=0)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
         conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)

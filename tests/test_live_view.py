@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from minfer import EngineConfig
 from minfer.server.engine_events import EngineFeed, FeedClosed
 from minfer.server.serve import create_server
 
@@ -55,7 +56,7 @@ def test_feed_is_bounded_and_a_slow_viewer_resyncs_from_a_snapshot():
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
     # 24 blocks of 16 tokens: four requests of ~120 tokens do not fit at once, so some are preempted.
-    srv = create_server(str(tiny_checkpoint), port=0, num_kv_blocks=24, max_num_seqs=4, api_key=KEY)
+    srv = create_server(EngineConfig(str(tiny_checkpoint), num_kv_blocks=24, max_num_seqs=4), port=0, api_key=KEY)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield srv
     srv.stop()
@@ -165,7 +166,7 @@ def finished_ids(events):
 
 
 def test_no_viewer_no_events(tiny_checkpoint):
-    srv = create_server(str(tiny_checkpoint), port=0, num_kv_blocks=64)
+    srv = create_server(EngineConfig(str(tiny_checkpoint), num_kv_blocks=64), port=0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         stream(srv, "hello", 8, [])
@@ -177,7 +178,7 @@ def test_no_viewer_no_events(tiny_checkpoint):
 
 
 def test_stop_ends_the_event_stream(tiny_checkpoint):
-    srv = create_server(str(tiny_checkpoint), port=0, num_kv_blocks=64)
+    srv = create_server(EngineConfig(str(tiny_checkpoint), num_kv_blocks=64), port=0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     reader = FeedReader(srv)
     reader.wait_for(lambda e: e["type"] == "snapshot")

@@ -8,6 +8,7 @@ import threading
 import pytest
 from browser import Browser, in_ci, missing
 
+from minfer import EngineConfig
 from minfer.server.serve import create_server
 
 NUM_BLOCKS = 48
@@ -33,7 +34,7 @@ def stream(port, max_tokens):
 
 
 def test_page_shows_every_block_used_while_streams_run_and_none_after(browser, tiny_checkpoint):
-    srv = create_server(str(tiny_checkpoint), port=0, num_kv_blocks=NUM_BLOCKS, max_num_seqs=4)
+    srv = create_server(EngineConfig(str(tiny_checkpoint), num_kv_blocks=NUM_BLOCKS, max_num_seqs=4), port=0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     port = srv.server_address[1]
     try:
@@ -72,7 +73,7 @@ def test_page_shows_every_block_used_while_streams_run_and_none_after(browser, t
 
 
 def test_page_asks_for_the_api_key_and_uses_it(browser, tiny_checkpoint):
-    srv = create_server(str(tiny_checkpoint), port=0, num_kv_blocks=NUM_BLOCKS, api_key="sesame")
+    srv = create_server(EngineConfig(str(tiny_checkpoint), num_kv_blocks=NUM_BLOCKS), port=0, api_key="sesame")
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         browser.driver.get(f"http://127.0.0.1:{srv.server_address[1]}/")

@@ -15,7 +15,7 @@ import time
 import openai
 import pytest
 
-from minfer import LLM, SamplingParams
+from minfer import LLM, EngineConfig, SamplingParams
 from minfer.server.serve import create_server
 from minfer.text.chat_template import render_chat
 from minfer.text.tokenizer import Tokenizer
@@ -207,7 +207,8 @@ def test_stop_string_is_cut_in_stream_and_response(server, llm, tokenizer):
 
 
 def test_models_health_metrics_and_generate(server, llm, tokenizer):
-    assert call(server.port, "GET", "/health", headers={})[2] == {"status": "ok"}
+    health = call(server.port, "GET", "/health", headers={})[2]
+    assert health["status"] == "ok" and health["engine"]["num_kv_blocks"] == 1200  # from --num-kv-blocks
     status, _, models = call(server.port, "GET", "/v1/models")
     assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
     ref = greedy(llm, tokenizer.encode("Hello"), 12, ignore_eos=True)
@@ -431,7 +432,7 @@ def test_bad_model_is_one_line_error(tmp_path):
 @pytest.fixture
 def small_server(checkpoint):
     """An in-process server that runs one request at a time and queues none."""
-    srv = create_server(str(checkpoint), port=0, num_kv_blocks=200, max_num_seqs=1, max_queued=0)
+    srv = create_server(EngineConfig(str(checkpoint), num_kv_blocks=200, max_num_seqs=1), port=0, max_queued=0)
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     yield srv
     srv.stop(grace=1.0)
@@ -480,7 +481,7 @@ def test_engine_failure_fails_requests_and_keeps_serving(small_server):
     events = stream_events(port, "/v1/completions", {"prompt": "Hi", "max_tokens": 5})
     assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"
     assert "boom" not in json.dumps(events)  # internals stay in the server log
-    assert call(port, "GET", "/health", headers={})[2] == {"status": "ok"}
+    assert call(port, "GET", "/health", headers={})[2]["status"] == "ok"
     status, _, out = call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 5})
     assert status == 200 and out["usage"]["completion_tokens"] >= 1
     stats = small_server.manager.stats()

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from _common import model_path, section
 
+from minfer import EngineConfig
 from minfer.models.config import GPT2Config
 from minfer.server.serve import create_server
 from minfer.text.tokenizer import Tokenizer
@@ -52,7 +53,7 @@ section("start the server in-process on a free port")
 CONTEXT = GPT2Config.from_json(Path(path) / "config.json").n_positions
 # 64 blocks of 16 tokens, or fewer on a short context: 8 running requests must be able to outgrow it.
 KV_BLOCKS = min(64, 4 * CONTEXT // 16)
-server = create_server(path, port=0, num_kv_blocks=KV_BLOCKS, max_num_seqs=8, served_model_name=NAME)
+server = create_server(EngineConfig(path, num_kv_blocks=KV_BLOCKS, max_num_seqs=8), port=0, served_model_name=NAME)
 http_thread = threading.Thread(target=server.serve_forever, name="minfer-http", daemon=True)
 http_thread.start()
 host, port = server.server_address[:2]
@@ -84,6 +85,7 @@ status_models, models = call("GET", "/v1/models")
 print(f"GET /health -> {status} {health}")
 print(f"GET /v1/models -> {status_models} {[m['id'] for m in models['data']]}")
 assert status == status_models == 200 and models["data"][0]["id"] == NAME
+assert health["engine"]["num_kv_blocks"] == KV_BLOCKS and health["engine"]["max_num_seqs"] == 8
 
 section("POST /v1/completions, not streamed")
 prompt = "The three most important things in life are"

@@ -95,25 +95,28 @@ def choose_num_blocks(
     max_num_seqs: int,
     memory_bytes: int | None = None,
     memory_fraction: float | None = None,
+    context_len: int | None = None,
 ) -> int:
     """Size the cache from a budget: bytes, or a fraction of free memory (default 0.9 on a GPU,
-    0.25 on CPU). Never more than every running sequence at full context could use
-    (plus as much again to keep prefixes cached) — more would be memory held for nothing. The budget
-    must hold one sequence of the full context, or of LONGEST_REQUIRED tokens for long-context
-    models (Qwen3's 40960 would need GBs): the scheduler refuses requests longer than the cache."""
+    0.25 on CPU). Never more than every running sequence at full context (the model's, or a shorter
+    `context_len`) could use (plus as much again to keep prefixes cached) — more would be memory held
+    for nothing. The budget must hold one sequence of the full context, or of LONGEST_REQUIRED tokens
+    for long-context models (Qwen3's 40960 would need GBs): the scheduler refuses requests longer than
+    the cache."""
     per_block = KVCache.bytes_per_block(config, block_size, dtype)
     if memory_bytes is None:
         fraction = memory_fraction if memory_fraction is not None else (0.9 if device.type == "cuda" else 0.25)
         if not 0 < fraction <= 1:
-            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {fraction}")
+            raise ValueError(f"memory_fraction must be in (0, 1], got {fraction}")
         memory_bytes = int(available_memory(device) * fraction)
-    blocks_per_seq = cdiv(config.max_positions, block_size)
+    blocks_per_seq = cdiv(context_len or config.max_positions, block_size)
     num_blocks = min(memory_bytes // per_block, 2 * max_num_seqs * blocks_per_seq)
     needed = min(blocks_per_seq, cdiv(LONGEST_REQUIRED, block_size))
     if num_blocks < needed:
         length = "full-length" if needed == blocks_per_seq else f"{LONGEST_REQUIRED}-token"
         raise ValueError(
             f"the KV cache budget of {memory_bytes / 2**20:.2f} MiB holds {num_blocks} blocks, "
-            f"fewer than the {needed} one {length} sequence needs; give more memory or num_kv_blocks"
+            f"fewer than the {needed} one {length} sequence needs; give more memory (--kv-cache-memory), "
+            "a shorter --max-model-len, or --num-kv-blocks"
         )
     return int(num_blocks)

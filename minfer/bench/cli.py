@@ -28,11 +28,12 @@ import torch
 from .hf_baseline import compare, format_comparison, generate_batch, load_hf_model, run_hf
 from .metrics import RunResult, format_summary, median_summary, summarize
 from .offline import run_offline
-from .online import Endpoint, EngineFeedReader, ServerProcess, run_online, server_flags
+from .online import Endpoint, EngineFeedReader, ServerProcess, run_online
 from .profile import format_profile, profile_steps
 from .roofline import format_roofline, roofline
 from .trace import write_trace
 from .workload import build_workload, read_prompts, warmup_workload
+from ..engine.config import EngineConfig
 from ..engine.llm import LLM, resolve_dtype, set_cpu_threads
 from ..engine.scheduler import OnlineScheduler
 from ..models.loader import ModelNotFoundError, resolve_model_dir
@@ -72,21 +73,15 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
     w.add_argument("--pretok", action="store_true", help="tokenize text prompts outside the timed region")
     w.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     w.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="seeds the workload's draws, and the engine (--seed of serve)")
     r = p.add_argument_group("runs and output")
     r.add_argument("--warmup-runs", type=int, default=1, help="small unmeasured workloads run first")
     r.add_argument("--repeat-runs", type=int, default=1, help="measured runs; the summary is their median")
     r.add_argument("--json", help="write config, summary, per-request records (and baseline, roofline) here")
     r.add_argument("--trace", help="write a Chrome/Perfetto trace of the last run here (ui.perfetto.dev)")
     r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    e = p.add_argument_group("engine")
-    e.add_argument("--device", default="cpu")
-    e.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 (or auto, where the engine has it)")
-    e.add_argument("--num-threads", type=int, help="torch threads in this process (None: every core)")
-    e.add_argument("--num-kv-blocks", type=int)
-    e.add_argument("--max-num-seqs", type=int)
-    e.add_argument("--max-num-batched-tokens", type=int, help="offline only")
-    e.add_argument("--no-prefix-caching", action="store_true", help="offline only")
+    e = p.add_argument_group("engine (offline: in this process; online: passed to minfer.serve)")
+    EngineConfig.add_cli_arguments(e, exclude=("model", "seed"))  # both defined above
     x = p.add_argument_group("comparisons")
     x.add_argument("--baseline", choices=["hf"], help="also run the workload through transformers' generate")
     x.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf baseline")
@@ -105,8 +100,6 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup_runs < 0:
         p.error("--warmup-runs must be >= 0")
-    if args.mode == "online" and (args.max_num_batched_tokens or args.no_prefix_caching):
-        p.error("--max-num-batched-tokens and --no-prefix-caching are offline-mode settings")
     return args
 
 
@@ -158,17 +151,8 @@ def run_summary(result: RunResult, **extra) -> dict:
     return summarize(result.records, result.duration, **extra)
 
 
-def offline_runs(args, model_dir, workloads, warm) -> tuple[list[RunResult], list[dict], OnlineScheduler]:
-    settings = dict(
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_threads=args.num_threads,
-        enable_prefix_caching=False if args.no_prefix_caching else None,
-    )
-    llm = LLM(
-        str(model_dir), device=args.device, dtype=args.dtype, **{k: v for k, v in settings.items() if v is not None}
-    )  # the engine's defaults otherwise
+def offline_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResult], list[dict], OnlineScheduler]:
+    llm = LLM(str(model_dir), config=engine)
     device = llm.model.device
     for _ in range(args.warmup_runs):
         run_offline(llm.scheduler, warm, progress=False)
@@ -181,7 +165,7 @@ def offline_runs(args, model_dir, workloads, warm) -> tuple[list[RunResult], lis
     return results, summaries, llm.scheduler
 
 
-def online_runs(args, model_dir, workloads, warm) -> tuple[list[RunResult], list[dict]]:
+def online_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResult], list[dict]]:
     results, summaries = [], []
 
     def measure(endpoint: Endpoint, server: ServerProcess | None = None) -> None:
@@ -200,13 +184,9 @@ def online_runs(args, model_dir, workloads, warm) -> tuple[list[RunResult], list
     if args.base_url:
         measure(Endpoint(args.base_url))
         return results, summaries
-    flags = server_flags(
-        args.device,
-        args.dtype,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_queued=args.num_requests if args.num_requests > 128 else None,
-    )  # or the excess gets 429
+    flags = engine.to_cli_args()
+    if args.num_requests > 128:  # or the excess gets 429
+        flags += ["--max-queued", str(args.num_requests)]
     with ServerProcess(model_dir, flags + shlex.split(args.server_args)) as server:
         measure(server.endpoint, server)
     return results, summaries
@@ -248,6 +228,7 @@ def print_runs(summaries: list[dict]) -> None:
 
 
 def run(args) -> int:
+    engine = EngineConfig.from_cli_args(args)  # ValueError naming the flag if one is bad
     model_dir = find_model_dir(args)
     if (args.baseline or args.roofline or args.profile) and model_dir is None:
         raise ValueError(
@@ -275,9 +256,9 @@ def run(args) -> int:
     ]
     warm = warmup_workload(workloads[0], tokenizer, vocab)
     if args.mode == "offline":
-        results, summaries, scheduler = offline_runs(args, model_dir, workloads, warm)
+        results, summaries, scheduler = offline_runs(args, engine, model_dir, workloads, warm)
     else:
-        (results, summaries), scheduler = online_runs(args, model_dir, workloads, warm), None
+        (results, summaries), scheduler = online_runs(args, engine, model_dir, workloads, warm), None
 
     summary = median_summary(summaries)
     if len(summaries) > 1:
@@ -305,7 +286,7 @@ def run(args) -> int:
         print(format_summary(base["summary"], f"transformers generate, batch {args.hf_batch_size}"))
         print(format_comparison(base["minfer_over_hf"], args.hf_batch_size))
     if (args.roofline or args.profile) and scheduler is None:  # online: the server is gone; load minfer here
-        scheduler = LLM(str(model_dir), device=args.device, dtype=args.dtype, num_threads=args.num_threads).scheduler
+        scheduler = LLM(str(model_dir), config=engine).scheduler
     if args.roofline:
         report["roofline"] = roofline(scheduler, output_len=64, seed=args.seed)
         print(format_roofline(report["roofline"]))

@@ -294,12 +294,3 @@ def run_online(
     bar.close()
     steps = feed.steps(t0_wall, t0_wall + duration) if feed else []
     return RunResult(sorted(records, key=lambda r: r.index), duration, steps)
-
-
-def server_flags(device: str, dtype: str, **optional) -> list[str]:
-    """Command-line flags for minfer.serve: device and dtype always, the rest only when set."""
-    flags = ["--device", device, "--dtype", dtype]
-    for name, value in optional.items():
-        if value is not None:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
-    return flags

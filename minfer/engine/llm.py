@@ -9,25 +9,18 @@ for out in llm.generate(["Hello, my name is", "The sky is"], SamplingParams(temp
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 from tqdm import tqdm
 
 from ..models.registry import load_model
 from ..text.tokenizer import Tokenizer
+from .config import DTYPES, EngineConfig
 from .cpu_packing import cpu_has_native_bf16
 from .sampling import SamplingParams
 from .scheduler import OnlineScheduler
 from .sequence import RequestOutput
-
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device = torch.device("cpu")) -> torch.dtype:
@@ -55,36 +48,19 @@ def set_cpu_threads(num_threads: int | None = None) -> int:
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str = "gpt2",
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype | str = torch.float32,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        enable_prefix_caching: bool = True,
-        kv_cache_memory: int | None = None,
-        kv_cache_fraction: float | None = None,
-        num_threads: int | None = None,
-    ):
-        device = torch.device(device)
+    """`LLM(model, **settings)` or `LLM(config=EngineConfig(...))`: settings are EngineConfig's fields
+    (block_size=, max_num_seqs=, dtype=, ...); given with a config, they override it."""
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **settings):
+        if model is not None:
+            settings["model"] = model
+        config = replace(config or EngineConfig(), **settings)
+        device = torch.device(config.device)
         if device.type == "cpu":
-            set_cpu_threads(num_threads)
-        self.model = load_model(model, device=device, dtype=resolve_dtype(dtype, device))
+            set_cpu_threads(config.num_threads)
+        self.model = load_model(config.model, device=device, dtype=resolve_dtype(config.dtype, device))
         self.tokenizer = Tokenizer.from_dir(self.model.model_dir)
-        self.scheduler = OnlineScheduler(
-            self.model,
-            self.tokenizer,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_cache_memory=kv_cache_memory,
-            kv_cache_fraction=kv_cache_fraction,
-        )
+        self.scheduler = OnlineScheduler(self.model, self.tokenizer, config)  # its engine_config: what runs
 
     def generate(
         self,

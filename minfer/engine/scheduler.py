@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -30,6 +30,7 @@ from ..step_parts import part
 from ..text.text_stream import TextStream
 from ..text.tokenizer import Tokenizer
 from .block_allocator import BlockAllocator
+from .config import EngineConfig, dtype_name
 from .continuous_batcher import ContinuousBatcher
 from .model_runner import ModelRunner
 from .sampling import SamplingParams, make_generator
@@ -68,36 +69,48 @@ class StepStats:
 class OnlineScheduler:
     def __init__(
         self,
-        model: torch.nn.Module,  # any of models.ARCHITECTURES
+        model: torch.nn.Module,  # any of models.ARCHITECTURES, loaded as the caller chose
         tokenizer: Tokenizer,
-        *,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        enable_prefix_caching: bool = True,
-        kv_cache_memory: int | None = None,
-        kv_cache_fraction: float | None = None,
+        config: EngineConfig | None = None,
+        **settings,  # EngineConfig's fields (block_size=, num_kv_blocks=, ...), over `config`
     ):
-        for name, value in [
-            ("block_size", block_size),
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-        ]:
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        config = replace(config or EngineConfig(), **settings)
+        if config.max_model_len is not None and config.max_model_len > model.config.max_positions:
+            raise ValueError(
+                f"--max-model-len {config.max_model_len} exceeds the model's context of "
+                f"{model.config.max_positions} tokens"
+            )
+        torch.manual_seed(config.seed)  # requests without a seed sample from the global RNG
         self.model = model
         self.tokenizer = tokenizer
         self.config = model.config
-        self.block_size = block_size
-        if num_kv_blocks is None:
-            num_kv_blocks = choose_num_blocks(
-                model.config, block_size, model.dtype, model.device, max_num_seqs, kv_cache_memory, kv_cache_fraction
-            )
-        self.allocator = BlockAllocator(num_kv_blocks, block_size, enable_prefix_caching)
+        self.block_size = block_size = config.block_size
+        self.context_len = config.max_model_len or model.config.max_positions
+        num_kv_blocks = config.num_kv_blocks or choose_num_blocks(
+            model.config,
+            block_size,
+            model.dtype,
+            model.device,
+            config.max_num_seqs,
+            config.kv_cache_memory,
+            config.gpu_memory_utilization,
+            self.context_len,
+        )
+        self.allocator = BlockAllocator(num_kv_blocks, block_size, config.enable_prefix_caching)
         self.kv_cache = KVCache(model.config, num_kv_blocks, block_size, model.device, model.dtype)
-        self.batcher = ContinuousBatcher(self.allocator, max_num_seqs, max_num_batched_tokens)
+        self.batcher = ContinuousBatcher(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_cache, block_size)
+        # What runs, every choice made: the dtype "auto" picked, the blocks the memory bought, the
+        # longest request the cache holds. The server's /health reports it.
+        self.engine_config = replace(
+            config,
+            device=str(model.device),
+            dtype=dtype_name(model.dtype),
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=None,
+            gpu_memory_utilization=None,
+            max_model_len=min(self.context_len, num_kv_blocks * block_size),
+        )
         self.requests: dict[str, Request] = {}  # every request not yet popped or discarded
         self.finished_ids: list[str] = []  # finished since the last pop_finished_ids()
         self._ids = itertools.count()
@@ -134,7 +147,7 @@ class OnlineScheduler:
     @property
     def max_model_len(self) -> int:
         """The longest request (prompt + max_tokens) add_request can accept."""
-        return min(self.config.max_positions, self.allocator.num_blocks * self.block_size)
+        return self.engine_config.max_model_len
 
     # ---- requests in -----------------------------------------------------------------
 
@@ -178,7 +191,7 @@ class OnlineScheduler:
         bad = next((t for t in ids if not is_int(t) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidParameter("prompt", f"prompt token id {bad!r} is not in the vocabulary [0, {vocab})")
-        context = self.config.max_positions
+        context = self.context_len  # the model's, or --max-model-len
         if len(ids) + params.max_tokens > context:
             raise InvalidParameter(
                 "max_tokens" if len(ids) < context else "prompt",

@@ -33,9 +33,11 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import asdict, replace
 
 import torch
 
+from ..engine.config import EngineConfig
 from ..engine.llm import resolve_dtype, set_cpu_threads
 from ..engine.scheduler import OnlineScheduler
 from ..models.registry import load_model
@@ -62,18 +64,20 @@ class MinferServer(CappedHTTPServer):
         info: ModelInfo,
         api_key: str | None = None,
         limits: ConnectionLimits | None = None,
+        engine: dict | None = None,
     ):
         self.manager = manager
         self.info = info
         self.api_key = api_key
+        self.engine = engine or {}  # the engine's settings as they run, for /health
         self.started = int(time.time())
         super().__init__(address, APIHandler, limits or ConnectionLimits(), self.health)
 
     def health(self) -> tuple[int, dict]:
         """(status, body) of GET /health; also answered at the connection cap."""
         if self.manager.is_alive():
-            return 200, {"status": "ok"}
-        return 503, {"status": "unavailable", "reason": "the engine worker is not running"}
+            return 200, {"status": "ok", "engine": self.engine}
+        return 503, {"status": "unavailable", "reason": "the engine worker is not running", "engine": self.engine}
 
     def stop(self, grace: float = 3.0) -> None:
         """Graceful shutdown: fail in-flight requests (streams get an error chunk), stop accepting, and
@@ -114,50 +118,47 @@ def in_passing_thread(fn):
 
 
 def create_server(
-    model: str = "gpt2",
+    config: EngineConfig | str = "gpt2",
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
-    device: str = "cpu",
-    dtype: str = "float32",
-    num_kv_blocks: int | None = None,
-    max_num_seqs: int = 64,
     max_queued: int = 128,
     api_key: str | None = None,
     served_model_name: str | None = None,
     limits: ConnectionLimits | None = None,
+    **settings,
 ) -> MinferServer:
     """Load the model, start the engine worker and bind the socket (port 0 picks a free port).
+    `config` is an EngineConfig, or a model name with EngineConfig's fields as `settings`.
     Raises ValueError/OSError for a bad model, setting or address. Run it with serve_forever()."""
-    try:
-        device = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"bad device {device!r}: {e}") from None
+    if isinstance(config, EngineConfig):
+        config = replace(config, **settings)
+    else:
+        config = EngineConfig(config, **settings)
+    device = torch.device(config.device)
+    if device.type == "cpu":
+        set_cpu_threads(config.num_threads)  # as LLM does, before the model loads
 
     def build() -> OnlineScheduler:
-        language_model = load_model(model, device=device, dtype=resolve_dtype(dtype, device))
-        tokenizer = Tokenizer.from_dir(language_model.model_dir)
-        return OnlineScheduler(language_model, tokenizer, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
+        language_model = load_model(config.model, device=device, dtype=resolve_dtype(config.dtype, device))
+        return OnlineScheduler(language_model, Tokenizer.from_dir(language_model.model_dir), config)
 
     scheduler = in_passing_thread(build)
     language_model, tokenizer = scheduler.model, scheduler.tokenizer
     chat_template = ChatTemplate.from_dir(language_model.model_dir, tokenizer)
-    info = ModelInfo(served_model_name or model, tokenizer, scheduler.max_model_len, chat_template)
+    info = ModelInfo(served_model_name or config.model, tokenizer, scheduler.max_model_len, chat_template)
     manager = SchedulerManager(scheduler, Metrics(), max_queued=max_queued)
-    server = MinferServer((host, port), manager, info, api_key, limits)  # binds now: a taken port fails here
+    engine = {k: v for k, v in asdict(scheduler.engine_config).items() if k != "model"}  # no local paths
+    server = MinferServer((host, port), manager, info, api_key, limits, engine)  # binds now: a taken port fails
     manager.start()
     return server
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt2", help="local checkpoint directory or Hub repo id")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16, or auto (bf16 where fast)")
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: auto)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    EngineConfig.add_cli_arguments(parser)  # --model, --dtype, --block-size, ...
     parser.add_argument("--max-queued", type=int, default=128, help="requests that may wait for a slot; more get 429")
     parser.add_argument(
         "--api-key",
@@ -169,17 +170,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") ->
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
 
-    if args.device == "cpu" or args.device.startswith("cpu:"):
-        set_cpu_threads()  # as LLM does, before the model loads
     try:
         server = create_server(
-            args.model,
+            EngineConfig.from_cli_args(args),
             host=args.host,
             port=args.port,
-            device=args.device,
-            dtype=args.dtype,
-            num_kv_blocks=args.num_kv_blocks,
-            max_num_seqs=args.max_num_seqs,
             max_queued=args.max_queued,
             api_key=args.api_key,
             served_model_name=args.served_model_name,

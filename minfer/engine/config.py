@@ -1,0 +1,218 @@
+"""EngineConfig: every engine setting in one dataclass, checked once, and the command-line flags made from it.
+
+`LLM`, `OnlineScheduler`, the server (`python -m minfer.serve`) and the benchmarks each take one, so
+a setting is written down once, here. Fields carry vLLM's names, and a field's flag is its name with
+dashes (`block_size` is `--block-size`), as vLLM's are. A field is one `setting(...)` entry: its
+default, its flag's help, its type on the command line and its check; `add_cli_arguments` and
+`__post_init__` read them from the dataclass's fields, so a new setting needs no other line to be a
+flag that is checked (then the code that uses it).
+
+    EngineConfig(model="gpt2", block_size=32)          # ValueError naming --block-size if it is bad
+    EngineConfig.add_cli_arguments(parser)             # --model, --device, ..., --num-threads
+    EngineConfig.from_cli_args(parser.parse_args())
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from decimal import Decimal
+from typing import Any, NamedTuple
+
+import torch
+
+from ..errors import is_int
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+SIZE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from "2GiB", "512MiB", "1.5GB", "1e9" or a plain count (an int passes through)."""
+    if is_int(text):
+        return text
+    if not isinstance(text, str):
+        raise TypeError(f"a size is an int or a string, got {text!r}")
+    found = re.fullmatch(r"(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*([a-z]*)", text.strip().lower())
+    if not found or found[2] not in SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r}")
+    return int(Decimal(found[1]) * SIZE_UNITS[found[2]])
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """A torch dtype's name ("bfloat16"); a name passes through."""
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+
+
+class Check(NamedTuple):
+    ok: Callable[[Any], bool]
+    must: str  # what a good value is, for the error message
+
+
+POSITIVE = Check(lambda v: is_int(v) and v >= 1, "a positive integer")
+BOOL = Check(lambda v: isinstance(v, bool), "True or False")
+KV_CACHE_SIZES = ("num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization")  # at most one may be given
+
+
+def setting(default, type, check: Check, help: str, convert=None, metavar: str | None = None):
+    """One engine setting. `type` turns the flag's text into a value (bool: --flag / --no-flag);
+    `convert` normalises what Python callers may also pass (a Path, a torch.dtype, "2GiB"), and
+    `check` judges the result. None is allowed where the default is None: the engine chooses."""
+    return field(
+        default=default, metadata={"type": type, "check": check, "help": help, "convert": convert, "metavar": metavar}
+    )
+
+
+def flag(f) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+def or_text(parse):
+    """A flag's parser that leaves text it cannot parse as it is: EngineConfig then refuses it in its
+    own words ("--block-size must be a positive integer, got 'abc'"), in one line."""
+
+    def parse_or_keep(text: str):
+        try:
+            return parse(text)
+        except ValueError:
+            return text
+
+    return parse_or_keep
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = setting(
+        "gpt2",
+        str,
+        Check(lambda v: isinstance(v, str) and v != "", "a checkpoint directory or Hub repo id"),
+        "local checkpoint directory or Hub repo id",
+        convert=lambda v: os.fspath(v) if isinstance(v, os.PathLike) else v,
+    )
+    device: str = setting(
+        "cpu",
+        str,
+        Check(lambda v: isinstance(v, str), "a torch device such as cpu or cuda:0"),  # convert refuses the rest
+        "cpu, cuda, cuda:1, ...",
+        convert=lambda v: str(torch.device(v)),
+    )
+    dtype: str = setting(
+        "float32",
+        str,
+        Check(lambda v: v == "auto" or v in DTYPES, f"'auto' or one of {sorted(DTYPES)}"),
+        "float32, bfloat16, float16, or auto (bf16 where it is fast, else fp32)",
+        convert=dtype_name,
+    )
+    # Seeds torch's global RNG when the engine starts: what sampling draws from for requests without a seed.
+    seed: int = setting(
+        0,
+        int,
+        Check(lambda v: is_int(v) and 0 <= v < 2**64, "an integer in [0, 2**64)"),
+        "seeds sampling for requests that bring no seed of their own",
+    )
+    max_num_seqs: int = setting(64, int, POSITIVE, "requests running at once")
+    max_num_batched_tokens: int = setting(512, int, POSITIVE, "tokens in one engine step (prefill chunks and decodes)")
+    block_size: int = setting(16, int, POSITIVE, "tokens per KV cache block")
+    num_kv_blocks: int | None = setting(None, int, POSITIVE, "KV cache size in blocks (default: sized from memory)")
+    kv_cache_memory: int | None = setting(
+        None,
+        str,
+        Check(lambda v: is_int(v) and v >= 0, "a size in bytes such as 2GiB, 512MiB or 1e9"),
+        "KV cache size in bytes: 2GiB, 512MiB, 1e9 (default: a quarter of free RAM on CPU)",
+        convert=parse_size,
+        metavar="SIZE",
+    )
+    gpu_memory_utilization: float | None = setting(
+        None,
+        float,
+        Check(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1, "a fraction in (0, 1]"),
+        "CUDA only: the share of free GPU memory the KV cache takes (default: 0.9)",
+        metavar="FRACTION",
+    )
+    enable_prefix_caching: bool = setting(True, bool, BOOL, "reuse the KV blocks of prompt prefixes seen before")
+    max_model_len: int | None = setting(
+        None, int, POSITIVE, "longest request (prompt + max_tokens) in tokens (default: the model's context)"
+    )
+    # Carried for the compiled attention backend and CUDA graphs to come: today every path is eager.
+    enforce_eager: bool = setting(False, bool, BOOL, "never compile: eager PyTorch only (today nothing compiles)")
+    num_threads: int | None = setting(
+        None, int, POSITIVE, "CPU only: torch threads (default: every core this process may use)"
+    )
+
+    def __post_init__(self):
+        for f in fields(self):
+            given = getattr(self, f.name)
+            if given is None and f.default is None:
+                continue  # unset: the engine chooses
+            check, convert = f.metadata["check"], f.metadata["convert"]
+            try:
+                value = convert(given) if convert else given
+                ok = check.ok(value)
+            except (TypeError, ValueError, RuntimeError):  # what torch.device and parse_size raise
+                ok = False
+            if not ok:
+                raise ValueError(f"{flag(f)} must be {check.must}, got {given!r}")
+            object.__setattr__(self, f.name, value)  # frozen: checked once, then never changed
+        device = torch.device(self.device).type
+        if self.gpu_memory_utilization is not None and device != "cuda":
+            raise ValueError(
+                f"--gpu-memory-utilization is a share of GPU memory, for CUDA devices only; on {self.device} "
+                "size the KV cache with --kv-cache-memory SIZE (or --num-kv-blocks)"
+            )
+        if self.num_threads is not None and device != "cpu":
+            raise ValueError(f"--num-threads sets CPU threads: it applies to --device cpu, not {self.device}")
+        sizes = [flag(f) for f in fields(self) if f.name in KV_CACHE_SIZES and getattr(self, f.name) is not None]
+        if len(sizes) > 1:
+            raise ValueError(f"{' and '.join(sizes)} each set the KV cache size: give one")
+
+    # ---- the command line ------------------------------------------------------------
+
+    @classmethod
+    def add_cli_arguments(cls, parser, exclude: tuple[str, ...] = ()) -> None:
+        """One flag per field (but those in `exclude`, which the caller defines itself), default from
+        the field. Text that is no number stays text, for from_cli_args to refuse naming the flag."""
+        for f in fields(cls):
+            if f.name in exclude:
+                continue
+            meta = f.metadata
+            if meta["type"] is bool:
+                parser.add_argument(
+                    flag(f), action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"]
+                )
+            else:
+                metavar = meta["metavar"] or ("N" if meta["type"] is int else None)
+                parser.add_argument(
+                    flag(f), type=or_text(meta["type"]), default=f.default, metavar=metavar, help=meta["help"]
+                )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides) -> EngineConfig:
+        """The config from parsed flags (fields missing from `args` keep their defaults); ValueError
+        naming the flag if a value is bad."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**{**values, **overrides})
+
+    def to_cli_args(self, exclude: tuple[str, ...] = ("model",)) -> list[str]:
+        """The flags that rebuild this config in another process (bench starts minfer.serve with
+        them): only the settings that differ from their defaults."""
+        out = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in exclude or value == f.default:
+                continue
+            if isinstance(value, bool):
+                out.append(flag(f) if value else "--no-" + flag(f)[2:])
+            else:
+                out += [flag(f), str(value)]
+        return out
