@@ -33,13 +33,16 @@ function clearCanvas(canvas) {
 
 // ---- scales and axes ----------------------------------------------------------------------
 
-function niceCeil(x) { // the smallest 1, 2 or 5 x 10^k at or above x
+// The smallest m x 10^k at or above x, for m in `steps`: 1, 2, 5 for the distance between ticks,
+// more of them for the top of an axis, so that the bars use most of the height.
+function niceCeil(x, steps = [1, 2, 5, 10]) {
   const p = 10 ** Math.floor(Math.log10(Math.max(x, 1e-9)));
-  return [1, 2, 5, 10].find((m) => m * p >= x * (1 - 1e-9)) * p;
+  return steps.find((m) => m * p >= x * (1 - 1e-9)) * p;
 }
+const axisTop = (x) => niceCeil(x, [1, 1.5, 2, 3, 4, 5, 6, 8, 10]);
 
-function linearTicks(top, count) { // 0 and round multiples up to top, about `count` of them
-  const step = niceCeil(top / count), ticks = [];
+function linearTicks(top, count, minStep = 0) { // 0 and round multiples up to top, about `count` of them
+  const step = Math.max(niceCeil(top / count), minStep), ticks = [];
   for (let v = 0; v <= top * (1 + 1e-9); v += step) ticks.push(+v.toPrecision(6));
   return ticks;
 }
@@ -105,9 +108,9 @@ function drawTimeline(canvas, steps, maxSteps) {
   const left = 44, right = w - 44, top = 14, bottom = h - 18;
   const seqsH = 28, tokensBottom = bottom - seqsH - 16, tokensH = tokensBottom - top;
   if (!steps.length) { chartAxes[canvas.id] = {}; return; }
-  const maxTokens = niceCeil(Math.max(1, ...steps.map((s) => s.prefill + s.decode)));
-  const maxMs = niceCeil(Math.max(0.01, ...steps.map((s) => s.ms)));
-  const maxSeqs = niceCeil(Math.max(1, ...steps.map((s) => s.seqs)));
+  const maxTokens = axisTop(Math.max(1, ...steps.map((s) => s.prefill + s.decode)));
+  const maxMs = axisTop(Math.max(0.01, ...steps.map((s) => s.ms)));
+  const maxSeqs = axisTop(Math.max(1, ...steps.map((s) => s.seqs)));
   const tokenY = (v) => tokensBottom - Math.sqrt(v / maxTokens) * tokensH;
   const msY = (v) => tokensBottom - (v / maxMs) * tokensH;
   const seqY = (v) => bottom - (v / maxSeqs) * seqsH;
@@ -155,15 +158,15 @@ function drawHistogram(canvas, values, name) {
   if (!values.length) { chartAxes[canvas.id] = {}; return `${name}: no finished requests yet`; }
   const sorted = [...values].sort((a, b) => a - b);
   const pick = (q) => sorted[Math.min(sorted.length - 1, Math.floor(q * sorted.length))];
-  const hi = niceCeil(Math.max(pick(0.99), 1e-3)), bins = new Array(BINS).fill(0);
+  const hi = axisTop(Math.max(pick(0.99), 1e-3)), bins = new Array(BINS).fill(0);
   for (const v of values) bins[Math.min(BINS - 1, Math.floor((v / hi) * BINS))]++;
   const left = 34, right = w - 6, top = 14, bottom = h - 16;
-  const maxCount = niceCeil(Math.max(...bins));
+  const maxCount = axisTop(Math.max(...bins));
   const xOf = (ms) => left + (ms / hi) * (right - left), yOf = (n) => bottom - (n / maxCount) * (bottom - top);
   const bw = (right - left) / BINS;
   ctx.fillStyle = color.decode;
   bins.forEach((n, i) => ctx.fillRect(left + i * bw, yOf(n), Math.max(1, bw - 1), bottom - yOf(n)));
-  const axes = { ms: { unit: "ms", ticks: linearTicks(hi, 4) }, requests: { unit: "requests", ticks: linearTicks(maxCount, 2) } };
+  const axes = { ms: { unit: "ms", ticks: linearTicks(hi, 4) }, requests: { unit: "requests", ticks: linearTicks(maxCount, 3, 1) } };
   yAxis(ctx, left - 2, yOf, axes.requests.ticks, "requests", "left");
   xAxis(ctx, bottom, left, right, axes.ms.ticks.map((v) => [xOf(v), label(v)]), "ms");
   chartAxes[canvas.id] = axes;
