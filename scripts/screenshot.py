@@ -1,10 +1,12 @@
-"""Make docs/live_view.png: the live view of a busy minfer.serve, in headless Chromium.
+"""Make docs/live_view.png and docs/live_view_8000.png: the live view of a busy minfer.serve, in
+headless Chromium, with a small KV cache (64 blocks) and a real-sized one (8,000 blocks).
 
-    python scripts/screenshot.py [--model DIR] [--out docs/live_view.png]
+    python scripts/screenshot.py [--model DIR] [--num-kv-blocks N --out PATH]
 
 Without --model it writes a tiny random checkpoint to a temporary directory. Clients
-stream requests that share a 64-token prefix (prefix-cache hits) into a KV cache too
-small for all of them (preemptions), and the page is captured mid-run.
+stream requests that share a 64-token prefix (prefix-cache hits); in the small cache not all
+of them fit (preemptions). The page is captured mid-run. With --num-kv-blocks it makes one
+picture, of that cache, at --out.
 Needs Chromium, chromium-driver and Selenium (pip install -e '.[test]').
 """
 
@@ -46,18 +48,11 @@ def client(port: int, seed: int, stop: threading.Event) -> None:
             conn.close()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint directory (default: a tiny random one)")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "live_view.png"))
-    parser.add_argument("--seconds", type=float, default=6.0, help="how long the load runs before the capture")
-    args = parser.parse_args()
-    why = missing()
-    if why:
-        print(f"screenshot.py: {why}", file=sys.stderr)
-        return 1
-    model = args.model or str(write_random_checkpoint(Path(tempfile.mkdtemp()) / "tiny", "tiny"))
-    srv = create_server(EngineConfig(model, num_kv_blocks=160, max_num_seqs=12), port=0)
+PICTURES = {64: ROOT / "docs" / "live_view.png", 8000: ROOT / "docs" / "live_view_8000.png"}
+
+
+def capture(model: str, num_kv_blocks: int, out: str, seconds: float) -> None:
+    srv = create_server(EngineConfig(model, num_kv_blocks=num_kv_blocks, max_num_seqs=12), port=0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     port = srv.server_address[1]
     stop = threading.Event()
@@ -65,16 +60,40 @@ def main() -> int:
     try:
         browser.set_viewport(1440, 900)
         browser.driver.get(f"http://127.0.0.1:{port}/")
-        browser.wait_until("return document.querySelectorAll('#blocks [data-block]').length > 0")
+        browser.wait_until(f"return blockMap.states.length === {num_kv_blocks}")
         for seed in range(16):
             threading.Thread(target=client, args=(port, seed, stop), daemon=True).start()
-        time.sleep(args.seconds)
-        browser.driver.save_screenshot(args.out)
-        print(f"wrote {args.out}")
+        time.sleep(seconds)
+        browser.driver.save_screenshot(out)
+        d = browser.js("return blockMap.drawn")
+        print(
+            f"wrote {out}; the block map was drawn whole {d['full']} times, {d['fullMs'] / max(1, d['full']):.1f} ms "
+            f"each, and by changed cells {d['partial']} times, {d['partialMs'] / max(1, d['partial']):.2f} ms each "
+            "(the overview bar included)"
+        )
     finally:
         stop.set()
         browser.close()
         srv.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint directory (default: a tiny random one)")
+    parser.add_argument("--num-kv-blocks", type=int, help="one picture, of this many KV blocks (default: 64 and 8000)")
+    parser.add_argument("--out", help="where that picture goes")
+    parser.add_argument("--seconds", type=float, default=6.0, help="how long the load runs before the capture")
+    args = parser.parse_args()
+    if (args.num_kv_blocks is None) != (args.out is None):
+        parser.error("--num-kv-blocks and --out go together")
+    why = missing()
+    if why:
+        print(f"screenshot.py: {why}", file=sys.stderr)
+        return 1
+    model = args.model or str(write_random_checkpoint(Path(tempfile.mkdtemp()) / "tiny", "tiny"))
+    pictures = {args.num_kv_blocks: args.out} if args.out else PICTURES
+    for num_kv_blocks, out in pictures.items():
+        capture(model, num_kv_blocks, str(out), args.seconds)
     return 0
 
 

@@ -117,8 +117,9 @@ def test_page_is_self_contained(server):
     conn, resp = request(server, "GET", "/", headers={})  # the page holds no data: no key needed
     html = resp.read().decode()
     assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/html")
-    assert 'id="blocks"' in html and "/engine/events" in html and "dataset.block" in html
-    assert "/* live.js */" not in html and "/* live.css */" not in html  # both inlined
+    assert 'id="blocks"' in html and "/engine/events" in html and "function drawBlockMap" in html
+    for name in ("live.css", "charts.js", "blockmap.js", "live.js"):
+        assert f"/* {name} */" not in html  # inlined
     assert "http://" not in html and "https://" not in html  # no CDN, nothing from elsewhere
 
 
@@ -156,9 +157,28 @@ def test_events_replay_to_the_true_block_states(server):
     assert all(s["num_prefill_tokens"] + s["num_decode_tokens"] == sum(c[2] for c in s["chunks"]) for s in steps)
     assert any(r[6] > 0 for s in steps for r in s["running"])  # a prefix-cache hit, shown as cached tokens
     assert any(s["preempted"] for s in steps)  # 24 blocks were too few for four at once
+    check_running_counts(reader.events)
     raw = b"".join(reader.raw)
     assert SECRET.encode() not in raw  # ids, lengths and block ids only: no text
     reader.close()
+
+
+def check_running_counts(events):
+    """A step's num_seqs counts the sequences that ran in it, those that finished in it too; its
+    `running` (what the page's header counts) lists those running after it, which also holds any
+    that the token budget left out of the step. The page's step caption gives both."""
+    before = set()
+    for e in events:
+        after = {r[0] for r in e["running"]}
+        if e["type"] == "step":
+            ran, finished = {c[0] for c in e["chunks"]}, {f[0] for f in e["finished"]}
+            assert e["num_seqs"] == len(ran) == len(e["chunks"]) and finished <= ran
+            assert after == (before - set(e["preempted"]) | ran) - finished
+        elif e["type"] == "update":
+            assert after == before - set(e["discarded"]) - set(e["preempted"])
+        before = after
+    steps = [e for e in events if e["type"] == "step"]
+    assert any(e["num_seqs"] != len(e["running"]) for e in steps)  # so the two counts differ, truthfully
 
 
 def finished_ids(events):

@@ -1,7 +1,8 @@
 """The live view: the page served at `/` and the `/engine/events` stream that feeds it.
 
-The page is one self-contained HTML document (minfer/server/static/live.html, with live.css
-and live.js inlined into it here): no CDN, no framework, no build step.
+The page is one self-contained HTML document (minfer/server/static/live.html, with live.css and
+the scripts charts.js, blockmap.js and live.js inlined into it here): no CDN, no framework, no
+build step.
 
 `/engine/events` is Server-Sent Events. Each message's data is a JSON list of engine
 events (engine_events.py): the first message starts with a full snapshot, then come
@@ -26,13 +27,16 @@ KEEPALIVE_SECONDS = 15.0  # an idle stream sends a comment now and then, so prox
 CLIENT_CHECK_SECONDS = 0.5  # while idle, check this often whether the viewer left
 
 
+STATIC_FILES = ["live.css", "charts.js", "blockmap.js", "live.js"]  # each replaces its /* name */ in live.html
+
+
 @functools.cache
 def page() -> bytes:
     static = resources.files("minfer.server") / "static"
     html = (static / "live.html").read_text(encoding="utf-8")
-    css = (static / "live.css").read_text(encoding="utf-8")
-    js = (static / "live.js").read_text(encoding="utf-8")
-    return html.replace("/* live.css */", css).replace("/* live.js */", js).encode()
+    for name in STATIC_FILES:
+        html = html.replace(f"/* {name} */", (static / name).read_text(encoding="utf-8"))
+    return html.encode()
 
 
 def stream_events(feed: EngineFeed, write: Callable[[bytes], None], client_gone: Callable[[], bool]) -> None:

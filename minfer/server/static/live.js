@@ -1,19 +1,16 @@
 // The live view: reads /engine/events (SSE, through fetch so that it can send the API key)
 // and draws the engine's state. Every message is a JSON list of events; see engine_events.py.
+// charts.js (the timeline and histograms) and blockmap.js (the KV block map) come before this file.
 "use strict";
 
-const $ = (id) => document.getElementById(id);
-const STATE_OF = { f: "free", u: "used", c: "cached" };
 const MAX_STEPS = 240;      // steps kept for the timeline
 const MAX_LATENCIES = 1000; // finished requests kept for the histograms
 
 const view = {
-  cells: [],            // the block elements, by block id
   blockSize: 16,
-  counts: { free: 0, used: 0, cached: 0 },
   tables: new Map(),    // running request id -> its block table
-  running: [], waiting: [],
-  steps: [],            // {step, prefill, decode, seqs, ms, preempted}
+  running: [], waiting: [], // after the latest event: the header counts these
+  steps: [],            // {step, prefill, decode, seqs, finished, runningAfter, ms, preempted}
   step: 0, preemptions: 0,
   sampled: [],          // [client time (ms), tokens sampled] for tokens/s
   ttft: [], tpot: [],
@@ -93,30 +90,11 @@ function onMessage(message) {
 function applySnapshot(s) {
   view.blockSize = s.block_size;
   view.step = s.step;
-  const grid = $("blocks");
-  if (view.cells.length !== s.num_blocks) {
-    grid.textContent = "";
-    const fragment = document.createDocumentFragment();
-    view.cells = [];
-    for (let b = 0; b < s.num_blocks; b++) {
-      const cell = document.createElement("i");
-      cell.dataset.block = b;
-      fragment.appendChild(cell);
-      view.cells.push(cell);
-    }
-    grid.appendChild(fragment);
-    sizeCells();
-  }
-  view.counts = { free: 0, used: 0, cached: 0 };
-  for (let b = 0; b < s.num_blocks; b++) {
-    const state = STATE_OF[s.blocks[b]];
-    view.cells[b].dataset.state = state;
-    view.counts[state]++;
-  }
+  resetBlocks(s.blocks);
   view.tables = new Map(Object.entries(s.tables).map(([id, [, blocks]]) => [id, blocks]));
   view.running = s.running;
   view.waiting = s.waiting;
-  $("kv-info").textContent = `${s.num_blocks} blocks of ${s.block_size} tokens · max ${s.max_num_seqs} seqs, ` +
+  $("kv-info").textContent = `${fmt(s.num_blocks)} blocks of ${s.block_size} tokens · max ${s.max_num_seqs} seqs, ` +
     `${s.max_num_batched_tokens} tokens per step`;
   markMine();
 }
@@ -129,7 +107,7 @@ function applyChanges(e, now) {
   }
   const running = new Set(e.running.map((r) => r[0]));
   for (const id of view.tables.keys()) if (!running.has(id)) view.tables.delete(id);
-  for (const [b, state] of Object.entries(e.blocks)) setBlock(+b, state);
+  for (const [b, state] of Object.entries(e.blocks)) setBlockState(+b, state);
   view.running = e.running;
   view.waiting = e.waiting;
   view.step = e.step;
@@ -143,18 +121,13 @@ function applyChanges(e, now) {
   }
   view.preemptions += e.preempted.length;
   if (e.type === "step") {
+    // num_seqs counts the sequences that ran in the step, those that finished in it too; e.running
+    // (the header's count) those running after it, which also holds any the token budget left out.
     push(view.steps, { step: e.step, prefill: e.num_prefill_tokens, decode: e.num_decode_tokens, seqs: e.num_seqs,
+                       finished: e.finished.length, runningAfter: e.running.length,
                        ms: (e.end - e.start) * 1000, preempted: e.preempted.length }, MAX_STEPS);
     view.sampled.push([now, e.num_sampled]);
   }
-}
-
-function setBlock(b, state) {
-  const cell = view.cells[b];
-  if (!cell || cell.dataset.state === state) return;
-  view.counts[cell.dataset.state]--;
-  view.counts[state]++;
-  cell.dataset.state = state;
 }
 
 function push(list, item, max) {
@@ -172,8 +145,7 @@ function log(kind, text) {
 }
 
 function markMine() {
-  for (const cell of document.querySelectorAll("#blocks i.mine")) cell.classList.remove("mine");
-  for (const b of view.tables.get(view.mine) || []) view.cells[b]?.classList.add("mine");
+  setMineBlocks(view.tables.get(view.mine) || []);
 }
 
 // ---- drawing (at most once per animation frame) ----------------------------------------
@@ -182,17 +154,33 @@ function render() {
   requestAnimationFrame(render);
   if (!view.dirty) return;
   view.dirty = false;
+  // The canvases first, then the text: a canvas' size read after the page's text changed would
+  // make the browser lay out the page in the middle of the frame.
+  drawBlockMap();
+  drawTimeline($("timeline"), view.steps, MAX_STEPS);
+  const ttft = drawHistogram($("hist-ttft"), view.ttft, "TTFT: time to first token");
+  const tpot = drawHistogram($("hist-tpot"), view.tpot, "TPOT: time per output token");
+  $("cap-ttft").textContent = ttft;
+  $("cap-tpot").textContent = tpot;
+  $("kv-summary").textContent = describeMap();
+  $("timeline-info").textContent = describeStep(view.steps[view.steps.length - 1]);
   $("stat-step").textContent = view.step;
   $("stat-running").textContent = view.running.length;
   $("stat-waiting").textContent = view.waiting.length;
-  $("stat-used").textContent = view.counts.used;
-  $("stat-cached").textContent = view.counts.cached;
-  $("stat-free").textContent = view.counts.free;
+  $("stat-used").textContent = blockMap.counts[USED];
+  $("stat-cached").textContent = blockMap.counts[CACHED];
+  $("stat-free").textContent = blockMap.counts[FREE];
   $("stat-preempt").textContent = view.preemptions;
   renderRequests();
-  drawTimeline();
-  drawHistogram($("hist-ttft"), view.ttft, "TTFT", $("cap-ttft"));
-  drawHistogram($("hist-tpot"), view.tpot, "TPOT", $("cap-tpot"));
+}
+
+// The latest step in words. The sequences that ran in a step are not the header's "running": one
+// that finished in the step ran but runs no more, and a running one that the token budget left out
+// of the step did not run in it. So the caption gives both counts.
+function describeStep(s) {
+  if (!s) return "No steps yet.";
+  return `step ${s.step}: ${s.seqs} seqs ran (${s.finished} finished in it), ${s.runningAfter} running after it; ` +
+    `${s.prefill} prefill + ${s.decode} decode tokens in ${s.ms.toFixed(1)} ms`;
 }
 
 function updateRate() { // tokens/s over the last two seconds, also when the engine falls idle
@@ -219,84 +207,6 @@ function renderRequests() {
 function bar(kind, fraction) {
   return `<span class="bar ${kind}"><span style="width:${Math.round(100 * Math.min(1, fraction))}%"></span></span>`;
 }
-
-function fitCanvas(canvas) {
-  const ratio = window.devicePixelRatio || 1;
-  const width = canvas.clientWidth, height = canvas.clientHeight;
-  if (canvas.width !== Math.round(width * ratio)) canvas.width = Math.round(width * ratio);
-  if (canvas.height !== Math.round(height * ratio)) canvas.height = Math.round(height * ratio);
-  const ctx = canvas.getContext("2d");
-  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
-  ctx.clearRect(0, 0, width, height);
-  return [ctx, width, height];
-}
-
-const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
-
-function drawTimeline() {
-  const [ctx, w, h] = fitCanvas($("timeline"));
-  const steps = view.steps;
-  if (!steps.length) return;
-  const top = 12, plot = h - top - 4;
-  const maxTokens = Math.max(1, ...steps.map((s) => s.prefill + s.decode));
-  const maxMs = Math.max(0.001, ...steps.map((s) => s.ms));
-  const maxSeqs = Math.max(1, ...steps.map((s) => s.seqs));
-  const slot = w / MAX_STEPS, barW = Math.max(1, slot - 1);
-  steps.forEach((s, i) => {
-    const x = i * slot;
-    // Square-root height: a 12-token decode stays visible beside a 512-token prefill.
-    const total = Math.sqrt((s.prefill + s.decode) / maxTokens) * plot;
-    const dh = s.decode ? (total * s.decode) / (s.prefill + s.decode) : 0, ph = total - dh;
-    ctx.fillStyle = css("--decode"); ctx.fillRect(x, h - 4 - dh, barW, dh);
-    ctx.fillStyle = css("--prefill"); ctx.fillRect(x, h - 4 - dh - ph, barW, ph);
-    if (s.preempted) { ctx.fillStyle = css("--preempt"); ctx.fillRect(x, 0, barW, 6); }
-    ctx.fillStyle = css("--seqs");
-    ctx.fillRect(x + barW / 2 - 1, h - 4 - (s.seqs / maxSeqs) * plot - 1, 2, 2);
-  });
-  ctx.strokeStyle = css("--steptime"); ctx.lineWidth = 1; ctx.beginPath();
-  steps.forEach((s, i) => {
-    const x = i * slot + barW / 2, y = h - 4 - (s.ms / maxMs) * plot;
-    if (i) ctx.lineTo(x, y); else ctx.moveTo(x, y);
-  });
-  ctx.stroke();
-  const last = steps[steps.length - 1];
-  $("timeline-info").textContent = `last step ${last.step}: ${last.prefill} prefill + ${last.decode} decode tokens, ` +
-    `${last.seqs} seqs, ${last.ms.toFixed(1)} ms · scale: ${maxTokens} tokens, ${maxMs.toFixed(1)} ms, ${maxSeqs} seqs`;
-}
-
-function drawHistogram(canvas, values, name, caption) {
-  const [ctx, w, h] = fitCanvas(canvas);
-  if (!values.length) { caption.textContent = `${name}: no finished requests yet`; return; }
-  const sorted = [...values].sort((a, b) => a - b);
-  const pick = (q) => sorted[Math.min(sorted.length - 1, Math.floor(q * sorted.length))];
-  const hi = Math.max(pick(0.99), 1e-3), bins = new Array(20).fill(0);
-  for (const v of values) bins[Math.min(19, Math.floor((v / hi) * 20))]++;
-  const top = Math.max(...bins), bw = w / 20;
-  ctx.fillStyle = css("--decode");
-  bins.forEach((n, i) => { const bh = (n / top) * (h - 4); ctx.fillRect(i * bw, h - bh, bw - 1, bh); });
-  caption.textContent = `${name} (${values.length}): median ${pick(0.5).toFixed(1)} ms, p99 ${pick(0.99).toFixed(1)} ms; axis 0–${hi.toFixed(0)} ms`;
-}
-
-function sizeCells() { // cells as large as the panel allows, 3 to 24 px
-  const grid = $("blocks"), n = Math.max(1, view.cells.length);
-  const cell = Math.floor(Math.sqrt((grid.clientWidth * grid.clientHeight) / n)) - 1;
-  document.documentElement.style.setProperty("--cell", `${Math.max(3, Math.min(24, cell))}px`);
-}
-
-// ---- hovering a block --------------------------------------------------------------------
-
-$("blocks").addEventListener("mouseover", (ev) => {
-  const b = ev.target.dataset && ev.target.dataset.block;
-  if (b === undefined) return;
-  const block = +b, holders = [];
-  for (const [id, table] of view.tables) {
-    const index = table.indexOf(block);
-    if (index >= 0) holders.push(`request ${id} (tokens ${index * view.blockSize}–${(index + 1) * view.blockSize - 1})`);
-  }
-  const state = ev.target.dataset.state;
-  $("hover").textContent = `block ${block}: ${state}` + (holders.length ? ` · held by ${holders.join(", ")}` :
-    state === "cached" ? " · holds a prefix a later request can reuse" : "");
-});
 
 // ---- API key -----------------------------------------------------------------------------
 
@@ -352,7 +262,7 @@ $("play-form").addEventListener("submit", async (ev) => {
 
 $("play-stop").addEventListener("click", () => playAbort && playAbort.abort());
 
-window.addEventListener("resize", () => { sizeCells(); view.dirty = true; });
+window.addEventListener("resize", () => { view.dirty = true; });
 setInterval(updateRate, 500);
 requestAnimationFrame(render);
 connect();
