@@ -32,6 +32,7 @@ from ..text.tokenizer import Tokenizer
 from .block_allocator import BlockAllocator
 from .continuous_batcher import ContinuousBatcher
 from .model_runner import ModelRunner
+from .prepare import prepare_model
 from .sampling import SamplingParams, make_generator
 from .sequence import RequestOutput, ScheduledChunk, Sequence, Status
 
@@ -96,7 +97,8 @@ class OnlineScheduler:
         self.allocator = BlockAllocator(num_kv_blocks, block_size, enable_prefix_caching)
         self.kv_cache = KVCache(model.config, num_kv_blocks, block_size, model.device, model.dtype)
         self.batcher = ContinuousBatcher(self.allocator, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.kv_cache, block_size)
+        model, attention_backend = prepare_model(model)  # once, before the first step; idempotent
+        self.runner = ModelRunner(model, self.kv_cache, block_size, attention_backend)
         self.requests: dict[str, Request] = {}  # every request not yet popped or discarded
         self.finished_ids: list[str] = []  # finished since the last pop_finished_ids()
         self._ids = itertools.count()
