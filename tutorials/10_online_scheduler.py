@@ -212,7 +212,7 @@ def run(chunks: list[ScheduledChunk], show: bool = False) -> torch.Tensor:
         print(f"  prefill chunks: {prefills}  (first row, end row, context length)")
         print(f"  decode groups: {[tuple(g.slots.shape) for g in meta.decode_groups]}  (sequences, padded length)")
     batch.sample_rows = torch.arange(len(input_ids))  # every row; the engine keeps only the sampling ones
-    return model(input_ids[None], batch)[0]  # (N, V): input_ids as one row of N tokens
+    return model(input_ids, batch)  # (N, V): input_ids (N,), every scheduled token side by side
 
 
 @torch.inference_mode()

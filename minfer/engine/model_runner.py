@@ -32,7 +32,7 @@ class ModelRunner:
         """Run one step. Returns the sampled token of every sampling chunk, in chunk order."""
         with part("host: prepare"):
             input_ids, batch = self.prepare(chunks)
-        logits = self.model(input_ids[None], batch)[0]  # (S, V): one forward, every sequence's tokens in one row
+        logits = self.model(input_ids, batch)  # (S, V): one forward over the N tokens of every sequence
         with part("sampling"):
             sampling = [c.seq for c in chunks if c.produces_token]
             tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
