@@ -264,7 +264,7 @@ def engine_logits(llm: LLM, prompt: list[int], prefill: int) -> torch.Tensor:
     finally:
         del model.forward
         sched.discard_request(rid)
-    return torch.cat(logits, dim=1)[0].float()
+    return torch.cat(logits).float()
 
 
 @torch.inference_mode()
@@ -303,8 +303,8 @@ def test_paged_forward_equals_dense_forward(tiny_checkpoint):
     logits = []
 
     def capture(input_ids, paged):
-        out = type(model).forward(model, input_ids, paged)  # (1, S, V): the sampling rows only
-        logits.append(out[0])
+        out = type(model).forward(model, input_ids, paged)  # (S, V): the sampling rows only
+        logits.append(out)
         return out
 
     model.forward = capture
@@ -371,7 +371,7 @@ def test_one_flat_forward_per_step_and_lm_head_only_where_sampling(tiny_checkpoi
     finally:
         del model.forward
         hook.remove()
-    assert calls == [("forward", (1, 40)), ("lm_head", (1, 3, model.config.n_embd))]
+    assert calls == [("forward", (40,)), ("lm_head", (3, model.config.n_embd))]
     assert sched.last_step.num_decode_tokens == 3 and sched.last_step.num_prefill_tokens == 37
     for i in short + [long_id]:
         sched.discard_request(i)

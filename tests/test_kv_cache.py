@@ -153,7 +153,7 @@ def test_cache_size_from_a_memory_budget():
 
 
 def test_decode_groups_bound_padding():
-    from minfer.engine.model_runner import group_by_length
+    from minfer.attention.torch_sdpa import group_by_length
 
     lens = [300, 20, 290, 25, 150, 18, 160]
     groups = group_by_length(lens)

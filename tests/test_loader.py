@@ -157,7 +157,8 @@ def test_cli_error_is_one_line_without_traceback(tmp_path):
 
 
 def test_load_model_weights_casts_dtype(tiny_checkpoint):
-    config = GPT2Config.from_json(tiny_checkpoint)
-    state = load_model_weights(tiny_checkpoint, config, dtype=torch.bfloat16)
+    with torch.device("meta"):
+        model = GPT2(GPT2Config.from_json(tiny_checkpoint))
+    state = load_model_weights(model, tiny_checkpoint, dtype=torch.bfloat16)
     assert all(t.dtype == torch.bfloat16 for t in state.values())
     assert all(t.is_contiguous() for t in state.values())

@@ -2,7 +2,7 @@
 
 Opens model.safetensors without loading it, shows GPT-2's two quirks (Conv1D
 weights stored [in, out], a causal-mask buffer per layer in the Hub's file),
-runs minfer.loader.load_model_weights and checks what it did, resolves a local
+runs minfer.models.loader.load_model_weights and checks what it did, resolves a local
 directory and a Hub id, and breaks copies of the checkpoint on purpose to show
 the errors a user gets.
 
@@ -21,16 +21,8 @@ from _common import model_path, section
 from safetensors import safe_open
 
 from minfer.models.config import GPT2Config
-from minfer.models.gpt2 import GPT2
-from minfer.models.loader import (
-    CONV1D_WEIGHTS,
-    SKIPPED,
-    ModelNotFoundError,
-    expected_shapes,
-    load_model_weights,
-    resolve_model_dir,
-    safetensors_files,
-)
+from minfer.models.gpt2 import CONV1D_WEIGHTS, GPT2, SKIPPED
+from minfer.models.loader import ModelNotFoundError, load_model_weights, resolve_model_dir, safetensors_files
 
 model_dir = Path(model_path())
 config = GPT2Config.from_json(model_dir / "config.json")
@@ -76,16 +68,21 @@ else:
     print("no h.N.attn.bias mask buffers here (save_pretrained leaves them out; the Hub's gpt2 file has them)")
 
 section("load_model_weights: rename, skip, check, transpose")
-state = load_model_weights(model_dir, config)
-expected = expected_shapes(config)  # every tensor GPT-2 needs, with its on-disk shape
-assert set(state) == set(expected) | {"lm_head.weight"}, "exactly GPT-2's tensors, no mask buffers, no prefix"
+# Build the module on the "meta" device first: shapes, no memory, no random init. The loader
+# asks its class how the checkpoint names and shapes its tensors (GPT2.checkpoint_name,
+# GPT2.expected_shapes, GPT2.convert_weights) and which parameters it ties.
+with torch.device("meta"):
+    model = GPT2(config, model_dir=model_dir)
+state = load_model_weights(model, model_dir)
+expected = GPT2.expected_shapes(config)  # every tensor GPT-2 needs, with its on-disk shape
+assert set(state) == set(expected), "exactly GPT-2's tensors, no mask buffers, no prefix"
 assert state["lm_head.weight"] is state["wte.weight"]  # the tied LM head: one tensor under two names
 for name, shape in expected.items():
     want = shape[::-1] if name.endswith(CONV1D_WEIGHTS) else shape  # Conv1D weights come out [out, in]
     assert tuple(state[name].shape) == want, name
 print(
-    f"{len(expected)} tensors (and the LM head's name for wte): the 'transformer.' prefix dropped, the mask buffers skipped, and "
-    f"the {len(CONV1D_WEIGHTS)} Conv1D weights of each block transposed to nn.Linear's [out, in]"
+    f"{len(expected) - 1} tensors (and the LM head's name for wte): the 'transformer.' prefix dropped, the mask buffers "
+    f"skipped, and the {len(CONV1D_WEIGHTS)} Conv1D weights of each block transposed to nn.Linear's [out, in]"
 )
 
 with safe_open(str(file_of[w_name]), framework="pt") as f:
@@ -97,10 +94,8 @@ linear = F.linear(x, state["h.0.attn.c_attn.weight"])  # (3, C) @ (3C, C)^T: how
 assert torch.allclose(conv1d, linear, atol=1e-5)
 print(f"x @ W_stored == F.linear(x, W_loaded): same numbers, max diff {(conv1d - linear).abs().max():.1e}")
 
-# GPT2.from_pretrained does exactly this: build the module on the "meta" device (shapes,
-# no memory, no random init), then hand it the loaded tensors.
-with torch.device("meta"):
-    model = GPT2(config)
+# GPT2.from_pretrained (loader.from_pretrained) does exactly this: the meta module above, handed
+# the loaded tensors, then the tied LM head tied again (assign=True made it a parameter of its own).
 model.load_state_dict(state, strict=True, assign=True)  # strict: a missing or extra name is an error
 assert all(p.device.type == "cpu" for p in model.parameters())
 assert model.lm_head(torch.zeros(1, C)).shape == (1, config.vocab_size)  # tied to wte: no own weight

@@ -1,16 +1,17 @@
 """Stage 08: paged attention: attention that reads keys and values through block tables.
 
-Part 1 calls minfer.paged_attention.paged_attention by hand, on a small cache
+Part 1 calls minfer.attention.paged.paged_attention by hand, on a small cache
 whose blocks are handed out in shuffled order, for every kind of row the engine
 schedules: fresh prompts, single-token decodes (batched, padded, masked) and
 a prompt continued in a later chunk. Each output is compared with
 F.scaled_dot_product_attention over the same keys and values laid out
-contiguously.
+contiguously. Last, the attention backend builds the same metadata from a plain
+description of the step (a StepLayout), the way the engine does it.
 
-Part 2 reads a decode group's context a tile at a time (the engine's way on CPU)
-and checks it against gathering everything at once, then times both against the
-floor. Who builds this metadata for a real step (ModelRunner) comes in stage 10,
-after the scheduler that decides the step.
+Part 2 reads a decode group's context a tile at a time (the CPU backend's way)
+and checks it against gathering everything at once (the plain backend's way),
+then times both against the floor. Who describes a real step (ModelRunner) comes
+in stage 10, after the scheduler that decides the step.
 
     python tutorials/08_paged_attention.py   # MINFER_MODEL=/path to choose the checkpoint
 """
@@ -24,7 +25,9 @@ import torch.nn.functional as F
 from _common import model_path, section
 
 from minfer.attention.kv_cache import cdiv, slot_of
-from minfer.attention.paged import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention
+from minfer.attention.paged import StepLayout, paged_attention
+from minfer.attention.selector import choose_attention_backend
+from minfer.attention.torch_sdpa import DecodeGroup, GatheredMetadata, PrefillChunk
 from minfer.models.gpt2 import GPT2
 
 torch.manual_seed(0)
@@ -33,6 +36,9 @@ model = GPT2.from_pretrained(path)
 cfg = model.config
 H, D = cfg.n_head, cfg.head_dim
 scale = 1 / math.sqrt(D)
+# The engine picks one attention backend per model, from its device: on a CPU, "cpu_tiled".
+backend = choose_attention_backend("cpu", torch.float32)
+print(f"attention backend: {backend.name}")
 
 
 def check(name: str, paged: torch.Tensor, dense: torch.Tensor) -> None:
@@ -73,7 +79,7 @@ def slots(s: str, positions) -> torch.Tensor:
     return torch.tensor([slot_of(table, p, BLOCK_SIZE) for p in positions])  # (len(positions),)
 
 
-def step(rows: list[tuple[str, int, int]], meta: AttentionMetadata) -> torch.Tensor:
+def step(rows: list[tuple[str, int, int]], meta: GatheredMetadata) -> torch.Tensor:
     """Flatten rows [(seq, start, end)] into (N, H, D) and run paged_attention on them."""
     pick = lambda t: torch.cat([t[s][a:b] for s, a, b in rows])  # noqa: E731  (N, H, D)
     meta.slot_mapping = torch.cat([slots(s, range(a, b)) for s, a, b in rows])  # (N,)
@@ -81,9 +87,7 @@ def step(rows: list[tuple[str, int, int]], meta: AttentionMetadata) -> torch.Ten
 
 
 print("step 1: two fresh prompts, A[0:10] and B[0:5], flattened into 15 rows")
-meta = AttentionMetadata(
-    slot_mapping=None, decode_groups=[], prefills=[PrefillChunk(0, 10, None, None), PrefillChunk(10, 15, None, None)]
-)
+meta = GatheredMetadata(None, backend, prefills=[PrefillChunk(0, 10, None, None), PrefillChunk(10, 15, None, None)])
 out = step([("A", 0, 10), ("B", 0, 5)], meta)
 check("A prefill (its own keys, causal)", out[0:10], dense("A")[0:10])
 check("B prefill", out[10:15], dense("B")[0:5])
@@ -100,7 +104,7 @@ valid = pos[None, :] < torch.tensor(lens)[:, None]  # (S, L): False on padding
 mask = valid[:, None, None, :]  # (S, 1, 1, L), the shape sdpa broadcasts over heads and the query
 # B's positions 6 and 7 fall in B's own last block, in slots nothing has written yet. The mask hides
 # them, but a masked NaN still poisons the weighted sum (weight 0 * NaN = NaN): see for yourself.
-meta = AttentionMetadata(slot_mapping=None, decode_groups=[DecodeGroup(torch.tensor([0, 1]), grid, mask)], prefills=[])
+meta = GatheredMetadata(None, backend, decode_groups=[DecodeGroup(torch.tensor([0, 1]), grid, mask)])
 assert step([("A", 10, 11), ("B", 5, 6)], meta)[1].isnan().all(), "unwritten slots leak through the mask"
 print("  padding that reads B's own unwritten slots gives NaN, masked or not; so padding reads the null block:")
 grid = torch.where(valid, grid, NULL * BLOCK_SIZE)  # every padded position -> a zeroed slot
@@ -115,12 +119,25 @@ ctx = torch.arange(16)  # (16,) A's context: positions 0..15
 query_pos = torch.arange(11, 16)  # (5,)
 chunk = PrefillChunk(1, 6, context_slots=slots("A", range(16)), mask=ctx[None, :] <= query_pos[:, None])
 b_grid = slots("B", range(7))[None, :]  # (1, 7), nothing padded: no mask
-meta = AttentionMetadata(
-    slot_mapping=None, decode_groups=[DecodeGroup(torch.tensor([0]), b_grid, None)], prefills=[chunk]
-)
+meta = GatheredMetadata(None, backend, decode_groups=[DecodeGroup(torch.tensor([0]), b_grid, None)], prefills=[chunk])
 out = step([("B", 6, 7), ("A", 11, 16)], meta)
 check("B decode", out[0], dense("B")[6])
 check("A chunk (5 queries over 16 cached keys)", out[1:6], dense("A")[11:16])
+
+print("step 3 again, the engine's way: describe the step, and the backend builds the metadata")
+layout = StepLayout(  # what ModelRunner.prepare hands the backend each step: per sequence, in row order
+    slot_mapping=torch.cat([slots("B", [6]), slots("A", range(11, 16))]),  # (6,) where the new keys go
+    query_starts=[0, 1],  # B's row, then A's five
+    query_lens=[1, 5],
+    context_lens=[7, 16],  # each sequence's length once the step is done
+    block_tables=[tables["B"], tables["A"]],
+    block_size=BLOCK_SIZE,
+    null_block=NULL,
+)
+built = backend.build_metadata(layout)
+assert torch.equal(built.decode_groups[0].slots, b_grid) and torch.equal(built.prefills[0].mask, chunk.mask)
+assert torch.equal(built.prefills[0].context_slots, chunk.context_slots)
+check("the same step from the built metadata", step([("B", 6, 7), ("A", 11, 16)], built), out)
 
 # ---------------------------------------------------------------------------------------
 section("part 2: reading the context a tile at a time (attention/cpu_tiled.py's ContextReader)")
@@ -128,8 +145,7 @@ BLOCK_SIZE = 16
 # A decode step of many sequences: gather every context at once, then attend, and the gathered
 # keys/values (tens of MB) go out to DRAM and come back. Gather a few sequences at a time and
 # each tile is still in cache when sdpa reads it. Same result; only the memory traffic differs.
-from minfer.attention.cpu_tiled import ContextReader, tile_bytes  # noqa: E402
-from minfer.attention.paged import decode_attention  # noqa: E402
+from minfer.attention.cpu_tiled import tile_bytes  # noqa: E402
 
 L = min(cfg.n_positions, 192) // BLOCK_SIZE * BLOCK_SIZE  # context length of each sequence
 S = max(32, cdiv(4 * tile_bytes(), 2 * L * H * D * 4))  # sequences: keys+values of 4 tiles at least
@@ -143,13 +159,14 @@ group = DecodeGroup(torch.arange(S), grid, None)
 
 
 def gather_all() -> torch.Tensor:
+    """The plain backend's way (torch_sdpa.py, on any device): gather the whole group, then attend."""
     kv = big_kv[grid]  # (S, L, 2, H, D), in fresh memory
     ks, vs = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (S, H, L, D) each
     return F.scaled_dot_product_attention(q_dec.unsqueeze(2), ks, vs, scale=scale).squeeze(2)
 
 
-reader = ContextReader()
-tiled = lambda: decode_attention(q_dec, big_kv, group, AttentionMetadata(None, [group], [], reader=reader), scale)  # noqa: E731
+tiled = lambda: backend.decode_attention(q_dec, big_kv, group, scale)  # noqa: E731  the CPU backend's way
+reader = backend.reader  # the tiles' buffers, reused across layers and steps
 dense_k = big_kv[grid, 0].transpose(1, 2).contiguous()  # (S, H, L, D)
 dense_v = big_kv[grid, 1].transpose(1, 2).contiguous()
 contiguous = lambda: F.scaled_dot_product_attention(q_dec.unsqueeze(2), dense_k, dense_v, scale=scale).squeeze(2)  # noqa: E731

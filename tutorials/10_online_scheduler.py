@@ -23,8 +23,10 @@ from _common import model_path, section
 
 from minfer import OnlineScheduler, SamplingParams
 from minfer.attention.kv_cache import KVCache, cdiv
+from minfer.attention.torch_sdpa import group_by_length
 from minfer.engine.block_allocator import BlockAllocator
-from minfer.engine.model_runner import ModelRunner, group_by_length
+from minfer.engine.model_runner import ModelRunner
+from minfer.engine.prepare import prepare_model
 from minfer.engine.sequence import ScheduledChunk, Sequence, Status
 from minfer.models.gpt2 import GPT2
 from minfer.text.tokenizer import Tokenizer
@@ -181,7 +183,8 @@ order = alloc.allocate(NUM_BLOCKS)
 random.Random(1).shuffle(order)
 alloc.free(order)  # the free queue is now in shuffled order, so block tables come out scattered
 kv = KVCache(model.config, NUM_BLOCKS, BLOCK_SIZE, model.device, model.dtype)
-runner = ModelRunner(model, kv, BLOCK_SIZE)
+model, attention_backend = prepare_model(model)  # what OnlineScheduler does once: CPU packing, a backend
+runner = ModelRunner(model, kv, BLOCK_SIZE, attention_backend)
 novel = (
     "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
     "foolishness, it was the epoch of belief, it was the epoch of incredulity."
@@ -209,7 +212,7 @@ def run(chunks: list[ScheduledChunk], show: bool = False) -> torch.Tensor:
         print(f"  prefill chunks: {prefills}  (first row, end row, context length)")
         print(f"  decode groups: {[tuple(g.slots.shape) for g in meta.decode_groups]}  (sequences, padded length)")
     batch.sample_rows = torch.arange(len(input_ids))  # every row; the engine keeps only the sampling ones
-    return model(input_ids[None], batch)[0]  # (N, V): input_ids as one row of N tokens
+    return model(input_ids, batch)  # (N, V): input_ids (N,), every scheduled token side by side
 
 
 @torch.inference_mode()

@@ -1,7 +1,8 @@
-"""CPU attention helpers: what makes paged attention fast on a CPU, chosen from what the CPU has.
+"""The CPU's attention backend: paged attention made fast on a CPU, chosen from what the CPU has.
 
-paged.py reads decode context through a `ContextReader`, and prefill chunks attend with
-`causal_attention_by_matmuls` on a CPU. `python bench.py --profile` splits an engine step
+`CPUTiledBackend` is torch_sdpa.py's backend with two CPU paths: decode context is read
+through a `ContextReader`, and prefill chunks attend with `causal_attention_by_matmuls`.
+The engine picks it for a model on the CPU (selector.py). `python bench.py --profile` splits an engine step
 into KV write, context read, attention, linears, LM head, sampling and host time, so
 running it with and without a path shows what the path is worth. (Paths 1-3, the packed
 linears, live in engine/cpu_packing.py.)
@@ -30,6 +31,8 @@ import math
 from functools import lru_cache
 
 import torch
+
+from .torch_sdpa import TorchBackend
 
 
 @lru_cache(maxsize=None)
@@ -99,33 +102,27 @@ class ContextReader:
         self._buffers: dict[str, torch.Tensor] = {}
         self._tile_bytes = tile_bytes()
 
-    def seqs_per_tile(self, kv_cache: torch.Tensor, context_len: int) -> int | None:
-        """How many sequences of this (padded) context length one tile holds; None: all of them
-        (on a GPU, where the gathered batch is read back from fast memory anyway)."""
-        if kv_cache.device.type != "cpu":
-            return None
+    # CPU sdpa with one query per sequence is slower in bf16 than in fp32: tiles are read as fp32.
+    dtype_read = torch.float32
+
+    def seqs_per_tile(self, kv_cache: torch.Tensor, context_len: int) -> int:
+        """How many sequences of this (padded) context length one tile holds."""
         key_and_value_bytes = math.prod(kv_cache.shape[1:]) * 4 * context_len  # as read: in fp32 (see read)
         return max(1, self._tile_bytes // key_and_value_bytes)
-
-    @staticmethod
-    def dtype_read(kv_cache: torch.Tensor) -> torch.dtype:
-        """The dtype `read` returns: fp32 on a CPU (whose sdpa is slower in bf16 with one query), else the cache's."""
-        return torch.float32 if kv_cache.device.type == "cpu" else kv_cache.dtype
 
     @property
     def largest_buffer_bytes(self) -> int:
         return max((b.numel() * b.element_size() for b in self._buffers.values()), default=0)
 
     def read(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """kv_cache (num_slots, 2, Hkv, D), slots (...) -> kv_cache[slots] (..., 2, Hkv, D) in dtype_read.
+        """kv_cache (num_slots, 2, Hkv, D), slots (...) -> kv_cache[slots] (..., 2, Hkv, D) in fp32.
         One gather reads keys and values: a slot's key and value sit side by side, one contiguous row
         per slot. The result lives in a reused buffer: it is valid until the next read."""
         row, n = math.prod(kv_cache.shape[1:]), slots.numel()
         out = self._buffer("kv", kv_cache.dtype, kv_cache.device, n * row).view(n, row)
         torch.index_select(kv_cache.view(-1, row), 0, slots.view(-1), out=out)
-        wanted = self.dtype_read(kv_cache)
-        if out.dtype != wanted:  # upcast while still in cache
-            out = self._buffer("kv32", wanted, kv_cache.device, n * row).view(n, row).copy_(out)
+        if out.dtype != self.dtype_read:  # upcast while still in cache
+            out = self._buffer("kv32", self.dtype_read, kv_cache.device, n * row).view(n, row).copy_(out)
         return out.view(*slots.shape, *kv_cache.shape[1:])
 
     def _buffer(self, name: str, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
@@ -135,3 +132,26 @@ class ContextReader:
             grown = 3 * buf.numel() // 2 if buf is not None and buf.dtype == dtype else 0
             buf = self._buffers[name] = torch.empty(max(numel, grown), dtype=dtype, device=device)
         return buf[:numel]
+
+
+class CPUTiledBackend(TorchBackend):
+    """The plain backend (torch_sdpa.py) with the CPU's paths: tiled context reads (4) and prefill
+    attention by matmuls (5). One per engine: its reader's buffers are reused across layers and steps."""
+
+    name = "cpu_tiled"
+
+    def __init__(self, device: torch.device | str, dtype: torch.dtype):
+        super().__init__(device, dtype)
+        self.reader = ContextReader()
+
+    def read_context(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return self.reader.read(kv_cache, slots)  # (..., 2, Hkv, D) in fp32, valid until the next read
+
+    def seqs_per_tile(self, kv_cache: torch.Tensor, context_len: int) -> int:
+        return self.reader.seqs_per_tile(kv_cache, context_len)
+
+    def context_dtype(self, kv_cache: torch.Tensor) -> torch.dtype:
+        return self.reader.dtype_read
+
+    def prefill_attention(self, q, k, v, mask, scale: float) -> torch.Tensor:
+        return causal_attention_by_matmuls(q, k, v, scale)  # the mask is implied: the last T of L, causal

@@ -1,8 +1,9 @@
 """CPU linears: faster equivalents of nn.Linear, each chosen from what the CPU has.
 
-models/gpt2.py is plain GPT-2 with nn.Linear; nothing in it knows about CPUs. When a model
-is loaded onto the CPU, `optimize_for_cpu(model)` swaps in faster equivalents (paths 1-3);
-paged attention has CPU paths of its own (attention/cpu_tiled.py, paths 4-5). Each path below
+models/gpt2.py is plain GPT-2 with nn.Linear; nothing in it knows about CPUs. For a model on
+the CPU, prepare_model (prepare.py) calls `optimize_for_cpu(model)`, which swaps in faster
+equivalents (paths 1-3); paged attention has CPU paths of its own (attention/cpu_tiled.py,
+paths 4-5, the CPU's attention backend). Each path below
 says why it exists and how to measure it: `python bench.py --profile` splits an
 engine step into KV write, context read, attention, linears, LM head, sampling and
 host time, so running it with and without a path shows what the path is worth.

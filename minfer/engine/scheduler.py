@@ -33,6 +33,7 @@ from .block_allocator import BlockAllocator
 from .config import EngineConfig, dtype_name
 from .continuous_batcher import ContinuousBatcher
 from .model_runner import ModelRunner
+from .prepare import prepare_model
 from .sampling import SamplingParams, make_generator
 from .sequence import CompletionDelta, RequestOutput, ScheduledChunk, Sequence, Status
 
@@ -99,7 +100,8 @@ class OnlineScheduler:
         self.allocator = BlockAllocator(num_kv_blocks, block_size, config.enable_prefix_caching)
         self.kv_cache = KVCache(model.config, num_kv_blocks, block_size, model.device, model.dtype)
         self.batcher = ContinuousBatcher(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.kv_cache, block_size)
+        model, attention_backend = prepare_model(model, config)  # once, before the first step; idempotent
+        self.runner = ModelRunner(model, self.kv_cache, block_size, attention_backend)
         # What runs, every choice made: the dtype "auto" picked, the blocks the memory bought, the
         # longest request the cache holds. The server's /health reports it.
         self.engine_config = replace(

@@ -8,14 +8,17 @@ the token embedding matrix.
 There is one forward pass. Without a cache it recomputes every position of a
 padded (B, T) batch: the reference the tutorials start from and the parity tests
 check. The engine passes a `PagedBatch` (attention/paged.py): then the input is
-one row holding every token scheduled this step, from many sequences side by
-side, attention reads and writes the paged KV cache, and the LM head runs only on
-the rows that draw a token.
+flat, (N,) tokens: every token scheduled this step, from many sequences side by
+side; attention reads and writes the paged KV cache, and the LM head runs only on
+the rows that draw a token. The end of the file maps a checkpoint's tensor names
+onto this module's (the loader, loader.py, asks for it).
 """
 
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 
 from ..attention.paged import PagedBatch, paged_attention
 from .config import GPT2Config
+from .loader import from_pretrained
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -44,20 +48,20 @@ class CausalSelfAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
     def forward(self, x: torch.Tensor, paged: PagedBatch | None = None) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
-        # Split the channels into heads: (B, T, C) -> (B, T, n_head, head_dim)
-        q = q.view(B, T, self.n_head, self.head_dim)
-        k = k.view(B, T, self.n_head, self.head_dim)
-        v = v.view(B, T, self.n_head, self.head_dim)
+        # x is (B, T, C), or (N, C) in the engine's step: "..." below stands for (B, T) or (N,).
+        q, k, v = self.c_attn(x).split(x.shape[-1], dim=-1)  # 3 x (..., C)
+        # Split the channels into heads: (..., C) -> (..., n_head, head_dim)
+        q = q.unflatten(-1, (self.n_head, self.head_dim))
+        k = k.unflatten(-1, (self.n_head, self.head_dim))
+        v = v.unflatten(-1, (self.n_head, self.head_dim))
         if paged is None:
             # softmax(q k^T / sqrt(head_dim)) v, each position seeing only itself and the past.
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hd)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale).transpose(1, 2)
-        else:  # the engine's step (B == 1): store k, v in the cache, attend over each sequence's context
+        else:  # the engine's step: store k, v in the cache, attend over each sequence's context
             kv_cache = paged.kv_cache.kv[self.layer]  # (num_slots, 2, nh, hd): this layer's keys and values
-            y = paged_attention(q[0], k[0], v[0], kv_cache, paged.attention, self.scale)[None]
-        return self.c_proj(y.reshape(B, T, C))  # heads side by side again: (B, T, nh, hd) -> (B, T, C)
+            y = paged_attention(q, k, v, kv_cache, paged.attention, self.scale)  # (N, nh, hd)
+        return self.c_proj(y.flatten(-2))  # heads side by side again: (..., nh, hd) -> (..., C)
 
 
 class MLP(nn.Module):
@@ -88,9 +92,10 @@ class Block(nn.Module):
 
 
 class GPT2(nn.Module):
-    def __init__(self, config: GPT2Config):
+    def __init__(self, config: GPT2Config, model_dir: Path | None = None):
         super().__init__()
         self.config = config
+        self.model_dir = model_dir  # the checkpoint it was loaded from (its tokenizer is there too)
         # Given weights (uninitialised): random init is wasted on weights about to be loaded.
         self.wte = nn.Embedding(config.vocab_size, config.n_embd, _weight=torch.empty(config.vocab_size, config.n_embd))
         self.wpe = nn.Embedding(
@@ -104,23 +109,23 @@ class GPT2(nn.Module):
     def forward(self, input_ids: torch.Tensor, paged: PagedBatch | None = None) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, vocab_size), recomputing every position.
 
-        With `paged` (the engine's step): input_ids (1, N) are every token scheduled this step,
-        at positions paged.positions, and the result is (1, S, V): logits of the S rows that sample.
+        With `paged` (the engine's step): input_ids (N,) are every token scheduled this step, at
+        positions paged.positions, and the result is (S, V): logits of the S rows that sample.
         """
-        B, T = input_ids.shape
         if paged is None:
+            T = input_ids.shape[1]
             if T > self.config.n_positions:
                 raise ValueError(f"sequence length {T} exceeds the model's context of {self.config.n_positions}")
             pos = torch.arange(T, device=input_ids.device)  # (T,)
         else:
             pos = paged.positions  # (N,): each sequence's tokens continue where its context ends
-        x = self.wte(input_ids) + self.wpe(pos)  # (B, T, C)
+        x = self.wte(input_ids) + self.wpe(pos)  # (B, T, C), or (N, C)
         for block in self.h:
             x = block(x, paged)
         if paged is not None:
             # The LM head is a third of GPT-2 small's weights: run it only where a token is drawn.
-            x = x[:, paged.sample_rows]  # (1, S, C)
-        return self.lm_head(self.ln_f(x))  # (B, T, V)
+            x = x[paged.sample_rows]  # (S, C)
+        return self.lm_head(self.ln_f(x))  # (B, T, V), or (S, V)
 
     @property
     def device(self) -> torch.device:
@@ -135,14 +140,57 @@ class GPT2(nn.Module):
         cls, name_or_path: str = "gpt2", device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ) -> "GPT2":
         """Build the model from a local checkpoint directory or a Hugging Face Hub repo id."""
-        from .loader import load_model_weights, resolve_model_dir
+        return from_pretrained(cls, name_or_path, device, dtype)
 
-        model_dir = resolve_model_dir(name_or_path)
-        config = GPT2Config.from_json(model_dir / "config.json")
-        with torch.device("meta"):  # no memory and no random init for weights about to be replaced
-            model = cls(config)
-        state = load_model_weights(model_dir, config, device=device, dtype=dtype)
-        model.load_state_dict(state, strict=True, assign=True)
-        model.lm_head.weight = model.wte.weight  # assign=True made two parameters of one tensor: one again
-        model.model_dir = model_dir
-        return model.eval()
+    # ---- the checkpoint's names and shapes, which loader.py asks for -----------------------------
+    # GPT-2 checkpoints come in two layouts:
+    # - the Hub's openai-community/gpt2 file: names like `h.0.attn.c_attn.weight`, plus a
+    #   causal-mask buffer `h.N.attn.bias` per layer (not a weight: skipped);
+    # - transformers' `save_pretrained` output: the same names prefixed with `transformer.`.
+    # Neither need store `lm_head.weight`: it is tied to `wte.weight`. The four projection
+    # matrices are stored Conv1D-style as [in, out]; nn.Linear wants [out, in]: transposed once.
+    config_class = GPT2Config
+    optional_weights = frozenset({"lm_head.weight"})  # some exports store the tied head: checked, then dropped
+
+    @staticmethod
+    def checkpoint_name(key: str) -> str | None:
+        name = key.removeprefix("transformer.")
+        return None if SKIPPED.fullmatch(name) else name  # the causal-mask buffers are no weights
+
+    @staticmethod
+    def expected_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
+        """Every tensor a GPT-2 checkpoint holds, with its shape as stored on disk."""
+        C, F_, V, P = config.n_embd, config.mlp_dim, config.vocab_size, config.n_positions
+        shapes = {"wte.weight": (V, C), "wpe.weight": (P, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
+        shapes["lm_head.weight"] = (V, C)  # optional (see optional_weights): read to check it equals wte
+        for i in range(config.n_layer):
+            p = f"h.{i}."
+            shapes |= {
+                p + "ln_1.weight": (C,),
+                p + "ln_1.bias": (C,),
+                p + "attn.c_attn.weight": (C, 3 * C),
+                p + "attn.c_attn.bias": (3 * C,),
+                p + "attn.c_proj.weight": (C, C),
+                p + "attn.c_proj.bias": (C,),
+                p + "ln_2.weight": (C,),
+                p + "ln_2.bias": (C,),
+                p + "mlp.c_fc.weight": (C, F_),
+                p + "mlp.c_fc.bias": (F_,),
+                p + "mlp.c_proj.weight": (F_, C),
+                p + "mlp.c_proj.bias": (C,),
+            }
+        return shapes
+
+    @staticmethod
+    def convert_weights(state: dict[str, torch.Tensor], config: GPT2Config) -> dict[str, torch.Tensor]:
+        for name in state:
+            if name.endswith(CONV1D_WEIGHTS):
+                state[name] = state[name].t().contiguous()  # Conv1D [in, out] -> Linear [out, in]
+        lm_head = state.pop("lm_head.weight", None)
+        if lm_head is not None and not torch.equal(lm_head, state["wte.weight"]):
+            raise ValueError("lm_head.weight differs from wte.weight; GPT-2's LM head must be tied to the embedding")
+        return state
+
+
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+SKIPPED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")  # causal-mask buffers, not weights

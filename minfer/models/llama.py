@@ -12,13 +12,14 @@ What changed since GPT-2 (gpt2.py), each a few lines below:
 - the LM head is tied to the embedding or a matrix of its own, as the config says.
 
 The forward has the same signature as GPT-2's, so the engine runs either: plain
-(B, T) -> (B, T, V), or the engine's step with a PagedBatch -> (1, S, V).
+(B, T) -> (B, T, V), or the engine's step, (N,) tokens with a PagedBatch -> (S, V).
 """
 
 from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from ..attention.paged import PagedBatch, paged_attention
 from .llama_config import LlamaConfig
+from .loader import from_pretrained
 
 
 class RMSNorm(nn.Module):
@@ -66,7 +68,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each channel pair of x (B, T, H, D) by its position's angle; cos, sin are (T, D)."""
+    """Rotate each channel pair of x (B, T, H, D) by its position's angle; cos, sin are (T, D).
+    In the engine's step x is (N, H, D) and cos, sin (N, D): one angle per token, as well."""
     cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D): the same rotation for every head
     return x * cos + rotate_half(x) * sin
 
@@ -88,10 +91,10 @@ class Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(D)
 
     def forward(self, x, cos, sin, paged: PagedBatch | None = None) -> torch.Tensor:
-        B, T, C = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)  # (B, T, nh, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)  # (B, T, n_kv, hd): fewer heads
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        # x is (B, T, C), or (N, C) in the engine's step: "..." below stands for (B, T) or (N,).
+        q = self.q_proj(x).unflatten(-1, (self.n_head, self.head_dim))  # (..., nh, hd)
+        k = self.k_proj(x).unflatten(-1, (self.n_kv_head, self.head_dim))  # (..., n_kv, hd): fewer heads
+        v = self.v_proj(x).unflatten(-1, (self.n_kv_head, self.head_dim))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -100,10 +103,10 @@ class Attention(nn.Module):
             # enable_gqa: query head h reads key/value head h // (nh // n_kv).
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
             y = y.transpose(1, 2)  # (B, T, nh, hd)
-        else:  # the engine's step (B == 1): store k, v in the cache, attend over each sequence's context
+        else:  # the engine's step: store k, v in the cache, attend over each sequence's context
             kv_cache = paged.kv_cache.kv[self.layer]  # (num_slots, 2, n_kv_head, head_dim)
-            y = paged_attention(q[0], k[0], v[0], kv_cache, paged.attention, self.scale)[None]
-        return self.o_proj(y.reshape(B, T, self.n_head * self.head_dim))
+            y = paged_attention(q, k, v, kv_cache, paged.attention, self.scale)  # (N, nh, hd)
+        return self.o_proj(y.flatten(-2))  # (..., nh * hd)
 
 
 class MLP(nn.Module):
@@ -137,9 +140,10 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, model_dir: Path | None = None):
         super().__init__()
         self.config = config
+        self.model_dir = model_dir  # the checkpoint it was loaded from (its tokenizer is there too)
         V, C = config.vocab_size, config.hidden_size
         self.embed_tokens = nn.Embedding(V, C, _weight=torch.empty(V, C))  # uninitialised: weights get loaded
         self.layers = nn.ModuleList(Block(config, layer) for layer in range(config.num_hidden_layers))
@@ -151,9 +155,9 @@ class Llama(nn.Module):
         self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, paged: PagedBatch | None = None) -> torch.Tensor:
-        """input_ids (B, T) -> logits (B, T, vocab_size); with `paged`, (1, N) -> (1, S, V) as in GPT2."""
-        B, T = input_ids.shape
+        """input_ids (B, T) -> logits (B, T, vocab_size); with `paged`, (N,) -> (S, V) as in GPT2."""
         if paged is None:
+            T = input_ids.shape[1]
             if T > self.config.max_position_embeddings:
                 raise ValueError(
                     f"sequence length {T} exceeds the model's context of {self.config.max_position_embeddings}"
@@ -161,15 +165,15 @@ class Llama(nn.Module):
             pos = torch.arange(T, device=input_ids.device)  # (T,)
         else:
             pos = paged.positions  # (N,)
-        angles = pos[:, None].float() * self.inv_freq[None, :]  # (T, D/2), in fp32 for long contexts
+        angles = pos[:, None].float() * self.inv_freq[None, :]  # (T, D/2) or (N, D/2), fp32 for long contexts
         angles = torch.cat((angles, angles), dim=-1)  # (T, D): channel i and i + D/2 turn together
-        x = self.embed_tokens(input_ids)  # (B, T, C)
+        x = self.embed_tokens(input_ids)  # (B, T, C), or (N, C)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for block in self.layers:
             x = block(x, cos, sin, paged)
         if paged is not None:
-            x = x[:, paged.sample_rows]  # (1, S, C): the LM head only where a token is drawn
-        return self.lm_head(self.norm(x))  # (B, T, V)
+            x = x[paged.sample_rows]  # (S, C): the LM head only where a token is drawn
+        return self.lm_head(self.norm(x))  # (B, T, V), or (S, V)
 
     @property
     def device(self) -> torch.device:
@@ -184,56 +188,54 @@ class Llama(nn.Module):
         cls, name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ) -> "Llama":
         """Build the model from a local checkpoint directory or a Hugging Face Hub repo id."""
-        from .loader import read_checked_weights, resolve_model_dir
+        return from_pretrained(cls, name_or_path, device, dtype)
 
-        model_dir = resolve_model_dir(name_or_path)
-        config = LlamaConfig.from_json(model_dir / "config.json")
-        with torch.device("meta"):  # no memory and no random init for weights about to be replaced
-            model = cls(config)
-        state = read_checked_weights(model_dir, expected_shapes(config), checkpoint_name, device, dtype)
-        if config.tie_word_embeddings:
-            state["lm_head.weight"] = state["embed_tokens.weight"]
-        model.load_state_dict(state, strict=True, assign=True)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight  # assign=True made two parameters of one tensor
-        model.inv_freq = model.inv_freq.to(device)
-        model.model_dir = model_dir
-        return model.eval()
+    # ---- the checkpoint's names and shapes, which loader.py asks for -----------------------------
+    config_class = LlamaConfig
+    optional_weights: frozenset[str] = frozenset()
+
+    @staticmethod
+    def checkpoint_name(key: str) -> str | None:
+        """A tensor name in an HF checkpoint -> its name in Llama's state dict (None: not a weight)."""
+        name = key.removeprefix("model.")
+        return None if SKIPPED.fullmatch(name) else name
+
+    @staticmethod
+    def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...] | None]:
+        """Every tensor the checkpoint must hold, with its shape; None marks an optional one to ignore."""
+        C, F_, V, D = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
+        H, KV = config.num_attention_heads, config.num_key_value_heads
+        shapes: dict[str, tuple[int, ...] | None] = {"embed_tokens.weight": (V, C), "norm.weight": (C,)}
+        # A tied checkpoint may still carry lm_head.weight; the embedding wins, as in transformers.
+        shapes["lm_head.weight"] = None if config.tie_word_embeddings else (V, C)
+        for i in range(config.num_hidden_layers):
+            p = f"layers.{i}."
+            shapes |= {
+                p + "input_layernorm.weight": (C,),
+                p + "post_attention_layernorm.weight": (C,),
+                p + "self_attn.q_proj.weight": (H * D, C),
+                p + "self_attn.k_proj.weight": (KV * D, C),
+                p + "self_attn.v_proj.weight": (KV * D, C),
+                p + "self_attn.o_proj.weight": (C, H * D),
+                p + "mlp.gate_proj.weight": (F_, C),
+                p + "mlp.up_proj.weight": (F_, C),
+                p + "mlp.down_proj.weight": (C, F_),
+            }
+            if config.attention_bias:
+                shapes |= {p + f"self_attn.{n}_proj.bias": (s,) for n, s in zip("qkvo", (H * D, KV * D, KV * D, C))}
+            if config.mlp_bias:
+                shapes |= {
+                    p + "mlp.gate_proj.bias": (F_,),
+                    p + "mlp.up_proj.bias": (F_,),
+                    p + "mlp.down_proj.bias": (C,),
+                }
+            if config.qk_norm:
+                shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
+        return shapes
+
+    @staticmethod
+    def convert_weights(state: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+        return state  # stored as nn.Linear wants them
 
 
 SKIPPED = re.compile(r"layers\.\d+\.self_attn\.rotary_emb\.inv_freq")  # older exports store RoPE's constants
-
-
-def checkpoint_name(key: str) -> str | None:
-    """A tensor name in an HF checkpoint -> its name in Llama's state dict (None: not a weight)."""
-    name = key.removeprefix("model.")
-    return None if SKIPPED.fullmatch(name) else name
-
-
-def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...] | None]:
-    """Every tensor the checkpoint must hold, with its shape; None marks an optional one to ignore."""
-    C, F_, V, D = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
-    H, KV = config.num_attention_heads, config.num_key_value_heads
-    shapes: dict[str, tuple[int, ...] | None] = {"embed_tokens.weight": (V, C), "norm.weight": (C,)}
-    # A tied checkpoint may still carry lm_head.weight; the embedding wins, as in transformers.
-    shapes["lm_head.weight"] = None if config.tie_word_embeddings else (V, C)
-    for i in range(config.num_hidden_layers):
-        p = f"layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (C,),
-            p + "post_attention_layernorm.weight": (C,),
-            p + "self_attn.q_proj.weight": (H * D, C),
-            p + "self_attn.k_proj.weight": (KV * D, C),
-            p + "self_attn.v_proj.weight": (KV * D, C),
-            p + "self_attn.o_proj.weight": (C, H * D),
-            p + "mlp.gate_proj.weight": (F_, C),
-            p + "mlp.up_proj.weight": (F_, C),
-            p + "mlp.down_proj.weight": (C, F_),
-        }
-        if config.attention_bias:
-            shapes |= {p + f"self_attn.{n}_proj.bias": (s,) for n, s in zip("qkvo", (H * D, KV * D, KV * D, C))}
-        if config.mlp_bias:
-            shapes |= {p + "mlp.gate_proj.bias": (F_,), p + "mlp.up_proj.bias": (F_,), p + "mlp.down_proj.bias": (C,)}
-        if config.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
-    return shapes

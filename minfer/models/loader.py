@@ -1,26 +1,24 @@
 """Find a checkpoint (local directory or Hugging Face Hub repo) and load its safetensors weights.
 
-GPT-2 checkpoints come in two layouts:
-- the Hub's openai-community/gpt2 file: names like `h.0.attn.c_attn.weight`, plus a
-  causal-mask buffer `h.N.attn.bias` per layer (not a weight: skipped);
-- transformers' `save_pretrained` output: the same names prefixed with `transformer.`.
-Neither stores `lm_head.weight` as a separate matrix (it is tied to `wte.weight`).
-GPT-2's four projection matrices are stored Conv1D-style as [in, out]; minfer's
-nn.Linear layers want [out, in], so they are transposed once here.
+One loader for every architecture: `from_pretrained(model_class, name_or_path)` builds the
+model its config.json describes and fills it with the checkpoint's tensors, read, renamed,
+checked and converted as the model class says (its checkpoint name mapping: `checkpoint_name`,
+`expected_shapes`, `optional_weights`, `convert_weights`; contract.Architecture). Each
+architecture's names and quirks live in its own file (gpt2.py, llama.py), none here.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .config import GPT2Config
+if TYPE_CHECKING:
+    from .contract import Architecture, CausalLM
 
 # Short names users type, mapped to the Hub repos that hold them today.
 HUB_ALIASES = {
@@ -41,8 +39,6 @@ HUB_FILES = [
     "vocab.json",
     "merges.txt",
 ]
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-SKIPPED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")  # causal-mask buffers, not weights
 
 
 class ModelNotFoundError(OSError):
@@ -74,31 +70,6 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
             f"({reason}); pass a local checkpoint directory instead, "
             f"e.g. one written by `python -m minfer.random_model DIR`"
         ) from None
-
-
-def expected_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor a GPT-2 checkpoint must hold, with its shape as stored on disk."""
-    C, F, V, P = config.n_embd, config.mlp_dim, config.vocab_size, config.n_positions
-    shapes = {"wte.weight": (V, C), "wpe.weight": (P, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
-    for i in range(config.n_layer):
-        p = f"h.{i}."
-        shapes.update(
-            {
-                p + "ln_1.weight": (C,),
-                p + "ln_1.bias": (C,),
-                p + "attn.c_attn.weight": (C, 3 * C),
-                p + "attn.c_attn.bias": (3 * C,),
-                p + "attn.c_proj.weight": (C, C),
-                p + "attn.c_proj.bias": (C,),
-                p + "ln_2.weight": (C,),
-                p + "ln_2.bias": (C,),
-                p + "mlp.c_fc.weight": (C, F),
-                p + "mlp.c_fc.bias": (F,),
-                p + "mlp.c_proj.weight": (F, C),
-                p + "mlp.c_proj.bias": (C,),
-            }
-        )
-    return shapes
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -161,26 +132,51 @@ def read_checked_weights(
 
 
 def load_model_weights(
-    model_dir: str | Path, config: GPT2Config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    model: CausalLM, model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
-    """Read, check and convert every weight; returns a state dict for minfer's GPT2 module.
+    """Every weight `model` needs (built on the meta device, say), read from the checkpoint in model_dir
+    and converted as its class says: a state dict for model.load_state_dict(strict=True, assign=True).
+    A tied parameter (an LM head that is the token embedding) gets its owner's tensor under both names.
 
     A missing, unexpected or mis-shaped tensor raises ValueError naming it:
     a partial load would run and quietly produce garbage.
     """
-
-    def rename(key: str) -> str | None:
-        name = key.removeprefix("transformer.")
-        return None if SKIPPED.fullmatch(name) else name  # the causal-mask buffers are no weights
-
-    # Some exports store the tied LM head as well: read it to check that it is the embedding.
-    expected = expected_shapes(config) | {"lm_head.weight": (config.vocab_size, config.n_embd)}
-    state = read_checked_weights(model_dir, expected, rename, device, dtype, optional=frozenset({"lm_head.weight"}))
-    for name in state:
-        if name.endswith(CONV1D_WEIGHTS):
-            state[name] = state[name].t().contiguous()  # Conv1D [in, out] -> Linear [out, in]
-    lm_head = state.pop("lm_head.weight", None)
-    if lm_head is not None and not torch.equal(lm_head, state["wte.weight"]):
-        raise ValueError("lm_head.weight differs from wte.weight; GPT-2's LM head must be tied to the embedding")
-    state["lm_head.weight"] = state["wte.weight"]  # tied: one tensor under both names
+    arch: Architecture = type(model)
+    expected = arch.expected_shapes(model.config)
+    state = read_checked_weights(model_dir, expected, arch.checkpoint_name, device, dtype, arch.optional_weights)
+    state = arch.convert_weights(state, model.config)
+    for alias, owner in tied_parameters(model).items():
+        state[alias] = state[owner]  # one tensor under both names
     return state
+
+
+def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: owner} for every parameter that two modules share, named by where it was registered last
+    and first (GPT-2's lm_head.weight is its wte.weight)."""
+    owners: dict[int, str] = {}
+    tied = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in owners:
+            tied[name] = owners[id(param)]
+        else:
+            owners[id(param)] = name
+    return tied
+
+
+def from_pretrained(
+    model_class: Architecture,
+    name_or_path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> CausalLM:
+    """Build `model_class` from a local checkpoint directory or a Hugging Face Hub repo id."""
+    model_dir = resolve_model_dir(name_or_path)
+    config = model_class.config_class.from_json(model_dir / "config.json")
+    with torch.device("meta"):  # no memory and no random init for weights about to be replaced
+        model = model_class(config, model_dir=model_dir)
+    tied = tied_parameters(model)
+    model.load_state_dict(load_model_weights(model, model_dir, device, dtype), strict=True, assign=True)
+    for alias, owner in tied.items():  # assign=True made two parameters of one tensor: one again
+        module, _, name = alias.rpartition(".")
+        setattr(model.get_submodule(module), name, model.get_parameter(owner))
+    return model.to(device).eval()  # .to: buffers computed at construction (RoPE's) join the weights

@@ -1,8 +1,9 @@
 """Which model a checkpoint holds: config.json's `architectures` picks the class.
 
-The engine never asks which model it runs: every model here has the same forward
-(plain, or one engine step with a PagedBatch), `.config` with the ModelConfig
-facts, `.device`, `.dtype`, an nn.Linear `lm_head`, and `from_pretrained`.
+The engine never asks which model it runs: every class here is a contract.Architecture
+(it names its checkpoint's tensors, so loader.from_pretrained builds it) whose models are
+contract.CausalLM (one flat forward per engine step, `.config`, `.device`, `.dtype`,
+`.lm_head`, `.model_dir`).
 """
 
 from __future__ import annotations
@@ -12,17 +13,17 @@ from pathlib import Path
 
 import torch
 
-from .config import GPT2Config, ModelConfig, read_config_json
+from .config import ModelConfig, read_config_json
+from .contract import Architecture, CausalLM
 from .gpt2 import GPT2
 from .llama import Llama
-from .llama_config import LlamaConfig
-from .loader import resolve_model_dir
+from .loader import from_pretrained, resolve_model_dir
 
-# architecture name in config.json -> (model class, config class)
-ARCHITECTURES = {
-    "GPT2LMHeadModel": (GPT2, GPT2Config),
-    "Qwen3ForCausalLM": (Llama, LlamaConfig),
-    "LlamaForCausalLM": (Llama, LlamaConfig),
+# architecture name in config.json -> the model class (its config class is model_class.config_class)
+ARCHITECTURES: dict[str, Architecture] = {
+    "GPT2LMHeadModel": GPT2,
+    "Qwen3ForCausalLM": Llama,
+    "LlamaForCausalLM": Llama,
 }
 # Configs without `architectures` (older exports) still name their model_type.
 MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -43,13 +44,12 @@ def architecture(model_dir: str | Path) -> str:
 
 def read_config(model_dir: str | Path) -> ModelConfig:
     """The checkpoint's config, as the class its architecture uses."""
-    return ARCHITECTURES[architecture(model_dir)][1].from_json(Path(model_dir) / "config.json")
+    return ARCHITECTURES[architecture(model_dir)].config_class.from_json(Path(model_dir) / "config.json")
 
 
 def load_model(
     name_or_path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-) -> torch.nn.Module:
+) -> CausalLM:
     """Load any supported checkpoint (local directory or Hub repo id) as the model its config names."""
     model_dir = resolve_model_dir(name_or_path)
-    model_class = ARCHITECTURES[architecture(model_dir)][0]
-    return model_class.from_pretrained(model_dir, device=device, dtype=dtype)
+    return from_pretrained(ARCHITECTURES[architecture(model_dir)], model_dir, device, dtype)

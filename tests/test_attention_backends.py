@@ -1,0 +1,73 @@
+"""Attention backends are chosen once, agree with each other, and prepare_model leaves a prepared model alone."""
+
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+from minfer.attention.cpu_tiled import CPUTiledBackend
+from minfer.attention.kv_cache import slot_of
+from minfer.attention.paged import StepLayout, paged_attention
+from minfer.attention.selector import choose_attention_backend
+from minfer.attention.torch_sdpa import TorchBackend
+from minfer.engine.cpu_packing import packing_available
+from minfer.engine.prepare import prepare_model
+from minfer.models.gpt2 import GPT2
+
+
+def test_the_backend_follows_the_device_and_the_config():
+    assert type(choose_attention_backend("cpu", torch.float32)) is CPUTiledBackend
+    assert type(choose_attention_backend("cpu", torch.float32, "torch")) is TorchBackend
+    assert type(choose_attention_backend("cuda", torch.bfloat16)) is TorchBackend  # built, not run: no GPU needed
+    with pytest.raises(ValueError, match="attention_backend must be 'auto' or one of cpu_tiled, torch"):
+        choose_attention_backend("cpu", torch.float32, "flash")
+    with pytest.raises(ValueError, match="runs on cpu only"):
+        choose_attention_backend("cuda", torch.float32, "cpu_tiled")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])  # plain and grouped-query attention
+def test_cpu_and_plain_backends_compute_the_same_step(dtype, heads, kv_heads):
+    """Padded decodes of two lengths, a fresh prompt and a continued one, through both backends."""
+    torch.manual_seed(0)
+    block_size, num_blocks, D = 4, 24, 16
+    tables = [[3, 17, 8, 1, 20], [5, 11], [0, 9, 14], [21, 2, 6, 13]]
+    lens = [18, 6, 9, 15]  # each sequence's length once the step is done
+    new = [1, 1, 9, 4]  # new tokens: two decodes, a fresh prompt, a chunk after 11 cached tokens
+    starts = [0, 1, 2, 11]
+    N = sum(new)
+    slots = torch.cat(
+        [slot_of(torch.tensor(t), torch.arange(n - k, n), block_size) for t, n, k in zip(tables, lens, new)]
+    )
+    layout = StepLayout(slots, starts, new, lens, tables, block_size, null_block=num_blocks)
+    q, k, v = (
+        torch.randn(N, heads, D, dtype=dtype),
+        torch.randn(N, kv_heads, D, dtype=dtype),
+        torch.randn(N, kv_heads, D, dtype=dtype),
+    )
+    context = torch.randn((num_blocks + 1) * block_size, 2, kv_heads, D).to(dtype)  # (num_slots, 2, Hkv, D)
+    context[num_blocks * block_size :] = 0  # the null block
+    outs = []
+    for backend in (choose_attention_backend("cpu", dtype), TorchBackend("cpu", dtype)):
+        cache = context.clone()
+        meta = backend.build_metadata(layout)
+        assert meta.backend is backend and len(meta.decode_groups) == 2 and len(meta.prefills) == 2
+        outs.append(paged_attention(q, k, v, cache, meta, scale=D**-0.5))
+        assert torch.equal(cache[slots, 0], k) and torch.equal(cache[slots, 1], v)  # the step's keys were written
+    tolerance = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}  # bf16: the CPU backend computes in fp32
+    torch.testing.assert_close(outs[0], outs[1], **tolerance)
+
+
+def test_prepare_model_is_idempotent_and_picks_the_configured_backend(tiny_checkpoint):
+    model = GPT2.from_pretrained(tiny_checkpoint)
+    prepared, backend = prepare_model(model)
+    assert prepared is model and type(backend) is CPUTiledBackend
+    if packing_available(torch.float32):
+        assert not any(type(m) is nn.Linear for m in model.modules())  # every linear packed
+    modules = [(name, type(m)) for name, m in model.named_modules()]
+    params = [id(p) for p in model.parameters()]
+    again, other = prepare_model(model, types.SimpleNamespace(attention_backend="torch"))
+    assert again is model and type(other) is TorchBackend and other is not backend
+    assert [(name, type(m)) for name, m in model.named_modules()] == modules  # nothing swapped twice
+    assert [id(p) for p in model.parameters()] == params
