@@ -25,6 +25,12 @@ from pathlib import Path
 
 import torch
 
+from ..engine.config import EngineConfig
+from ..engine.llm import LLM, resolve_dtype, set_cpu_threads
+from ..engine.scheduler import OnlineScheduler
+from ..models.loader import ModelNotFoundError, resolve_model_dir
+from ..models.registry import read_config
+from ..text.tokenizer import Tokenizer
 from .hf_baseline import compare, format_comparison, generate_batch, load_hf_model, run_hf
 from .metrics import RunResult, format_summary, median_summary, summarize
 from .offline import run_offline
@@ -33,12 +39,6 @@ from .profile import format_profile, profile_steps
 from .roofline import format_roofline, roofline
 from .trace import write_trace
 from .workload import build_workload, read_prompts, warmup_workload
-from ..engine.config import EngineConfig
-from ..engine.llm import LLM, resolve_dtype, set_cpu_threads
-from ..engine.scheduler import OnlineScheduler
-from ..models.loader import ModelNotFoundError, resolve_model_dir
-from ..models.registry import read_config
-from ..text.tokenizer import Tokenizer
 
 NO_MODEL_HINT = (
     "bench.py: cannot load model {model!r} ({why}). Pass a local checkpoint with --model DIR; "

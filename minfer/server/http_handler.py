@@ -19,8 +19,8 @@ import socket
 import time
 from urllib.parse import urlsplit
 
-from ..version import __version__
 from ..errors import APIError
+from ..version import __version__
 from .connections import TimedHandler
 from .openai_api import parse_json_body
 
