@@ -1,11 +1,16 @@
 """Shared fixtures: random GPT-2 checkpoints written once per test session (the Hub is offline)."""
 
 import json
+import os
 
-import pytest
-import torch
+# Tests run the eager attention backend unless they ask for the compiled one (test_compiled_attention.py):
+# compiling costs each new process (a served model, a tutorial) a few seconds. Set before minfer is imported.
+os.environ.setdefault("MINFER_ATTENTION_BACKEND", "eager")
 
-from minfer.checkpoints import write_random_checkpoint
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from minfer.checkpoints import write_random_checkpoint  # noqa: E402
 
 torch.set_num_threads(2)
 

@@ -250,6 +250,7 @@ def test_in_process_server_reports_its_engine_in_health(tiny_checkpoint):
         "gpu_memory_utilization": None,
         "enable_prefix_caching": True,
         "max_model_len": 512,
+        "attention_backend": "eager",  # what runs: the tests' default (conftest.py)
         "enforce_eager": False,
         "num_threads": None,
     }

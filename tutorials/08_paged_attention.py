@@ -36,8 +36,9 @@ model = GPT2.from_pretrained(path)
 cfg = model.config
 H, D = cfg.n_head, cfg.head_dim
 scale = 1 / math.sqrt(D)
-# The engine picks one attention backend per model, from its device: on a CPU, "cpu_tiled".
-backend = choose_attention_backend("cpu", torch.float32)
+# The engine picks one attention backend per model, from its device: on a CPU the compiled one
+# (part 3) where it compiles. Parts 1 and 2 use the eager one, "cpu_tiled", whose steps we can see.
+backend = choose_attention_backend("cpu", torch.float32, "eager")  # the gather-then-attend backend; part 3 compiles
 print(f"attention backend: {backend.name}")
 
 
@@ -200,3 +201,24 @@ for name, ms in timings.items():
 print("  (timings depend on the machine and its load; bench.py --profile shows the same split for a real step)")
 
 print("\nOK: paged attention equals dense attention, gathered at once or a tile at a time.")
+
+# ---------------------------------------------------------------------------------------
+section("part 3: reading the cache in place, compiled (attention/compiled.py)")
+# Eager torch cannot attend through a slot table: it must gather (and, in bf16, upcast) first.
+# The same attention in plain torch, indexing the cache by slot, compiled with torch.compile:
+# Inductor writes one loop that reads each key and value where it lies, upcasts it, scores it,
+# and adds it into the softmax-weighted sum. The gathered context is never stored.
+from minfer.attention.compiled import paged_decode_attention  # noqa: E402
+
+lens = torch.full((S,), L)  # (S,): every sequence's context length (all L here: nothing padded)
+compiled = torch.compile(paged_decode_attention, dynamic=True)
+start = time.perf_counter()
+with torch.inference_mode():
+    in_place = compiled(q_dec, big_kv, grid, lens, scale)
+print(f"  compiled in {time.perf_counter() - start:.1f} s (a second run reads Inductor's on-disk cache)")
+check("compiled, read in place vs gather-everything", in_place, gather_all())
+with torch.inference_mode():
+    compiled_ms = best_ms(lambda: compiled(q_dec, big_kv, grid, lens, scale))
+print(f"  {'compiled: read in place, fused':<46} {compiled_ms:7.2f} ms")
+print(f"  {'tiled, for comparison (part 2)':<46} {timings['tiled: gather a tile, sdpa, next tile']:7.2f} ms")
+print("  (the engine runs this backend on a CPU when it compiles there: --attention-backend auto)")

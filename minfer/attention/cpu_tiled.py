@@ -56,11 +56,15 @@ def cache_bytes(level: int) -> int | None:
     return None
 
 
+MAX_TILE_BYTES = 8 << 20  # a quarter of a 32 MiB L3: no single core's share of a cache is larger
+
+
 def tile_bytes() -> int:
     """How many bytes of gathered keys + values one attention tile may hold: a quarter of the
-    last-level cache, so the tile is still in cache when attention reads it (4 MiB if unknown)."""
+    last-level cache, so the tile is still in cache when attention reads it (4 MiB if unknown).
+    Capped: a VM may report its whole host's cache (a 480 MiB "L3" was seen), which no tile fits."""
     llc = cache_bytes(3) or cache_bytes(2)
-    return max(llc // 4, 1 << 20) if llc else 4 << 20
+    return min(max(llc // 4, 1 << 20), MAX_TILE_BYTES) if llc else 4 << 20
 
 
 def causal_attention_by_matmuls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -144,8 +144,16 @@ class EngineConfig:
     max_model_len: int | None = setting(
         None, int, POSITIVE, "longest request (prompt + max_tokens) in tokens (default: the model's context)"
     )
-    # Carried for the compiled attention backend and CUDA graphs to come: today every path is eager.
-    enforce_eager: bool = setting(False, bool, BOOL, "never compile: eager PyTorch only (today nothing compiles)")
+    # Like vLLM's VLLM_ATTENTION_BACKEND, an environment variable may change the default (the tests
+    # default to eager this way: compiling costs every new process a few seconds).
+    attention_backend: str = setting(
+        os.environ.get("MINFER_ATTENTION_BACKEND", "auto"),
+        str,
+        Check(lambda v: v in ("auto", "compiled", "eager"), "one of auto, compiled, eager"),
+        "auto: compiled where it compiles and matches eager (a CPU), else eager (default: "
+        "$MINFER_ATTENTION_BACKEND, else auto)",
+    )
+    enforce_eager: bool = setting(False, bool, BOOL, "never compile: eager PyTorch only (implies --attention-backend eager)")
     num_threads: int | None = setting(
         None, int, POSITIVE, "CPU only: torch threads (default: every core this process may use)"
     )

@@ -4,7 +4,9 @@ Model files stay plain (nanoGPT-like: nn.Linear, one readable forward) and never
 what transforms them. Everything that makes a model fast on the machine at hand happens
 here, once, after loading, and is chosen from the device and the config:
 - on a CPU, prepacked linears and LM head, or bf16 kept as storage only (cpu_packing.py);
-- the attention backend (attention/selector.py): the CPU's tiled eager one, or plain torch.
+- the attention backend (attention/selector.py): on a CPU the compiled one, warmed up and
+  checked against eager here (or the tiled eager one, with one log line saying why); plain
+  torch elsewhere. `enforce_eager` (or attention_backend="eager") keeps everything eager.
 Later: quantized linears (config.quantization), compiled regions and CUDA graphs (unless
 config.enforce_eager); each is a transform or a backend, never an edit to a model file.
 
@@ -14,11 +16,15 @@ benchmarks reuse a loaded model across engines), and each call returns a fresh b
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..attention.paged import AttentionBackend
 from ..attention.selector import choose_attention_backend
 from .cpu_packing import optimize_for_cpu
+
+log = logging.getLogger("minfer")
 
 
 def prepare_model(model: torch.nn.Module, config=None) -> tuple[torch.nn.Module, AttentionBackend]:
@@ -27,5 +33,13 @@ def prepare_model(model: torch.nn.Module, config=None) -> tuple[torch.nn.Module,
     (attention_backend "auto": the best backend for the model's device)."""
     if model.device.type == "cpu":
         optimize_for_cpu(model)  # swaps nn.Linear for faster equivalents; a prepared model has none left
-    name = getattr(config, "attention_backend", None) or "auto"
-    return model, choose_attention_backend(model.device, model.dtype, name)
+    choice = "eager" if getattr(config, "enforce_eager", False) else getattr(config, "attention_backend", "auto")
+    backend = choose_attention_backend(model.device, model.dtype, choice or "auto")
+    warm_up = getattr(backend, "warm_up", None)
+    if warm_up is not None:
+        c = model.config
+        why_not = warm_up(c.num_heads, c.num_kv_heads, c.head_dim)
+        if why_not:
+            log.warning("minfer: compiled attention is off, running eager attention instead: %s", why_not)
+            backend = choose_attention_backend(model.device, model.dtype, "eager")
+    return model, backend

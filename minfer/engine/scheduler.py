@@ -103,9 +103,10 @@ class OnlineScheduler:
         model, attention_backend = prepare_model(model, config)  # once, before the first step; idempotent
         self.runner = ModelRunner(model, self.kv_cache, block_size, attention_backend)
         # What runs, every choice made: the dtype "auto" picked, the blocks the memory bought, the
-        # longest request the cache holds. The server's /health reports it.
+        # longest request the cache holds, the attention that runs. The server's /health reports it.
         self.engine_config = replace(
             config,
+            attention_backend="compiled" if attention_backend.name == "compiled" else "eager",
             device=str(model.device),
             dtype=dtype_name(model.dtype),
             num_kv_blocks=num_kv_blocks,

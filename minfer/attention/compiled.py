@@ -1,0 +1,131 @@
+"""The compiled attention backend: decode attention that reads the paged cache in place.
+
+Eager torch must gather each sequence's keys and values out of the paged cache into a
+buffer (and upcast bf16) before sdpa can read them, so the context crosses memory three
+times. `paged_decode_attention` below says the same attention in plain torch, indexing the
+cache through the slot table; torch.compile (Inductor: a C++ loop on a CPU) fuses the
+gather, the upcast, the scores, the masked softmax and the weighted sum into one pass, and
+the gathered context is never stored. The function is the lesson; the compiler does the fusion.
+
+- Decode rows (one query per sequence) run here: they are bound by reading the context.
+- Prefill chunks keep the eager CPU path (gather once, then two matmuls): a chunk of T
+  queries does T x L work per context position read, so it is bound by compute, which
+  matmuls do best.
+- Compiled with dynamic=True, so batch size and context length never trigger a recompile
+  while serving. Dynamic shapes still specialise sizes 0 and 1, so `warm_up` runs one
+  sequence and several, a context of one token and a longer one, before the engine starts,
+  and checks every result against the eager backend. If anything fails (no C++ compiler, a
+  compile error, a mismatch, a compile slower than its time budget), the engine runs the
+  eager backend instead and says why (engine/prepare.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..step_parts import part
+from .cpu_tiled import CPUTiledBackend
+from .paged import StepLayout
+from .torch_sdpa import DecodeGroup
+
+WARM_UP_BUDGET_S = 60.0  # longest the start-up compile may take before the engine gives up on it
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # (S, H, D): one query per sequence
+    kv_cache: torch.Tensor,  # (num_slots, 2, Hkv, D): one layer's keys and values
+    slots: torch.Tensor,  # (S, L): cache slot of each context position; padding reads a zeroed slot
+    lens: torch.Tensor,  # (S,): each sequence's context length; positions past it are masked
+    scale: float,
+) -> torch.Tensor:  # (S, H, D)
+    S, H, D = q.shape
+    Hkv = kv_cache.shape[2]
+    G = H // Hkv  # query heads per key/value head (grouped-query attention; 1 for GPT-2)
+    kv = kv_cache[slots].float()  # (S, L, 2, Hkv, D): compiled, it is read in place, never stored
+    keys, values = kv[:, :, 0], kv[:, :, 1]  # (S, L, Hkv, D)
+    queries = q.float().view(S, 1, Hkv, G, D)  # a group of G query heads shares one key/value head
+    scores = (queries * keys[:, :, :, None, :]).sum(-1) * scale  # (S, L, Hkv, G)
+    valid = torch.arange(slots.shape[1], device=q.device)[None, :] < lens[:, None]  # (S, L)
+    scores = scores.masked_fill(~valid[:, :, None, None], float("-inf"))
+    weights = torch.softmax(scores, dim=1)  # over each sequence's context
+    out = (weights[..., None] * values[:, :, :, None, :]).sum(1)  # (S, Hkv, G, D)
+    return out.reshape(S, H, D).to(q.dtype)
+
+
+@dataclass
+class LengthsDecodeGroup(DecodeGroup):
+    lens: torch.Tensor | None = None  # (S,) context lengths: the compiled kernel masks by them
+
+
+class CompiledBackend(CPUTiledBackend):
+    """The CPU backend whose decode attention is paged_decode_attention, compiled."""
+
+    name = "compiled"
+
+    def __init__(self, device: torch.device | str, dtype: torch.dtype):
+        super().__init__(device, dtype)
+        self.decode_kernel = torch.compile(paged_decode_attention, dynamic=True)
+
+    def decode_group(self, layout: StepLayout, seqs: list[int]) -> LengthsDecodeGroup:
+        group = super().decode_group(layout, seqs)
+        lens = torch.tensor([layout.context_lens[i] for i in seqs]).to(self.device, non_blocking=True)  # (S,)
+        return LengthsDecodeGroup(group.rows, group.slots, group.mask, lens)
+
+    def decode_attention(self, q, kv_cache, group: LengthsDecodeGroup, scale: float) -> torch.Tensor:
+        with part("attention"):  # the context read is fused into it: no "context read" part here
+            return self.decode_kernel(q, kv_cache, group.slots, group.lens, scale)
+
+    def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, budget_s: float = WARM_UP_BUDGET_S):
+        """Compile for these head shapes and check against the eager backend. Returns None when the
+        compiled kernel may serve, else a sentence saying why not. Runs in a thread so a compile
+        slower than `budget_s` cannot hold the start-up longer than that."""
+        result: dict = {}
+
+        def run():
+            try:
+                result["error"] = self._check(num_heads, num_kv_heads, head_dim)
+            except Exception as e:  # no C++ compiler, an Inductor error: all mean "use eager"
+                result["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+        start = time.perf_counter()
+        thread = threading.Thread(target=run, name="minfer-compile", daemon=True)
+        thread.start()
+        thread.join(budget_s)
+        if thread.is_alive():
+            return f"compiling took longer than its {budget_s:.0f} s budget"
+        self.warm_up_seconds = time.perf_counter() - start
+        return result["error"]
+
+    @torch.inference_mode()  # as the engine runs it: Dynamo guards on it
+    def _check(self, num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+        eager = CPUTiledBackend(self.device, self.dtype)
+        gen = torch.Generator().manual_seed(0)
+        block_size, num_blocks = 16, 12
+        # Two layers' caches, so the kernel sees a layer view that does not start at offset 0.
+        cache = torch.randn(2, (num_blocks + 1) * block_size, 2, num_kv_heads, head_dim, generator=gen)
+        cache = cache.to(self.dtype)
+        cache[:, num_blocks * block_size :] = 0  # the null block
+        tolerance = 1e-5 if self.dtype == torch.float32 else 2e-2
+        for lens in ([1], [37], [1, 5, 37], [16, 16]):  # one sequence and several; 1 and longer contexts
+            tables = torch.randperm(num_blocks, generator=gen)[: 3 * len(lens)].view(len(lens), 3).tolist()
+            layout = StepLayout(
+                slot_mapping=torch.zeros(len(lens), dtype=torch.long),
+                query_starts=list(range(len(lens))),
+                query_lens=[1] * len(lens),
+                context_lens=lens,
+                block_tables=tables,
+                block_size=block_size,
+                null_block=num_blocks,
+            )
+            q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(self.dtype)
+            seqs = list(range(len(lens)))
+            got = self.decode_attention(q, cache[1], self.decode_group(layout, seqs), head_dim**-0.5)
+            want = eager.decode_attention(q, cache[1], eager.decode_group(layout, seqs), head_dim**-0.5)
+            error = (got.float() - want.float()).abs().max().item()
+            if not error <= tolerance:
+                return f"its results differ from the eager backend's by {error:.2g} (contexts {lens})"
+        return None

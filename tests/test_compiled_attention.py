@@ -1,0 +1,111 @@
+"""The compiled attention backend (attention/compiled.py): the same results as eager attention,
+no recompiles while serving, and a clean fall back to eager when it cannot run."""
+
+import logging
+
+import pytest
+import torch
+import torch._dynamo
+
+from minfer import LLM, SamplingParams
+from minfer.attention.compiled import CompiledBackend, paged_decode_attention
+from minfer.attention.cpu_tiled import CPUTiledBackend
+from minfer.attention.paged import StepLayout
+from minfer.engine import prepare
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def random_case(S, H, Hkv, D, dtype, seed=0, block_size=16, num_blocks=64):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 3 * block_size, (S,), generator=g).tolist()
+    cache = torch.randn((num_blocks + 1) * block_size, 2, Hkv, D, generator=g).to(dtype)
+    cache[num_blocks * block_size :] = 0
+    tables = torch.randperm(num_blocks, generator=g)[: 3 * S].view(S, 3).tolist()
+    layout = StepLayout(torch.zeros(S, dtype=torch.long), list(range(S)), [1] * S, lens, tables, block_size, num_blocks)
+    q = torch.randn(S, H, D, generator=g).to(dtype)
+    return q, cache, layout
+
+
+@pytest.mark.parametrize("H, Hkv", [(4, 4), (8, 2), (3, 3)])  # GPT-2-like, grouped-query, odd heads
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
+def test_kernel_matches_eager(H, Hkv, dtype, tolerance):
+    compiled, eager = CompiledBackend("cpu", dtype), CPUTiledBackend("cpu", dtype)
+    for S in (1, 2, 7):
+        q, cache, layout = random_case(S, H, Hkv, 16, dtype, seed=S)
+        seqs = list(range(S))
+        with torch.inference_mode():
+            got = compiled.decode_attention(q, cache, compiled.decode_group(layout, seqs), 0.25)
+            want = eager.decode_attention(q, cache, eager.decode_group(layout, seqs), 0.25)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_the_plain_function_is_attention():
+    """Uncompiled, the lesson's function is softmax(q k^T) v over each sequence's own context."""
+    q, cache, layout = random_case(3, 4, 2, 8, torch.float32)
+    group = CompiledBackend("cpu", torch.float32).decode_group(layout, [0, 1, 2])
+    out = paged_decode_attention(q, cache, group.slots, group.lens, 0.5)
+    for i, L in enumerate(layout.context_lens):
+        kv = cache[group.slots[i, :L]]  # (L, 2, Hkv, D)
+        k, v = kv[:, 0].repeat_interleave(2, dim=1), kv[:, 1].repeat_interleave(2, dim=1)  # (L, H, D)
+        weights = torch.softmax((q[i][None] * k).sum(-1) * 0.5, dim=0)  # (L, H)
+        torch.testing.assert_close(out[i], (weights[..., None] * v).sum(0))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-tiny"])
+def test_engine_greedy_output_equals_eager(make_checkpoint, preset):
+    """Batching, chunked prefill, prefix hits and preemption, compiled and eager: the same tokens."""
+    path = make_checkpoint(preset)
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, 300, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 300, (int(n),), generator=g).tolist() for n in torch.randint(1, 90, (20,))]
+    settings = dict(num_kv_blocks=40, max_num_seqs=16, max_num_batched_tokens=64)
+    compiled = LLM(path, attention_backend="compiled", **settings)
+    assert compiled.scheduler.engine_config.attention_backend == "compiled"
+    got = compiled.generate(prompts, GREEDY, use_tqdm=False)
+    stats = compiled.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    want = LLM(path, attention_backend="eager", **settings).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_no_recompile_after_warm_up(tiny_checkpoint, monkeypatch):
+    """dynamic=True: batch sizes and context lengths, one sequence included, never recompile."""
+    llm = LLM(tiny_checkpoint, attention_backend="compiled", num_kv_blocks=64, max_num_seqs=8)
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    for n, length in [(1, 3), (5, 40), (1, 100), (8, 7), (3, 150)]:
+        prompts = [[(7 * i + j) % 500 for j in range(length + i)] for i in range(n)]
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+
+
+def test_falls_back_to_eager_when_compiling_fails(tiny_checkpoint, monkeypatch, caplog):
+    def broken(self, *shapes):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(CompiledBackend, "_check", broken)
+    with caplog.at_level(logging.WARNING, logger="minfer"):
+        llm = LLM(tiny_checkpoint, attention_backend="compiled", num_kv_blocks=32)
+    assert llm.scheduler.engine_config.attention_backend == "eager"
+    assert "compiled attention is off" in caplog.text and "no C++ compiler found" in caplog.text
+    assert llm.generate(["hi"], GREEDY, use_tqdm=False)[0].token_ids
+
+
+def test_falls_back_when_results_differ(monkeypatch, caplog):
+    monkeypatch.setattr(CompiledBackend, "decode_attention", lambda self, q, *rest: q * 2)
+    backend = CompiledBackend("cpu", torch.float32)
+    assert "differ from the eager backend" in backend.warm_up(4, 4, 16)
+
+
+def test_enforce_eager_and_the_eager_choice_never_compile(tiny_checkpoint, monkeypatch):
+    monkeypatch.setattr(CompiledBackend, "warm_up", lambda *a: pytest.fail("compiled under enforce_eager"))
+    assert LLM(tiny_checkpoint, enforce_eager=True, num_kv_blocks=32).scheduler.engine_config.attention_backend == "eager"
+    llm = LLM(tiny_checkpoint, attention_backend="eager", num_kv_blocks=32)
+    assert type(llm.scheduler.runner.attention_backend) is CPUTiledBackend
+
+
+def test_prepare_model_keeps_eager_off_cpu_choices():
+    assert prepare.choose_attention_backend("cpu", torch.float32, "auto").name == "compiled"
+    assert prepare.choose_attention_backend("cpu", torch.float32, "eager").name == "cpu_tiled"
+    with pytest.raises(ValueError, match="runs on cpu only"):
+        prepare.choose_attention_backend("meta", torch.float32, "compiled")
