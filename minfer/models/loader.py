@@ -151,8 +151,8 @@ def load_model_weights(
 
 
 def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
-    """{alias: owner} for every parameter that two modules share, named by where it was registered last
-    and first (GPT-2's lm_head.weight is its wte.weight)."""
+    """{alias: owner} for every parameter that two modules share; the owner is the name it was registered
+    under first (GPT-2: {"lm_head.weight": "wte.weight"}, the LM head tied to the embedding)."""
     owners: dict[int, str] = {}
     tied = {}
     for name, param in model.named_parameters(remove_duplicate=False):
