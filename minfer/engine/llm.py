@@ -36,6 +36,13 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device = torch.device(
     return DTYPES[dtype]
 
 
+def check_device(device: torch.device) -> None:
+    """A clear error, before any loading, for a device this torch build cannot use."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = "is a CPU-only build" if torch.version.cuda is None else "sees no CUDA GPU"
+        raise ValueError(f"--device {device}: this torch ({torch.__version__}) {build}; use --device cpu")
+
+
 def set_cpu_threads(num_threads: int | None = None) -> int:
     """Give torch every core this process may use (or num_threads): decode is memory-bound and
     prefill compute-bound, both want them all. Call it before loading a model: the fp32 LM head
@@ -56,6 +63,7 @@ class LLM:
             settings["model"] = model
         config = replace(config or EngineConfig(), **settings)
         device = torch.device(config.device)
+        check_device(device)
         if device.type == "cpu":
             set_cpu_threads(config.num_threads)
         self.model = load_model(config.model, device=device, dtype=resolve_dtype(config.dtype, device))

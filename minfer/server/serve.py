@@ -30,6 +30,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -38,11 +39,12 @@ from dataclasses import asdict, replace
 import torch
 
 from ..engine.config import EngineConfig
-from ..engine.llm import resolve_dtype, set_cpu_threads
+from ..engine.llm import check_device, resolve_dtype, set_cpu_threads
 from ..engine.scheduler import OnlineScheduler
 from ..models.registry import load_model
 from ..text.chat_template import ChatTemplate
 from ..text.tokenizer import Tokenizer
+from .banner import banner_lines
 from .connections import CappedHTTPServer, ConnectionLimits, add_arguments, limits_from_args
 from .endpoints import APIHandler
 from .manager import SchedulerManager
@@ -136,6 +138,8 @@ def create_server(
     else:
         config = EngineConfig(config, **settings)
     device = torch.device(config.device)
+    check_device(device)  # before loading anything: a bad start fails in one line, at once
+    check_port_free(host, port)
     if device.type == "cpu":
         set_cpu_threads(config.num_threads)  # as LLM does, before the model loads
 
@@ -151,7 +155,22 @@ def create_server(
     engine = {k: v for k, v in asdict(scheduler.engine_config).items() if k != "model"}  # no local paths
     server = MinferServer((host, port), manager, info, api_key, limits, engine)  # binds now: a taken port fails
     manager.start()
+    bound = "http://{}:{}".format(*server.server_address[:2])
+    for line in banner_lines(scheduler, config.dtype, bound, api_key is not None):
+        log.info("minfer: %s", line)
     return server
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process holds before spending a minute loading the model."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is fine
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another server on port {port}?)") from None
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") -> int:
@@ -167,8 +186,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") ->
     )
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     add_arguments(parser)  # timeouts and the connection cap
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log verbosity"
+    )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s", stream=sys.stderr)
 
     try:
         server = create_server(

@@ -1,0 +1,49 @@
+"""The server's start-up banner: what was loaded and every choice the engine made, in a few log lines.
+
+An operator should not have to guess which dtype `--dtype auto` chose, how many KV blocks the
+memory bought, or whether attention is compiled; vLLM and llama-server print the same facts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.kv_cache import KVCache
+from ..engine.cpu_packing import cpu_has_native_bf16
+from ..engine.scheduler import OnlineScheduler
+
+
+def dtype_reason(asked: str, dtype: torch.dtype, device: torch.device) -> str:
+    """Why the model runs in `dtype`: what was asked, and what auto saw."""
+    name = str(dtype).removeprefix("torch.")
+    if asked != "auto":
+        return f"{name} (as asked)"
+    if device.type == "cuda":
+        return f"{name} (auto: this GPU's fastest half-precision type)"
+    if dtype == torch.bfloat16:
+        return f"{name} (auto: this CPU computes bf16 natively: AVX512-BF16 or AMX)"
+    why = "no native bf16 on this CPU" if not cpu_has_native_bf16() else "fp32 chosen"
+    return f"{name} (auto: {why}, where torch would emulate bf16 matmuls, slower than fp32)"
+
+
+def banner_lines(scheduler: OnlineScheduler, asked_dtype: str, address: str, api_key: bool) -> list[str]:
+    model, ran = scheduler.model, scheduler.engine_config
+    params = sum(p.numel() for p in model.parameters())
+    arch = type(model).__name__
+    threads = f", {torch.get_num_threads()} threads" if model.device.type == "cpu" else ""
+    attention = ran.attention_backend
+    warm = getattr(scheduler.runner.attention_backend, "warm_up_seconds", None)
+    if warm is not None:
+        attention += f" (warm-up compile {warm:.1f} s)"
+    blocks, block_size = ran.num_kv_blocks, ran.block_size
+    kv_bytes = blocks * KVCache.bytes_per_block(model.config, block_size, model.dtype)
+    return [
+        f"model: {model.model_dir} ({arch}, {params / 1e6:.1f}M parameters)",
+        f"dtype: {dtype_reason(asked_dtype, model.dtype, model.device)}",
+        f"device: {model.device}{threads}; attention: {attention}",
+        f"KV cache: {blocks:,} blocks x {block_size} tokens = {blocks * block_size:,} tokens, "
+        f"{kv_bytes / 2**20:,.0f} MiB; prefix caching {'on' if ran.enable_prefix_caching else 'off'}",
+        f"max model len {ran.max_model_len:,}; max num seqs {ran.max_num_seqs}; "
+        f"max num batched tokens {ran.max_num_batched_tokens}",
+        f"listening on {address}; API key {'required' if api_key else 'off'}",
+    ]

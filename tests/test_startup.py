@@ -1,0 +1,95 @@
+"""What an operator sees when the server starts: a banner with every choice the engine made, and
+one clean line, before the model loads, for every bad start."""
+
+import logging
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minfer import EngineConfig
+from minfer.server.serve import create_server
+
+
+def serve(*argv, timeout=60):
+    return subprocess.run(
+        [sys.executable, "-m", "minfer.serve", *argv], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_banner_names_every_choice(tiny_checkpoint, caplog):
+    with caplog.at_level(logging.INFO, logger="minfer.serve"):
+        srv = create_server(EngineConfig(str(tiny_checkpoint), dtype="auto", num_kv_blocks=100), port=0, api_key="k")
+    srv.stop(grace=0.5)
+    text = caplog.text
+    port = srv.server_address[1]
+    for expected in [
+        f"model: {tiny_checkpoint} (GPT2, ",
+        "M parameters)",
+        "dtype: ",
+        "(auto: ",
+        "device: cpu, ",
+        " threads; attention: ",
+        "KV cache: 100 blocks x 16 tokens = 1,600 tokens, ",
+        "MiB; prefix caching on",
+        "max model len 512; max num seqs 64; max num batched tokens 512",
+        f"listening on http://127.0.0.1:{port}; API key required",
+    ]:
+        assert expected in text, (expected, text)
+
+
+def test_log_level_warning_hides_the_banner_but_not_the_serving_line(tiny_checkpoint):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minfer.serve", "--model", str(tiny_checkpoint), "--port", "0", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("minfer: serving ") and "on http://127.0.0.1:" in line
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "KV cache:" not in err
+
+
+def test_cuda_on_a_cpu_build_is_one_line(tiny_checkpoint):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    done = serve("--model", str(tiny_checkpoint), "--device", "cuda", "--port", "0")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"error: --device cuda: this torch ({torch.__version__}) is a CPU-only build; use --device cpu"
+    ] or "sees no CUDA GPU" in done.stderr
+
+
+def test_port_in_use_is_named_before_the_model_loads(tiny_checkpoint):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.perf_counter()
+        done = serve("--model", "/nonexistent/not-even-checked", "--port", str(port))
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and f"port {port}" in done.stderr
+    assert time.perf_counter() - start < 30
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "/nonexistent/ckpt"], "is not a directory"),
+        (["--model", "/tmp"], "no config.json"),
+        (["--block-size", "0"], "--block-size must be a positive integer"),
+        (["--attention-backend", "fast"], "--attention-backend must be one of auto, compiled, eager"),
+    ],
+)
+def test_bad_starts_are_one_line(tiny_checkpoint, argv, message):
+    argv = argv if argv[0] == "--model" else ["--model", str(tiny_checkpoint), *argv]
+    done = serve(*argv, "--port", "0")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
