@@ -515,3 +515,16 @@ def test_dead_worker_fails_requests_and_health_says_503(small_server):
     assert status == 503 and body["error"]["type"] == "server_error"
     assert call(port, "GET", "/health", headers={})[0] == 503
     assert call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 3})[0] == 503
+
+
+def test_models_retrieve_and_version(server, client):
+    """client.models.retrieve() reads GET /v1/models/{id}; GET /version names minfer's version."""
+    from minfer import __version__
+
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model" and model.owned_by == "minfer"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    status, _, version = call(server.port, "GET", "/version", headers={})
+    assert status == 200 and version == {"version": __version__}

@@ -93,3 +93,42 @@ def test_bad_starts_are_one_line(tiny_checkpoint, argv, message):
     done = serve(*argv, "--port", "0")
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    "env, flag, expected",
+    [({"OMP_NUM_THREADS": "1"}, None, 1), ({"MINFER_NUM_THREADS": "1", "OMP_NUM_THREADS": "2"}, None, 1),
+     ({"OMP_NUM_THREADS": "2"}, 1, 1)],  # fmt: skip
+)
+def test_thread_count_from_flag_then_environment(monkeypatch, env, flag, expected):
+    import torch
+
+    from minfer.engine.llm import set_cpu_threads
+
+    before = torch.get_num_threads()
+    for name in ("MINFER_NUM_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        assert set_cpu_threads(flag) == expected == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_bad_thread_variable_is_refused(monkeypatch):
+    from minfer.engine.llm import set_cpu_threads
+
+    monkeypatch.setenv("MINFER_NUM_THREADS", "lots")
+    with pytest.raises(ValueError, match="MINFER_NUM_THREADS must be a positive integer, got 'lots'"):
+        set_cpu_threads()
+
+
+def test_one_prompt_draws_no_progress_bar(tiny_checkpoint, capsys):
+    from minfer import LLM, SamplingParams
+
+    llm = LLM(tiny_checkpoint, num_kv_blocks=16)
+    llm.generate(["hi"], SamplingParams(max_tokens=3))
+    assert "generate" not in capsys.readouterr().err
+    llm.generate(["hi", "there"], SamplingParams(max_tokens=3))
+    assert "generate" in capsys.readouterr().err  # two prompts: the bar counts requests

@@ -44,9 +44,19 @@ def check_device(device: torch.device) -> None:
 
 
 def set_cpu_threads(num_threads: int | None = None) -> int:
-    """Give torch every core this process may use (or num_threads): decode is memory-bound and
-    prefill compute-bound, both want them all. Call it before loading a model: the fp32 LM head
-    is sliced once per thread at load time. Returns the thread count."""
+    """Give torch every core this process may use, unless told otherwise: by num_threads (the
+    --num-threads flag), else MINFER_NUM_THREADS, else OMP_NUM_THREADS (torch already obeys it at
+    import; minfer used to override it). Decode is memory-bound and prefill compute-bound, both want
+    every core. Call it before loading a model: the fp32 LM head is sliced once per thread at load
+    time. Returns the thread count."""
+    if num_threads is None:
+        for name in ("MINFER_NUM_THREADS", "OMP_NUM_THREADS"):
+            value = os.environ.get(name, "").strip()
+            if value:
+                if not value.isdigit() or int(value) < 1:
+                    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                num_threads = int(value)
+                break
     if num_threads is None:
         affinity = getattr(os, "sched_getaffinity", None)  # Linux only; elsewhere count all cores
         num_threads = len(affinity(0)) if affinity else (os.cpu_count() or 1)
@@ -91,7 +101,8 @@ class LLM:
                     ids.append(self.scheduler.add_request(prompt, sampling_params=params))
                 else:
                     ids.append(self.scheduler.add_request(prompt_token_ids=prompt, sampling_params=params))
-            with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            show_bar = use_tqdm and len(ids) > 1  # one prompt: nothing to count
+            with tqdm(total=len(ids), desc="generate", unit="req", disable=not show_bar) as bar:
                 for _ in self.scheduler.steps():
                     bar.update(len(self.scheduler.pop_finished_ids()))
             return [self.scheduler.pop_response(i) for i in ids]

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Protocol
+from urllib.parse import unquote, urlsplit
 
 from ..engine.sequence import RequestOutput
 from ..errors import APIError, InvalidParameter
+from ..version import __version__
 from . import live_view
 from .connections import ConnectionStats
 from .http_handler import ClientGone, RoutingHandler
@@ -55,6 +57,8 @@ class APIHandler(RoutingHandler):
         "/health": ("GET", "health", False),
         "/metrics": ("GET", "metrics", False),
         "/v1/models": ("GET", "models", True),
+        "/v1/models/{id}": ("GET", "model", True),
+        "/version": ("GET", "version", False),
         "/v1/completions": ("POST", "completions", True),
         "/v1/chat/completions": ("POST", "chat_completions", True),
         "/generate": ("POST", "generate", True),
@@ -114,16 +118,30 @@ class APIHandler(RoutingHandler):
     def handle_health(self) -> None:
         self.send_json(*self.server.health())
 
-    def handle_models(self) -> None:
+    def route_of(self, path: str) -> str:
+        return "/v1/models/{id}" if path.startswith("/v1/models/") else path
+
+    def model_card(self) -> dict:
         info = self.server.info
-        model = {
+        return {
             "id": info.name,
             "object": "model",
             "created": self.server.started,
             "owned_by": "minfer",
             "max_model_len": info.max_model_len,
         }
-        self.send_json(200, {"object": "list", "data": [model]})
+
+    def handle_models(self) -> None:
+        self.send_json(200, {"object": "list", "data": [self.model_card()]})
+
+    def handle_model(self) -> None:  # GET /v1/models/{id}: what client.models.retrieve(id) reads
+        wanted = unquote(urlsplit(self.path).path.removeprefix("/v1/models/"))
+        if wanted != self.server.info.name:
+            raise APIError(404, f"the model {wanted!r} does not exist", param="model", code="model_not_found")
+        self.send_json(200, self.model_card())
+
+    def handle_version(self) -> None:
+        self.send_json(200, {"version": __version__})
 
     def handle_metrics(self) -> None:
         text = self.server.manager.metrics.render(self.server.manager.stats()) + self.server.stats.render()
