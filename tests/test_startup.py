@@ -5,6 +5,7 @@ import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -22,6 +23,7 @@ def serve(*argv, timeout=60):
 def test_banner_names_every_choice(tiny_checkpoint, caplog):
     with caplog.at_level(logging.INFO, logger="minfer.serve"):
         srv = create_server(EngineConfig(str(tiny_checkpoint), dtype="auto", num_kv_blocks=100), port=0, api_key="k")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()  # stop() waits for the serving loop
     srv.stop(grace=0.5)
     text = caplog.text
     port = srv.server_address[1]
