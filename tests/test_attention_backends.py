@@ -17,10 +17,10 @@ from minfer.models.gpt2 import GPT2
 
 
 def test_the_backend_follows_the_device_and_the_config():
-    assert type(choose_attention_backend("cpu", torch.float32)) is CPUTiledBackend
+    assert type(choose_attention_backend("cpu", torch.float32, "eager")) is CPUTiledBackend
     assert type(choose_attention_backend("cpu", torch.float32, "torch")) is TorchBackend
     assert type(choose_attention_backend("cuda", torch.bfloat16)) is TorchBackend  # built, not run: no GPU needed
-    with pytest.raises(ValueError, match="attention_backend must be 'auto' or one of cpu_tiled, torch"):
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, compiled, eager"):
         choose_attention_backend("cpu", torch.float32, "flash")
     with pytest.raises(ValueError, match="runs on cpu only"):
         choose_attention_backend("cuda", torch.float32, "cpu_tiled")
@@ -49,7 +49,7 @@ def test_cpu_and_plain_backends_compute_the_same_step(dtype, heads, kv_heads):
     context = torch.randn((num_blocks + 1) * block_size, 2, kv_heads, D).to(dtype)  # (num_slots, 2, Hkv, D)
     context[num_blocks * block_size :] = 0  # the null block
     outs = []
-    for backend in (choose_attention_backend("cpu", dtype), TorchBackend("cpu", dtype)):
+    for backend in (choose_attention_backend("cpu", dtype, "eager"), TorchBackend("cpu", dtype)):
         cache = context.clone()
         meta = backend.build_metadata(layout)
         assert meta.backend is backend and len(meta.decode_groups) == 2 and len(meta.prefills) == 2
@@ -61,7 +61,7 @@ def test_cpu_and_plain_backends_compute_the_same_step(dtype, heads, kv_heads):
 
 def test_prepare_model_is_idempotent_and_picks_the_configured_backend(tiny_checkpoint):
     model = GPT2.from_pretrained(tiny_checkpoint)
-    prepared, backend = prepare_model(model)
+    prepared, backend = prepare_model(model, types.SimpleNamespace(attention_backend="eager"))
     assert prepared is model and type(backend) is CPUTiledBackend
     if packing_available(torch.float32):
         assert not any(type(m) is nn.Linear for m in model.modules())  # every linear packed
