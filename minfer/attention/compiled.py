@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -56,11 +55,6 @@ def paged_decode_attention(
     return out.reshape(S, H, D).to(q.dtype)
 
 
-@dataclass
-class LengthsDecodeGroup(DecodeGroup):
-    lens: torch.Tensor | None = None  # (S,) context lengths: the compiled kernel masks by them
-
-
 class CompiledBackend(CPUTiledBackend):
     """The CPU backend whose decode attention is paged_decode_attention, compiled."""
 
@@ -70,12 +64,7 @@ class CompiledBackend(CPUTiledBackend):
         super().__init__(device, dtype)
         self.decode_kernel = torch.compile(paged_decode_attention, dynamic=True)
 
-    def decode_group(self, layout: StepLayout, seqs: list[int]) -> LengthsDecodeGroup:
-        group = super().decode_group(layout, seqs)
-        lens = torch.tensor([layout.context_lens[i] for i in seqs]).to(self.device, non_blocking=True)  # (S,)
-        return LengthsDecodeGroup(group.rows, group.slots, group.mask, lens)
-
-    def decode_attention(self, q, kv_cache, group: LengthsDecodeGroup, scale: float) -> torch.Tensor:
+    def decode_attention(self, q, kv_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
         with part("attention"):  # the context read is fused into it: no "context read" part here
             return self.decode_kernel(q, kv_cache, group.slots, group.lens, scale)
 

@@ -41,6 +41,7 @@ class DecodeGroup:
     rows: torch.Tensor  # (S,) rows of these single-token sequences in the flattened batch
     slots: torch.Tensor  # (S, L) cache slots of each sequence's context, padded to the longest
     mask: torch.Tensor | None  # (S, 1, 1, L) bool, False on padding; None when nothing is padded
+    lens: torch.Tensor | None = None  # (S,) context lengths (what the compiled backend masks by)
 
 
 @dataclass
@@ -99,12 +100,12 @@ class TorchBackend:
         pos = torch.arange(max_len, device=self.device)  # (L,)
         slots = slot_of(tables_t, pos, block_size)  # (S, L)
         if min(lens) == max_len:  # nothing padded: no mask at all (sdpa is faster without one)
-            return DecodeGroup(rows=ints[0], slots=slots, mask=None)
+            return DecodeGroup(rows=ints[0], slots=slots, mask=None, lens=ints[1])
         valid = pos[None, :] < ints[1][:, None]  # (S, L)
         # Padding must read the zeroed null block, even inside a sequence's own last block:
         # its unwritten slots may hold NaN, and a masked NaN still poisons the sum (0 * NaN).
         slots = torch.where(valid, slots, null * block_size)
-        return DecodeGroup(rows=ints[0], slots=slots, mask=valid[:, None, None, :])  # mask (S, 1, 1, L)
+        return DecodeGroup(ints[0], slots, mask=valid[:, None, None, :], lens=ints[1])  # mask (S, 1, 1, L)
 
     # ---- once per layer: write this step's keys and values, then attend -----------------------
 

@@ -9,21 +9,20 @@ from __future__ import annotations
 import torch
 
 from ..attention.kv_cache import KVCache
-from ..engine.cpu_packing import cpu_has_native_bf16
+from ..engine.config import dtype_name
 from ..engine.scheduler import OnlineScheduler
 
 
 def dtype_reason(asked: str, dtype: torch.dtype, device: torch.device) -> str:
     """Why the model runs in `dtype`: what was asked, and what auto saw."""
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     if asked != "auto":
         return f"{name} (as asked)"
     if device.type == "cuda":
         return f"{name} (auto: this GPU's fastest half-precision type)"
     if dtype == torch.bfloat16:
         return f"{name} (auto: this CPU computes bf16 natively: AVX512-BF16 or AMX)"
-    why = "no native bf16 on this CPU" if not cpu_has_native_bf16() else "fp32 chosen"
-    return f"{name} (auto: {why}, where torch would emulate bf16 matmuls, slower than fp32)"
+    return f"{name} (auto: no native bf16 on this CPU, where torch would emulate bf16 matmuls, slower than fp32)"
 
 
 def banner_lines(scheduler: OnlineScheduler, asked_dtype: str, address: str, api_key: bool) -> list[str]:
