@@ -39,12 +39,13 @@ def greedy(model: GPT2, tokenizer: Tokenizer, prompt: str, max_tokens: int = 120
     return tokenizer.decode(ids)
 
 
-def card_text(r: dict, command: str, samples: list[str], weights_bytes: int) -> str:
+def card_text(r: dict, name: str, command: str, check: str, samples: list[str], weights_bytes: int) -> str:
     o = r["options"]
     curve = "\n".join(f"| {step} | {train:.4f} | {held:.4f} |" for step, train, held in r["curve"])
-    first = ", ".join(f"{loss:.6f}" for loss in r["losses"][:5])
+    first = sum(r["losses"][:5]) / 5
     sample_lines = "\n".join(f"> {s}\n" for s in samples)
-    return f"""# minfer-tiny
+    threads = f"{o['threads']} thread" + ("s" if o["threads"] != 1 else "")
+    return f"""# {name}
 
 A {r['parameters'] / 1e6:.2f}M-parameter GPT-2 trained from scratch on a CPU by minfer's own script, on simple
 stories from a grammar minfer ships. Output a person can read, offline, in a few megabytes: for the README's
@@ -110,12 +111,13 @@ Greedy continuations (temperature 0):
 ```
 
 Training took {r['train_seconds'] / 60:.1f} minutes ({r['total_seconds'] / 60:.1f} with data and evaluation) on
-{o['threads']} threads of an {r['cpu']} ({os.cpu_count()} cores seen), torch {torch.__version__}.
+{threads} of an {r['cpu']} ({os.cpu_count()} cores seen), torch {torch.__version__}.
 Every random choice comes from `--seed`, so the same command with the same `--threads` on the same
-machine writes bit-identical weights (tests/test_trained_tiny.py checks that on a shortened run). The
-first steps' losses were {first}: the same command with `--steps 5` reproduces them (the warm-up
-does not depend on `--steps`). Another CPU or thread count rounds matmuls differently, and the
-weights drift apart; the loss should land close, but that has not been measured.
+machine writes bit-identical weights (tests/test_trained_tiny.py checks that on a shortened run).
+A quick check that a machine follows the same path: `{check}`
+prints `step 5/5: train loss {first:.4f}`, the mean of this run's first five steps (the warm-up does
+not depend on `--steps`). Another CPU or thread count rounds matmuls differently and the weights
+drift apart; the losses should land close, but by how much has not been measured.
 """
 
 
@@ -125,6 +127,9 @@ def write_card(out: Path, results: dict, prog: str, argv: list[str]) -> None:
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     samples = [greedy(model, tokenizer, p) for p in SAMPLE_PROMPTS]
     command = " ".join([prog, *map(shlex.quote, argv)])
+    # The same options for 5 steps, written elsewhere (argparse keeps the last --steps given).
+    check_argv = ["/tmp/minfer-tiny-check" if Path(a) == out else a for a in argv] + ["--steps", "5", "--no-card"]
+    check = " ".join([prog, *map(shlex.quote, check_argv)])
     results = {**results, "cpu": cpu_name(), "vocab_size": model.config.vocab_size}
-    text = card_text(results, command, samples, (out / "model.safetensors").stat().st_size)
+    text = card_text(results, out.name, command, check, samples, (out / "model.safetensors").stat().st_size)
     (out / "README.md").write_text(text, encoding="utf-8")

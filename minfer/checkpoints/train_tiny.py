@@ -45,10 +45,10 @@ class TrainOptions:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
-    n_positions: int = 256  # context; also the training sequence length
+    n_positions: int = 512  # context, and the training windows' length: the soak's long streams need 512
     vocab_size: int = 800
     steps: int = 3000
-    batch_size: int = 16  # sequences of n_positions tokens per step
+    batch_size: int = 8  # windows of n_positions tokens per step
     lr: float = 3e-3
     warmup_steps: int = 100
     weight_decay: float = 0.1
