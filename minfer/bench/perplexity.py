@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..engine.llm import DTYPES, resolve_dtype, set_cpu_threads
+from ..engine.config import DTYPES
+from ..engine.llm import resolve_dtype, set_cpu_threads
 from ..models.perplexity import Perplexity, perplexity
 from ..models.registry import load_model
 from ..text.tokenizer import Tokenizer
