@@ -5,6 +5,8 @@
     minfer random-model /tmp/tiny             (= python -m minfer.random_model ...)
     minfer stress --duration 60               (= python -m minfer.stress ...)
     minfer bench --num-requests 64            (= python bench.py ...)
+    minfer eval-ppl --model minfer-tiny FILE  (perplexity of a checkpoint on a text file)
+    minfer train-tiny OUT_DIR                 (= python scripts/train_tiny.py ...: train minfer-tiny)
 
 Each subcommand takes the same flags as the module it names; `minfer SUBCOMMAND --help` lists them.
 Subcommands import their module only when chosen, so `minfer --help` is instant.
@@ -22,6 +24,8 @@ SUBCOMMANDS = {
     "random-model": ("minfer.checkpoints.__main__", "write a checkpoint with random weights (offline)"),
     "stress": ("minfer.stress.__main__", "soak a server with misbehaving and well-behaved clients"),
     "bench": ("minfer.bench.cli", "benchmark TTFT, TPOT, ITL and throughput, offline or online"),
+    "eval-ppl": ("minfer.bench.perplexity", "perplexity of a checkpoint on a text file (quality yardstick)"),
+    "train-tiny": ("minfer.checkpoints.train_tiny", "train a small GPT-2 on simple stories, on a CPU (minfer-tiny)"),
 }
 
 

@@ -3,9 +3,9 @@ headless Chromium, with a small KV cache (64 blocks) and a real-sized one (8,000
 
     python scripts/screenshot.py [--model DIR] [--num-kv-blocks N --out PATH]
 
-Without --model it writes a tiny random checkpoint to a temporary directory. Clients
+Without --model it serves minfer-tiny, the small trained model minfer ships. Clients
 stream requests that share a 64-token prefix (prefix-cache hits); in the small cache not all
-of them fit (preemptions). The page is captured mid-run. With --num-kv-blocks it makes one
+of them fit (preemptions). The playground streams a story. The page is captured mid-run. With --num-kv-blocks it makes one
 picture, of that cache, at --out.
 Needs Chromium, chromium-driver and Selenium (pip install -e '.[test]').
 """
@@ -17,7 +17,6 @@ import http.client
 import json
 import random
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,7 +27,6 @@ sys.path.insert(0, str(ROOT / "tests"))  # the headless-browser helper the tests
 from browser import Browser, missing  # noqa: E402
 
 from minfer import EngineConfig  # noqa: E402
-from minfer.checkpoints import write_random_checkpoint  # noqa: E402
 from minfer.server.serve import create_server  # noqa: E402
 
 
@@ -63,6 +61,10 @@ def capture(model: str, num_kv_blocks: int, out: str, seconds: float) -> None:
         browser.wait_until(f"return blockMap.states.length === {num_kv_blocks}")
         for seed in range(16):
             threading.Thread(target=client, args=(port, seed, stop), daemon=True).start()
+        browser.js(  # the playground's own request: a story, streamed into the page as it is written
+            "document.getElementById('play-prompt').value = 'Once upon a time';"
+            "document.getElementById('play-max').value = '120'; document.getElementById('play-send').click()"
+        )
         time.sleep(seconds)
         browser.driver.save_screenshot(out)
         d = browser.js("return blockMap.drawn")
@@ -79,7 +81,7 @@ def capture(model: str, num_kv_blocks: int, out: str, seconds: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint directory (default: a tiny random one)")
+    parser.add_argument("--model", default="minfer-tiny", help="checkpoint directory or built-in name")
     parser.add_argument("--num-kv-blocks", type=int, help="one picture, of this many KV blocks (default: 64 and 8000)")
     parser.add_argument("--out", help="where that picture goes")
     parser.add_argument("--seconds", type=float, default=6.0, help="how long the load runs before the capture")
@@ -90,7 +92,7 @@ def main() -> int:
     if why:
         print(f"screenshot.py: {why}", file=sys.stderr)
         return 1
-    model = args.model or str(write_random_checkpoint(Path(tempfile.mkdtemp()) / "tiny", "tiny"))
+    model = args.model
     pictures = {args.num_kv_blocks: args.out} if args.out else PICTURES
     for num_kv_blocks, out in pictures.items():
         capture(model, num_kv_blocks, str(out), args.seconds)

@@ -102,10 +102,13 @@ def snippets(markdown: str) -> list[Snippet]:
 
 
 def hub_model(snippet: Snippet) -> str | None:
-    """The Hub id a snippet loads (`--model gpt2`, `LLM("gpt2")`), or None for a local path."""
+    """The Hub id a snippet loads (`--model gpt2`, `LLM("gpt2")`), or None for a local path or a model
+    shipped in the package (minfer-tiny)."""
+    from minfer.models.loader import BUILTIN_MODELS
+
     pattern = r"--model[ =](\S+)" if snippet.lang == "bash" else r"LLM\(\s*[\"']([^\"']+)[\"']"
     for name in re.findall(pattern, snippet.text):
-        if not name.startswith(("/", ".", "~", "$")):
+        if not name.startswith(("/", ".", "~", "$")) and name not in BUILTIN_MODELS:
             return name
     return None
 

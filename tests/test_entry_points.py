@@ -51,11 +51,11 @@ def minfer_command() -> list[str]:
 def test_minfer_help_lists_every_subcommand():
     done = run([*minfer_command(), "--help"])
     assert done.returncode == 0, done.stderr
-    for name in ("serve", "generate", "random-model", "stress", "bench"):
+    for name in ("serve", "generate", "random-model", "stress", "bench", "eval-ppl", "train-tiny"):
         assert f"  {name} " in done.stdout, done.stdout
 
 
-@pytest.mark.parametrize("name", ["serve", "generate", "random-model", "stress", "bench"])
+@pytest.mark.parametrize("name", ["serve", "generate", "random-model", "stress", "bench", "eval-ppl", "train-tiny"])
 def test_minfer_subcommand_help(name):
     done = run([*minfer_command(), name, "--help"])
     assert done.returncode == 0, done.stderr

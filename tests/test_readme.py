@@ -41,10 +41,11 @@ def test_the_server_stopped_cleanly(outcomes):
 
 
 def test_the_offline_path_is_run_not_skipped():
-    """random checkpoint -> generate -> serve -> curl and the openai client: all run, in that order."""
+    """minfer-tiny generates, a random checkpoint is written -> serve -> curl and the openai client: all run,
+    in that order."""
     order = [
         next((i for i, s in enumerate(RUNNABLE) if key in s.text), None)
-        for key in ("minfer.random_model", "minfer.generate", "minfer.serve", "curl", "OpenAI(")
+        for key in ("minfer.generate --model minfer-tiny", "minfer.random_model", "minfer.serve", "curl", "OpenAI(")
     ]
     assert None not in order, [s.label for s in RUNNABLE]
     assert order == sorted(order)

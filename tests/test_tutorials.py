@@ -1,5 +1,6 @@
 """Every tutorial script runs to the end (its own asserts pass) on two random GPT-2 shapes, one
-with a short context, every stage has its chapter and its script, and the index links them all."""
+with a short context, and on minfer-tiny; every stage has its chapter and its script, and the index
+links them all."""
 
 import os
 import re
@@ -30,10 +31,12 @@ STAGES = [
     "13_benchmarking",
     "14_modern_llm",
 ]
-# Every stage takes its sizes from the checkpoint's config: it must run on any GPT-2 shape.
+# Every stage takes its sizes from the checkpoint's config: it must run on any GPT-2 shape. And on
+# minfer-tiny, the shipped trained model: the tutorials' fallback when gpt2 is out of reach (None here).
 SHAPES = {
     "tiny": {},  # 2 layers, 4 heads, 64 channels, a 512-token context
     "short": dict(n_positions=128, n_head=3, n_embd=48, n_layer=3),  # the shortest context supported
+    "minfer-tiny": None,  # 4 layers, 4 heads, 128 channels, a 512-token context
 }
 TEST_NAME = "test_tutorial_script_runs"
 
@@ -48,7 +51,10 @@ def script_runs(request, make_checkpoint):
         for item in request.session.items
         if getattr(item, "originalname", None) == TEST_NAME
     ]
-    checkpoints = {shape: make_checkpoint("tiny", **SHAPES[shape]) for shape, _ in selected}
+    checkpoints = {
+        shape: "minfer-tiny" if SHAPES[shape] is None else make_checkpoint("tiny", **SHAPES[shape])
+        for shape, _ in selected
+    }
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -84,28 +90,28 @@ def test_tutorial_script_runs(script_runs, shape, script):
     assert result.stdout.strip(), f"{script.name} printed nothing"
 
 
-def test_model_path_order(monkeypatch, tmp_path, tiny_checkpoint, capsys):
-    """MINFER_MODEL first; with no gpt2 to be had, a tiny random checkpoint written once."""
+def test_model_path_order(monkeypatch, tiny_checkpoint, capsys):
+    """MINFER_MODEL first; then gpt2; with no gpt2 to be had, minfer-tiny, which ships with minfer."""
     monkeypatch.syspath_prepend(str(TUTORIALS))
     import _common
+
+    from minfer.models import loader
 
     monkeypatch.setenv("MINFER_MODEL", str(tiny_checkpoint))
     assert _common.model_path() == str(tiny_checkpoint)
 
+    resolve = loader.resolve_model_dir
+
     def no_hub(name):
+        if name in loader.BUILTIN_MODELS:
+            return resolve(name)
         raise ModelNotFoundError(f"could not get model {name!r} (test)")
 
     monkeypatch.delenv("MINFER_MODEL")
     monkeypatch.setattr("minfer.models.loader.resolve_model_dir", no_hub)
-    monkeypatch.setattr(_common, "TINY_DIR", tmp_path / "tiny")
-    first = _common.model_path()
-    assert first == str(tmp_path / "tiny") and (tmp_path / "tiny" / "config.json").is_file()
-    written = (tmp_path / "tiny" / "model.safetensors").stat().st_mtime_ns
-    assert _common.model_path() == first  # reused, not rewritten
-    assert (tmp_path / "tiny" / "model.safetensors").stat().st_mtime_ns == written
-    assert [p.name for p in tmp_path.iterdir()] == ["tiny"]  # no partial copy left behind
+    assert _common.model_path() == str(loader.BUILTIN_MODELS["minfer-tiny"])
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 3 and "MINFER_MODEL" in lines[0] and "tiny random checkpoint" in lines[1]
+    assert len(lines) == 2 and "MINFER_MODEL" in lines[0] and "minfer-tiny" in lines[1]
 
 
 @pytest.mark.parametrize("stage", STAGES)

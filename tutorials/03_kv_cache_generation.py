@@ -27,9 +27,9 @@ model = GPT2.from_pretrained(path)
 tokenizer = Tokenizer.from_dir(path)
 cfg = model.config
 
-prompt = tokenizer.encode(
-    "In the beginning the Universe was created. This has made a lot of people very angry "
-    "and been widely regarded as a bad move. Many races believe that it was created by"
+prompt = tokenizer.encode(  # a story's start: real GPT-2 and minfer-tiny (which knows only stories) both go on
+    "Once upon a time, there was a little girl named Lily. She liked to play outside every day. "
+    "One day, Lily went to the park with her mom. She saw a red ball under a tree."
 )
 NEW_TOKENS = 48
 prompt = prompt[: cfg.n_positions // 2]  # prompt and new tokens fit any context from 128 positions up

@@ -18,7 +18,7 @@ torch.manual_seed(0)  # the shared RNG, used by rows without a seed
 path = model_path()
 llm = LLM(path, num_kv_blocks=64, max_num_seqs=8)
 model, tokenizer = llm.model, llm.tokenizer
-prompt = tokenizer.encode("The best thing about living by the sea is")
+prompt = tokenizer.encode("Once upon a time, there was a little girl named")
 with torch.inference_mode():
     model_logits = model(torch.tensor([prompt]))[0, -1]  # (V,) next-token scores after the prompt
 V = model_logits.shape[0]

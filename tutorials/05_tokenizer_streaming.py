@@ -97,7 +97,7 @@ section("streaming what a model generates")
 # Generated tokens need not be valid UTF-8 (a random model's rarely are). The contract then:
 # the stream still ends up equal to decode(), which shows U+FFFD where decode() would.
 llm = LLM(path, num_kv_blocks=16, max_num_seqs=1)
-generated = llm.generate(["The weather today"], SamplingParams(max_tokens=40, seed=0, ignore_eos=True), use_tqdm=False)[
+generated = llm.generate(["Once upon a time"], SamplingParams(max_tokens=40, seed=0, ignore_eos=True), use_tqdm=False)[
     0
 ]
 detok = tok.detokenizer()

@@ -28,6 +28,8 @@ HUB_ALIASES = {
     "gpt2-xl": "openai-community/gpt2-xl",
     "distilgpt2": "distilbert/distilgpt2",
 }
+# Models shipped inside the package (models/builtin/), found by name before anything else, with no network.
+BUILTIN_MODELS = {"minfer-tiny": Path(__file__).parent / "builtin" / "minfer-tiny"}
 # Only these files are fetched from the Hub (a GPT-2 repo also holds TF, Flax, ONNX, ...).
 HUB_FILES = [
     "config.json",
@@ -46,7 +48,10 @@ class ModelNotFoundError(OSError):
 
 
 def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
-    """A local directory is used as is; anything else is a Hub repo id, fetched into the HF cache."""
+    """A built-in name (BUILTIN_MODELS) is the shipped directory; a local directory is used as is;
+    anything else is a Hub repo id, fetched into the HF cache."""
+    if str(name_or_path) in BUILTIN_MODELS:
+        return BUILTIN_MODELS[str(name_or_path)]
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path

@@ -18,8 +18,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.stress") -
         description=DOC.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--model", help="checkpoint directory: start a server on it (and SIGTERM it at the end)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--model", help="checkpoint directory or name: start a server on it (and SIGTERM it at the "
+                       "end); without --model or --base-url, minfer-tiny, the small model minfer ships")
     where.add_argument("--base-url", help="an already running server, e.g. http://127.0.0.1:8000")
     d = SoakConfig()
     parser.add_argument("--duration", type=float, default=d.duration, help="seconds of load")
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.stress") -
 
     cfg = SoakConfig(duration=args.duration, streams=args.streams, seed=args.seed)
     tally = Tally()
+    if not args.base_url:
+        args.model = args.model or "minfer-tiny"
     if args.model:
         try:
             figures, tally = run_spawned(args.model, cfg, kv_blocks=args.kv_blocks, tally=tally)

@@ -168,6 +168,10 @@ def stopped_reader(target: Target, tally: Tally, end: float, seed: int, pause: f
             conn.request("POST", "/v1/completions", body=json.dumps(stream_body(rng, target, target.long_tokens)))
             resp = conn.getresponse()
             check_error_reply(tally, "stopped reader", resp.status, b"")
+            if resp.status != 200:  # refused under load (429): no stream to stop reading, and http.client
+                resp.read()  # has already let go of the socket (the reply said Connection: close)
+                tally.count(f"stopped readers refused with {resp.status}")
+                continue
             time.sleep(pause)
             conn.sock.settimeout(target.stall_limit)
             data = resp.read()  # what the buffers held, then the end: a stream cut short raises IncompleteRead

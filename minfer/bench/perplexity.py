@@ -1,0 +1,77 @@
+"""minfer eval-ppl: the perplexity of a checkpoint on a text file, a yardstick for quality.
+
+    minfer eval-ppl --model minfer-tiny minfer/models/builtin/minfer-tiny/heldout.txt
+    python -m minfer.bench.perplexity --model DIR --dtype bfloat16 FILE
+
+The model is the one minfer serves (load_model, the dtype and threads the engine would use), run
+through its plain forward: the engine's step computes logits only for rows that sample, and
+perplexity needs every position's. The file is tokenized whole, as one stream (special tokens
+written in it, such as <|endoftext|>, are one id each), and scored in sliding windows of the
+model's context with a stride of half of it (models/perplexity.py): every token but the first is
+scored once, with at least half a context before it once the text is that long.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ..engine.config import DTYPES
+from ..engine.llm import resolve_dtype, set_cpu_threads
+from ..models.perplexity import Perplexity, perplexity
+from ..models.registry import load_model
+from ..text.tokenizer import Tokenizer
+
+
+def file_perplexity(
+    model_name: str, path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
+    window: int | None = None, stride: int | None = None,
+) -> tuple[Perplexity, int, int]:
+    """(the result, window, stride) for the text file at `path` under checkpoint `model_name`."""
+    text = Path(path).read_text(encoding="utf-8")
+    model = load_model(model_name, device=device, dtype=resolve_dtype(dtype, torch.device(device)))
+    ids = Tokenizer.from_dir(model.model_dir).encode(text)
+    window = window or model.config.max_positions
+    stride = stride or max(1, window // 2)
+    if window > model.config.max_positions:
+        raise ValueError(f"--window {window} exceeds the model's context of {model.config.max_positions}")
+    result = perplexity(lambda x: model(x.to(model.device)), ids, window, stride)
+    return result, window, stride
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m minfer.bench.perplexity") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
+                                     epilog="Method: sliding windows of the model's context, stride half of it; "
+                                     "every token but the first is scored once. Perplexity = exp(mean NLL).")
+    parser.add_argument("file", help="a UTF-8 text file")
+    parser.add_argument("--model", default="minfer-tiny", help="checkpoint directory, built-in name or Hub id")
+    parser.add_argument("--dtype", choices=sorted(DTYPES) + ["auto"], default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--window", type=int, help="tokens per window (default: the model's context)")
+    parser.add_argument("--stride", type=int, help="tokens between window starts (default: half the window)")
+    parser.add_argument("--num-threads", type=int, help="CPU threads (default: every core)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
+    args = parser.parse_args(argv)
+    if torch.device(args.device).type == "cpu":
+        set_cpu_threads(args.num_threads)
+    try:
+        result, window, stride = file_perplexity(args.model, args.file, args.dtype, args.device, args.window,
+                                                 args.stride)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(dict(model=args.model, file=args.file, dtype=args.dtype, window=window, stride=stride,
+                              tokens=result.tokens, loss=result.loss, perplexity=result.perplexity)))
+    else:
+        print(f"perplexity {result.perplexity:.4f} (loss {result.loss:.4f} nats/token over {result.tokens} tokens; "
+              f"windows of {window}, stride {stride}; {args.model}, {args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The model card (README.md) train_tiny.py writes beside the weights: shape, data, training, figures."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from ..models.gpt2 import GPT2
+
+SAMPLE_PROMPTS = ["Once upon a time", "One day, Lily went to", "Tom said, \""]
+
+
+def cpu_name() -> str:
+    """The CPU's model name, as lscpu prints it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@torch.inference_mode()
+def greedy(model: GPT2, tokenizer: Tokenizer, prompt: str, max_tokens: int = 120) -> str:
+    """Greedy continuation with the plain forward (no cache: the model is tiny), up to <|endoftext|>."""
+    ids = tokenizer.encode(prompt).ids
+    eos = model.config.vocab_size - 1
+    for _ in range(max_tokens):
+        next_id = int(model(torch.tensor([ids[-model.config.n_positions :]]))[0, -1].argmax())
+        if next_id == eos:
+            break
+        ids.append(next_id)
+    return tokenizer.decode(ids)
+
+
+def card_text(r: dict, name: str, command: str, check: str, samples: list[str], weights_bytes: int) -> str:
+    o = r["options"]
+    curve = "\n".join(f"| {step} | {train:.4f} | {held:.4f} |" for step, train, held in r["curve"])
+    first = sum(r["losses"][:5]) / 5
+    sample_lines = "\n".join(f"> {s}\n" for s in samples)
+    threads = f"{o['threads']} thread" + ("s" if o["threads"] != 1 else "")
+    return f"""# {name}
+
+A {r['parameters'] / 1e6:.2f}M-parameter GPT-2 trained from scratch on a CPU by minfer's own script, on simple
+stories from a grammar minfer ships. Output a person can read, offline, in a few megabytes: for the README's
+offline recipe, the tutorials without the Hub, and as a yardstick (held-out perplexity) for quantization and
+speculative decoding. It knows only its grammar's ~270 words: it is a toy, not a language model of English.
+
+```bash
+python -m minfer.generate --model minfer-tiny --temperature 0 "Once upon a time"
+minfer eval-ppl --model minfer-tiny minfer/models/builtin/minfer-tiny/heldout.txt
+```
+
+Licence: MIT, like minfer. The training text is generated, so nothing here comes from anyone else's data.
+
+## Shape
+
+| | |
+| --- | --- |
+| architecture | GPT2LMHeadModel (transformers' GPT-2; minfer's models/gpt2.py) |
+| layers, heads, channels | {o['n_layer']}, {o['n_head']}, {o['n_embd']} (MLP {4 * o['n_embd']}) |
+| context | {o['n_positions']} tokens |
+| vocabulary | {r['vocab_size']}: byte-level BPE, `<|endoftext|>` last (id {r['vocab_size'] - 1}) |
+| parameters | {r['parameters']:,} (LM head tied to the token embedding) |
+| weights | {o['dtype']}, model.safetensors {weights_bytes / 1e6:.2f} MB |
+
+## Training data
+
+Stories from the probabilistic grammar in `minfer/checkpoints/stories.py` (TinyStories-like: an opening,
+what the hero likes, an outing, a find, a problem, dialogue, a solution, an ending), one per line, each
+ended by `<|endoftext|>`. {o['num_stories']:,} training stories from seed {o['seed']}
+({r['train_tokens']:,} tokens); the tokenizer was trained (minfer's `train_tokenizer`) on the first
+{o['tokenizer_stories']:,}. `heldout.txt` holds {o['heldout_stories']} more stories from their own seed stream
+(`"heldout-{o['seed']}"`), {r['heldout_tokens']:,} tokens, never trained on.
+
+## Training
+
+{o['steps']:,} steps of AdamW (betas 0.9/0.95, weight decay {o['weight_decay']} on matrices), batches of
+{o['batch_size']} windows of {o['n_positions']} tokens at random offsets ({r['tokens_seen']:,} tokens,
+{r['tokens_seen'] / r['train_tokens']:.2f} passes over the data), learning rate {o['lr']} after {o['warmup_steps']} warm-up
+steps, cosine decay to a tenth; gradients clipped to norm 1; GPT-2's initialisation.
+
+| step | train loss (last {o['eval_every']} steps) | held-out loss |
+| --- | --- | --- |
+{curve}
+
+## Results
+
+Loss in nats per token; perplexity = exp(loss). Both by `minfer eval-ppl`'s method (windows of the
+context, stride half of it, every token but the first scored once) on the written weights, in float32:
+"train" on the first {r['heldout_tokens']:,} tokens of the training text, "held-out" on `heldout.txt`.
+
+| | loss | perplexity |
+| --- | --- | --- |
+| train | {r['train_loss']:.4f} | {r['train_perplexity']:.4f} |
+| held-out perplexity (heldout.txt) | {r['heldout_loss']:.4f} | {r['heldout_perplexity']:.4f} |
+
+Greedy continuations (temperature 0):
+
+{sample_lines}
+## Reproducing it
+
+```bash
+{command}
+```
+
+Training took {r['train_seconds'] / 60:.1f} minutes ({r['total_seconds'] / 60:.1f} with data and evaluation) on
+{threads} of an {r['cpu']} ({os.cpu_count()} cores seen), torch {torch.__version__}.
+Every random choice comes from `--seed`, so the same command with the same `--threads` on the same
+machine writes bit-identical weights (tests/test_trained_tiny.py checks that on a shortened run).
+A quick check that a machine follows the same path: `{check}`
+prints `step 5/5: train loss {first:.4f}`, the mean of this run's first five steps (the warm-up does
+not depend on `--steps`). Another CPU or thread count rounds matmuls differently and the weights
+drift apart; the losses should land close, but by how much has not been measured.
+"""
+
+
+def write_card(out: Path, results: dict, prog: str, argv: list[str]) -> None:
+    """README.md for the checkpoint at `out`, from train()'s results."""
+    model = GPT2.from_pretrained(out)
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    samples = [greedy(model, tokenizer, p) for p in SAMPLE_PROMPTS]
+    command = " ".join([prog, *map(shlex.quote, argv)])
+    # The same options for 5 steps, written elsewhere (argparse keeps the last --steps given).
+    check_argv = ["/tmp/minfer-tiny-check" if Path(a) == out else a for a in argv] + ["--steps", "5", "--no-card"]
+    check = " ".join([prog, *map(shlex.quote, check_argv)])
+    results = {**results, "cpu": cpu_name(), "vocab_size": model.config.vocab_size}
+    text = card_text(results, out.name, command, check, samples, (out / "model.safetensors").stat().st_size)
+    (out / "README.md").write_text(text, encoding="utf-8")

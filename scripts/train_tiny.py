@@ -1,0 +1,13 @@
+"""`python scripts/train_tiny.py OUT_DIR ...`: train minfer-tiny, a small GPT-2, from scratch on a CPU.
+The code lives in minfer/checkpoints/train_tiny.py (read it: it is short); `minfer train-tiny ...` runs the same.
+
+    python scripts/train_tiny.py minfer/models/builtin/minfer-tiny        # the shipped model (~30 min, 2 cores)
+    python scripts/train_tiny.py /tmp/draft --n-layer 2 --n-embd 64 --tokenizer minfer/models/builtin/minfer-tiny
+"""
+
+import sys
+
+from minfer.checkpoints.train_tiny import main
+
+if __name__ == "__main__":
+    sys.exit(main())
