@@ -55,9 +55,17 @@ def check_summary(summary, records, exact_itl_count):
     assert max(r["finish_time"] for r in records) <= summary["duration"]
 
 
-def check_table(out):
+def check_table(out, mode="offline"):
+    """The header echoes the configuration before the figures; the title and memory name the mode."""
+    header = out[: out.index("Benchmark Result")]
+    for field in ("model:", "mode:", "device:", "dtype:", "threads:", "attention:", "workload:", "arrivals:"):
+        assert field in header
+    assert f"mode:      {mode}" in header
+    title = "Serving Benchmark Result (online)" if mode == "online" else "Offline Benchmark Result"
+    assert title in out
+    assert ("Memory (the minfer server process)" if mode == "online" else "Memory (this process") in out
     for line in [
-        "Serving Benchmark Result",
+        "Benchmark Result",
         "Successful requests:",
         "Benchmark duration (s):",
         "Output token throughput (tok/s):",
@@ -169,7 +177,7 @@ def test_online_starts_minfer_serve(tiny_checkpoint, tmp_path, capsys):
         "--trace",
         tmp_path / "t.json",
     )
-    check_table(out)
+    check_table(out, "online")
     report = json.loads((tmp_path / "b.json").read_text())
     check_summary(report["summary"], report["requests"], exact_itl_count=False)
     assert report["summary"]["peak_rss_mib"] > 0  # the server's
@@ -230,7 +238,7 @@ def test_baseline_hf_and_roofline(tiny_checkpoint, tmp_path, capsys):
         "--json",
         tmp_path / "b.json",
     )
-    assert "transformers generate, batch 4" in out and "minfer / hf (batch 4)" in out
+    assert "transformers generate, batch 4" in out and "minfer vs transformers (batch 4)" in out and "minfer is " in out
     assert "Decode roofline (batch 1)" in out
     report = json.loads((tmp_path / "b.json").read_text())
     base = report["baseline"]
@@ -347,3 +355,14 @@ def test_percentile_interpolates_like_numpy():
     xs = [5.0, 1.0, 4.0, 2.0, 3.0]
     assert percentile(xs, 50) == 3.0 and percentile(xs, 0) == 1.0 and percentile(xs, 100) == 5.0
     assert percentile(xs, 90) == pytest.approx(4.6) and percentile([7.0], 99) == 7.0
+
+
+def test_comparison_reads_in_one_direction():
+    """Throughput and latency ratios both say 'minfer is N x faster/slower', never a bare ratio."""
+    from minfer.bench.hf_baseline import verdict
+
+    assert verdict(200.0, 100.0, higher_is_better=True) == "minfer is 2.00x faster"
+    assert verdict(50.0, 100.0, higher_is_better=True) == "minfer is 2.00x slower"
+    assert verdict(10.0, 40.0, higher_is_better=False) == "minfer is 4.00x faster"  # a lower TPOT wins
+    assert verdict(52.4, 10.0, higher_is_better=False) == "minfer is 5.24x slower"
+    assert verdict(None, 10.0, higher_is_better=False) == "n/a"

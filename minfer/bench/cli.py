@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..engine.config import EngineConfig
-from ..engine.llm import LLM, resolve_dtype, set_cpu_threads
+from ..engine.llm import LLM, cpu_threads_wanted, resolve_dtype, set_cpu_threads
 from ..engine.scheduler import OnlineScheduler
 from ..models.loader import ModelNotFoundError, resolve_model_dir
 from ..models.registry import read_config
@@ -36,6 +36,7 @@ from .metrics import RunResult, format_summary, median_summary, summarize
 from .offline import run_offline
 from .online import Endpoint, EngineFeedReader, ServerProcess, run_online
 from .profile import format_profile, profile_steps
+from .report import format_header, memory_owner, progress, result_title
 from .roofline import format_roofline, roofline
 from .trace import write_trace
 from .workload import build_workload, read_prompts, warmup_workload
@@ -152,12 +153,18 @@ def run_summary(result: RunResult, **extra) -> dict:
 
 
 def offline_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResult], list[dict], OnlineScheduler]:
+    progress(f"loading {model_dir} ...")
     llm = LLM(str(model_dir), config=engine)
+    ran = llm.scheduler.engine_config
+    progress(f"loaded: {ran.dtype}, attention {ran.attention_backend}, {ran.num_kv_blocks} KV blocks")
     device = llm.model.device
+    if args.warmup_runs:
+        progress(f"warming up ({args.warmup_runs} small unmeasured run{'s' if args.warmup_runs > 1 else ''}) ...")
     for _ in range(args.warmup_runs):
         run_offline(llm.scheduler, warm, progress=False)
     results, summaries = [], []
     for k, workload in enumerate(workloads):
+        progress(f"measuring run {k + 1} of {len(workloads)} ...")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         results.append(run_offline(llm.scheduler, workload, args.max_concurrency, not args.disable_tqdm, f"run {k}"))
@@ -170,9 +177,12 @@ def online_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResul
 
     def measure(endpoint: Endpoint, server: ServerProcess | None = None) -> None:
         model = endpoint.served_model(args.model)
+        if args.warmup_runs:
+            progress("warming up ...")
         for _ in range(args.warmup_runs):
             run_online(endpoint, model, warm, progress=False)
         for k, workload in enumerate(workloads):
+            progress(f"measuring run {k + 1} of {len(workloads)} ...")
             # Watching the engine costs the server a little: only for the run that is traced.
             with EngineFeedReader(endpoint) if args.trace and k == len(workloads) - 1 else nullcontext() as feed:
                 results.append(
@@ -187,6 +197,7 @@ def online_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResul
     flags = engine.to_cli_args()
     if args.num_requests > 128:  # or the excess gets 429
         flags += ["--max-queued", str(args.num_requests)]
+    progress(f"starting python -m minfer.serve on {model_dir} ...")
     with ServerProcess(model_dir, flags + shlex.split(args.server_args)) as server:
         measure(server.endpoint, server)
     return results, summaries
@@ -195,6 +206,7 @@ def online_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResul
 def baseline_hf(args, model_dir, tokenizer: Tokenizer, workload, minfer_summary: dict, dtype: torch.dtype) -> dict:
     """The first run's workload through transformers' generate, with the same threads and dtype."""
     set_threads(args)
+    progress("loading the checkpoint into transformers for the baseline ...")
     model = load_hf_model(model_dir, args.device, dtype, progress=not args.disable_tqdm)
     prompts = [r.prompt_token_ids or tokenizer.encode_prompt(r.prompt) for r in workload]  # tokenized up front
     pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
@@ -227,6 +239,19 @@ def print_runs(summaries: list[dict]) -> None:
         )
 
 
+def header(args, engine: EngineConfig) -> str:
+    """The configuration as this run will use it, printed before anything loads."""
+    cpu = torch.device(args.device).type == "cpu"
+    if args.base_url:
+        dtype, threads, attention = "the server's", "the server's", "the server's"
+    else:
+        dtype = str(resolve_dtype(args.dtype, torch.device(args.device))).removeprefix("torch.")
+        dtype = f"{dtype} (--dtype {args.dtype})" if args.dtype == "auto" else dtype
+        threads = str(cpu_threads_wanted(engine.num_threads)) if cpu else "n/a (GPU)"
+        attention = "eager (--enforce-eager)" if engine.enforce_eager else engine.attention_backend
+    return format_header(args, dtype, threads, attention, machine(args.device))
+
+
 def run(args) -> int:
     engine = EngineConfig.from_cli_args(args)  # ValueError naming the flag if one is bad
     model_dir = find_model_dir(args)
@@ -255,6 +280,7 @@ def run(args) -> int:
         for k in range(args.repeat_runs)
     ]
     warm = warmup_workload(workloads[0], tokenizer, vocab)
+    print(header(args, engine))
     if args.mode == "offline":
         results, summaries, scheduler = offline_runs(args, engine, model_dir, workloads, warm)
     else:
@@ -263,11 +289,7 @@ def run(args) -> int:
     summary = median_summary(summaries)
     if len(summaries) > 1:
         print_runs(summaries)
-    print(
-        format_summary(
-            summary, "Serving Benchmark Result" + (f" (median of {len(summaries)} runs)" if len(summaries) > 1 else "")
-        )
-    )
+    print(format_summary(summary, result_title(args.mode, len(summaries)), memory_owner(args.mode, args.base_url)))
     # The dtype minfer ran in ("auto" resolves per machine); the baseline uses the same.
     dtype = scheduler.model.dtype if scheduler else resolve_dtype(args.dtype, torch.device(args.device))
     settings = {
@@ -284,7 +306,7 @@ def run(args) -> int:
     if args.baseline:
         report["baseline"] = base = baseline_hf(args, model_dir, tokenizer, workloads[0], summaries[0], dtype)
         print(format_summary(base["summary"], f"transformers generate, batch {args.hf_batch_size}"))
-        print(format_comparison(base["minfer_over_hf"], args.hf_batch_size))
+        print(format_comparison(summaries[0], base["summary"], args.hf_batch_size))
     if (args.roofline or args.profile) and scheduler is None:  # online: the server is gone; load minfer here
         scheduler = LLM(str(model_dir), config=engine).scheduler
     if args.roofline:

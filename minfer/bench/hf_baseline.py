@@ -107,22 +107,32 @@ def run_hf(
     return RunResult(records, time.perf_counter() - t0, [])
 
 
+# (summary key, label, unit, whether higher is better)
 RATIOS = (
-    ("output_throughput", "Output token throughput (higher wins):"),
-    ("total_token_throughput", "Total token throughput (higher wins):"),
-    ("mean_tpot_ms", "Mean TPOT (lower wins):"),
-    ("median_tpot_ms", "Median TPOT (lower wins):"),
-    ("mean_ttft_ms", "Mean TTFT (lower wins):"),
+    ("output_throughput", "Output token throughput", "tok/s", True),
+    ("total_token_throughput", "Total token throughput", "tok/s", True),
+    ("mean_tpot_ms", "Mean TPOT", "ms", False),
+    ("median_tpot_ms", "Median TPOT", "ms", False),
+    ("mean_ttft_ms", "Mean TTFT", "ms", False),
 )
 
 
 def compare(minfer: dict, hf: dict) -> dict[str, float | None]:
     """minfer / baseline for throughputs (above 1: minfer wins) and latencies (below 1: minfer wins)."""
-    return {key: minfer[key] / hf[key] if minfer.get(key) and hf.get(key) else None for key, _ in RATIOS}
+    return {key: minfer[key] / hf[key] if minfer.get(key) and hf.get(key) else None for key, *_ in RATIOS}
 
 
-def format_comparison(ratios: dict, batch_size: int) -> str:
-    lines = [f"{' minfer / hf (batch ' + str(batch_size) + ') ':=^50}"]
-    for key, label in RATIOS:
-        lines.append(f"{label:<40} {'n/a' if ratios[key] is None else format(ratios[key], '.2f') + 'x'}")
-    return "\n".join(lines + ["=" * 50])
+def verdict(minfer: float | None, hf: float | None, higher_is_better: bool) -> str:
+    """'minfer is 1.99x faster' or '... slower': one direction, whatever the metric's."""
+    if not minfer or not hf:
+        return "n/a"
+    speedup = minfer / hf if higher_is_better else hf / minfer
+    return f"minfer is {speedup:.2f}x faster" if speedup >= 1 else f"minfer is {1 / speedup:.2f}x slower"
+
+
+def format_comparison(minfer: dict, hf: dict, batch_size: int) -> str:
+    lines = [f"{' minfer vs transformers (batch ' + str(batch_size) + ') ':=^72}"]
+    for key, label, unit, higher in RATIOS:
+        figures = "" if minfer.get(key) is None or hf.get(key) is None else f" ({minfer[key]:.1f} vs {hf[key]:.1f} {unit})"
+        lines.append(f"{label + ':':<26}{verdict(minfer.get(key), hf.get(key), higher)}{figures}")
+    return "\n".join(lines + ["=" * 72])

@@ -143,8 +143,8 @@ def _row(label: str, value) -> str:
     return f"{label:<40} {value:<10.2f}"
 
 
-def format_summary(s: dict, title: str = "Serving Benchmark Result") -> str:
-    """The summary as vLLM's benchmark prints it."""
+def format_summary(s: dict, title: str = "Serving Benchmark Result", memory_of: str | None = None) -> str:
+    """The summary as vLLM's benchmark prints it; memory_of names the process whose RSS is shown."""
     lines = [f"{' ' + title + ' ':=^50}"]
     lines.append(_row("Successful requests:", s["completed"]))
     if s.get("failed"):
@@ -166,7 +166,8 @@ def format_summary(s: dict, title: str = "Serving Benchmark Result") -> str:
         if k in s
     ]
     if memory:
-        lines.append(f"{'Memory':-^50}")
+        heading = f"Memory ({memory_of})" if memory_of else "Memory"
+        lines.append(f"{heading:-^50}")
         lines += [_row(label, s[k]) for k, label in memory]
     lines.append("=" * 50)
     return "\n".join(lines)

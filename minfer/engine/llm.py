@@ -43,23 +43,27 @@ def check_device(device: torch.device) -> None:
         raise ValueError(f"--device {device}: this torch ({torch.__version__}) {build}; use --device cpu")
 
 
-def set_cpu_threads(num_threads: int | None = None) -> int:
-    """Give torch every core this process may use, unless told otherwise: by num_threads (the
-    --num-threads flag), else MINFER_NUM_THREADS, else OMP_NUM_THREADS (torch already obeys it at
-    import; minfer used to override it). Decode is memory-bound and prefill compute-bound, both want
-    every core. Call it before loading a model: the fp32 LM head is sliced once per thread at load
-    time. Returns the thread count."""
+def cpu_threads_wanted(num_threads: int | None = None) -> int:
+    """The thread count set_cpu_threads gives torch: num_threads (the --num-threads flag), else
+    MINFER_NUM_THREADS, else OMP_NUM_THREADS, else every core this process may use."""
     if num_threads is None:
         for name in ("MINFER_NUM_THREADS", "OMP_NUM_THREADS"):
             value = os.environ.get(name, "").strip()
             if value:
                 if not value.isdigit() or int(value) < 1:
                     raise ValueError(f"{name} must be a positive integer, got {value!r}")
-                num_threads = int(value)
-                break
-    if num_threads is None:
+                return int(value)
         affinity = getattr(os, "sched_getaffinity", None)  # Linux only; elsewhere count all cores
-        num_threads = len(affinity(0)) if affinity else (os.cpu_count() or 1)
+        return len(affinity(0)) if affinity else (os.cpu_count() or 1)
+    return num_threads
+
+
+def set_cpu_threads(num_threads: int | None = None) -> int:
+    """Give torch every core this process may use, unless told otherwise (cpu_threads_wanted;
+    torch obeys OMP_NUM_THREADS at import, and minfer used to override it). Decode is memory-bound
+    and prefill compute-bound, both want every core. Call it before loading a model: the fp32 LM head
+    is sliced once per thread at load time. Returns the thread count."""
+    num_threads = cpu_threads_wanted(num_threads)
     torch.set_num_threads(num_threads)
     return num_threads
 
