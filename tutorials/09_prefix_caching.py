@@ -109,9 +109,13 @@ print(
     f"{(len(system + q1) + GREEDY.max_tokens - 1) // BLOCK_SIZE} blocks, now cached"
 )
 print(f"{'':34} {'prompt':>6} {'cached':>6} {'computed':>8} {'(no cache)':>10}")
+RUNS = 3  # each request runs 3 times on each scheduler: the fastest prefill step is printed
 for (name, prompt), want in zip(requests, expected):
     out, computed, t_cached = run_alone(llm.scheduler, prompt)
     ref, computed_plain, t_plain = run_alone(plain, prompt)
+    for _ in range(RUNS - 1):  # the same request again finds the same blocks: timing only
+        t_cached = min(t_cached, run_alone(llm.scheduler, prompt)[2])
+        t_plain = min(t_plain, run_alone(plain, prompt)[2])
     print(
         f"{name:34} {len(prompt):6} {out.num_cached_tokens:6} {computed:8} {computed_plain:10}   "
         f"prefill step {1e3 * t_cached:5.1f} ms vs {1e3 * t_plain:5.1f} ms"
@@ -124,7 +128,11 @@ print(
     f"scheduler stats: prefix_cache_hit_tokens={stats['prefix_cache_hit_tokens']}, "
     f"free blocks {stats['num_kv_blocks_free']}/{stats['num_kv_blocks_total']}"
 )
-assert stats["prefix_cache_hit_tokens"] == sum(expected)
+print(
+    "(On a model this small a step's fixed cost, Python and one call per layer and the sampler, is most of\n"
+    " its time: skipping 48 of 62 tokens saves little, and a hit can even time slower on a busy machine.)"
+)
+assert stats["prefix_cache_hit_tokens"] == RUNS * sum(expected)
 assert stats["num_kv_blocks_free"] == 48, "cached blocks are free blocks: nothing is held"
 llm.scheduler.check_invariants()
 print(
