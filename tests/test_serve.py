@@ -412,6 +412,9 @@ def test_sigterm_ends_streams_and_exits_zero(checkpoint, tmp_path):
             assert events[-1] == b"[DONE]"
             assert json.loads(events[-2])["error"]["message"]  # told why the stream ended early
         assert srv.proc.wait(timeout=10) == 0
+        log = (tmp_path / "server.log").read_text()
+        # Sent as 200s, but the log says they were cut, and why: not four successes.
+        assert log.count('"POST /v1/completions" 200 cut-by-server (') == 4, log
     finally:
         srv.stop()
 

@@ -182,6 +182,7 @@ class APIHandler(RoutingHandler):
                     if req.include_usage:
                         self.send_event(r.usage_chunk(item))
             except APIError as e:  # the engine failed or is shutting down: say so, then end the stream
+                self.note_cut_stream(e)
                 self.send_event(e.body())
             self.send_event("[DONE]")
             self.end_stream()
@@ -198,7 +199,8 @@ class APIHandler(RoutingHandler):
                 for item in self._events(handle):
                     if isinstance(item, CompletionDelta) and item.text:  # an empty chunk would end the body
                         self.write_chunk(item.text.encode())
-            except APIError:  # plain text has no error frame: end without the last chunk, so it reads as cut
+            except APIError as e:  # plain text has no error frame: end without the last chunk, so it reads as cut
+                self.note_cut_stream(e)
                 self.close_connection = True
                 return
             self.end_stream()

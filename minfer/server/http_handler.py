@@ -163,6 +163,11 @@ class RoutingHandler(TimedHandler):
         self.end_headers()
         self._streaming = True
 
+    def note_cut_stream(self, error: APIError) -> None:
+        """A stream the server ended early (shutdown, engine failure) went out as a 200: its log line
+        says it was cut, and why, so it does not read as a success."""
+        self._status = f"{self._status} cut-by-server ({error.status}: {error.message})"
+
     def write_chunk(self, data: bytes) -> None:
         """One HTTP chunk; a write to a vanished client raises BrokenPipe/ConnectionReset."""
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
