@@ -157,6 +157,14 @@ class EngineConfig:
     num_threads: int | None = setting(
         None, int, POSITIVE, "CPU only: torch threads (default: every core this process may use)"
     )
+    generation_config: str = setting(
+        "auto",
+        str,
+        Check(lambda v: v in ("auto", "vllm") or os.path.isdir(v), "auto, vllm or a directory"),
+        "auto: requests default to the checkpoint's generation_config.json sampling settings; vllm: "
+        "the API's defaults; DIR: that directory's generation_config.json",
+        convert=str,
+    )
 
     def __post_init__(self):
         for f in fields(self):

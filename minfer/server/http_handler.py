@@ -74,9 +74,10 @@ class RoutingHandler(TimedHandler):
             self._send_error_json(APIError(500, "internal server error"))
         finally:
             took = time.perf_counter() - self._start
-            log.info(
-                '%s "%s %s" %s %s%.3fs', self.client_address[0], self.command, path, self._status, self.log_note, took
-            )
+            if getattr(self.server, "log_requests", True):
+                log.info(
+                    '%s "%s %s" %s %s%.3fs', self.client_address[0], self.command, path, self._status, self.log_note, took
+                )
 
     def route_of(self, path: str) -> str:
         """The ROUTES key serving `path`: the path itself, unless a subclass maps a family of paths."""

@@ -30,6 +30,7 @@ from ..engine.sequence import CompletionDelta, RequestOutput
 from ..errors import APIError, is_int
 from ..text.chat_template import ChatTemplate, ChatTemplateError
 from ..text.tokenizer import Tokenizer
+from .generation_defaults import with_defaults
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -45,6 +46,7 @@ class ModelInfo:
     tokenizer: Tokenizer
     max_model_len: int  # prompt + output tokens one request may use
     chat_template: ChatTemplate = field(default_factory=lambda: ChatTemplate(None))  # None: plain rendering
+    sampling_defaults: dict = field(default_factory=dict)  # generation_config.json's, for fields a request omits
 
 
 @dataclass
@@ -235,6 +237,7 @@ CHAT_UNSUPPORTED = {
 
 def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
     """POST /v1/completions."""
+    body = with_defaults(body, info.sampling_defaults)
     _check_model(body, info)
     _check_n(body)
     _reject_unsupported(body, COMPLETION_UNSUPPORTED)
@@ -258,6 +261,7 @@ def _message_text(content, i: int) -> str:
 
 def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
     """POST /v1/chat/completions."""
+    body = with_defaults(body, info.sampling_defaults)
     _check_model(body, info)
     _check_n(body)
     _reject_unsupported(body, CHAT_UNSUPPORTED)
@@ -295,6 +299,7 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
 
 def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:
     """POST /generate: {prompt, max_new_tokens, temperature, top_k, top_p, stop_on_eos, stream}."""
+    body = with_defaults(body, info.sampling_defaults)
     prompt = body.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise invalid("prompt", f"'prompt' must be a string, got {_show(prompt)}", "invalid_type")

@@ -42,11 +42,13 @@ from ..engine.config import EngineConfig
 from ..engine.llm import check_device, resolve_dtype, set_cpu_threads
 from ..engine.scheduler import OnlineScheduler
 from ..models.registry import load_model
-from ..text.chat_template import ChatTemplate
+from ..text.chat_template import ChatTemplate, read_template_option
 from ..text.tokenizer import Tokenizer
 from .banner import banner_lines
 from .connections import CappedHTTPServer, ConnectionLimits, add_arguments, limits_from_args
 from .endpoints import APIHandler
+from .generation_defaults import describe as describe_defaults
+from .generation_defaults import sampling_defaults
 from .manager import SchedulerManager
 from .openai_api import ModelInfo
 from .prometheus import Metrics
@@ -58,6 +60,7 @@ class MinferServer(CappedHTTPServer):
     """The HTTP server: one APIHandler thread per connection, in front of one SchedulerManager."""
 
     request_queue_size = 128  # the listen backlog; socketserver's default of 5 resets bursts of clients
+    log_requests = True  # one log line per request; --disable-log-requests turns it off
 
     def __init__(
         self,
@@ -128,11 +131,15 @@ def create_server(
     api_key: str | None = None,
     served_model_name: str | None = None,
     limits: ConnectionLimits | None = None,
+    chat_template: str | None = None,
+    log_requests: bool = True,
     **settings,
 ) -> MinferServer:
     """Load the model, start the engine worker and bind the socket (port 0 picks a free port).
     `config` is an EngineConfig, or a model name with EngineConfig's fields as `settings`.
-    Raises ValueError/OSError for a bad model, setting or address. Run it with serve_forever()."""
+    `chat_template` (a file or a Jinja string) replaces the checkpoint's; log_requests=False drops the
+    one log line per request. Raises ValueError/OSError for a bad model, setting or address. Run it
+    with serve_forever()."""
     if isinstance(config, EngineConfig):
         config = replace(config, **settings)
     else:
@@ -140,6 +147,8 @@ def create_server(
     device = torch.device(config.device)
     check_device(device)  # before loading anything: a bad start fails in one line, at once
     check_port_free(host, port)
+    if chat_template is not None:
+        read_template_option(chat_template)  # a mistyped file name fails now, not after the load
     if device.type == "cpu":
         set_cpu_threads(config.num_threads)  # as LLM does, before the model loads
 
@@ -149,14 +158,19 @@ def create_server(
 
     scheduler = in_passing_thread(build)
     language_model, tokenizer = scheduler.model, scheduler.tokenizer
-    chat_template = ChatTemplate.from_dir(language_model.model_dir, tokenizer)
-    info = ModelInfo(served_model_name or config.model, tokenizer, scheduler.max_model_len, chat_template)
+    template = ChatTemplate.from_dir(language_model.model_dir, tokenizer, override=chat_template)
+    defaults, not_applied = sampling_defaults(language_model.model_dir, config.generation_config)
+    info = ModelInfo(served_model_name or config.model, tokenizer, scheduler.max_model_len, template, defaults)
     manager = SchedulerManager(scheduler, Metrics(), max_queued=max_queued)
     engine = {k: v for k, v in asdict(scheduler.engine_config).items() if k != "model"}  # no local paths
     server = MinferServer((host, port), manager, info, api_key, limits, engine)  # binds now: a taken port fails
+    server.log_requests = log_requests
     manager.start()
     bound = "http://{}:{}".format(*server.server_address[:2])
-    for line in banner_lines(scheduler, config.dtype, bound, api_key is not None):
+    lines = banner_lines(scheduler, config.dtype, bound, api_key is not None)
+    lines.append(describe_defaults(defaults, not_applied, config.generation_config))
+    lines.append(f"chat template: {'--chat-template' if chat_template else 'the checkpoint' if template.source else 'plain'}")
+    for line in lines:
         log.info("minfer: %s", line)
     return server
 
@@ -185,6 +199,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") ->
         help="require 'Authorization: Bearer KEY' (default: $MINFER_API_KEY, else none)",
     )
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    parser.add_argument(
+        "--chat-template", default=None, help="a Jinja chat template, or a file holding one, instead of the checkpoint's"
+    )
+    parser.add_argument(
+        "--disable-log-requests", action="store_true", help="no log line per request (start-up and errors still log)"
+    )
     add_arguments(parser)  # timeouts and the connection cap
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log verbosity"
@@ -201,6 +221,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") ->
             api_key=args.api_key,
             served_model_name=args.served_model_name,
             limits=limits_from_args(args),
+            chat_template=args.chat_template,
+            log_requests=not args.disable_log_requests,
         )
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

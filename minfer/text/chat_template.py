@@ -62,8 +62,9 @@ class ChatTemplate:
                 raise ValueError(f"the checkpoint's chat_template does not compile: {e}") from None
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, tokenizer) -> "ChatTemplate":
-        """tokenizer_config.json's chat_template (or chat_template.jinja beside it), else the plain one."""
+    def from_dir(cls, model_dir: str | Path, tokenizer, override: str | None = None) -> "ChatTemplate":
+        """tokenizer_config.json's chat_template (or chat_template.jinja beside it), else the plain one.
+        `override` (--chat-template: a file, or the template itself) replaces the checkpoint's."""
         d = Path(model_dir)
         config = {}
         if (d / "tokenizer_config.json").is_file():
@@ -76,6 +77,8 @@ class ChatTemplate:
             source = next((t.get("template") for t in source if t.get("name") == "default"), None)
         if source is None and (d / "chat_template.jinja").is_file():
             source = (d / "chat_template.jinja").read_text(encoding="utf-8")
+        if override is not None:
+            source = read_template_option(override)
         if not isinstance(source, str):
             return cls(None)
         special = {k: t for k, v in config.items() if k.endswith("_token") and (t := _token_text(v)) is not None}
@@ -94,6 +97,16 @@ class ChatTemplate:
             return self._template.render(context, messages=messages, add_generation_prompt=add_generation_prompt)
         except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise ChatTemplateError(f"the chat template could not render these messages: {e}") from None
+
+
+def read_template_option(value: str) -> str:
+    """--chat-template's value: a file holding the template, or the Jinja template itself."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template (no {{{{ or {{% in it)")
 
 
 def _raise(message: str):

@@ -1,0 +1,54 @@
+"""Sampling defaults from a checkpoint's generation_config.json, as vLLM's `--generation-config`.
+
+Model authors ship recommended sampling settings there (Qwen3: temperature 0.6, top_p 0.95,
+top_k 20). With `auto` (the default, as in vLLM) a request that leaves a field out gets the
+checkpoint's value instead of the API's default; `vllm` ignores the file; a directory reads its
+generation_config.json instead of the model's. A field the request sends always wins.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger("minfer.serve")
+
+# generation_config.json key -> the request field it defaults (the names are the same in both APIs)
+APPLIED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
+# keys vLLM also applies that minfer's requests cannot take yet: reported, never silently dropped
+NOT_APPLIED = ("repetition_penalty", "min_p", "max_new_tokens")
+
+
+def sampling_defaults(model_dir: str | Path, setting: str = "auto") -> tuple[dict, list[str]]:
+    """({request field: default}, [notes on keys found but not applied]) for the `setting`."""
+    if setting == "vllm":
+        return {}, []
+    path = Path(model_dir if setting == "auto" else setting) / "generation_config.json"
+    if not path.is_file():
+        if setting != "auto":
+            raise ValueError(f"--generation-config {setting}: no generation_config.json in that directory")
+        return {}, []
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    defaults = {field: config[key] for key, field in APPLIED.items() if config.get(key) is not None}
+    notes = [f"{key}={config[key]!r} (not supported yet)" for key in NOT_APPLIED if config.get(key) is not None]
+    return defaults, notes
+
+
+def with_defaults(body: dict, defaults: dict) -> dict:
+    """The request body with the checkpoint's defaults under the fields it left out."""
+    return {**defaults, **body} if defaults else body
+
+
+def describe(defaults: dict, notes: list[str], setting: str) -> str:
+    """The banner's line on sampling defaults."""
+    if setting == "vllm":
+        return "sampling defaults: the API's (--generation-config vllm)"
+    if not defaults and not notes:
+        return "sampling defaults: the API's (no sampling settings in generation_config.json)"
+    applied = ", ".join(f"{k}={v!r}" for k, v in defaults.items()) or "none"
+    skipped = f"; not applied: {', '.join(notes)}" if notes else ""
+    return f"sampling defaults from generation_config.json: {applied}{skipped} (--generation-config vllm: off)"

@@ -1,0 +1,120 @@
+"""vLLM's serve options beyond the engine's: --generation-config, --chat-template and
+--disable-log-requests, each applied, shown in the banner, and refused clearly when bad."""
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import pytest
+
+from minfer import EngineConfig
+from minfer.server.generation_defaults import sampling_defaults
+from minfer.server.openai_api import ModelInfo, parse_completion
+from minfer.server.serve import create_server
+from minfer.text.tokenizer import Tokenizer
+
+
+@pytest.fixture()
+def tuned_checkpoint(tiny_checkpoint, tmp_path):
+    """The tiny checkpoint whose author recommends greedy decoding, top_k 5 and a penalty."""
+    ckpt = tmp_path / "tuned"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    path = ckpt / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    config.update(temperature=0.0, top_k=5, repetition_penalty=1.1)
+    path.write_text(json.dumps(config))
+    return ckpt
+
+
+def started(config: EngineConfig, **options):
+    srv = create_server(config, port=0, **options)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def post(srv, path: str, body: dict) -> dict:
+    url = "http://127.0.0.1:{}{}".format(srv.server_address[1], path)
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def test_generation_config_fills_only_what_the_request_leaves_out(tuned_checkpoint):
+    defaults, notes = sampling_defaults(tuned_checkpoint)
+    assert defaults == {"temperature": 0.0, "top_k": 5}
+    assert notes == ["repetition_penalty=1.1 (not supported yet)"]  # reported, not silently dropped
+    assert sampling_defaults(tuned_checkpoint, "vllm") == ({}, [])
+    assert sampling_defaults(tuned_checkpoint.parent, str(tuned_checkpoint))[0] == defaults  # DIR reads that one
+    info = ModelInfo("m", Tokenizer.from_dir(tuned_checkpoint), 512, sampling_defaults=defaults)
+    params = parse_completion({"prompt": "Hello"}, info).params
+    assert (params.temperature, params.top_k) == (0.0, 5)
+    params = parse_completion({"prompt": "Hello", "temperature": 0.7, "top_k": -1}, info).params
+    assert (params.temperature, params.top_k) == (0.7, 0)  # what the request sends wins
+
+
+def test_a_generation_config_directory_must_exist(tmp_path):
+    with pytest.raises(ValueError, match="--generation-config must be auto, vllm or a directory"):
+        EngineConfig("m", generation_config=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="no generation_config.json in that directory"):
+        sampling_defaults("unused", str(tmp_path))
+
+
+@pytest.mark.parametrize("setting", ["auto", "vllm"])
+def test_served_defaults_and_their_banner_line(tuned_checkpoint, caplog, setting):
+    with caplog.at_level(logging.INFO, logger="minfer.serve"):
+        srv = started(EngineConfig(str(tuned_checkpoint), num_kv_blocks=64, generation_config=setting))
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 12, "ignore_eos": True}
+        texts = {post(srv, "/v1/completions", {**body, "seed": seed})["choices"][0]["text"] for seed in range(4)}
+    finally:
+        srv.stop(grace=0.5)
+    if setting == "auto":
+        assert len(texts) == 1  # the checkpoint's temperature 0: greedy, whatever the seed
+        assert "sampling defaults from generation_config.json: temperature=0.0, top_k=5; " in caplog.text
+        assert "not applied: repetition_penalty=1.1 (not supported yet)" in caplog.text
+    else:
+        assert len(texts) > 1  # the API's temperature 1.0: four seeds, several texts
+        assert "sampling defaults: the API's (--generation-config vllm)" in caplog.text
+
+
+def test_chat_template_option_replaces_the_checkpoints(tiny_checkpoint, tmp_path, caplog):
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    tok = Tokenizer.from_dir(tiny_checkpoint)
+    for option in (template, str(tmp_path / "t.jinja")):
+        with caplog.at_level(logging.INFO, logger="minfer.serve"):
+            srv = started(EngineConfig(str(tiny_checkpoint), num_kv_blocks=64), chat_template=option)
+        try:
+            out = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 1})
+        finally:
+            srv.stop(grace=0.5)
+        assert out["usage"]["prompt_tokens"] == len(tok.encode("<<abc>>"))
+        assert "chat template: --chat-template" in caplog.text
+
+
+def test_a_bad_chat_template_fails_before_loading(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "minfer.serve", "--model", str(tmp_path / "never-loaded"), "--port", "0",
+         "--chat-template", "missing.jinja"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: --chat-template 'missing.jinja' is neither a file nor a Jinja template (no {{ or {% in it)"
+    ]
+
+
+@pytest.mark.parametrize("log_requests", [True, False])
+def test_disable_log_requests(tiny_checkpoint, caplog, log_requests):
+    with caplog.at_level(logging.INFO, logger="minfer.serve"):
+        srv = started(EngineConfig(str(tiny_checkpoint), num_kv_blocks=64), log_requests=log_requests)
+        try:
+            post(srv, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        finally:
+            srv.stop(grace=0.5)
+    assert ('"POST /v1/completions" 200' in caplog.text) == log_requests
+    assert "listening on http://127.0.0.1:" in caplog.text  # the banner logs either way
