@@ -269,7 +269,9 @@ def test_32_concurrent_streams_then_16_disconnects(server, llm, tokenizer):
         m = metrics(server.port)
         if m["minfer_kv_blocks_free"] == m["minfer_kv_blocks_total"] and m["minfer_requests_running"] == 0:
             break
-        assert time.monotonic() - closed < 1.0, f"blocks still held a second after the disconnects: {m}"
+        # Freed before the next step: well under a second on a quiet machine. The bound only catches
+        # a leak; a CI host shared with other jobs can take seconds to schedule the worker.
+        assert time.monotonic() - closed < 15.0, f"blocks still held 15 s after the disconnects: {m}"
         time.sleep(0.02)
     assert m["minfer_requests_waiting"] == 0
     assert m["minfer_requests_aborted_total"] - before["minfer_requests_aborted_total"] == 16
