@@ -78,6 +78,17 @@ def test_chat_template_and_max_completion_tokens(info):
     assert req.params.max_tokens == 5  # the current name wins over the deprecated one
 
 
+def test_assistant_content_may_be_null(info):
+    """The openai SDK sends an assistant turn that only called a tool with content null."""
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+        {"role": "tool", "content": [{"type": "text", "text": "sunny"}], "tool_call_id": "c1"},
+    ]
+    req = parse_chat({"messages": messages}, info)
+    assert req.prompt_token_ids == info.tokenizer.encode("user: Weather?\nassistant: \ntool: sunny\nassistant:")
+
+
 def test_generate_fields(info):
     req = parse_generate({"prompt": "Hi", "max_new_tokens": 5, "stop_on_eos": False, "top_k": 3}, info)
     assert req.params.max_tokens == 5 and req.params.ignore_eos and req.params.top_k == 3
@@ -111,7 +122,10 @@ def test_generate_fields(info):
         ),
         (parse_completion, {"prompt": "a", "model": "gpt-4"}, 404, "model"),
         (parse_chat, {"messages": ["hi"]}, 400, "messages[0]"),
-        (parse_chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content"),
+        (parse_chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content[0]"),
+        (parse_chat, {"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content"),
+        (parse_chat, {"messages": [{"role": "user", "content": ["hi"]}]}, 400, "messages[0].content[0]"),
+        (parse_chat, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content[0].text"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400, "tools"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "logprobs": True}, 400, "logprobs"),
         (parse_generate, {"prompt": "a", "stop_on_eos": "no"}, 400, "stop_on_eos"),

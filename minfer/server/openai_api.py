@@ -247,15 +247,30 @@ def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
     return ParsedRequest(ids, _sampling(body, max_tokens, {}), stream, include_usage)
 
 
-def _message_text(content, i: int) -> str:
-    """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
+def _message_text(content, role: str, i: int) -> str:
+    """A message's content: a string, or a list of text parts ({"type": "text", "text": ...}). An
+    assistant's may be null, as OpenAI allows (the SDK's tool-call histories send it): no text."""
     param = f"messages[{i}].content"
     if isinstance(content, str):
         return content
+    if content is None and role == "assistant":
+        return ""
     if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise invalid(param, f'\'{param}\' parts must all be {{"type": "text", "text": ...}}')
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else None
+                raise invalid(
+                    f"{param}[{k}]",
+                    f"'{param}[{k}]' is a {kind!r} part: this server reads text parts only"
+                    if isinstance(kind, str)
+                    else f"'{param}[{k}]' must be a content part such as {{\"type\": \"text\", \"text\": ...}}",
+                    "unsupported_parameter" if isinstance(kind, str) else "invalid_type",
+                )
+            if not isinstance(part.get("text"), str):
+                raise invalid(f"{param}[{k}].text", f"'{param}[{k}].text' must be a string", "invalid_type")
         return "".join(p["text"] for p in content)
+    if content is None:
+        raise invalid(param, f"'{param}' is required for a {role} message", "missing_required_parameter")
     raise invalid(param, f"'{param}' must be a string or a list of text parts, got {_show(content)}", "invalid_type")
 
 
@@ -278,7 +293,7 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
             raise invalid(f"messages[{i}]", f"'messages[{i}]' must be an object, got {_show(m)}", "invalid_type")
         if m.get("role") not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}")
-        rendered.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
+        rendered.append({"role": m["role"], "content": _message_text(m.get("content"), m["role"], i)})
     try:
         # chat_template_kwargs: vLLM's extension, e.g. {"enable_thinking": false} for Qwen3.
         text = info.chat_template.render(rendered, variables=_get(body, "chat_template_kwargs", "object"))
