@@ -30,6 +30,7 @@ from ..engine.sequence import CompletionDelta, RequestOutput
 from ..errors import APIError, is_int
 from ..text.chat_template import ChatTemplate, ChatTemplateError
 from ..text.tokenizer import Tokenizer
+from .scoring_fields import CompletionScoring, chat_logprobs, completion_prompts, completion_scoring
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -56,6 +57,15 @@ class ParsedRequest:
     # The request's own name for an engine field where the two differ ({"max_tokens": "max_new_tokens"}),
     # so that an error the engine raises later (OnlineScheduler.check_request) names the field the client sent.
     fields: dict[str, str] = field(default_factory=dict)
+    # Completions may send a batch: every prompt (the first is prompt_token_ids), each its own engine
+    # request with `params`, and its text where it came as one (scoring_fields.py).
+    prompts: list[list[int]] = field(default_factory=list)
+    prompt_texts: list[str | None] = field(default_factory=list)
+    scoring: CompletionScoring | None = None  # completions' logprobs, echo, prompt_logprobs
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            self.prompts, self.prompt_texts = [self.prompt_token_ids], [None]
 
 
 # ---- errors --------------------------------------------------------------------------
@@ -212,17 +222,13 @@ def _prompt_ids(prompt, info: ModelInfo, param: str = "prompt") -> list[int]:
 
 
 COMPLETION_UNSUPPORTED = {
-    "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
-    "logprobs": (),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
     "logit_bias": ({},),
 }
 CHAT_UNSUPPORTED = {
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
     "logit_bias": ({},),
@@ -238,10 +244,18 @@ def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
     _check_model(body, info)
     _check_n(body)
     _reject_unsupported(body, COMPLETION_UNSUPPORTED)
-    ids = _prompt_ids(body.get("prompt"), info)
-    max_tokens = _max_tokens(body, "max_tokens", len(ids), info, default=16)
+    prompts, texts = completion_prompts(body.get("prompt"), info.tokenizer)
+    scoring = completion_scoring(body)
+    if scoring.score_only:  # the engine draws one token, which the response leaves out
+        body = {**body, "max_tokens": 1}
+    max_tokens = _max_tokens(body, "max_tokens", max(map(len, prompts)), info, default=16)
     stream, include_usage = _stream_flags(body)
-    return ParsedRequest(ids, _sampling(body, max_tokens, {}), stream, include_usage)
+    params = _with_logprobs(_sampling(body, max_tokens, {}), scoring.logprobs, scoring.prompt_logprobs)
+    return ParsedRequest(prompts[0], params, stream, include_usage, {}, prompts, texts, scoring)
+
+
+def _with_logprobs(params: SamplingParams, logprobs: int | None, prompt_logprobs: int | None = None):
+    return replace(params, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def _message_text(content, i: int) -> str:
@@ -256,11 +270,8 @@ def _message_text(content, i: int) -> str:
     raise invalid(param, f"'{param}' must be a string or a list of text parts, got {_show(content)}", "invalid_type")
 
 
-def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
-    """POST /v1/chat/completions."""
-    _check_model(body, info)
-    _check_n(body)
-    _reject_unsupported(body, CHAT_UNSUPPORTED)
+def render_messages(body: dict, info: ModelInfo, add_generation_prompt: bool = True) -> str:
+    """body["messages"] checked and rendered with the model's chat template (chat and /tokenize)."""
     messages = body.get("messages")
     if messages is None:
         raise invalid("messages", "'messages' is required", "missing_required_parameter")
@@ -277,16 +288,25 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
         rendered.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
     try:
         # chat_template_kwargs: vLLM's extension, e.g. {"enable_thinking": false} for Qwen3.
-        text = info.chat_template.render(rendered, variables=_get(body, "chat_template_kwargs", "object"))
+        variables = _get(body, "chat_template_kwargs", "object")
+        return info.chat_template.render(rendered, add_generation_prompt, variables)
     except ChatTemplateError as e:
         raise invalid("messages", str(e)) from None
+
+
+def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
+    """POST /v1/chat/completions."""
+    _check_model(body, info)
+    _check_n(body)
+    _reject_unsupported(body, CHAT_UNSUPPORTED)
+    text = render_messages(body, info)
     ids = info.tokenizer.encode(text)  # as is: the template wrote any BOS itself
     # max_completion_tokens is the current name; max_tokens the deprecated one. No limit: up to the context.
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(body, name, len(ids), info, default=None)
     stream, include_usage = _stream_flags(body)
     fields = {"prompt": "messages", "max_tokens": name}
-    params = _sampling(body, max_tokens, fields)
+    params = _with_logprobs(_sampling(body, max_tokens, fields), chat_logprobs(body))
     if info.chat_template.stop_token_ids and not params.ignore_eos:  # the reply ends at the end of its turn
         stops = [*(params.stop_token_ids or ()), *info.chat_template.stop_token_ids]
         params = replace(params, stop_token_ids=stops)
