@@ -102,5 +102,7 @@ for begin, end, first in windows(len(ids), window, stride):
     ref_window = reference(ids[begin:end])
     expected = -sum(ref_window[t - begin - 1, ids[t]].item() for t in range(first, end))
     assert abs(-sum(e.logprob for e in entries) - expected) < 10 * TOL
-print(f"{len(ids)} tokens, {scored} scored, windows of {window} every {stride}: perplexity {math.exp(nll / scored):.2f}")
+print(
+    f"{len(ids)} tokens, {scored} scored, windows of {window} every {stride}: perplexity {math.exp(nll / scored):.2f}"
+)
 assert scored == len(ids) - 1
