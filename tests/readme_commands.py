@@ -106,6 +106,8 @@ def hub_model(snippet: Snippet) -> str | None:
     shipped in the package (minfer-tiny)."""
     from minfer.models.loader import BUILTIN_MODELS
 
+    if snippet.lang == "bash" and snippet.text.startswith("lm_eval"):
+        return None  # its --model names the harness's client (local-completions), not a checkpoint
     pattern = r"--model[ =](\S+)" if snippet.lang == "bash" else r"LLM\(\s*[\"']([^\"']+)[\"']"
     for name in re.findall(pattern, snippet.text):
         if not name.startswith(("/", ".", "~", "$")) and name not in BUILTIN_MODELS:
