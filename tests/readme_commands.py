@@ -106,6 +106,8 @@ def hub_model(snippet: Snippet) -> str | None:
     shipped in the package (minfer-tiny)."""
     from minfer.models.loader import BUILTIN_MODELS
 
+    if snippet.lang == "bash" and snippet.text.startswith("lm_eval"):
+        return None  # its --model names the harness's client (local-completions), not a checkpoint
     pattern = r"--model[ =](\S+)" if snippet.lang == "bash" else r"LLM\(\s*[\"']([^\"']+)[\"']"
     for name in re.findall(pattern, snippet.text):
         if not name.startswith(("/", ".", "~", "$")) and name not in BUILTIN_MODELS:
@@ -123,6 +125,8 @@ def skip_reason(snippet: Snippet) -> str | None:
             return "runs the test suite, which this test is part of"
         if "bench.py" in text:
             return "a benchmark that runs for minutes: test_readme checks its flags, tests/test_bench.py runs bench.py"
+        if text.startswith("lm_eval"):
+            return "an evaluation that runs for minutes on Hub datasets: tests/test_lm_eval.py runs lm-eval on a local task"
         if "minfer.stress" in text:
             return "a soak that runs for a minute and sends bad requests on purpose: tests/test_stress.py runs it"
         if re.fullmatch(r"\w+=\S*", text):

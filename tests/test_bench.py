@@ -21,8 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ["--num-requests", "6", "--input-len", "8:24", "--output-len", "4:12", "--disable-tqdm"]
 
 
-
-
 def run_bench(capsys, *argv):
     assert bench.main([str(a) for a in argv]) == 0
     return capsys.readouterr().out
@@ -366,3 +364,32 @@ def test_comparison_reads_in_one_direction():
     assert verdict(10.0, 40.0, higher_is_better=False) == "minfer is 4.00x faster"  # a lower TPOT wins
     assert verdict(52.4, 10.0, higher_is_better=False) == "minfer is 5.24x slower"
     assert verdict(None, 10.0, higher_is_better=False) == "n/a"
+
+
+def test_logprobs_flag_asks_every_request_for_logprobs(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """--logprobs k: offline, and online against a server in this process, every step computes them."""
+    from minfer.engine.logprobs import StepLogprobs
+
+    fetched = []
+    real_fetch = StepLogprobs.fetch
+    monkeypatch.setattr(
+        StepLogprobs, "fetch", lambda self, tokens: fetched.append(self.sample_k) or real_fetch(self, tokens)
+    )
+    run_bench(capsys, "--model", tiny_checkpoint, *WORKLOAD, "--logprobs", "3", "--json", tmp_path / "b.json")
+    assert fetched and set(fetched) == {3}
+    assert json.loads((tmp_path / "b.json").read_text())["config"]["logprobs"] == 3
+    serve = pytest.importorskip("minfer.serve")
+    server = serve.create_server(EngineConfig(str(tiny_checkpoint)), port=0, served_model_name="tiny")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    fetched.clear()
+    try:
+        host, port = server.server_address[:2]
+        url = f"http://{host}:{port}/v1"
+        run_bench(
+            capsys, "--base-url", url, "--model", "tiny", "--tokenizer", tiny_checkpoint, *WORKLOAD, "--logprobs", "1"
+        )
+    finally:
+        server.stop()
+    assert fetched and set(fetched) == {1}
+    with pytest.raises(SystemExit):
+        bench.main(["--model", str(tiny_checkpoint), "--logprobs", "21"])

@@ -100,7 +100,7 @@ def test_generate_fields(info):
     [
         (parse_completion, {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
         (parse_completion, {"prompt": "a", "max_tokens": True}, 400, "max_tokens"),
-        (parse_completion, {"prompt": ["a", "b"]}, 400, "prompt"),
+        (parse_completion, {"prompt": ["a", [1]]}, 400, "prompt"),  # a batch may not mix strings and ids
         (parse_completion, {"prompt": [1, "a"]}, 400, "prompt"),
         (parse_completion, {"prompt": "a", "top_k": -2}, 400, "top_k"),
         (parse_completion, {"prompt": "a", "stop": 3}, 400, "stop"),
@@ -127,7 +127,7 @@ def test_generate_fields(info):
         (parse_chat, {"messages": [{"role": "user", "content": ["hi"]}]}, 400, "messages[0].content[0]"),
         (parse_chat, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content[0].text"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400, "tools"),
-        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "logprobs": True}, 400, "logprobs"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "logprobs": "yes"}, 400, "logprobs"),
         (parse_generate, {"prompt": "a", "stop_on_eos": "no"}, 400, "stop_on_eos"),
     ],
 )

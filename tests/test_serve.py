@@ -302,7 +302,7 @@ BAD_INPUT = [  # (name, method, path, body or raw bytes, headers, status, param)
     ("stream not bool", "POST", "/v1/completions", {**GOOD, "stream": "yes"}, AUTH, 400, "stream"),
     ("empty stop string", "POST", "/v1/completions", {**GOOD, "stop": [""]}, AUTH, 400, "stop"),
     ("n above one", "POST", "/v1/completions", {**GOOD, "n": 2}, AUTH, 400, "n"),
-    ("echo", "POST", "/v1/completions", {**GOOD, "echo": True}, AUTH, 400, "echo"),
+    ("echo not bool", "POST", "/v1/completions", {**GOOD, "echo": 1}, AUTH, 400, "echo"),
     ("unknown model", "POST", "/v1/completions", {**GOOD, "model": "gpt-5"}, AUTH, 404, "model"),
     ("chat no messages", "POST", "/v1/chat/completions", {"model": MODEL}, AUTH, 400, "messages"),
     ("chat empty messages", "POST", "/v1/chat/completions", {**CHAT, "messages": []}, AUTH, 400, "messages"),

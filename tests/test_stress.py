@@ -23,6 +23,7 @@ def test_soak_with_faults_then_sigterm(tiny_checkpoint):
     assert figures["streams finished"] > 0 and figures["streams cancelled midway"] > 0
     assert figures["preemptions"] > 0 and figures["requests discarded by the server"] > 0
     assert figures["slow-reader streams finished"] > 0
+    assert figures["scoring requests answered (echo + logprobs)"] > 0 and figures["logprob streams finished"] > 0
     assert figures["stalled requests closed with 408"] > 0 and figures["silent connections closed"] > 0
     assert figures["idle keep-alive connections closed"] > 0
     assert figures["malformed requests answered 4xx"] > 0 and figures["/metrics scrapes"] > 0

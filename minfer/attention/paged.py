@@ -91,7 +91,7 @@ class PagedBatch:
     positions: torch.Tensor  # (N,) position of every token in its own sequence
     kv_cache: KVCache  # every layer's keys and values, in blocks
     attention: AttentionMetadata  # where each token's keys go and which context each sequence reads
-    sample_rows: torch.Tensor  # (S,) rows that draw a token: the only ones the LM head sees
+    sample_rows: torch.Tensor  # (S,) rows the LM head sees: those that draw a token, then prompt rows scored
 
 
 def paged_attention(

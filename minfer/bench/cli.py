@@ -27,6 +27,7 @@ import torch
 
 from ..engine.config import EngineConfig
 from ..engine.llm import LLM, cpu_threads_wanted, resolve_dtype, set_cpu_threads
+from ..engine.logprobs import MAX_LOGPROBS
 from ..engine.scheduler import OnlineScheduler
 from ..models.loader import ModelNotFoundError, resolve_model_dir
 from ..models.registry import read_config
@@ -74,6 +75,7 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
     w.add_argument("--pretok", action="store_true", help="tokenize text prompts outside the timed region")
     w.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     w.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    w.add_argument("--logprobs", type=int, help="every request asks for each token's logprob and the k likeliest")
     w.add_argument("--seed", type=int, default=0, help="seeds the workload's draws, and the engine (--seed of serve)")
     r = p.add_argument_group("runs and output")
     r.add_argument("--warmup-runs", type=int, default=1, help="small unmeasured workloads run first")
@@ -101,6 +103,8 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup_runs < 0:
         p.error("--warmup-runs must be >= 0")
+    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
+        p.error(f"--logprobs must be from 0 to {MAX_LOGPROBS}")
     return args
 
 
@@ -231,7 +235,7 @@ def baseline_hf(args, model_dir, tokenizer: Tokenizer, workload, minfer_summary:
 
 
 def print_runs(summaries: list[dict]) -> None:
-    fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+    fmt = lambda v, spec: "n/a" if v is None else format(v, spec)
     for k, s in enumerate(summaries):
         print(
             f"run {k}: {s['duration']:.2f} s, {s['output_throughput']:.1f} output tok/s, "
@@ -279,6 +283,8 @@ def run(args) -> int:
         )
         for k in range(args.repeat_runs)
     ]
+    for request in (r for workload in workloads for r in workload):
+        request.logprobs = args.logprobs
     warm = warmup_workload(workloads[0], tokenizer, vocab)
     print(header(args, engine))
     if args.mode == "offline":

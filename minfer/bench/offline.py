@@ -81,7 +81,7 @@ def run_offline(
 
 def submit_request(scheduler: OnlineScheduler, r: BenchRequest) -> str:
     # Greedy, and ignore_eos so every request produces exactly its output length.
-    params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, logprobs=r.logprobs)
     if r.prompt_token_ids is not None:
         return scheduler.add_request(prompt_token_ids=r.prompt_token_ids, sampling_params=params)
     return scheduler.add_request(r.prompt, sampling_params=params)

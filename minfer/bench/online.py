@@ -214,6 +214,7 @@ def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float
             "ignore_eos": True,  # an extension vLLM and minfer share: exactly max_tokens tokens
             "stream": True,
             "stream_options": {"include_usage": True},
+            **({"logprobs": r.logprobs} if r.logprobs is not None else {}),
         }
     )
     conn = endpoint.connect()

@@ -25,6 +25,7 @@ class BenchRequest:
     input_len: int | None  # prompt tokens, counted outside the timed region (None: no tokenizer at hand)
     output_len: int  # tokens to generate, exactly
     arrival: float  # seconds after the run starts
+    logprobs: int | None = None  # ask for each generated token's logprob and top-k (bench.py --logprobs k)
 
 
 def parse_length(spec: str | int, name: str = "length") -> tuple[int, int]:

@@ -28,11 +28,18 @@ from .sequence import ScheduledChunk, Sequence, Status
 
 
 class ContinuousBatcher:
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_logprob_rows: int | None = None,  # prompt positions one step may score (logprobs.py); None: no cap
+    ):
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_logprob_rows = max_logprob_rows or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
@@ -47,18 +54,23 @@ class ContinuousBatcher:
     def schedule(self) -> list[ScheduledChunk]:
         """This step's chunks: running sequences first, then newly admitted ones, within the token budget."""
         budget = self.max_num_batched_tokens
+        self._logprob_rows_left = self.max_logprob_rows  # prompt positions scored this step
         chunks: list[ScheduledChunk] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk_size(seq, seq.num_computed_tokens, budget)
+            if n == 0:  # its prompt logprobs wait for the next step's rows
+                i += 1
+                continue
             if not self._grow(seq, seq.num_computed_tokens + n):
                 preempted = True
                 if seq not in self.running:  # it was itself the newest: nothing left to schedule
                     break
                 continue  # a newer sequence gave up its blocks; try this one again
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            self._take_logprob_rows(seq, n)
             budget -= n
             i += 1
         # Admitting right after a preemption would just take the blocks back.
@@ -70,6 +82,7 @@ class ContinuousBatcher:
             self.waiting.popleft()
             self.running.append(seq)
             chunks.append(chunk)
+            self._take_logprob_rows(seq, chunk.num_tokens)
             budget -= chunk.num_tokens
         return chunks
 
@@ -105,8 +118,12 @@ class ContinuousBatcher:
         """Reuse the longest cached prefix (always leaving one token to compute), give blocks for the
         first chunk, or return None if the blocks are not there."""
         hits = self.allocator.match_prefix(seq.token_ids[: seq.num_tokens - 1])
+        if seq.params.prompt_logprobs is not None:  # a hit must not skip positions still to be scored
+            hits = hits[: len(seq.prompt_logprobs) // self.block_size]
         cached = len(hits) * self.block_size
-        n = min(seq.num_tokens - cached, budget)
+        n = self._chunk_size(seq, cached, budget)
+        if n == 0:
+            return None
         new_blocks = cdiv(cached + n, self.block_size) - len(hits)
         if new_blocks + self.allocator.num_unreferenced(hits) > self.allocator.num_free_blocks:
             return None
@@ -116,6 +133,16 @@ class ContinuousBatcher:
         self.prefix_cache_hit_tokens += cached
         seq.status = Status.RUNNING
         return ScheduledChunk(seq, cached, n)
+
+    def _chunk_size(self, seq: Sequence, start: int, budget: int) -> int:
+        """Tokens of seq to compute from `start` this step: the rest, within the token budget and, while
+        its prompt logprobs are being scored, within the rows left for them."""
+        n = min(seq.num_tokens - start, budget)
+        return min(n, self._logprob_rows_left) if seq.num_prompt_logprobs_missing > 0 else n
+
+    def _take_logprob_rows(self, seq: Sequence, n: int) -> None:
+        if seq.num_prompt_logprobs_missing > 0:
+            self._logprob_rows_left -= n
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it waits at the front and is recomputed later."""

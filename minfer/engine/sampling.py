@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from ..errors import InvalidParameter, is_int
+from .logprobs import check_num_logprobs
 
 
 def _is_number(x) -> bool:
@@ -30,6 +31,8 @@ class SamplingParams:
     stop: str | list[str] | None = None  # normalised to list[str] or None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # per generated token: its logprob and the k likeliest (logprobs.py)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
 
     def __post_init__(self) -> None:
         """Check every field; a bad one raises InvalidParameter naming it."""
@@ -51,6 +54,8 @@ class SamplingParams:
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParameter("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        check_num_logprobs(self.logprobs, "logprobs")
+        check_num_logprobs(self.prompt_logprobs, "prompt_logprobs")
 
     @property
     def is_greedy(self) -> bool:

@@ -32,7 +32,8 @@ from ..text.tokenizer import Tokenizer
 from .block_allocator import BlockAllocator
 from .config import EngineConfig, dtype_name
 from .continuous_batcher import ContinuousBatcher
-from .model_runner import ModelRunner
+from .logprobs import TokenLogprob, keep_top, max_logprob_rows
+from .model_runner import ModelRunner, StepOutput
 from .prepare import prepare_model
 from .sampling import SamplingParams, make_generator
 from .sequence import CompletionDelta, RequestOutput, ScheduledChunk, Sequence, Status
@@ -99,7 +100,12 @@ class OnlineScheduler:
         )
         self.allocator = BlockAllocator(num_kv_blocks, block_size, config.enable_prefix_caching)
         self.kv_cache = KVCache(model.config, num_kv_blocks, block_size, model.device, model.dtype)
-        self.batcher = ContinuousBatcher(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
+        self.batcher = ContinuousBatcher(
+            self.allocator,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_logprob_rows(model.config.vocab_size),
+        )
         model, attention_backend = prepare_model(model, config)  # once, before the first step; idempotent
         self.runner = ModelRunner(model, self.kv_cache, block_size, attention_backend)
         # What runs, every choice made: the dtype "auto" picked, the blocks the memory bought, the
@@ -221,12 +227,13 @@ class OnlineScheduler:
             chunks = self.batcher.schedule()
         if not chunks:
             return {}
-        tokens = self.runner.execute(chunks)
+        output = self.runner.execute(chunks)
         with part("host: bookkeeping"):
             end = time.perf_counter()
-            self._record_step(chunks, len(tokens), start, end, self.num_preemptions - preemptions_before)
+            self._record_step(chunks, len(output.tokens), start, end, self.num_preemptions - preemptions_before)
+            self._record_prompt_logprobs(chunks, output)  # before advance(): it may register their blocks
             self.batcher.advance(chunks)
-            return self._record_tokens(chunks, tokens, end)
+            return self._record_tokens(chunks, output, end)
 
     def steps(self) -> Iterator[dict[str, int]]:
         """Step until every request has finished, yielding each step's {request_id: token_id}.
@@ -234,14 +241,21 @@ class OnlineScheduler:
         while self.has_unfinished():
             yield self.step()
 
-    def _record_tokens(self, chunks: list[ScheduledChunk], tokens: list[int], now: float) -> dict[str, int]:
+    def _record_prompt_logprobs(self, chunks: list[ScheduledChunk], output: StepOutput) -> None:
+        for i, entries in output.prompt_logprobs.items():
+            seq = chunks[i].seq
+            seq.prompt_logprobs += [keep_top(e, seq.params.prompt_logprobs) for e in entries]
+
+    def _record_tokens(self, chunks: list[ScheduledChunk], output: StepOutput, now: float) -> dict[str, int]:
         out = {}
-        sampled = iter(tokens)
-        for chunk in chunks:
+        sampled = iter(output.tokens)
+        for i, chunk in enumerate(chunks):
             request = self.requests[chunk.seq.request_id]
             request.num_steps += 1
             if chunk.produces_token:
                 token = next(sampled)
+                if i in output.sample_logprobs:
+                    chunk.seq.logprobs.append(keep_top(output.sample_logprobs[i], chunk.seq.params.logprobs))
                 self._add_token(request, token, now)
                 out[chunk.seq.request_id] = token
         return out
@@ -303,8 +317,11 @@ class OnlineScheduler:
         seq = request.seq
         start = seq.num_prompt_tokens + request.num_streamed_tokens
         token_ids = seq.token_ids[start:]
+        logprobs = seq.logprobs[request.num_streamed_tokens :] if seq.params.logprobs is not None else None
+        prompt_logprobs = _prompt_logprobs(seq) if request.num_streamed_tokens == 0 else None
         request.num_streamed_tokens += len(token_ids)
-        return CompletionDelta(0, token_ids, self.get_new_text(request_id), seq.finish_reason)
+        text = self.get_new_text(request_id)
+        return CompletionDelta(0, token_ids, text, seq.finish_reason, logprobs, prompt_logprobs)
 
     def pop_finished_ids(self) -> list[str]:
         """Ids of the requests finished since the last call."""
@@ -330,6 +347,8 @@ class OnlineScheduler:
             first_token_time=request.token_times[0] if request.token_times else None,
             token_times=request.token_times,
             finish_time=request.finish_time,
+            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            prompt_logprobs=_prompt_logprobs(seq),
         )
 
     def discard_request(self, request_id: str) -> bool:
@@ -361,3 +380,8 @@ class OnlineScheduler:
     def check_invariants(self) -> None:
         """Assert the allocator agrees with the block tables of the running sequences (for tests)."""
         self.batcher.check_invariants()
+
+
+def _prompt_logprobs(seq: Sequence) -> list[TokenLogprob | None] | None:
+    """The prompt's logprobs as RequestOutput has them: None first (no context), then one per token."""
+    return None if seq.params.prompt_logprobs is None else [None, *seq.prompt_logprobs]

@@ -20,6 +20,7 @@ from typing import Iterable
 
 import torch
 
+from .logprobs import TokenLogprob
 from .sampling import SamplingParams
 
 
@@ -44,6 +45,10 @@ class RequestOutput:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
+    # With SamplingParams.logprobs: one TokenLogprob per generated token. With prompt_logprobs: one per
+    # prompt token, the first None (nothing precedes it), as vLLM's RequestOutput has them.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,8 @@ class CompletionDelta:
     token_ids: list[int]  # sampled since the last delta, a stop token included (as in RequestOutput)
     text: str  # the text added since, less a tail held back while it might still become a stop string
     finish_reason: str | None = None  # set on the completion's last delta: "stop" or "length"
-    logprobs: list | None = None  # one entry per token id, for a request that asks (a later issue)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, for a request that asks
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on a completion's first delta, if asked
 
 
 class Sequence:
@@ -79,6 +85,8 @@ class Sequence:
         self.num_preemptions = 0
         self.status = Status.WAITING
         self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprob] = []  # one per output token, when params.logprobs is set
+        self.prompt_logprobs: list[TokenLogprob] = []  # for prompt tokens 1, 2, ...: entry p from position p
         self.stop_token_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             self.stop_token_ids.update(eos_token_ids)
@@ -94,6 +102,13 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_prompt_logprobs_missing(self) -> int:
+        """Prompt positions whose logprobs were asked for and are not computed yet."""
+        if self.params.prompt_logprobs is None:
+            return 0
+        return self.num_prompt_tokens - 1 - len(self.prompt_logprobs)
 
     @property
     def is_finished(self) -> bool:

@@ -19,15 +19,15 @@ from urllib.parse import unquote, urlsplit
 from ..engine.sequence import RequestOutput
 from ..errors import APIError, InvalidParameter
 from ..version import __version__
-from . import live_view
+from . import live_view, tokenizer_api
 from .connections import ConnectionStats
 from .http_handler import ClientGone, RoutingHandler
 from .manager import EngineError, SchedulerManager
+from .scoring_responder import ScoringResponder
 from .messages import Accepted, CompletionDelta, Done, Error, RequestEvent, RequestHandle
 from .openai_api import (
     ModelInfo,
     ParsedRequest,
-    Responder,
     invalid_request,
     parse_chat,
     parse_completion,
@@ -47,6 +47,13 @@ class ServerState(Protocol):
 
     def health(self) -> tuple[int, dict]: ...
 
+def _at_index(e: APIError, index: int | None) -> APIError:
+    """An error about one prompt of a batch names which: param 'prompt[3]'."""
+    if index is None or e.param != "prompt":
+        return e
+    return APIError(e.status, f"prompt[{index}]: {e.message}", param=f"prompt[{index}]", code=e.code)
+
+
 CLIENT_CHECK_SECONDS = 0.5  # while a request waits without output, check this often whether its client left
 
 
@@ -62,6 +69,9 @@ class APIHandler(RoutingHandler):
         "/v1/completions": ("POST", "completions", True),
         "/v1/chat/completions": ("POST", "chat_completions", True),
         "/generate": ("POST", "generate", True),
+        "/tokenize": ("POST", "tokenize", True),
+        "/detokenize": ("POST", "detokenize", True),
+        "/tokenizer_info": ("GET", "tokenizer_info", True),
         "/": ("GET", "live_page", False),  # the page holds no data: the feed it reads needs the key
         "/engine/events": ("GET", "engine_events", True),
     }
@@ -71,20 +81,34 @@ class APIHandler(RoutingHandler):
     @contextmanager
     def _submitted(self, req: ParsedRequest):
         """Submit to the engine and wait until it is admitted; always release it afterwards."""
+        with self._submitted_all(req) as handles:
+            yield handles[0]
+
+    @contextmanager
+    def _submitted_all(self, req: ParsedRequest):
+        """Submit every prompt of the request, each its own engine request, and wait until all are
+        admitted; always release them afterwards. One prompt the engine refuses refuses them all."""
+        manager, batch = self.server.manager, len(req.prompts) > 1
+        for i, ids in enumerate(req.prompts):  # check them all before any runs
+            try:
+                manager.check_request(ids, req.params)
+            except InvalidParameter as e:  # the prompt does not fit the model: a 400 before anything is streamed
+                raise _at_index(invalid_request(e, req.fields), i if batch else None) from None
+        handles = []
         try:
-            handle = self.server.manager.submit(req.prompt_token_ids, req.params)
-        except InvalidParameter as e:  # the prompt does not fit the model: a 400 before anything is streamed
-            raise invalid_request(e, req.fields) from None
+            for ids in req.prompts:
+                handles.append(manager.submit(ids, req.params))
+            for handle in handles:
+                event = self._next_event(handle)
+                if isinstance(event, Error):
+                    raise APIError(event.status, event.message)
+                assert isinstance(event, Accepted), event
+            yield handles
         except EngineError as e:
             raise APIError(e.status, e.message) from None
-        try:
-            event = self._next_event(handle)
-            if isinstance(event, Error):
-                raise APIError(event.status, event.message)
-            assert isinstance(event, Accepted), event
-            yield handle
         finally:
-            self.server.manager.release(handle)  # discards it if it has not finished
+            for handle in handles:
+                manager.release(handle)  # discards it if it has not finished
 
     def _next_event(self, handle: RequestHandle) -> RequestEvent:
         while True:
@@ -155,6 +179,15 @@ class APIHandler(RoutingHandler):
         live_view.stream_events(self.server.manager.events, self.write_chunk, self.client_gone)
         self.end_stream()
 
+    def handle_tokenize(self) -> None:
+        self.send_json(200, tokenizer_api.tokenize(self.read_json(), self.server.info))
+
+    def handle_detokenize(self) -> None:
+        self.send_json(200, tokenizer_api.detokenize(self.read_json(), self.server.info))
+
+    def handle_tokenizer_info(self) -> None:
+        self.send_json(200, tokenizer_api.tokenizer_info(self.server.info))
+
     def handle_completions(self) -> None:
         self._openai(parse_completion(self.read_json(), self.server.info), chat=False)
 
@@ -162,25 +195,29 @@ class APIHandler(RoutingHandler):
         self._openai(parse_chat(self.read_json(), self.server.info), chat=True)
 
     def _openai(self, req: ParsedRequest, chat: bool) -> None:
-        r = Responder(self.server.info.name, chat)
-        with self._submitted(req) as handle:
+        r = ScoringResponder(self.server.info.name, chat, req, self.server.info.tokenizer)
+        with self._submitted_all(req) as handles:
             if not req.stream:
-                self.send_json(200, r.response(self._collect(handle)))
+                self.send_json(200, r.response_all([self._collect(h) for h in handles]))
                 return
             # The engine's id for this request, as /engine/events names it: the live view's playground
             # highlights its own request's blocks with it.
-            self.begin_stream("text/event-stream", {"X-Engine-Request-Id": handle.request_id})
-            for chunk in r.first_chunks():
+            self.begin_stream("text/event-stream", {"X-Engine-Request-Id": handles[0].request_id})
+            for chunk in r.first_chunks_all():
                 self.send_event(chunk)
+            outs = []
             try:
-                for item in self._events(handle):
-                    if isinstance(item, CompletionDelta):
-                        if (chunk := r.delta_chunk(item)) is not None:
-                            self.send_event(chunk)
-                        continue
-                    self.send_event(r.final_chunk(item.finish_reason))
-                    if req.include_usage:
-                        self.send_event(r.usage_chunk(item))
+                # The engine runs every prompt together; the stream gives each choice in turn.
+                for index, handle in enumerate(handles):
+                    for item in self._events(handle):
+                        if isinstance(item, CompletionDelta):
+                            for chunk in r.delta_chunks(item, index):
+                                self.send_event(chunk)
+                            continue
+                        self.send_event(r.final_chunk_for(item.finish_reason, index))
+                        outs.append(item)
+                if req.include_usage:
+                    self.send_event(r.usage_chunk_all(outs))
             except APIError as e:  # the engine failed or is shutting down: say so, then end the stream
                 self.note_cut_stream(e)
                 self.send_event(e.body())

@@ -30,7 +30,9 @@ from ..engine.sequence import CompletionDelta, RequestOutput
 from ..errors import APIError, is_int
 from ..text.chat_template import ChatTemplate, ChatTemplateError
 from ..text.tokenizer import Tokenizer
+from . import request_fields
 from .generation_defaults import with_defaults
+from .scoring_fields import CompletionScoring, chat_logprobs, completion_prompts, completion_scoring
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -58,6 +60,15 @@ class ParsedRequest:
     # The request's own name for an engine field where the two differ ({"max_tokens": "max_new_tokens"}),
     # so that an error the engine raises later (OnlineScheduler.check_request) names the field the client sent.
     fields: dict[str, str] = field(default_factory=dict)
+    # Completions may send a batch: every prompt (the first is prompt_token_ids), each its own engine
+    # request with `params`, and its text where it came as one (scoring_fields.py).
+    prompts: list[list[int]] = field(default_factory=list)
+    prompt_texts: list[str | None] = field(default_factory=list)
+    scoring: CompletionScoring | None = None  # completions' logprobs, echo, prompt_logprobs
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            self.prompts, self.prompt_texts = [self.prompt_token_ids], [None]
 
 
 # ---- errors --------------------------------------------------------------------------
@@ -113,14 +124,6 @@ def _get(body: dict, name: str, kind: str, default=None):
     return value
 
 
-def _reject_unsupported(body: dict, allowed: dict[str, tuple]) -> None:
-    """Fields minfer does not implement are fine at their default value and refused otherwise."""
-    for name, defaults in allowed.items():
-        value = body.get(name)
-        if value is not None and not any(value == d and type(value) is type(d) for d in defaults):
-            raise invalid(name, f"'{name}' = {_show(value)} is not supported by this server", "unsupported_parameter")
-
-
 def parse_json_body(raw: bytes) -> dict:
     def reject_constant(name):  # json accepts NaN and Infinity; JSON does not
         raise ValueError(f"{name} is not valid JSON")
@@ -145,13 +148,14 @@ def _check_model(body: dict, info: ModelInfo) -> None:
         )
 
 
-def _stream_flags(body: dict) -> tuple[bool, bool]:
+def _stream_flags(body: dict, rules: request_fields.FieldRules) -> tuple[bool, bool]:
     stream = _get(body, "stream", "bool", False)
     options = _get(body, "stream_options", "object")
     if options is None:
         return stream, False
     if not stream:
         raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    rules.check_stream_options(options)
     include_usage = options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise invalid("stream_options.include_usage", "'include_usage' must be a boolean", "invalid_type")
@@ -213,38 +217,24 @@ def _prompt_ids(prompt, info: ModelInfo, param: str = "prompt") -> list[int]:
     raise invalid(param, f"'{param}' must be a string or a list of token ids, got {_show(prompt)}", "invalid_type")
 
 
-COMPLETION_UNSUPPORTED = {
-    "echo": (False,),
-    "best_of": (1,),
-    "suffix": ("",),
-    "logprobs": (),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-}
-CHAT_UNSUPPORTED = {
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "functions": ([],),
-    "response_format": ({"type": "text"},),
-}
-
-
 def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
     """POST /v1/completions."""
     body = with_defaults(body, info.sampling_defaults)
     _check_model(body, info)
     _check_n(body)
-    _reject_unsupported(body, COMPLETION_UNSUPPORTED)
-    ids = _prompt_ids(body.get("prompt"), info)
-    max_tokens = _max_tokens(body, "max_tokens", len(ids), info, default=16)
-    stream, include_usage = _stream_flags(body)
-    return ParsedRequest(ids, _sampling(body, max_tokens, {}), stream, include_usage)
+    request_fields.COMPLETIONS.check(body)
+    prompts, texts = completion_prompts(body.get("prompt"), info.tokenizer)
+    scoring = completion_scoring(body)
+    if scoring.score_only:  # the engine draws one token, which the response leaves out
+        body = {**body, "max_tokens": 1}
+    max_tokens = _max_tokens(body, "max_tokens", max(map(len, prompts)), info, default=16)
+    stream, include_usage = _stream_flags(body, request_fields.COMPLETIONS)
+    params = _with_logprobs(_sampling(body, max_tokens, {}), scoring.logprobs, scoring.prompt_logprobs)
+    return ParsedRequest(prompts[0], params, stream, include_usage, {}, prompts, texts, scoring)
+
+
+def _with_logprobs(params: SamplingParams, logprobs: int | None, prompt_logprobs: int | None = None):
+    return replace(params, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def _message_text(content, role: str, i: int) -> str:
@@ -274,12 +264,8 @@ def _message_text(content, role: str, i: int) -> str:
     raise invalid(param, f"'{param}' must be a string or a list of text parts, got {_show(content)}", "invalid_type")
 
 
-def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
-    """POST /v1/chat/completions."""
-    body = with_defaults(body, info.sampling_defaults)
-    _check_model(body, info)
-    _check_n(body)
-    _reject_unsupported(body, CHAT_UNSUPPORTED)
+def render_messages(body: dict, info: ModelInfo, add_generation_prompt: bool = True) -> str:
+    """body["messages"] checked and rendered with the model's chat template (chat and /tokenize)."""
     messages = body.get("messages")
     if messages is None:
         raise invalid("messages", "'messages' is required", "missing_required_parameter")
@@ -296,16 +282,26 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
         rendered.append({"role": m["role"], "content": _message_text(m.get("content"), m["role"], i)})
     try:
         # chat_template_kwargs: vLLM's extension, e.g. {"enable_thinking": false} for Qwen3.
-        text = info.chat_template.render(rendered, variables=_get(body, "chat_template_kwargs", "object"))
+        variables = _get(body, "chat_template_kwargs", "object")
+        return info.chat_template.render(rendered, add_generation_prompt, variables)
     except ChatTemplateError as e:
         raise invalid("messages", str(e)) from None
+
+
+def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
+    """POST /v1/chat/completions."""
+    body = with_defaults(body, info.sampling_defaults)
+    _check_model(body, info)
+    _check_n(body)
+    request_fields.CHAT.check(body)
+    text = render_messages(body, info)
     ids = info.tokenizer.encode(text)  # as is: the template wrote any BOS itself
     # max_completion_tokens is the current name; max_tokens the deprecated one. No limit: up to the context.
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(body, name, len(ids), info, default=None)
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage = _stream_flags(body, request_fields.CHAT)
     fields = {"prompt": "messages", "max_tokens": name}
-    params = _sampling(body, max_tokens, fields)
+    params = _with_logprobs(_sampling(body, max_tokens, fields), chat_logprobs(body))
     if info.chat_template.stop_token_ids and not params.ignore_eos:  # the reply ends at the end of its turn
         stops = [*(params.stop_token_ids or ()), *info.chat_template.stop_token_ids]
         params = replace(params, stop_token_ids=stops)
@@ -313,7 +309,8 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
 
 
 def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:
-    """POST /generate: {prompt, max_new_tokens, temperature, top_k, top_p, stop_on_eos, stream}."""
+    """POST /generate: {prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, stop_on_eos, stream}."""
+    request_fields.GENERATE.check(body)  # minfer's own API: a field it does not read is a mistake
     body = with_defaults(body, info.sampling_defaults)
     prompt = body.get("prompt")
     if prompt is not None and not isinstance(prompt, str):

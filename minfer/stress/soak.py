@@ -28,6 +28,7 @@ from .clients import (
     streamer,
 )
 from .malformed import BAD_REQUESTS, malformer
+from .scorer import scorer
 
 SPAWN_TIMEOUTS = 2.0  # the spawned server's request, keep-alive and write timeouts: short, so they fire in a run
 SHUTDOWN_GRACE = 3.0  # what `python -m minfer.serve` gives handlers to write their last bytes on SIGTERM
@@ -41,6 +42,7 @@ class SoakConfig:
     stalled: int = 8  # requests whose body never arrives
     slow: int = 4  # streams read slowly through a tiny receive window
     stopped: int = 2  # streams whose client stops reading
+    scorers: int = 6  # clients sending what eval harnesses send: echo + logprobs batches, logprob streams
     replays: int = 16  # seeded streams replayed alone afterwards
     health_p99_ms: float = 2000.0  # generous: a loaded 2-core machine is slow, but not this slow
     max_rss_growth_mib: float = 128.0
@@ -66,6 +68,7 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally) -> dict:
     jobs = [(streamer, i, ()) for i in range(cfg.streams)] + [(idler, i, ()) for i in range(cfg.idle)]
     jobs += [(staller, i, ()) for i in range(cfg.stalled)] + [(slow_reader, i, ()) for i in range(cfg.slow)]
     jobs += [(stopped_reader, i, (cfg.write_timeout + 2,)) for i in range(cfg.stopped)] + [(malformer, 0, ())]
+    jobs += [(scorer, i, ()) for i in range(cfg.scorers)]
     threads = [
         threading.Thread(target=fn, args=(target, tally, end, cfg.seed * 1000 + i, *extra), daemon=True)
         for fn, i, extra in jobs
@@ -104,6 +107,10 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally) -> dict:
         "requests discarded by the server": after["minfer_requests_aborted_total"]
         - before["minfer_requests_aborted_total"],
         "slow-reader streams finished": c["slow streams finished"],
+        "scoring requests answered (echo + logprobs)": c["scoring requests answered"],
+        "prompts scored": c["prompts scored"],
+        "scoring requests refused with 429": c["scoring requests refused with 429"],
+        "logprob streams finished": c["logprob streams finished"],
         "stopped readers cut off": c["stopped readers cut off"],
         "stopped readers whose stream fit in the socket buffers": c[
             "stopped readers whose stream fit in the socket buffers"

@@ -1,0 +1,96 @@
+"""The serving contract's one rule for request fields: what an endpoint reads is applied; a field of
+OpenAI's or vLLM's API that minfer does not implement is a 400 naming it (unless it asks for
+nothing); a field of neither API is logged once and ignored; /generate refuses what it does not read."""
+
+import logging
+
+import pytest
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
+
+from minfer.errors import APIError
+from minfer.server import request_fields
+from minfer.server.openai_api import ModelInfo, parse_chat, parse_completion, parse_generate
+from minfer.text.tokenizer import Tokenizer
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def info(tiny_checkpoint):
+    return ModelInfo("m", Tokenizer.from_dir(tiny_checkpoint), 512)
+
+
+def sdk_fields(module) -> set[str]:
+    return set(module.CompletionCreateParamsBase.__annotations__) | {"stream"}
+
+
+def test_the_tables_know_every_field_of_the_installed_openai_sdk():
+    """A new OpenAI field lands in a table by a decision, not by falling through to 'log and ignore'."""
+    assert sdk_fields(completion_create_params) <= request_fields.OPENAI_COMPLETIONS
+    assert sdk_fields(chat_create_params) <= request_fields.OPENAI_CHAT
+    # Every field an endpoint reads is a field of the API it serves.
+    assert request_fields.COMPLETIONS.reads <= request_fields.COMPLETIONS.api
+    assert request_fields.CHAT.reads <= request_fields.CHAT.api
+
+
+@pytest.mark.parametrize(
+    "parse, field, value",
+    [
+        (parse_completion, "suffix", "and so on"),
+        (parse_completion, "best_of", 3),
+        (parse_completion, "use_beam_search", True),
+        (parse_completion, "guided_json", {"type": "object"}),
+        (parse_completion, "length_penalty", 0.5),
+        (parse_completion, "allowed_token_ids", [1, 2]),
+        (parse_chat, "tools", [{"type": "function", "function": {"name": "f"}}]),
+        (parse_chat, "response_format", {"type": "json_object"}),
+        (parse_chat, "reasoning_effort", "high"),
+        (parse_chat, "audio", {"voice": "alloy"}),
+        (parse_chat, "parallel_tool_calls", "yes"),
+        (parse_chat, "continue_final_message", True),
+    ],
+)
+def test_an_api_field_minfer_does_not_implement_is_a_400_naming_it(info, parse, field, value):
+    body = {"prompt": "a"} if parse is parse_completion else {"messages": CHAT}
+    with pytest.raises(APIError) as e:
+        parse({**body, field: value}, info)
+    assert (e.value.status, e.value.param, e.value.code) == (400, field, "unsupported_parameter")
+    assert field in e.value.message
+
+
+@pytest.mark.parametrize(
+    "parse, extra",
+    [
+        (parse_completion, {"suffix": "", "best_of": 1, "use_beam_search": False, "guided_json": None}),
+        (parse_chat, {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "functions": None}),
+    ],
+)
+def test_the_values_that_ask_for_nothing_pass(info, parse, extra):
+    body = {"prompt": "a"} if parse is parse_completion else {"messages": CHAT}
+    parse({**body, **extra}, info)
+
+
+def test_fields_of_neither_api_and_account_fields_are_logged_once(info, caplog, monkeypatch):
+    for rules in (request_fields.COMPLETIONS, request_fields.CHAT):  # as in a fresh server process
+        monkeypatch.setattr(rules, "_logged", set())
+    body = {"prompt": "a", "my_trace_id": "t-1", "user": "u-7", "metadata": {"k": "v"}, "store": False}
+    with caplog.at_level(logging.WARNING, logger="minfer.serve"):
+        for _ in range(3):
+            parse_completion(body, info)
+            parse_chat({"messages": CHAT, "my_trace_id": "t-1", "stream": True,
+                        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, info)  # fmt: skip
+    lines = caplog.messages
+    for name in ("'my_trace_id'", "'user'", "'metadata'", "'store'"):
+        assert sum(name in line and line.startswith("/v1/completions") for line in lines) == 1, lines
+    assert sum("'my_trace_id'" in line and line.startswith("/v1/chat/completions") for line in lines) == 1
+    assert sum("'stream_options.continuous_usage_stats'" in line for line in lines) == 1
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "model", "logprobs", "n", "anything"])
+def test_generate_refuses_what_it_does_not_read(info, field):
+    with pytest.raises(APIError) as e:
+        parse_generate({"prompt": "a", field: 5}, info)
+    assert (e.value.status, e.value.param) == (400, field)
+    if field == "max_tokens":  # the mistake the issue met: 64 tokens came back, silently
+        assert "max_new_tokens" in e.value.message
