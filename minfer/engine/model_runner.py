@@ -35,7 +35,7 @@ class ModelRunner:
         logits = self.model(input_ids, batch)  # (S, V): one forward over the N tokens of every sequence
         with part("sampling"):
             sampling = [c.seq for c in chunks if c.produces_token]
-            tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+            tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling], sampling)
             return tokens.tolist()  # the step's single host sync
 
     def prepare(self, chunks: list[ScheduledChunk]):

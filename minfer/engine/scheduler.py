@@ -178,7 +178,7 @@ class OnlineScheduler:
             raise ValueError(f"request id {request_id!r} is already in use")
         generator = make_generator(params.seed, self.model.device)
         seq = Sequence(request_id, ids, params, self.tokenizer.eos_token_ids, generator)
-        text = TextStream(self.tokenizer.detokenizer(), params.stop)
+        text = TextStream(self.tokenizer.detokenizer(params.skip_special_tokens), params.stop, params.include_stop_str_in_output)
         self.requests[request_id] = Request(seq, text, arrival_time=time.perf_counter())
         self.batcher.add(seq)
         return request_id
@@ -194,6 +194,11 @@ class OnlineScheduler:
         bad = next((t for t in ids if not is_int(t) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidParameter("prompt", f"prompt token id {bad!r} is not in the vocabulary [0, {vocab})")
+        if params.n != 1:  # parallel sampling comes in the next commit
+            raise InvalidParameter("n", f"n must be 1 (one completion per request), got {params.n}")
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise InvalidParameter("logit_bias", f"logit_bias token id {bad} is not in the vocabulary [0, {vocab})")
         context = self.context_len  # the model's, or --max-model-len
         if len(ids) + params.max_tokens > context:
             raise InvalidParameter(
@@ -250,9 +255,11 @@ class OnlineScheduler:
         seq = request.seq
         seq.append_token(token)  # finishes it on a stop token or at max_tokens
         request.token_times.append(now)
-        if seq.finish_reason != "stop":  # a stop token's text is never shown
-            # A stop string ends the request too, and wins over "length".
-            if request.text.add_token(token) or (seq.is_finished and request.text.flush()):
+        # A stop token's text is shown only with include_stop_str_in_output. Stop strings count once the
+        # output is past min_tokens (vLLM's rule); one ends the request too, and wins over "length".
+        if seq.finish_reason != "stop" or seq.params.include_stop_str_in_output:
+            check = seq.num_output_tokens > seq.params.min_tokens
+            if request.text.add_token(token, check) or (seq.is_finished and request.text.flush(check)):
                 seq.finish("stop")
         if seq.is_finished:
             request.finish_time = now

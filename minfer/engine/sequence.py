@@ -82,6 +82,8 @@ class Sequence:
         self.stop_token_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             self.stop_token_ids.update(eos_token_ids)
+        # What min_tokens holds back (sampling forbids them): as vLLM, the EOS ids even with ignore_eos.
+        self.min_tokens_stop_ids = sorted(set(params.stop_token_ids or ()) | set(eos_token_ids))
 
     @property
     def num_tokens(self) -> int:
@@ -102,7 +104,7 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         """Record a sampled token; a stop token or reaching max_tokens finishes the sequence."""
         self.token_ids.append(token_id)
-        if token_id in self.stop_token_ids:
+        if token_id in self.stop_token_ids and self.num_output_tokens >= self.params.min_tokens:
             self.finish("stop")
         elif self.num_output_tokens >= self.params.max_tokens:
             self.finish("length")

@@ -2,9 +2,9 @@
 
 Everything here is plain data in, plain data out — no sockets, no threads — so
 each rule can be tested on its own. This module checks what is the API's own:
-the JSON shape, OpenAI's fields (`model`, `n`, `stream_options`, message roles)
+the JSON shape, OpenAI's fields (`model`, `stream_options`, message roles)
 and the parameters minfer does not support. The engine's rules stay the
-engine's: SamplingParams checks the sampling fields and
+engine's: sampling_fields.py reads the sampling fields, SamplingParams checks them and
 OnlineScheduler.check_request the prompt against the vocabulary and context,
 each raising InvalidParameter naming the field; `invalid_request` turns that
 into the 400 naming the request's own field.
@@ -30,11 +30,9 @@ from ..engine.sequence import CompletionDelta, RequestOutput
 from ..errors import APIError, is_int
 from ..text.chat_template import ChatTemplate, ChatTemplateError
 from ..text.tokenizer import Tokenizer
+from .sampling_fields import build_params
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-
 
 
 @dataclass
@@ -156,12 +154,6 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, bool(include_usage)
 
 
-def _check_n(body: dict) -> None:
-    n = _get(body, "n", "int", 1)
-    if n != 1:
-        raise invalid("n", f"'n' must be 1 (one completion per request), got {n}")
-
-
 # ---- sampling parameters: the engine checks them -------------------------------------
 
 
@@ -175,18 +167,11 @@ def _max_tokens(body: dict, name: str, num_prompt_tokens: int, info: ModelInfo, 
     return room if default is None else min(default, room)
 
 
-def _sampling(body: dict, max_tokens, fields: dict[str, str], *, ignore_eos: bool | None = None) -> SamplingParams:
-    """The request's SamplingParams. SamplingParams checks every field itself; its error becomes the 400."""
-    top_k = _value(body, "top_k", 0)
+def _sampling(body: dict, max_tokens, fields: dict[str, str], *, ignore_eos: bool | None = None, allow_n=True):
+    """The request's SamplingParams (sampling_fields.py reads the fields; SamplingParams checks them)."""
     try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=_value(body, "temperature", 1.0),
-            top_k=0 if is_int(top_k) and top_k == -1 else top_k,  # -1 is vLLM's "off", as 0 is ours
-            top_p=_value(body, "top_p", 1.0),
-            seed=body.get("seed"),
-            stop=body.get("stop"),
-            ignore_eos=_value(body, "ignore_eos", False) if ignore_eos is None else ignore_eos,
+        return build_params(
+            body, max_tokens, _value(body, "ignore_eos", False) if ignore_eos is None else ignore_eos, allow_n=allow_n
         )
     except ValueError as e:
         raise invalid_request(e, fields) from None
@@ -213,19 +198,12 @@ def _prompt_ids(prompt, info: ModelInfo, param: str = "prompt") -> list[int]:
 
 COMPLETION_UNSUPPORTED = {
     "echo": (False,),
-    "best_of": (1,),
     "suffix": ("",),
     "logprobs": (),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
 }
 CHAT_UNSUPPORTED = {
     "logprobs": (False,),
     "top_logprobs": (0,),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
@@ -236,7 +214,6 @@ CHAT_UNSUPPORTED = {
 def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
     """POST /v1/completions."""
     _check_model(body, info)
-    _check_n(body)
     _reject_unsupported(body, COMPLETION_UNSUPPORTED)
     ids = _prompt_ids(body.get("prompt"), info)
     max_tokens = _max_tokens(body, "max_tokens", len(ids), info, default=16)
@@ -259,7 +236,6 @@ def _message_text(content, i: int) -> str:
 def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
     """POST /v1/chat/completions."""
     _check_model(body, info)
-    _check_n(body)
     _reject_unsupported(body, CHAT_UNSUPPORTED)
     messages = body.get("messages")
     if messages is None:
@@ -303,7 +279,8 @@ def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:
     stop_on_eos = _get(body, "stop_on_eos", "bool", True)
     stream = _get(body, "stream", "bool", False)
     fields = {"max_tokens": "max_new_tokens"}
-    return ParsedRequest(ids, _sampling(body, max_tokens, fields, ignore_eos=not stop_on_eos), stream, fields=fields)
+    params = _sampling(body, max_tokens, fields, ignore_eos=not stop_on_eos, allow_n=False)
+    return ParsedRequest(ids, params, stream, fields=fields)
 
 
 # ---- responses -----------------------------------------------------------------------
