@@ -509,7 +509,7 @@ def test_dead_worker_fails_requests_and_health_says_503(small_server):
     def broken(request_id):
         raise RuntimeError("bug outside step()")
 
-    small_server.manager.scheduler.get_new_text = broken  # kills the worker loop itself
+    small_server.manager.scheduler.get_new_outputs = broken  # kills the worker loop itself
     port = small_server.server_address[1]
     status, _, body = call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 3})
     assert status == 503 and body["error"]["type"] == "server_error"

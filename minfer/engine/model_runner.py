@@ -29,12 +29,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> list[int]:
-        """Run one step. Returns the sampled token of every sampling chunk, in chunk order."""
+        """Run one step. Returns the sampled token of every sampler of every chunk (ScheduledChunk.samplers),
+        in chunk order."""
         with part("host: prepare"):
             input_ids, batch = self.prepare(chunks)
         logits = self.model(input_ids, batch)  # (S, V): one forward over the N tokens of every sequence
         with part("sampling"):
-            sampling = [c.seq for c in chunks if c.produces_token]
+            sampling = [s for c in chunks for s in c.samplers]  # a fork draws from its parent's row
             tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling], sampling)
             return tokens.tolist()  # the step's single host sync
 
@@ -59,8 +60,7 @@ class ModelRunner:
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slots += [slot_of(table, p, block_size) for p in range(start, end)]
-            if chunk.produces_token:
-                sample_rows.append(len(input_ids) - 1)
+            sample_rows += [len(input_ids) - 1] * len(chunk.samplers)  # n rows when n completions fork here
 
         # One host->device copy for all the flat per-token integers.
         N, S = len(input_ids), len(sample_rows)

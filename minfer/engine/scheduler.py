@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -34,21 +34,9 @@ from .config import EngineConfig, dtype_name
 from .continuous_batcher import ContinuousBatcher
 from .model_runner import ModelRunner
 from .prepare import prepare_model
+from .request_state import Choice, Request
 from .sampling import SamplingParams, make_generator
 from .sequence import CompletionDelta, RequestOutput, ScheduledChunk, Sequence, Status
-
-
-@dataclass
-class Request:
-    """The registry's entry for one request: its engine state, its text, and its timeline."""
-
-    seq: Sequence
-    text: TextStream
-    arrival_time: float  # time.perf_counter() values
-    token_times: list[float] = field(default_factory=list)
-    finish_time: float | None = None
-    num_steps: int = 0  # engine steps that ran it (prefill chunks and decodes)
-    num_streamed_tokens: int = 0  # output tokens get_new_output has handed out
 
 
 @dataclass
@@ -176,12 +164,20 @@ class OnlineScheduler:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        generator = make_generator(params.seed, self.model.device)
-        seq = Sequence(request_id, ids, params, self.tokenizer.eos_token_ids, generator)
-        text = TextStream(self.tokenizer.detokenizer(params.skip_special_tokens), params.stop, params.include_stop_str_in_output)
-        self.requests[request_id] = Request(seq, text, arrival_time=time.perf_counter())
-        self.batcher.add(seq)
+        choices = [self._choice(request_id, ids, params, i) for i in range(params.n)]
+        choices[0].seq.forks = [c.seq for c in choices[1:]]  # they start when its prefill ends
+        self.requests[request_id] = Request(choices, arrival_time=time.perf_counter())
+        self.batcher.add(choices[0].seq)
         return request_id
+
+    def _choice(self, request_id: str, ids: list[int], params: SamplingParams, index: int) -> Choice:
+        """Completion `index` of a request. With a seed, its own generator seeded seed + index (as vLLM
+        does): reproducible, and the same whatever else runs."""
+        seed = None if params.seed is None else params.seed + index
+        generator = make_generator(seed, self.model.device)
+        seq = Sequence(request_id, ids, params, self.tokenizer.eos_token_ids, generator, index)
+        detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens)
+        return Choice(seq, TextStream(detokenizer, params.stop, params.include_stop_str_in_output))
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt as a list, if a request with it could ever run; else InvalidParameter naming the
@@ -194,8 +190,10 @@ class OnlineScheduler:
         bad = next((t for t in ids if not is_int(t) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidParameter("prompt", f"prompt token id {bad!r} is not in the vocabulary [0, {vocab})")
-        if params.n != 1:  # parallel sampling comes in the next commit
-            raise InvalidParameter("n", f"n must be 1 (one completion per request), got {params.n}")
+        if params.n > self.max_num_seqs:
+            raise InvalidParameter(
+                "n", f"n = {params.n} is more completions than this engine runs at once (max_num_seqs {self.max_num_seqs})"
+            )
         bad = next((t for t in params.logit_bias or () if t >= vocab), None)
         if bad is not None:
             raise InvalidParameter("logit_bias", f"logit_bias token id {bad} is not in the vocabulary [0, {vocab})")
@@ -226,6 +224,7 @@ class OnlineScheduler:
             chunks = self.batcher.schedule()
         if not chunks:
             return {}
+        self.kv_cache.copy_blocks(self.batcher.copies, self.block_size)  # copy-on-write, before anyone writes
         tokens = self.runner.execute(chunks)
         with part("host: bookkeeping"):
             end = time.perf_counter()
@@ -240,31 +239,24 @@ class OnlineScheduler:
             yield self.step()
 
     def _record_tokens(self, chunks: list[ScheduledChunk], tokens: list[int], now: float) -> dict[str, int]:
+        """Give each sampler of each chunk its token; forks start first (they share the parent's blocks,
+        which the parent may free at once if its first token finishes it)."""
         out = {}
         sampled = iter(tokens)
         for chunk in chunks:
             request = self.requests[chunk.seq.request_id]
             request.num_steps += 1
-            if chunk.produces_token:
+            samplers = chunk.samplers
+            if len(samplers) > 1:
+                self.batcher.fork(chunk.seq)
+            for seq in samplers:
                 token = next(sampled)
-                self._add_token(request, token, now)
-                out[chunk.seq.request_id] = token
+                if request.choices[seq.index].add_token(token, now):
+                    self.batcher.retire(seq)
+                    if request.is_finished:
+                        self.finished_ids.append(seq.request_id)
+                out[seq.request_id] = token  # a request with n > 1 appears once, with its last choice's token
         return out
-
-    def _add_token(self, request: Request, token: int, now: float) -> None:
-        seq = request.seq
-        seq.append_token(token)  # finishes it on a stop token or at max_tokens
-        request.token_times.append(now)
-        # A stop token's text is shown only with include_stop_str_in_output. Stop strings count once the
-        # output is past min_tokens (vLLM's rule); one ends the request too, and wins over "length".
-        if seq.finish_reason != "stop" or seq.params.include_stop_str_in_output:
-            check = seq.num_output_tokens > seq.params.min_tokens
-            if request.text.add_token(token, check) or (seq.is_finished and request.text.flush(check)):
-                seq.finish("stop")
-        if seq.is_finished:
-            request.finish_time = now
-            self.batcher.retire(seq)
-            self.finished_ids.append(seq.request_id)
 
     def _record_step(self, chunks: list[ScheduledChunk], num_sampled: int, start, end, num_preemptions) -> None:
         self.num_steps += 1
@@ -289,7 +281,7 @@ class OnlineScheduler:
     # ---- results out -----------------------------------------------------------------
 
     def is_finished(self, request_id: str) -> bool:
-        return self._get(request_id).seq.is_finished
+        return self._get(request_id).is_finished
 
     def get_generated_ids(self, request_id: str) -> list[int]:
         return self._get(request_id).seq.output_token_ids  # a fresh list: callers may keep it
@@ -300,18 +292,18 @@ class OnlineScheduler:
 
     def get_new_text(self, request_id: str) -> str:
         """Text generated since the last call, minus a tail that might still turn into a stop string."""
-        request = self._get(request_id)
-        return request.text.pop_new_text(finished=request.seq.is_finished)
+        choice = self._get(request_id).choices[0]
+        return choice.text.pop_new_text(finished=choice.seq.is_finished)
 
     def get_new_output(self, request_id: str) -> CompletionDelta:
-        """The token ids sampled since the last call, with the text get_new_text hands out: what a server
-        streams for the request after a step."""
-        request = self._get(request_id)
-        seq = request.seq
-        start = seq.num_prompt_tokens + request.num_streamed_tokens
-        token_ids = seq.token_ids[start:]
-        request.num_streamed_tokens += len(token_ids)
-        return CompletionDelta(0, token_ids, self.get_new_text(request_id), seq.finish_reason)
+        """The token ids sampled since the last call, with the text they add: what a server streams for
+        the request after a step. For a request with n > 1, get_new_outputs."""
+        deltas = self.get_new_outputs(request_id)
+        return deltas[0] if deltas else CompletionDelta(0, [], "", self._get(request_id).seq.finish_reason)
+
+    def get_new_outputs(self, request_id: str) -> list[CompletionDelta]:
+        """One CompletionDelta per choice that sampled since the last call, in index order."""
+        return [d for c in self._get(request_id).choices if (d := c.new_output()) is not None]
 
     def pop_finished_ids(self) -> list[str]:
         """Ids of the requests finished since the last call."""
@@ -319,39 +311,35 @@ class OnlineScheduler:
         return finished
 
     def pop_response(self, request_id: str) -> RequestOutput:
-        """The finished request's output; the scheduler forgets it."""
+        """The finished request's output; the scheduler forgets it. For n > 1, pop_responses."""
+        if len(self._get(request_id).choices) > 1:
+            raise ValueError(f"request {request_id!r} has several choices: use pop_responses")
+        return self.pop_responses(request_id)[0]
+
+    def pop_responses(self, request_id: str) -> list[RequestOutput]:
+        """The finished request's output, one per choice in index order; the scheduler forgets it."""
         request = self._get(request_id)
-        seq = request.seq
-        if not seq.is_finished:
+        if not request.is_finished:
             raise ValueError(f"request {request_id!r} has not finished")
         del self.requests[request_id]
-        return RequestOutput(
-            request_id=request_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids,
-            text=request.text.text,
-            finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            num_preemptions=seq.num_preemptions,
-            arrival_time=request.arrival_time,
-            first_token_time=request.token_times[0] if request.token_times else None,
-            token_times=request.token_times,
-            finish_time=request.finish_time,
-        )
+        return [c.output(request_id, request.arrival_time) for c in request.choices]
 
     def discard_request(self, request_id: str) -> bool:
-        """Drop a request wherever it is, freeing its KV blocks now. False if it was unknown."""
+        """Drop a request wherever it is, freeing its KV blocks now (every choice's). False if it was unknown."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
-        self.batcher.discard(request.seq)
-        request.seq.status = Status.FINISHED
+        for choice in request.choices:
+            self.batcher.discard(choice.seq)
+            choice.seq.status = Status.FINISHED
+            choice.seq.forks = []
         return True
 
     def stats(self) -> dict:
         return {
             "num_kv_blocks_total": self.allocator.num_blocks,
             "num_kv_blocks_free": self.allocator.num_free_blocks,
+            "num_kv_blocks_shared": self.allocator.num_shared_blocks,  # held by several sequences, stored once
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "num_preemptions": self.num_preemptions,

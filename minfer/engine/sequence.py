@@ -44,6 +44,7 @@ class RequestOutput:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
+    index: int = 0  # which of the request's n completions this is
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class CompletionDelta:
     the server's worker sends one after every step that sampled a token for it. Its token ids, and its
     texts, concatenated over a request's deltas, are the RequestOutput's."""
 
-    index: int  # which completion of the request; 0 until a request can ask for several (n > 1)
+    index: int  # which of the request's n completions (SamplingParams.n)
     token_ids: list[int]  # sampled since the last delta, a stop token included (as in RequestOutput)
     text: str  # the text added since, less a tail held back while it might still become a stop string
     finish_reason: str | None = None  # set on the completion's last delta: "stop" or "length"
@@ -67,8 +68,13 @@ class Sequence:
         params: SamplingParams,
         eos_token_ids: Iterable[int] = (),  # every id that ends the sequence (chat models have several)
         generator: torch.Generator | None = None,
+        index: int = 0,
     ):
         self.request_id = request_id
+        self.index = index  # which of the request's n completions
+        # The other completions, not yet started: when this one's prefill ends, they fork from it, sharing
+        # its blocks, and each samples its first token from the same logits (ContinuousBatcher.fork).
+        self.forks: list[Sequence] = []
         self.params = params
         self.generator = generator  # the request's own RNG when it has a seed
         self.token_ids = list(prompt_token_ids)
@@ -127,3 +133,11 @@ class ScheduledChunk:
     def produces_token(self) -> bool:
         """A chunk that reaches the sequence's last token produces the next token."""
         return self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def samplers(self) -> list[Sequence]:
+        """The sequences that draw a token from this chunk's last row: its own, and at the end of a prefill
+        with n > 1 the forks that start from it."""
+        if not self.produces_token:
+            return []
+        return [self.seq, *self.seq.forks] if self.seq.forks else [self.seq]

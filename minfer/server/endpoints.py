@@ -95,21 +95,22 @@ class APIHandler(RoutingHandler):
                 raise ClientGone()
 
     def _events(self, handle: RequestHandle):
-        """Yield each CompletionDelta as it comes, then the RequestOutput; an Error event raises APIError."""
+        """Yield each CompletionDelta as it comes, then the RequestOutputs (a tuple, one per choice); an
+        Error event raises APIError."""
         while True:
             match self._next_event(handle):
                 case CompletionDelta() as delta:
                     yield delta
-                case Done(output):
-                    self.log_note = "tokens={prompt_tokens}+{completion_tokens} ".format(**usage(output))
-                    yield output
+                case Done() as done:
+                    self.log_note = "tokens={prompt_tokens}+{completion_tokens} ".format(**usage(done.outputs))
+                    yield done.outputs
                     return
                 case Error(status, message):
                     raise APIError(status, message)
 
-    def _collect(self, handle: RequestHandle) -> RequestOutput:
+    def _collect(self, handle: RequestHandle) -> tuple[RequestOutput, ...]:
         for item in self._events(handle):
-            if isinstance(item, RequestOutput):  # its text is the whole text: the pieces are not needed
+            if isinstance(item, tuple):  # their texts are the whole texts: the pieces are not needed
                 return item
         raise AssertionError("the event stream ended without Done")
 
@@ -162,7 +163,7 @@ class APIHandler(RoutingHandler):
         self._openai(parse_chat(self.read_json(), self.server.info), chat=True)
 
     def _openai(self, req: ParsedRequest, chat: bool) -> None:
-        r = Responder(self.server.info.name, chat)
+        r = Responder(self.server.info.name, chat, req.params.n)
         with self._submitted(req) as handle:
             if not req.stream:
                 self.send_json(200, r.response(self._collect(handle)))
@@ -174,12 +175,10 @@ class APIHandler(RoutingHandler):
                 self.send_event(chunk)
             try:
                 for item in self._events(handle):
-                    if isinstance(item, CompletionDelta):
-                        if (chunk := r.delta_chunk(item)) is not None:
+                    if isinstance(item, CompletionDelta):  # a choice's text, then its finish_reason on its last
+                        for chunk in r.delta_chunks(item):
                             self.send_event(chunk)
-                        continue
-                    self.send_event(r.final_chunk(item.finish_reason))
-                    if req.include_usage:
+                    elif req.include_usage:
                         self.send_event(r.usage_chunk(item))
             except APIError as e:  # the engine failed or is shutting down: say so, then end the stream
                 self.send_event(e.body())
@@ -190,7 +189,7 @@ class APIHandler(RoutingHandler):
         req = parse_generate(self.read_json(), self.server.info)
         with self._submitted(req) as handle:
             if not req.stream:
-                out = self._collect(handle)
+                (out,) = self._collect(handle)  # /generate has n = 1
                 self.send_json(200, {"text": out.text, "finish_reason": out.finish_reason, "usage": usage(out)})
                 return
             self.begin_stream("text/plain; charset=utf-8")

@@ -286,17 +286,20 @@ def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:
 # ---- responses -----------------------------------------------------------------------
 
 
-def usage(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def usage(outs: RequestOutput | tuple[RequestOutput, ...] | list[RequestOutput]) -> dict:
+    """The prompt counted once, the completion tokens of every choice summed (OpenAI's and vLLM's rule)."""
+    outs = [outs] if isinstance(outs, RequestOutput) else list(outs)
+    prompt, completion = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class Responder:
-    """Builds the response body, or the stream chunks, of one completion or chat request."""
+    """Builds the response body, or the stream chunks, of one completion or chat request (n choices)."""
 
-    def __init__(self, model: str, chat: bool):
+    def __init__(self, model: str, chat: bool, n: int = 1):
         self.model = model
         self.chat = chat
+        self.n = n
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -315,31 +318,41 @@ class Responder:
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
     def first_chunks(self) -> list[dict]:
-        """Chat streams open with the assistant's role."""
-        return [self._chunk([self._choice("", None, role=True)])] if self.chat else []
+        """Chat streams open with the assistant's role, once per choice."""
+        return [self._chunk([self._choice("", None, role=True, index=i)]) for i in range(self.n)] if self.chat else []
 
     def text_chunk(self, text: str) -> dict:
         return self._chunk([self._choice(text, None)])
 
-    def delta_chunk(self, delta: CompletionDelta) -> dict | None:
-        """The stream chunk for one step's delta of a completion; None if it adds no text (its token's
-        text is held back, or is a stop token's), so the stream has no empty chunks."""
-        return self._chunk([self._choice(delta.text, None, index=delta.index)]) if delta.text else None
+    def delta_chunks(self, delta: CompletionDelta) -> list[dict]:
+        """The stream chunks for one step's delta of a choice: its text, if it adds any (its token's text
+        may be held back, or be a stop token's: the stream has no empty chunks), then, on its last delta,
+        the choice's finish_reason."""
+        chunks = [self._chunk([self._choice(delta.text, None, index=delta.index)])] if delta.text else []
+        if delta.finish_reason is not None:
+            chunks.append(self.final_chunk(delta.finish_reason, delta.index))
+        return chunks
 
-    def final_chunk(self, finish_reason: str | None) -> dict:
-        return self._chunk([self._choice(None, finish_reason)])
+    def final_chunk(self, finish_reason: str | None, index: int = 0) -> dict:
+        return self._chunk([self._choice(None, finish_reason, index=index)])
 
-    def usage_chunk(self, out: RequestOutput) -> dict:
-        return self._chunk([], usage=usage(out))
+    def usage_chunk(self, outs) -> dict:
+        return self._chunk([], usage=usage(outs))
 
-    def response(self, out: RequestOutput) -> dict:
+    def response(self, outs: RequestOutput | tuple[RequestOutput, ...]) -> dict:
+        outs = (outs,) if isinstance(outs, RequestOutput) else outs
         if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": out.text},
-                "logprobs": None,
-                "finish_reason": out.finish_reason,
-            }
-            return self._envelope("chat.completion", [choice], usage=usage(out))
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
-        return self._envelope("text_completion", [choice], usage=usage(out))
+            choices = [
+                {
+                    "index": out.index,
+                    "message": {"role": "assistant", "content": out.text},
+                    "logprobs": None,
+                    "finish_reason": out.finish_reason,
+                }
+                for out in outs
+            ]
+            return self._envelope("chat.completion", choices, usage=usage(outs))
+        choices = [
+            {"index": out.index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason} for out in outs
+        ]
+        return self._envelope("text_completion", choices, usage=usage(outs))
