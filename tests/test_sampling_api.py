@@ -189,3 +189,20 @@ def test_client_that_leaves_an_n_stream_midway_frees_every_block(server):
         wait_all_free(server)
     best_n = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "n": 2, "best_of": 2})
     assert best_n[0] == 200 and len(best_n[1]["choices"]) == 2
+
+
+def test_a_server_too_small_for_eight_copies_serves_n8_without_preempting(checkpoint):
+    """48 blocks of 16 tokens: eight copies of a 512-token prompt would need 256; shared, 32 + 8 x 1."""
+    small = create_server(EngineConfig(str(checkpoint), num_kv_blocks=48, max_num_seqs=8), port=0)
+    threading.Thread(target=small.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        prompt = [(7 * i) % 500 for i in range(512)]
+        status, out = post(small, "/v1/completions", {"prompt": prompt, "max_tokens": 16, "n": 8, "seed": 1,
+                                                      "temperature": 1.0, "ignore_eos": True})
+        assert status == 200 and len(out["choices"]) == 8
+        assert out["usage"] == {"prompt_tokens": 512, "completion_tokens": 128, "total_tokens": 640}
+        stats = small.manager.stats()
+        assert stats["num_preemptions"] == 0
+        wait_all_free(small)
+    finally:
+        small.stop(grace=1.0)
