@@ -162,6 +162,8 @@ BAD = [  # (endpoint, extra fields, the field the 400 names)
     ("/v1/chat/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
     ("/v1/chat/completions", {"min_tokens": 5, "max_completion_tokens": 2}, "min_tokens"),
     ("/generate", {"n": 2}, "n"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),  # vLLM's, not implemented: refused
+    ("/v1/chat/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
 ]
 
 

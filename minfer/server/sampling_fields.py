@@ -35,6 +35,22 @@ FIELDS = {
 }
 
 
+# vLLM's other sampling fields: accepted at their defaults (what clients send without asking for anything),
+# refused otherwise, so that none is taken and then not applied.
+NOT_IMPLEMENTED = {
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "allowed_token_ids": ([],),
+    "bad_words": ([],),
+    "truncate_prompt_tokens": (),
+    "spaces_between_special_tokens": (True,),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+}
+
+
 def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -76,6 +92,10 @@ def choices_count(body: dict, allow_n: bool) -> int:
 
 def sampling_kwargs(body: dict, *, allow_n: bool = True) -> dict:
     """SamplingParams' keyword arguments from a request body (max_tokens and ignore_eos aside)."""
+    for name, defaults in NOT_IMPLEMENTED.items():
+        value = body.get(name)
+        if value is not None and not any(value == d and type(value) is type(d) for d in defaults):
+            raise _bad(name, f"'{name}' = {value!r} is not supported by this server", "unsupported_parameter")
     kwargs = {}
     for name, (field, default) in FIELDS.items():
         value = body.get(name)
