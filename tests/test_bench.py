@@ -393,3 +393,29 @@ def test_logprobs_flag_asks_every_request_for_logprobs(tiny_checkpoint, tmp_path
     assert fetched and set(fetched) == {1}
     with pytest.raises(SystemExit):
         bench.main(["--model", str(tiny_checkpoint), "--logprobs", "21"])
+
+
+def test_n_counts_every_choice_offline_and_online(tiny_checkpoint, tmp_path, capsys):
+    """--n 3: each request's output_len is its three choices' tokens, its TPOT per choice; the server
+    gets n and answers with usage for all three."""
+    serve = pytest.importorskip("minfer.serve")
+    server = serve.create_server(EngineConfig(str(tiny_checkpoint)), port=0, served_model_name="tiny")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        host, port = server.server_address[:2]
+        online = ["--base-url", f"http://{host}:{port}/v1", "--tokenizer", tiny_checkpoint]
+        for mode, extra in (("offline", ["--model", tiny_checkpoint]), ("online", online)):
+            path = tmp_path / f"{mode}.json"
+            run_bench(capsys, *extra, *WORKLOAD, "--n", 3, "--warmup-runs", 0, "--json", path)
+            report = json.loads(path.read_text())
+            for r in report["requests"]:
+                assert r["num_choices"] == 3 and r["output_len"] == r["expected_output_len"]
+                assert r["output_len"] % 3 == 0 and 12 <= r["output_len"] <= 36
+                assert r["tpot"] == pytest.approx((r["latency"] - r["ttft"]) / (r["output_len"] / 3 - 1))
+            assert report["summary"]["total_output_tokens"] == sum(r["output_len"] for r in report["requests"])
+    finally:
+        server.stop()
+    stats = server.manager.stats()
+    assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
+    with pytest.raises(SystemExit):
+        bench.main(["--model", str(tiny_checkpoint), "--n", "0"])

@@ -163,6 +163,35 @@ def test_events_replay_to_the_true_block_states(server):
     reader.close()
 
 
+def test_n_samples_show_their_shared_blocks(server):
+    """A request with n = 4: its choices appear as id, id.1, id.2, id.3, holding the prompt's blocks as
+    shared ones; replaying the tables (copy-on-write rewrites a table's last entry) gives exactly the
+    blocks the feed calls shared, at every step; at the end none is."""
+    reader = FeedReader(server)
+    reader.wait_for(lambda e: e["type"] == "snapshot")
+    conn, resp = request(server, "POST", "/v1/completions", body={
+        "prompt": f"{SECRET} " * 30 + "x", "max_tokens": 20, "ignore_eos": True, "n": 4, "temperature": 1.0})
+    assert resp.status == 200 and len(json.loads(resp.read())["choices"]) == 4
+    conn.close()
+    reader.wait_for(lambda e: any(r[0].endswith(".3") for r in e["running"]))
+    rid = next(r[0] for e in reader.events for r in e["running"] if r[0].endswith(".3")).rsplit(".", 1)[0]
+    reader.wait_for(lambda e: {f"{rid}.{k}" for k in (1, 2, 3)} | {rid} <= finished_ids(reader.events))
+    snapshot = reader.events[0]
+    tables = {i: blocks for i, (_, blocks) in snapshot["tables"].items()}
+    shared, most = set(snapshot["shared"]), 0
+    for e in reader.events[1:]:
+        for i, (offset, blocks) in e["tables"].items():
+            tables[i] = (tables.get(i, [])[:offset] if offset else []) + blocks
+        running = {r[0] for r in e["running"]}
+        tables = {i: t for i, t in tables.items() if i in running}
+        shared = (shared - {int(b) for b in e["blocks"]}) | set(e["shared"])
+        held = [b for t in tables.values() for b in t]
+        assert shared == {b for b in held if held.count(b) > 1}, e["step"]
+        most = max(most, len(shared))
+    assert most >= 2 and not shared, "the prompt's blocks were shown shared while the four ran, and none after"
+    reader.close()
+
+
 def check_running_counts(events):
     """A step's num_seqs counts the sequences that ran in it, those that finished in it too; its
     `running` (what the page's header counts) lists those running after it, which also holds any

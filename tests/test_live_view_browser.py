@@ -16,6 +16,7 @@ from minfer.server.serve import create_server
 
 USED_RGB = [0x2F, 0x7D, 0xE1]  # --used in live.css
 MINE_RGB = [0xD6, 0x33, 0x6C]  # --mine
+SHARED_RGB = [0x17, 0x3F, 0x7A]  # --shared: a used block several sequences hold
 LEGIBLE_PX = 6  # blockmap.js's LEGIBLE_CELL
 
 # Draws the map as it stands and reports, in the same JS turn: its layout, and how many used
@@ -28,7 +29,7 @@ if (!used.length) return null;
 const ctx = document.getElementById("blocks").getContext("2d"), ratio = window.devicePixelRatio || 1;
 const colour = (b) => {{ const [x, y, size] = cellRect(b);
   return [...ctx.getImageData((x + size / 2) * ratio, (y + size / 2) * ratio, 1, 1).data.slice(0, 3)]; }};
-const ok = (c) => [{USED_RGB}, {MINE_RGB}].some((want) => want.every((v, i) => v === c[i]));
+const ok = (c) => [{USED_RGB}, {MINE_RGB}, {SHARED_RGB}].some((want) => want.every((v, i) => v === c[i]));
 return {{used: used.length, cell: blockMap.layout.cell, first: blockMap.layout.first, count: blockMap.layout.count,
         offMap: used.filter((b) => cellRect(b) === null).length,
         wrongColour: used.filter((b) => cellRect(b) !== null && !ok(colour(b))).length,

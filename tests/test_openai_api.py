@@ -113,7 +113,11 @@ def test_generate_fields(info):
         ),
         (parse_generate, {"prompt": "a", "max_new_tokens": "5"}, 400, "max_new_tokens"),
         (parse_completion, {"prompt": "a", "best_of": 2}, 400, "best_of"),
-        (parse_completion, {"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        (parse_completion, {"prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty"),
+        (parse_completion, {"prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        (parse_completion, {"prompt": "a", "min_tokens": 5, "max_tokens": 4}, 400, "min_tokens"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "min_p": 2}, 400, "min_p"),
+        (parse_generate, {"prompt": "a", "n": 2}, 400, "n"),
         (
             parse_completion,
             {"prompt": "a", "stream": True, "stream_options": {"include_usage": 1}},

@@ -301,8 +301,8 @@ BAD_INPUT = [  # (name, method, path, body or raw bytes, headers, status, param)
     ("seed float", "POST", "/v1/completions", {**GOOD, "seed": 1.5}, AUTH, 400, "seed"),
     ("stream not bool", "POST", "/v1/completions", {**GOOD, "stream": "yes"}, AUTH, 400, "stream"),
     ("empty stop string", "POST", "/v1/completions", {**GOOD, "stop": [""]}, AUTH, 400, "stop"),
-    ("n above one", "POST", "/v1/completions", {**GOOD, "n": 2}, AUTH, 400, "n"),
     ("echo not bool", "POST", "/v1/completions", {**GOOD, "echo": 1}, AUTH, 400, "echo"),
+    ("n zero", "POST", "/v1/completions", {**GOOD, "n": 0}, AUTH, 400, "n"),
     ("unknown model", "POST", "/v1/completions", {**GOOD, "model": "gpt-5"}, AUTH, 404, "model"),
     ("chat no messages", "POST", "/v1/chat/completions", {"model": MODEL}, AUTH, 400, "messages"),
     ("chat empty messages", "POST", "/v1/chat/completions", {**CHAT, "messages": []}, AUTH, 400, "messages"),
@@ -333,7 +333,7 @@ BAD_INPUT = [  # (name, method, path, body or raw bytes, headers, status, param)
         400,
         "max_completion_tokens",
     ),
-    ("chat n", "POST", "/v1/chat/completions", {**CHAT, "n": 3}, AUTH, 400, "n"),
+    ("chat n string", "POST", "/v1/chat/completions", {**CHAT, "n": "3"}, AUTH, 400, "n"),
     ("generate prompt list", "POST", "/generate", {"prompt": ["a"]}, AUTH, 400, "prompt"),
     ("generate max_new_tokens", "POST", "/generate", {"prompt": "a", "max_new_tokens": 0}, AUTH, 400, "max_new_tokens"),
     ("body too large", "POST", "/v1/completions", b"", {**AUTH, "Content-Length": str(2 << 20)}, 413, None),
@@ -514,7 +514,7 @@ def test_dead_worker_fails_requests_and_health_says_503(small_server):
     def broken(request_id):
         raise RuntimeError("bug outside step()")
 
-    small_server.manager.scheduler.get_new_text = broken  # kills the worker loop itself
+    small_server.manager.scheduler.get_new_outputs = broken  # kills the worker loop itself
     port = small_server.server_address[1]
     status, _, body = call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 3})
     assert status == 503 and body["error"]["type"] == "server_error"

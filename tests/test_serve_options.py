@@ -25,7 +25,7 @@ def tuned_checkpoint(tiny_checkpoint, tmp_path):
     shutil.copytree(tiny_checkpoint, ckpt)
     path = ckpt / "generation_config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
-    config.update(temperature=0.0, top_k=5, repetition_penalty=1.1)
+    config.update(temperature=0.0, top_k=5, repetition_penalty=1.1, max_new_tokens=50)
     path.write_text(json.dumps(config))
     return ckpt
 
@@ -45,13 +45,13 @@ def post(srv, path: str, body: dict) -> dict:
 
 def test_generation_config_fills_only_what_the_request_leaves_out(tuned_checkpoint):
     defaults, notes = sampling_defaults(tuned_checkpoint)
-    assert defaults == {"temperature": 0.0, "top_k": 5}
-    assert notes == ["repetition_penalty=1.1 (not supported yet)"]  # reported, not silently dropped
+    assert defaults == {"temperature": 0.0, "top_k": 5, "repetition_penalty": 1.1}
+    assert notes == ["max_new_tokens=50 (not supported yet)"]  # reported, not silently dropped
     assert sampling_defaults(tuned_checkpoint, "vllm") == ({}, [])
     assert sampling_defaults(tuned_checkpoint.parent, str(tuned_checkpoint))[0] == defaults  # DIR reads that one
     info = ModelInfo("m", Tokenizer.from_dir(tuned_checkpoint), 512, sampling_defaults=defaults)
     params = parse_completion({"prompt": "Hello"}, info).params
-    assert (params.temperature, params.top_k) == (0.0, 5)
+    assert (params.temperature, params.top_k, params.repetition_penalty) == (0.0, 5, 1.1)
     params = parse_completion({"prompt": "Hello", "temperature": 0.7, "top_k": -1}, info).params
     assert (params.temperature, params.top_k) == (0.7, 0)  # what the request sends wins
 
@@ -74,8 +74,8 @@ def test_served_defaults_and_their_banner_line(tuned_checkpoint, caplog, setting
         srv.stop(grace=0.5)
     if setting == "auto":
         assert len(texts) == 1  # the checkpoint's temperature 0: greedy, whatever the seed
-        assert "sampling defaults from generation_config.json: temperature=0.0, top_k=5; " in caplog.text
-        assert "not applied: repetition_penalty=1.1 (not supported yet)" in caplog.text
+        assert "generation_config.json: temperature=0.0, top_k=5, repetition_penalty=1.1; " in caplog.text
+        assert "not applied: max_new_tokens=50 (not supported yet)" in caplog.text
     else:
         assert len(texts) > 1  # the API's temperature 1.0: four seeds, several texts
         assert "sampling defaults: the API's (--generation-config vllm)" in caplog.text

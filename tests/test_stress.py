@@ -21,6 +21,7 @@ def test_soak_with_faults_then_sigterm(tiny_checkpoint):
     assert tally.failures == []
     # every fault really happened, so the checks above had something to check
     assert figures["streams finished"] > 0 and figures["streams cancelled midway"] > 0
+    assert figures["of them with n > 1 choices"] > 0  # n > 1 and penalty requests are in the mix
     assert figures["preemptions"] > 0 and figures["requests discarded by the server"] > 0
     assert figures["slow-reader streams finished"] > 0
     assert figures["scoring requests answered (echo + logprobs)"] > 0 and figures["logprob streams finished"] > 0

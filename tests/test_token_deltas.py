@@ -102,6 +102,8 @@ def test_get_new_output_hands_out_each_token_once(parts):
 def test_delta_chunks_are_the_text_chunks_of_before():
     for chat in (False, True):
         r = Responder("tiny", chat)
-        assert r.delta_chunk(CompletionDelta(0, [7], "ab")) == r.text_chunk("ab")
-        assert r.delta_chunk(CompletionDelta(0, [7, 8], "")) is None  # text held back: no empty chunk
-        assert r.delta_chunk(CompletionDelta(2, [7], "c"))["choices"][0]["index"] == 2
+        assert r.delta_chunks(CompletionDelta(0, [7], "ab")) == [r.text_chunk("ab")]
+        assert r.delta_chunks(CompletionDelta(0, [7, 8], "")) == []  # text held back: no empty chunk
+        assert r.delta_chunks(CompletionDelta(2, [7], "c"))[0]["choices"][0]["index"] == 2
+        last = r.delta_chunks(CompletionDelta(1, [7], "", "stop"))  # a choice's last delta: its finish_reason
+        assert last == [r.final_chunk("stop", 1)] and last[0]["choices"][0]["index"] == 1

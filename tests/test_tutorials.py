@@ -31,6 +31,7 @@ STAGES = [
     "13_benchmarking",
     "14_modern_llm",
     "15_scoring_text",
+    "16_parallel_sampling",
 ]
 # Every stage takes its sizes from the checkpoint's config: it must run on any GPT-2 shape, and on
 # minfer-tiny, the shipped trained model: the tutorials' fallback when gpt2 is out of reach (None here).

@@ -62,6 +62,18 @@ class KVCache:
         self.kv[:, num_blocks * block_size :].zero_()
         self.k, self.v = self.kv[:, :, 0], self.kv[:, :, 1]  # (num_layers, num_slots, num_kv_heads, head_dim)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int) -> None:
+        """Copy each (src, dst) block's keys and values, every layer: copy-on-write of a shared block. A dst
+        named twice takes its last source."""
+        if not pairs:
+            return
+        last = {dst: src for src, dst in pairs}  # dst -> its last src
+        offsets = torch.arange(block_size, device=self.kv.device)  # (block_size,)
+        src = torch.tensor(list(last.values()), device=self.kv.device)[:, None] * block_size + offsets
+        dst = torch.tensor(list(last.keys()), device=self.kv.device)[:, None] * block_size + offsets
+        with torch.no_grad():
+            self.kv[:, dst.flatten()] = self.kv[:, src.flatten()]  # (num_layers, P * block_size, 2, heads, dim)
+
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()

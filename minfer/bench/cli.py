@@ -76,6 +76,7 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
     w.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     w.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     w.add_argument("--logprobs", type=int, help="every request asks for each token's logprob and the k likeliest")
+    w.add_argument("--n", type=int, default=1, help="completions per prompt (n > 1: seeded sampling, shared blocks)")
     w.add_argument("--seed", type=int, default=0, help="seeds the workload's draws, and the engine (--seed of serve)")
     r = p.add_argument_group("runs and output")
     r.add_argument("--warmup-runs", type=int, default=1, help="small unmeasured workloads run first")
@@ -98,7 +99,7 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
     args = p.parse_args(argv)
     if args.base_url:
         args.mode = "online"
-    for name in ("repeat_runs", "max_concurrency", "hf_batch_size", "num_requests"):
+    for name in ("repeat_runs", "max_concurrency", "hf_batch_size", "num_requests", "n"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup_runs < 0:
@@ -171,7 +172,8 @@ def offline_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResu
         progress(f"measuring run {k + 1} of {len(workloads)} ...")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        results.append(run_offline(llm.scheduler, workload, args.max_concurrency, not args.disable_tqdm, f"run {k}"))
+        bar = not args.disable_tqdm
+        results.append(run_offline(llm.scheduler, workload, args.max_concurrency, bar, f"run {k}", args.n))
         summaries.append(run_summary(results[-1], **peak_memory(device)))
     return results, summaries, llm.scheduler
 
@@ -189,8 +191,9 @@ def online_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResul
             progress(f"measuring run {k + 1} of {len(workloads)} ...")
             # Watching the engine costs the server a little: only for the run that is traced.
             with EngineFeedReader(endpoint) if args.trace and k == len(workloads) - 1 else nullcontext() as feed:
+                bar = not args.disable_tqdm
                 results.append(
-                    run_online(endpoint, model, workload, args.max_concurrency, not args.disable_tqdm, f"run {k}", feed)
+                    run_online(endpoint, model, workload, args.max_concurrency, bar, f"run {k}", feed, args.n)
                 )
             memory = {"peak_rss_mib": server.peak_rss_mib()} if server else {}  # the server's, not ours
             summaries.append(run_summary(results[-1], **memory))
@@ -259,6 +262,8 @@ def header(args, engine: EngineConfig) -> str:
 def run(args) -> int:
     engine = EngineConfig.from_cli_args(args)  # ValueError naming the flag if one is bad
     model_dir = find_model_dir(args)
+    if args.baseline and args.n > 1:
+        raise ValueError("--baseline runs transformers' generate once per prompt: compare with --n 1")
     if (args.baseline or args.roofline or args.profile) and model_dir is None:
         raise ValueError(
             "--baseline, --roofline and --profile load the checkpoint here: pass its directory as --tokenizer"

@@ -44,6 +44,7 @@ class RequestRecord:
     first_token_time: float | None = None
     finish_time: float | None = None
     itl: list[float] = field(default_factory=list)  # seconds between successive tokens (or chunks)
+    num_choices: int = 1  # n: output_len counts every choice's tokens, TPOT is per choice
     num_preemptions: int | None = None
     num_cached_tokens: int | None = None
     success: bool = True
@@ -59,9 +60,10 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        if self.output_len < 2 or self.ttft is None or self.latency is None:
+        per_choice = self.output_len / self.num_choices  # the choices run side by side
+        if per_choice < 2 or self.ttft is None or self.latency is None:
             return None
-        return (self.latency - self.ttft) / (self.output_len - 1)
+        return (self.latency - self.ttft) / (per_choice - 1)
 
     def to_json(self) -> dict:
         return {**asdict(self), "ttft": self.ttft, "latency": self.latency, "tpot": self.tpot}

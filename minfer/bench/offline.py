@@ -29,6 +29,7 @@ def run_offline(
     max_concurrency: int | None = None,
     progress: bool = True,
     desc: str = "minfer",
+    n: int = 1,
 ) -> RunResult:
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     live: dict[str, RequestRecord] = {}  # submitted, not yet finished
@@ -45,8 +46,10 @@ def run_offline(
         ):
             r = pending.popleft()
             submit = time.perf_counter() - t0
-            rid = submit_request(scheduler, r)
-            live[rid] = unscheduled[rid] = RequestRecord(r.index, r.input_len, r.output_len, submit_time=submit)
+            rid = submit_request(scheduler, r, n)
+            live[rid] = unscheduled[rid] = RequestRecord(
+                r.index, r.input_len, n * r.output_len, submit_time=submit, num_choices=n
+            )
 
     try:
         with tqdm(total=len(requests), desc=desc, unit="req", disable=not progress) as bar:
@@ -68,8 +71,8 @@ def run_offline(
                             unscheduled.pop(rid).scheduled_time = step["start"]
                         for rid in scheduler.pop_finished_ids():
                             if rid in live:
-                                out = scheduler.pop_response(rid)
-                                done.append(_finish(live.pop(rid), out, t0))
+                                outs = scheduler.pop_responses(rid)
+                                done.append(_finish(live.pop(rid), outs, t0))
                                 bar.update(1)
                     submit_due()
     finally:  # an error (or Ctrl-C) must not leave requests holding KV blocks
@@ -79,18 +82,26 @@ def run_offline(
     return RunResult(sorted(done, key=lambda r: r.index), duration, steps)
 
 
-def submit_request(scheduler: OnlineScheduler, r: BenchRequest) -> str:
-    # Greedy, and ignore_eos so every request produces exactly its output length.
-    params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, logprobs=r.logprobs)
+def submit_request(scheduler: OnlineScheduler, r: BenchRequest, n: int = 1) -> str:
+    # Greedy, and ignore_eos so every request produces exactly its output length. n > 1 samples (seeded),
+    # or the n choices would all be the same.
+    if n == 1:
+        params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, logprobs=r.logprobs)
+    else:
+        params = SamplingParams(
+            max_tokens=r.output_len, temperature=1.0, seed=r.index, n=n, ignore_eos=True, logprobs=r.logprobs
+        )
     if r.prompt_token_ids is not None:
         return scheduler.add_request(prompt_token_ids=r.prompt_token_ids, sampling_params=params)
     return scheduler.add_request(r.prompt, sampling_params=params)
 
 
-def _finish(rec: RequestRecord, out: RequestOutput, t0: float) -> RequestRecord:
-    """Fill in a finished request's record, its times counted from t0."""
+def _finish(rec: RequestRecord, outs: list[RequestOutput], t0: float) -> RequestRecord:
+    """Fill in a finished request's record, its times counted from t0: the first choice's, which runs
+    the prompt (its sibling choices sample in the same steps); output_len counts every choice's tokens."""
+    out = outs[0]
     times = [t - t0 for t in out.token_times]  # the end of each step that sampled one of its tokens
-    rec.output_len = len(out.token_ids)
+    rec.output_len = sum(len(o.token_ids) for o in outs)
     rec.input_len = len(out.prompt_token_ids)
     rec.first_token_time = times[0] if times else None
     rec.finish_time = times[-1] if times else None

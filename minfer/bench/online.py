@@ -202,15 +202,17 @@ class EngineFeedReader:
             self.conn.close()
 
 
-def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float) -> RequestRecord:
-    """Send one streaming completion and time its chunks (seconds since t0)."""
-    rec = RequestRecord(r.index, r.input_len, r.output_len)
+def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float, n: int = 1) -> RequestRecord:
+    """Send one streaming completion and time its chunks (seconds since t0). With n > 1, seeded sampling
+    (n greedy choices would be one), and the chunks of choice 0 timed."""
+    rec = RequestRecord(r.index, r.input_len, n * r.output_len, num_choices=n)
+    fields = {"temperature": 0.0} if n == 1 else {"temperature": 1.0, "seed": r.index, "n": n}
     body = json.dumps(
         {
             "model": model,
             "prompt": r.prompt_token_ids if r.prompt_token_ids is not None else r.prompt,
             "max_tokens": r.output_len,
-            "temperature": 0.0,
+            **fields,
             "ignore_eos": True,  # an extension vLLM and minfer share: exactly max_tokens tokens
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -234,7 +236,7 @@ def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float
             msg = json.loads(data)
             if "error" in msg:
                 raise OSError(f"error in stream: {msg['error']}")
-            if any(c.get("text") for c in msg.get("choices") or ()):
+            if any(c.get("text") and c.get("index", 0) == 0 for c in msg.get("choices") or ()):
                 now = time.perf_counter() - t0
                 if last is None:
                     rec.first_token_time = now
@@ -265,6 +267,7 @@ def run_online(
     progress: bool = True,
     desc: str = "online",
     feed: EngineFeedReader | None = None,
+    n: int = 1,
 ) -> RunResult:
     slots = threading.Semaphore(max_concurrency) if max_concurrency else None
     records: list[RequestRecord] = []
@@ -273,7 +276,7 @@ def run_online(
 
     def client(r: BenchRequest) -> None:
         try:
-            rec = stream_completion(endpoint, model, r, t0)
+            rec = stream_completion(endpoint, model, r, t0, n)
             with lock:
                 records.append(rec)
                 bar.update(1)

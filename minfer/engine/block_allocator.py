@@ -49,6 +49,7 @@ class BlockAllocator:
         # pop-from-front, append and removal from the middle (when a cached block is hit).
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
+        self._num_shared = 0  # blocks with ref_count > 1, counted as references come and go
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,6 +78,15 @@ class BlockAllocator:
             parent = h
         return hits
 
+    def is_shared(self, block_id: int) -> bool:
+        """Held by more than one sequence (a prefix hit, or a fork's prompt): written only after a copy."""
+        return self.blocks[block_id].ref_count > 1
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """Blocks held by more than one sequence: each is one block of memory, however many hold it."""
+        return self._num_shared
+
     def num_unreferenced(self, block_ids: list[int]) -> int:
         """How many of these (cached) blocks sit in the free queue; reusing them uses up free blocks."""
         return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
@@ -88,6 +98,7 @@ class BlockAllocator:
             if block.ref_count == 0:
                 del self.free_queue[b]
             block.ref_count += 1
+            self._num_shared += block.ref_count == 2
 
     def allocate(self, n: int) -> list[int]:
         """n empty blocks with one reference each; evicts the least recently used cached blocks."""
@@ -113,6 +124,7 @@ class BlockAllocator:
             if block.ref_count <= 0:
                 raise RuntimeError(f"KV block {b} freed more often than it was allocated")
             block.ref_count -= 1
+            self._num_shared -= block.ref_count == 1
             if block.ref_count == 0:
                 if block.hash is not None and self.cached.get(block.hash) != b:  # a twin: no one can find it
                     block.hash, block.token_ids = None, ()
@@ -148,6 +160,7 @@ class BlockAllocator:
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], f"block {block.block_id}: ref count mismatch"
             assert (block.ref_count == 0) == (block.block_id in self.free_queue), f"block {block.block_id}"
+        assert self._num_shared == sum(1 for r in refs if r > 1), "shared block count"
         for h, b in self.cached.items():
             assert self.blocks[b].hash == h and len(self.blocks[b].token_ids) == self.block_size
         for block in self.blocks:  # an unreferenced block with a hash is one a request can still find

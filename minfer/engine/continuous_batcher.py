@@ -11,8 +11,9 @@ sequence. Each `schedule()`:
    (`max_num_batched_tokens`); a long prompt gets a chunk of the budget now and
    the rest in later steps, alongside the running decodes.
 After the forward pass, `advance()` counts the computed tokens and has the
-allocator register newly filled blocks in the prefix cache, and `retire()`
-frees a finished sequence's blocks at once. The prefix cache's hashes are the
+allocator register newly filled blocks in the prefix cache, `fork()` starts the
+other n - 1 completions of a request on the blocks of the one whose prefill
+just ended, and `retire()` frees a finished sequence's blocks at once. The prefix cache's hashes are the
 allocator's alone: this class hands it token ids and block tables, never a
 hash. What a request's text is, or who asked for it, is the OnlineScheduler's
 business (scheduler.py), not this class's.
@@ -44,6 +45,7 @@ class ContinuousBatcher:
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
+        self.copies: list[tuple[int, int]] = []  # this step's copy-on-write: (src, dst) blocks, to copy before it runs
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -55,6 +57,7 @@ class ContinuousBatcher:
         """This step's chunks: running sequences first, then newly admitted ones, within the token budget."""
         budget = self.max_num_batched_tokens
         self._logprob_rows_left = self.max_logprob_rows  # prompt positions scored this step
+        self.copies = []
         chunks: list[ScheduledChunk] = []
         preempted = False
         i = 0
@@ -73,9 +76,13 @@ class ContinuousBatcher:
             self._take_logprob_rows(seq, n)
             budget -= n
             i += 1
-        # Admitting right after a preemption would just take the blocks back.
-        while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        # Admitting right after a preemption would just take the blocks back. A sequence with forks still
+        # to come takes their slots too.
+        slots = sum(1 + len(s.forks) for s in self.running)
+        while not preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
+            if slots + 1 + len(seq.forks) > self.max_num_seqs:
+                break
             chunk = self._admit(seq, budget)
             if chunk is None:
                 break
@@ -84,7 +91,23 @@ class ContinuousBatcher:
             chunks.append(chunk)
             self._take_logprob_rows(seq, chunk.num_tokens)
             budget -= chunk.num_tokens
+            slots += 1 + len(seq.forks)
         return chunks
+
+    def fork(self, parent: Sequence) -> list[Sequence]:
+        """The parent's prefill has just run and sampled a token for each of its forks: start them. Each
+        shares every block of the parent's (one more reference each, no copy): the full prompt blocks for
+        good, the last partial one until someone writes to it (_grow copies it then)."""
+        forks, parent.forks = parent.forks, []
+        for seq in forks:
+            seq.block_table = list(parent.block_table)
+            self.allocator.share(seq.block_table)
+            seq.num_computed_tokens = parent.num_computed_tokens
+            seq.num_cached_tokens = parent.num_cached_tokens
+            seq.prompt_logprobs = list(parent.prompt_logprobs)  # each choice echoes the one prompt
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+        return forks
 
     def advance(self, chunks: list[ScheduledChunk]) -> None:
         """The chunks' K/V are now in the cache: count them, and make newly full blocks findable."""
@@ -99,17 +122,28 @@ class ContinuousBatcher:
         self._free_blocks(seq)
 
     def discard(self, seq: Sequence) -> None:
-        """Drop a sequence wherever it is, freeing its blocks."""
+        """Drop a sequence wherever it is, freeing its blocks (a fork not yet started holds none)."""
         if seq.status is Status.RUNNING:
             self.retire(seq)
-        elif seq.status is Status.WAITING:
+        elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """Give seq blocks for num_tokens tokens; if short, preempt the newest running sequence."""
-        need = cdiv(num_tokens, self.block_size) - len(seq.block_table)
-        if need <= self.allocator.num_free_blocks:
-            seq.block_table += self.allocator.allocate(max(need, 0))
+        """Give seq blocks for num_tokens tokens; if short, preempt the newest running sequence.
+
+        Copy-on-write: if the block the step's first token goes into is shared (a fork's last prompt block,
+        partly full), seq gets its own copy of it first; the last holder writes in place."""
+        table = seq.block_table
+        first = seq.num_computed_tokens // self.block_size  # the block the first new token is written to
+        copy = first < len(table) and self.allocator.is_shared(table[first])
+        need = max(cdiv(num_tokens, self.block_size) - len(table), 0)
+        if need + copy <= self.allocator.num_free_blocks:
+            if copy:
+                (own,) = self.allocator.allocate(1)
+                self.copies.append((table[first], own))
+                self.allocator.free([table[first]])  # one reference fewer: the others keep it
+                table[first] = own
+            table += self.allocator.allocate(need)
             return True
         self._preempt(self.running[-1])
         return False

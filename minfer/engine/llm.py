@@ -91,7 +91,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, all together; results (text, token_ids, prompt_token_ids,
-        finish_reason, ...) come back in prompt order."""
+        finish_reason, ...) come back in prompt order: with SamplingParams(n=...), n per prompt, one per
+        choice, in `index` order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -109,7 +110,7 @@ class LLM:
             with tqdm(total=len(ids), desc="generate", unit="req", disable=not show_bar) as bar:
                 for _ in self.scheduler.steps():
                     bar.update(len(self.scheduler.pop_finished_ids()))
-            return [self.scheduler.pop_response(i) for i in ids]
+            return [out for i in ids for out in self.scheduler.pop_responses(i)]
         finally:  # an error (or Ctrl-C) must not leave requests holding KV blocks
             for i in ids:
                 self.scheduler.discard_request(i)

@@ -25,8 +25,9 @@ from .sequence import ScheduledChunk
 
 @dataclass
 class StepOutput:
-    """What one step produced: a token per sampling chunk, in chunk order; and, by chunk index, the
-    logprobs of the chunks that asked: of the sampled token, and of the chunk's prompt positions."""
+    """What one step produced: a token per sampler (ScheduledChunk.samplers), in chunk order; the
+    logprobs of the sampled tokens that asked, by sampler index; and, by chunk index, the logprobs of
+    the chunks' prompt positions."""
 
     tokens: list[int]
     sample_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
@@ -43,29 +44,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
-        """Run one step: the sampled token of every sampling chunk, and the logprobs asked for."""
+        """Run one step: a token for every sampler of every chunk (ScheduledChunk.samplers), in chunk
+        order, and the logprobs asked for."""
         with part("host: prepare"):
             input_ids, batch, wanted = self.prepare(chunks)
         logits = self.model(input_ids, batch)  # (S + Q, V): one forward over the N tokens of every sequence
         with part("sampling"):
-            sampling = [c.seq for c in chunks if c.produces_token]
+            sampling = [s for c in chunks for s in c.samplers]  # a fork draws from its parent's row
             S = len(sampling)
             if not wanted.empty:
-                wanted.score(logits)  # raw logprobs, before sampling's temperature and filters
-            tokens = sample(logits[:S], [s.params for s in sampling], [s.generator for s in sampling])
+                wanted.score(logits)  # raw logprobs, before penalties, temperature and filters
+            tokens = sample(logits[:S], [s.params for s in sampling], [s.generator for s in sampling], sampling)
             if wanted.empty:
                 return StepOutput(tokens.tolist())  # the step's single host sync
             token_list, sample_lps, prompt_lps = wanted.fetch(tokens)  # still the only sync
-            return self._by_chunk(chunks, token_list, sample_lps, prompt_lps)
+            return self._by_sampler(chunks, token_list, sample_lps, prompt_lps)
 
     @staticmethod
-    def _by_chunk(chunks, tokens, sample_lps, prompt_lps) -> StepOutput:
-        """Hand each chunk the logprobs it asked for, in the order prepare() laid the rows out."""
+    def _by_sampler(chunks, tokens, sample_lps, prompt_lps) -> StepOutput:
+        """Hand each sampler the logprobs it asked for, and each chunk its prompt's, in the order
+        prepare() laid the rows out."""
         out = StepOutput(tokens)
         sample_lps, prompt_lps = iter(sample_lps), iter(prompt_lps)
+        row = 0
         for i, (chunk, rows) in enumerate(zip(chunks, _prompt_rows_per_chunk(chunks))):
-            if chunk.produces_token and chunk.seq.params.logprobs is not None:
-                out.sample_logprobs[i] = next(sample_lps)
+            for seq in chunk.samplers:
+                if seq.params.logprobs is not None:
+                    out.sample_logprobs[row] = next(sample_lps)
+                row += 1
             if rows:
                 out.prompt_logprobs[i] = [next(prompt_lps) for _ in rows]
         return out
@@ -77,7 +83,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        wanted = StepLogprobs(sum(1 for c in chunks if c.produces_token))
+        wanted = StepLogprobs(sum(len(c.samplers) for c in chunks))
         prompt_rows: list[int] = []  # rows whose logits score the prompt token after them
         starts: list[int] = []  # per chunk: its first row, its rows, its context after the step, its blocks
         lens: list[int] = []
@@ -98,10 +104,10 @@ class ModelRunner:
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slots += [slot_of(table, p, block_size) for p in range(start, end)]
-            if chunk.produces_token:
-                if seq.params.logprobs is not None:
+            for sampler in chunk.samplers:  # n rows when n completions fork here
+                if sampler.params.logprobs is not None:
                     wanted.sample_rows.append(len(sample_rows))
-                    wanted.sample_k = max(wanted.sample_k, seq.params.logprobs)
+                    wanted.sample_k = max(wanted.sample_k, sampler.params.logprobs)
                 sample_rows.append(len(input_ids) - 1)
         sample_rows += prompt_rows  # the LM head runs on these too, after the sampled rows
 

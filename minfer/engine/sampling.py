@@ -15,6 +15,7 @@ import torch
 
 from ..errors import InvalidParameter, is_int
 from .logprobs import check_num_logprobs
+from .logits_processors import TokenHistory, apply_logits_controls, apply_min_p
 
 
 def _is_number(x) -> bool:
@@ -33,6 +34,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # per generated token: its logprob and the k likeliest (logprobs.py)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    n: int = 1  # completions of the one prompt, sharing its KV blocks (seeded: choice i uses seed + i)
+    # The controls below follow vLLM's semantics (logits_processors.py applies them).
+    presence_penalty: float = 0.0  # [-2, 2]: minus this for every token already in the output
+    frequency_penalty: float = 0.0  # [-2, 2]: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # > 0: a token seen in prompt or output has its logit divided (>0) or multiplied (<=0)
+    min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p x the likeliest one
+    logit_bias: dict[int, float] | None = None  # {token id: bias in [-100, 100]} added to the logits
+    min_tokens: int = 0  # no stop token, EOS or stop string can end the output before this many tokens
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    skip_special_tokens: bool = True  # special tokens add no text
 
     def __post_init__(self) -> None:
         """Check every field; a bad one raises InvalidParameter naming it."""
@@ -52,14 +63,57 @@ class SamplingParams:
             raise InvalidParameter("seed", f"seed must be None or an int, got {self.seed!r}")
         self.stop = _normalise_stop(self.stop)
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidParameter("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParameter(name, f"{name} must be a bool, got {getattr(self, name)!r}")
         check_num_logprobs(self.logprobs, "logprobs")
         check_num_logprobs(self.prompt_logprobs, "prompt_logprobs")
+        if not is_int(self.n) or self.n < 1:
+            raise InvalidParameter("n", f"n must be an int >= 1, got {self.n!r}")
+        self.presence_penalty = _number_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _number_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        r = self.repetition_penalty
+        if not _is_number(r) or not math.isfinite(r) or r <= 0:
+            raise InvalidParameter("repetition_penalty", f"repetition_penalty must be a number > 0, got {r!r}")
+        self.repetition_penalty = float(r)
+        self.min_p = _number_in("min_p", self.min_p, 0.0, 1.0)
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidParameter(
+                "min_tokens", f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+
+    @property
+    def uses_logits_controls(self) -> bool:
+        """Whether any control that reshapes the logits before the draw is on (min_p apart)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias or self.min_tokens
+        )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _number_in(name: str, x, low: float, high: float) -> float:
+    if not _is_number(x) or not low <= x <= high:  # also rejects nan
+        raise InvalidParameter(name, f"{name} must be a number in [{low:g}, {high:g}], got {x!r}")
+    return float(x)
+
+
+def _normalise_logit_bias(bias) -> dict[int, float] | None:
+    """{token id: bias}; whether the ids are in the vocabulary is the scheduler's to check."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidParameter("logit_bias", f"logit_bias must be a dict {{token id: bias}}, got {bias!r}")
+    for token, b in bias.items():
+        if not is_int(token) or token < 0:
+            raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+        if not _is_number(b) or not -100 <= b <= 100:
+            raise InvalidParameter("logit_bias", f"logit_bias[{token}] must be a number in [-100, 100], got {b!r}")
+    return {token: float(b) for token, b in bias.items()} or None
 
 
 def _normalise_stop(stop) -> list[str] | None:
@@ -177,15 +231,21 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    histories: Sequence[TokenHistory] | None = None,
 ) -> torch.Tensor:
     """Pick one token per row of `logits` (B, V). Returns (B,) int64 on logits.device.
 
-    Greedy rows take the argmax. The others divide by their temperature, keep what top-k/top-p leave,
-    and draw by inverse CDF: one uniform per row against the cumulative probabilities (see _draw)."""
+    Rows that ask get logit_bias, min_tokens and the penalties first (logits_processors.py; they read
+    `histories`, each row's tokens). Greedy rows then take the argmax. The others divide by their
+    temperature, keep what min_p, top-k and top-p leave, and draw by inverse CDF: one uniform per row
+    against the cumulative probabilities (see _draw)."""
     B, V = logits.shape
     assert len(params) == B and len(generators) == B, "need one params and generator per row"
     device = logits.device
     logits = logits.float()  # (B, V) — bf16/fp16 are too coarse for softmax/cumsum
+    if any(p.uses_logits_controls for p in params):
+        assert histories is not None and len(histories) == B, "penalties and min_tokens need each row's tokens"
+        logits = apply_logits_controls(logits, params, histories)
     tokens = logits.argmax(dim=-1)  # (B,) one argmax for all rows; the sampled ones are overwritten below
     if all(p.is_greedy for p in params):
         return tokens
@@ -193,6 +253,11 @@ def sample(
     # Greedy rows get temperature 1 so they stay finite (their draw is discarded).
     temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
     scaled = logits / temps[:, None]  # (B, V)
+    with_min_p = [i for i, p in enumerate(params) if not p.is_greedy and p.min_p > 0]
+    if with_min_p:
+        index = _index(with_min_p, device)
+        min_p = torch.tensor([params[i].min_p for i in with_min_p], device=device)
+        scaled[index] = apply_min_p(scaled[index], min_p)
     u = _uniforms(generators, params, device)  # (B,)
     plain = [i for i, p in enumerate(params) if not p.is_greedy and p.top_k == 0 and p.top_p == 1]
     filtered = [i for i, p in enumerate(params) if not p.is_greedy and (p.top_k > 0 or p.top_p < 1)]

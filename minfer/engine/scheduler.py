@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -32,24 +32,12 @@ from ..text.tokenizer import Tokenizer
 from .block_allocator import BlockAllocator
 from .config import EngineConfig, dtype_name
 from .continuous_batcher import ContinuousBatcher
-from .logprobs import TokenLogprob, keep_top, max_logprob_rows
+from .logprobs import keep_top, max_logprob_rows
 from .model_runner import ModelRunner, StepOutput
 from .prepare import prepare_model
+from .request_state import Choice, Request
 from .sampling import SamplingParams, make_generator
 from .sequence import CompletionDelta, RequestOutput, ScheduledChunk, Sequence, Status
-
-
-@dataclass
-class Request:
-    """The registry's entry for one request: its engine state, its text, and its timeline."""
-
-    seq: Sequence
-    text: TextStream
-    arrival_time: float  # time.perf_counter() values
-    token_times: list[float] = field(default_factory=list)
-    finish_time: float | None = None
-    num_steps: int = 0  # engine steps that ran it (prefill chunks and decodes)
-    num_streamed_tokens: int = 0  # output tokens get_new_output has handed out
 
 
 @dataclass
@@ -182,12 +170,20 @@ class OnlineScheduler:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        generator = make_generator(params.seed, self.model.device)
-        seq = Sequence(request_id, ids, params, self.tokenizer.eos_token_ids, generator)
-        text = TextStream(self.tokenizer.detokenizer(), params.stop)
-        self.requests[request_id] = Request(seq, text, arrival_time=time.perf_counter())
-        self.batcher.add(seq)
+        choices = [self._choice(request_id, ids, params, i) for i in range(params.n)]
+        choices[0].seq.forks = [c.seq for c in choices[1:]]  # they start when its prefill ends
+        self.requests[request_id] = Request(choices, arrival_time=time.perf_counter())
+        self.batcher.add(choices[0].seq)
         return request_id
+
+    def _choice(self, request_id: str, ids: list[int], params: SamplingParams, index: int) -> Choice:
+        """Completion `index` of a request. With a seed, its own generator seeded seed + index (as vLLM
+        does): reproducible, and the same whatever else runs."""
+        seed = None if params.seed is None else params.seed + index
+        generator = make_generator(seed, self.model.device)
+        seq = Sequence(request_id, ids, params, self.tokenizer.eos_token_ids, generator, index)
+        detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens)
+        return Choice(seq, TextStream(detokenizer, params.stop, params.include_stop_str_in_output))
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt as a list, if a request with it could ever run; else InvalidParameter naming the
@@ -200,6 +196,13 @@ class OnlineScheduler:
         bad = next((t for t in ids if not is_int(t) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidParameter("prompt", f"prompt token id {bad!r} is not in the vocabulary [0, {vocab})")
+        if params.n > self.max_num_seqs:
+            raise InvalidParameter(
+                "n", f"n = {params.n} is more completions than this engine runs at once (max_num_seqs {self.max_num_seqs})"
+            )
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise InvalidParameter("logit_bias", f"logit_bias token id {bad} is not in the vocabulary [0, {vocab})")
         context = self.context_len  # the model's, or --max-model-len
         if len(ids) + params.max_tokens > context:
             raise InvalidParameter(
@@ -227,6 +230,7 @@ class OnlineScheduler:
             chunks = self.batcher.schedule()
         if not chunks:
             return {}
+        self.kv_cache.copy_blocks(self.batcher.copies, self.block_size)  # copy-on-write, before anyone writes
         output = self.runner.execute(chunks)
         with part("host: bookkeeping"):
             end = time.perf_counter()
@@ -247,31 +251,28 @@ class OnlineScheduler:
             seq.prompt_logprobs += [keep_top(e, seq.params.prompt_logprobs) for e in entries]
 
     def _record_tokens(self, chunks: list[ScheduledChunk], output: StepOutput, now: float) -> dict[str, int]:
+        """Give each sampler of each chunk its token and logprobs; forks start first (they share the
+        parent's blocks, which the parent may free at once if its first token finishes it)."""
         out = {}
         sampled = iter(output.tokens)
-        for i, chunk in enumerate(chunks):
+        row = 0  # the sampler's index in the step, as StepOutput.sample_logprobs counts them
+        for chunk in chunks:
             request = self.requests[chunk.seq.request_id]
             request.num_steps += 1
-            if chunk.produces_token:
+            samplers = chunk.samplers
+            if len(samplers) > 1:
+                self.batcher.fork(chunk.seq)
+            for seq in samplers:
                 token = next(sampled)
-                if i in output.sample_logprobs:
-                    chunk.seq.logprobs.append(keep_top(output.sample_logprobs[i], chunk.seq.params.logprobs))
-                self._add_token(request, token, now)
-                out[chunk.seq.request_id] = token
+                if row in output.sample_logprobs:
+                    seq.logprobs.append(keep_top(output.sample_logprobs[row], seq.params.logprobs))
+                row += 1
+                if request.choices[seq.index].add_token(token, now):
+                    self.batcher.retire(seq)
+                    if request.is_finished:
+                        self.finished_ids.append(seq.request_id)
+                out[seq.request_id] = token  # a request with n > 1 appears once, with its last choice's token
         return out
-
-    def _add_token(self, request: Request, token: int, now: float) -> None:
-        seq = request.seq
-        seq.append_token(token)  # finishes it on a stop token or at max_tokens
-        request.token_times.append(now)
-        if seq.finish_reason != "stop":  # a stop token's text is never shown
-            # A stop string ends the request too, and wins over "length".
-            if request.text.add_token(token) or (seq.is_finished and request.text.flush()):
-                seq.finish("stop")
-        if seq.is_finished:
-            request.finish_time = now
-            self.batcher.retire(seq)
-            self.finished_ids.append(seq.request_id)
 
     def _record_step(self, chunks: list[ScheduledChunk], num_sampled: int, start, end, num_preemptions) -> None:
         self.num_steps += 1
@@ -296,7 +297,7 @@ class OnlineScheduler:
     # ---- results out -----------------------------------------------------------------
 
     def is_finished(self, request_id: str) -> bool:
-        return self._get(request_id).seq.is_finished
+        return self._get(request_id).is_finished
 
     def get_generated_ids(self, request_id: str) -> list[int]:
         return self._get(request_id).seq.output_token_ids  # a fresh list: callers may keep it
@@ -307,21 +308,18 @@ class OnlineScheduler:
 
     def get_new_text(self, request_id: str) -> str:
         """Text generated since the last call, minus a tail that might still turn into a stop string."""
-        request = self._get(request_id)
-        return request.text.pop_new_text(finished=request.seq.is_finished)
+        choice = self._get(request_id).choices[0]
+        return choice.text.pop_new_text(finished=choice.seq.is_finished)
 
     def get_new_output(self, request_id: str) -> CompletionDelta:
-        """The token ids sampled since the last call, with the text get_new_text hands out: what a server
-        streams for the request after a step."""
-        request = self._get(request_id)
-        seq = request.seq
-        start = seq.num_prompt_tokens + request.num_streamed_tokens
-        token_ids = seq.token_ids[start:]
-        logprobs = seq.logprobs[request.num_streamed_tokens :] if seq.params.logprobs is not None else None
-        prompt_logprobs = _prompt_logprobs(seq) if request.num_streamed_tokens == 0 else None
-        request.num_streamed_tokens += len(token_ids)
-        text = self.get_new_text(request_id)
-        return CompletionDelta(0, token_ids, text, seq.finish_reason, logprobs, prompt_logprobs)
+        """The token ids sampled since the last call, with the text they add: what a server streams for
+        the request after a step. For a request with n > 1, get_new_outputs."""
+        deltas = self.get_new_outputs(request_id)
+        return deltas[0] if deltas else CompletionDelta(0, [], "", self._get(request_id).seq.finish_reason)
+
+    def get_new_outputs(self, request_id: str) -> list[CompletionDelta]:
+        """One CompletionDelta per choice that sampled since the last call, in index order."""
+        return [d for c in self._get(request_id).choices if (d := c.new_output()) is not None]
 
     def pop_finished_ids(self) -> list[str]:
         """Ids of the requests finished since the last call."""
@@ -329,41 +327,35 @@ class OnlineScheduler:
         return finished
 
     def pop_response(self, request_id: str) -> RequestOutput:
-        """The finished request's output; the scheduler forgets it."""
+        """The finished request's output; the scheduler forgets it. For n > 1, pop_responses."""
+        if len(self._get(request_id).choices) > 1:
+            raise ValueError(f"request {request_id!r} has several choices: use pop_responses")
+        return self.pop_responses(request_id)[0]
+
+    def pop_responses(self, request_id: str) -> list[RequestOutput]:
+        """The finished request's output, one per choice in index order; the scheduler forgets it."""
         request = self._get(request_id)
-        seq = request.seq
-        if not seq.is_finished:
+        if not request.is_finished:
             raise ValueError(f"request {request_id!r} has not finished")
         del self.requests[request_id]
-        return RequestOutput(
-            request_id=request_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids,
-            text=request.text.text,
-            finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            num_preemptions=seq.num_preemptions,
-            arrival_time=request.arrival_time,
-            first_token_time=request.token_times[0] if request.token_times else None,
-            token_times=request.token_times,
-            finish_time=request.finish_time,
-            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
-            prompt_logprobs=_prompt_logprobs(seq),
-        )
+        return [c.output(request_id, request.arrival_time) for c in request.choices]
 
     def discard_request(self, request_id: str) -> bool:
-        """Drop a request wherever it is, freeing its KV blocks now. False if it was unknown."""
+        """Drop a request wherever it is, freeing its KV blocks now (every choice's). False if it was unknown."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
-        self.batcher.discard(request.seq)
-        request.seq.status = Status.FINISHED
+        for choice in request.choices:
+            self.batcher.discard(choice.seq)
+            choice.seq.status = Status.FINISHED
+            choice.seq.forks = []
         return True
 
     def stats(self) -> dict:
         return {
             "num_kv_blocks_total": self.allocator.num_blocks,
             "num_kv_blocks_free": self.allocator.num_free_blocks,
+            "num_kv_blocks_shared": self.allocator.num_shared_blocks,  # held by several sequences, stored once
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "num_preemptions": self.num_preemptions,
@@ -380,8 +372,3 @@ class OnlineScheduler:
     def check_invariants(self) -> None:
         """Assert the allocator agrees with the block tables of the running sequences (for tests)."""
         self.batcher.check_invariants()
-
-
-def _prompt_logprobs(seq: Sequence) -> list[TokenLogprob | None] | None:
-    """The prompt's logprobs as RequestOutput has them: None first (no context), then one per token."""
-    return None if seq.params.prompt_logprobs is None else [None, *seq.prompt_logprobs]

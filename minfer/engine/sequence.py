@@ -49,6 +49,7 @@ class RequestOutput:
     # prompt token, the first None (nothing precedes it), as vLLM's RequestOutput has them.
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0  # which of the request's n completions this is
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class CompletionDelta:
     the server's worker sends one after every step that sampled a token for it. Its token ids, and its
     texts, concatenated over a request's deltas, are the RequestOutput's."""
 
-    index: int  # which completion of the request; 0 until a request can ask for several (n > 1)
+    index: int  # which of the request's n completions (SamplingParams.n)
     token_ids: list[int]  # sampled since the last delta, a stop token included (as in RequestOutput)
     text: str  # the text added since, less a tail held back while it might still become a stop string
     finish_reason: str | None = None  # set on the completion's last delta: "stop" or "length"
@@ -73,8 +74,13 @@ class Sequence:
         params: SamplingParams,
         eos_token_ids: Iterable[int] = (),  # every id that ends the sequence (chat models have several)
         generator: torch.Generator | None = None,
+        index: int = 0,
     ):
         self.request_id = request_id
+        self.index = index  # which of the request's n completions
+        # The other completions, not yet started: when this one's prefill ends, they fork from it, sharing
+        # its blocks, and each samples its first token from the same logits (ContinuousBatcher.fork).
+        self.forks: list[Sequence] = []
         self.params = params
         self.generator = generator  # the request's own RNG when it has a seed
         self.token_ids = list(prompt_token_ids)
@@ -90,6 +96,8 @@ class Sequence:
         self.stop_token_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             self.stop_token_ids.update(eos_token_ids)
+        # What min_tokens holds back (sampling forbids them): as vLLM, the EOS ids even with ignore_eos.
+        self.min_tokens_stop_ids = sorted(set(params.stop_token_ids or ()) | set(eos_token_ids))
 
     @property
     def num_tokens(self) -> int:
@@ -117,7 +125,7 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         """Record a sampled token; a stop token or reaching max_tokens finishes the sequence."""
         self.token_ids.append(token_id)
-        if token_id in self.stop_token_ids:
+        if token_id in self.stop_token_ids and self.num_output_tokens >= self.params.min_tokens:
             self.finish("stop")
         elif self.num_output_tokens >= self.params.max_tokens:
             self.finish("length")
@@ -140,3 +148,11 @@ class ScheduledChunk:
     def produces_token(self) -> bool:
         """A chunk that reaches the sequence's last token produces the next token."""
         return self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def samplers(self) -> list[Sequence]:
+        """The sequences that draw a token from this chunk's last row: its own, and at the end of a prefill
+        with n > 1 the forks that start from it."""
+        if not self.produces_token:
+            return []
+        return [self.seq, *self.seq.forks] if self.seq.forks else [self.seq]

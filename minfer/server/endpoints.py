@@ -119,21 +119,22 @@ class APIHandler(RoutingHandler):
                 raise ClientGone()
 
     def _events(self, handle: RequestHandle):
-        """Yield each CompletionDelta as it comes, then the RequestOutput; an Error event raises APIError."""
+        """Yield each CompletionDelta as it comes, then the RequestOutputs (a tuple, one per choice); an
+        Error event raises APIError."""
         while True:
             match self._next_event(handle):
                 case CompletionDelta() as delta:
                     yield delta
-                case Done(output):
-                    self.log_note = "tokens={prompt_tokens}+{completion_tokens} ".format(**usage(output))
-                    yield output
+                case Done() as done:
+                    self.log_note = "tokens={prompt_tokens}+{completion_tokens} ".format(**usage(done.outputs))
+                    yield done.outputs
                     return
                 case Error(status, message):
                     raise APIError(status, message)
 
-    def _collect(self, handle: RequestHandle) -> RequestOutput:
+    def _collect(self, handle: RequestHandle) -> tuple[RequestOutput, ...]:
         for item in self._events(handle):
-            if isinstance(item, RequestOutput):  # its text is the whole text: the pieces are not needed
+            if isinstance(item, tuple):  # their texts are the whole texts: the pieces are not needed
                 return item
         raise AssertionError("the event stream ended without Done")
 
@@ -207,15 +208,14 @@ class APIHandler(RoutingHandler):
                 self.send_event(chunk)
             outs = []
             try:
-                # The engine runs every prompt together; the stream gives each choice in turn.
-                for index, handle in enumerate(handles):
+                # The engine runs every prompt together; the stream gives each prompt's choices in turn.
+                for prompt_index, handle in enumerate(handles):
                     for item in self._events(handle):
-                        if isinstance(item, CompletionDelta):
-                            for chunk in r.delta_chunks(item, index):
+                        if isinstance(item, CompletionDelta):  # a choice's text; its finish_reason on its last
+                            for chunk in r.delta_chunks(item, prompt_index):
                                 self.send_event(chunk)
-                            continue
-                        self.send_event(r.final_chunk_for(item.finish_reason, index))
-                        outs.append(item)
+                        else:
+                            outs.append(item)  # the prompt's choices, one RequestOutput each
                 if req.include_usage:
                     self.send_event(r.usage_chunk_all(outs))
             except APIError as e:  # the engine failed or is shutting down: say so, then end the stream
@@ -228,7 +228,7 @@ class APIHandler(RoutingHandler):
         req = parse_generate(self.read_json(), self.server.info)
         with self._submitted(req) as handle:
             if not req.stream:
-                out = self._collect(handle)
+                (out,) = self._collect(handle)  # /generate has n = 1
                 self.send_json(200, {"text": out.text, "finish_reason": out.finish_reason, "usage": usage(out)})
                 return
             self.begin_stream("text/plain; charset=utf-8")

@@ -26,6 +26,9 @@ finish_reason]`; `tables` maps a running request id to `[offset, block ids]`: it
 block table from index `offset` on (offset 0 replaces what the viewer had). In a
 snapshot, `blocks` is a string with one letter per block: f(ree), u(sed), c(ached);
 in steps and updates it maps the block ids that changed to "free", "used" or "cached".
+`shared` lists the used blocks held by several sequences (a prefix-cache hit, or the
+prompt of a request with n > 1): all of them in a snapshot, those that changed in a
+step or update. Choice i > 0 of such a request is named "id.i" (feed_id).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class EventRecorder:
     def snapshot(self) -> dict:
         s = self.scheduler
         allocator = s.allocator
-        self.tables = {seq.request_id: list(seq.block_table) for seq in s.running}
+        self.tables = {feed_id(seq): list(seq.block_table) for seq in s.running}
         self.last_step = s.num_steps
         return {
             "type": "snapshot",
@@ -72,7 +75,8 @@ class EventRecorder:
             "max_num_batched_tokens": s.max_num_batched_tokens,
             "request_fields": REQUEST_FIELDS,
             "blocks": "".join(STATE_LETTER[allocator.block_state(b)] for b in range(allocator.num_blocks)),
-            "tables": {seq.request_id: [0, list(seq.block_table)] for seq in s.running},
+            "tables": {feed_id(seq): [0, list(seq.block_table)] for seq in s.running},
+            "shared": [b for b in range(allocator.num_blocks) if allocator.is_shared(b)],
             "running": [describe(seq) for seq in s.running],
             "waiting": [describe(seq) for seq in s.waiting],
         }
@@ -95,7 +99,7 @@ class EventRecorder:
             "num_decode_tokens": info.num_decode_tokens,
             "num_sampled": num_sampled,
             "kv_blocks_used": info.kv_blocks_used,
-            "chunks": [[c.seq.request_id, c.start, c.num_tokens] for c in s.last_chunks],
+            "chunks": [[feed_id(c.seq), c.start, c.num_tokens] for c in s.last_chunks],
         }
         return self._changes(event, finished)
 
@@ -106,8 +110,8 @@ class EventRecorder:
     def _changes(self, event: dict, finished) -> dict:
         s = self.scheduler
         allocator = s.allocator
-        running = {seq.request_id: seq for seq in s.running}
-        waiting_ids = {seq.request_id for seq in s.waiting}
+        running = {feed_id(seq): seq for seq in s.running}
+        waiting_ids = {feed_id(seq) for seq in s.waiting}
         changed: set[int] = set()
         left = [rid for rid in self.tables if rid not in running]
         for rid in left:  # its blocks were freed (shared ones may still be in use by others)
@@ -115,18 +119,26 @@ class EventRecorder:
         tables = {}
         for rid, seq in running.items():
             known = self.tables.setdefault(rid, [])
-            if len(seq.block_table) > len(known):  # tables only grow while a request runs
-                new = seq.block_table[len(known) :]
-                tables[rid] = [len(known), new]
+            table = seq.block_table
+            # Tables only grow while a request runs, but for copy-on-write: a fork's last block, shared
+            # with its siblings until it writes there, becomes its own copy.
+            start = len(known)
+            if known and len(table) >= start and table[start - 1] != known[-1]:
+                start -= 1
+            if len(table) > start:
+                new = table[start:]
+                tables[rid] = [start, new]
+                changed.update(known[start:])  # the block given up: now shared by fewer, or by none
                 changed.update(new)
-                known += new
-        finished_ids = {out.request_id for out in finished}
+                known[start:] = new
+        finished_ids = {finished_id(out) for out in finished}
         event.update(
             {
                 "running": [describe(seq) for seq in s.running],
                 "waiting": [describe(seq) for seq in s.waiting],
                 "tables": tables,
                 "blocks": {b: allocator.block_state(b) for b in sorted(changed)},
+                "shared": [b for b in sorted(changed) if allocator.is_shared(b)],  # of those, held by several
                 "preempted": [rid for rid in left if rid in waiting_ids],
                 "finished": [finished_entry(out) for out in finished],
                 "discarded": [rid for rid in left if rid not in waiting_ids and rid not in finished_ids],
@@ -135,10 +147,20 @@ class EventRecorder:
         return event
 
 
+def feed_id(seq) -> str:
+    """A sequence's name in the feed: its request's id, and for choice i > 0 of a request with n > 1,
+    "id.i" (choice 0, which runs the prompt, is the request's own id)."""
+    return seq.request_id if seq.index == 0 else f"{seq.request_id}.{seq.index}"
+
+
+def finished_id(out) -> str:
+    return out.request_id if out.index == 0 else f"{out.request_id}.{out.index}"
+
+
 def describe(seq) -> list:
     """A request as REQUEST_FIELDS: lengths only, never text."""
     return [
-        seq.request_id,
+        feed_id(seq),
         seq.num_prompt_tokens,
         seq.num_computed_tokens,
         seq.num_output_tokens,
@@ -154,7 +176,7 @@ def finished_entry(out) -> list:
         ttft = round((out.first_token_time - out.arrival_time) * 1e3, 3)
         if len(out.token_ids) > 1 and out.finish_time is not None:
             tpot = round((out.finish_time - out.first_token_time) * 1e3 / (len(out.token_ids) - 1), 3)
-    return [out.request_id, ttft, tpot, len(out.token_ids), out.finish_reason]
+    return [finished_id(out), ttft, tpot, len(out.token_ids), out.finish_reason]
 
 
 class FeedClosed(Exception):

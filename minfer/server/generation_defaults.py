@@ -15,9 +15,9 @@ from pathlib import Path
 log = logging.getLogger("minfer.serve")
 
 # generation_config.json key -> the request field it defaults (the names are the same in both APIs)
-APPLIED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
-# keys vLLM also applies that minfer's requests cannot take yet: reported, never silently dropped
-NOT_APPLIED = ("repetition_penalty", "min_p", "max_new_tokens")
+APPLIED = {k: k for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+# keys vLLM also applies that minfer does not: reported, never silently dropped
+NOT_APPLIED = ("max_new_tokens",)
 
 
 def sampling_defaults(model_dir: str | Path, setting: str = "auto") -> tuple[dict, list[str]]:

@@ -190,15 +190,16 @@ class SchedulerManager:
             if self.events.active:
                 self.events.publish(self._recorder.update())
             return
-        self.metrics.on_tokens(len(sampled))
+        self.metrics.on_tokens(self.scheduler.last_step.num_sampled if sampled else 0)  # n per request with n > 1
         for request_id in sampled:  # text "" too: the handler still gets the step's token ids
-            self._active[request_id].events.put(self.scheduler.get_new_output(request_id))
+            for delta in self.scheduler.get_new_outputs(request_id):  # one per choice that sampled
+                self._active[request_id].events.put(delta)
         finished = []
         for request_id in self.scheduler.pop_finished_ids():
-            out = self.scheduler.pop_response(request_id)
-            self.metrics.on_finished(out)
-            self._active.pop(request_id).events.put(Done(out))
-            finished.append(out)
+            outs = self.scheduler.pop_responses(request_id)  # one per choice
+            self.metrics.on_finished(outs[0])
+            self._active.pop(request_id).events.put(Done(outs[0], tuple(outs)))
+            finished += outs
         if self.events.active:
             self.events.publish(self._recorder.step(len(sampled), finished))
 

@@ -2,9 +2,9 @@
 
 Everything here is plain data in, plain data out — no sockets, no threads — so
 each rule can be tested on its own. This module checks what is the API's own:
-the JSON shape, OpenAI's fields (`model`, `n`, `stream_options`, message roles)
+the JSON shape, OpenAI's fields (`model`, `stream_options`, message roles)
 and the parameters minfer does not support. The engine's rules stay the
-engine's: SamplingParams checks the sampling fields and
+engine's: sampling_fields.py reads the sampling fields, SamplingParams checks them and
 OnlineScheduler.check_request the prompt against the vocabulary and context,
 each raising InvalidParameter naming the field; `invalid_request` turns that
 into the 400 naming the request's own field.
@@ -33,11 +33,9 @@ from ..text.tokenizer import Tokenizer
 from . import request_fields
 from .generation_defaults import with_defaults
 from .scoring_fields import CompletionScoring, chat_logprobs, completion_prompts, completion_scoring
+from .sampling_fields import build_params
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-
 
 
 @dataclass
@@ -162,12 +160,6 @@ def _stream_flags(body: dict, rules: request_fields.FieldRules) -> tuple[bool, b
     return stream, bool(include_usage)
 
 
-def _check_n(body: dict) -> None:
-    n = _get(body, "n", "int", 1)
-    if n != 1:
-        raise invalid("n", f"'n' must be 1 (one completion per request), got {n}")
-
-
 # ---- sampling parameters: the engine checks them -------------------------------------
 
 
@@ -181,18 +173,11 @@ def _max_tokens(body: dict, name: str, num_prompt_tokens: int, info: ModelInfo, 
     return room if default is None else min(default, room)
 
 
-def _sampling(body: dict, max_tokens, fields: dict[str, str], *, ignore_eos: bool | None = None) -> SamplingParams:
-    """The request's SamplingParams. SamplingParams checks every field itself; its error becomes the 400."""
-    top_k = _value(body, "top_k", 0)
+def _sampling(body: dict, max_tokens, fields: dict[str, str], *, ignore_eos: bool | None = None, allow_n=True):
+    """The request's SamplingParams (sampling_fields.py reads the fields; SamplingParams checks them)."""
     try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=_value(body, "temperature", 1.0),
-            top_k=0 if is_int(top_k) and top_k == -1 else top_k,  # -1 is vLLM's "off", as 0 is ours
-            top_p=_value(body, "top_p", 1.0),
-            seed=body.get("seed"),
-            stop=body.get("stop"),
-            ignore_eos=_value(body, "ignore_eos", False) if ignore_eos is None else ignore_eos,
+        return build_params(
+            body, max_tokens, _value(body, "ignore_eos", False) if ignore_eos is None else ignore_eos, allow_n=allow_n
         )
     except ValueError as e:
         raise invalid_request(e, fields) from None
@@ -221,7 +206,6 @@ def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
     """POST /v1/completions."""
     body = with_defaults(body, info.sampling_defaults)
     _check_model(body, info)
-    _check_n(body)
     request_fields.COMPLETIONS.check(body)
     prompts, texts = completion_prompts(body.get("prompt"), info.tokenizer)
     scoring = completion_scoring(body)
@@ -292,7 +276,6 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
     """POST /v1/chat/completions."""
     body = with_defaults(body, info.sampling_defaults)
     _check_model(body, info)
-    _check_n(body)
     request_fields.CHAT.check(body)
     text = render_messages(body, info)
     ids = info.tokenizer.encode(text)  # as is: the template wrote any BOS itself
@@ -320,23 +303,27 @@ def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:
     stop_on_eos = _get(body, "stop_on_eos", "bool", True)
     stream = _get(body, "stream", "bool", False)
     fields = {"max_tokens": "max_new_tokens"}
-    return ParsedRequest(ids, _sampling(body, max_tokens, fields, ignore_eos=not stop_on_eos), stream, fields=fields)
+    params = _sampling(body, max_tokens, fields, ignore_eos=not stop_on_eos, allow_n=False)
+    return ParsedRequest(ids, params, stream, fields=fields)
 
 
 # ---- responses -----------------------------------------------------------------------
 
 
-def usage(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def usage(outs: RequestOutput | tuple[RequestOutput, ...] | list[RequestOutput]) -> dict:
+    """The prompt counted once, the completion tokens of every choice summed (OpenAI's and vLLM's rule)."""
+    outs = [outs] if isinstance(outs, RequestOutput) else list(outs)
+    prompt, completion = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class Responder:
-    """Builds the response body, or the stream chunks, of one completion or chat request."""
+    """Builds the response body, or the stream chunks, of one completion or chat request (n choices)."""
 
-    def __init__(self, model: str, chat: bool):
+    def __init__(self, model: str, chat: bool, n: int = 1):
         self.model = model
         self.chat = chat
+        self.n = n
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -355,31 +342,41 @@ class Responder:
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
     def first_chunks(self) -> list[dict]:
-        """Chat streams open with the assistant's role."""
-        return [self._chunk([self._choice("", None, role=True)])] if self.chat else []
+        """Chat streams open with the assistant's role, once per choice."""
+        return [self._chunk([self._choice("", None, role=True, index=i)]) for i in range(self.n)] if self.chat else []
 
     def text_chunk(self, text: str) -> dict:
         return self._chunk([self._choice(text, None)])
 
-    def delta_chunk(self, delta: CompletionDelta) -> dict | None:
-        """The stream chunk for one step's delta of a completion; None if it adds no text (its token's
-        text is held back, or is a stop token's), so the stream has no empty chunks."""
-        return self._chunk([self._choice(delta.text, None, index=delta.index)]) if delta.text else None
+    def delta_chunks(self, delta: CompletionDelta) -> list[dict]:
+        """The stream chunks for one step's delta of a choice: its text, if it adds any (its token's text
+        may be held back, or be a stop token's: the stream has no empty chunks), then, on its last delta,
+        the choice's finish_reason."""
+        chunks = [self._chunk([self._choice(delta.text, None, index=delta.index)])] if delta.text else []
+        if delta.finish_reason is not None:
+            chunks.append(self.final_chunk(delta.finish_reason, delta.index))
+        return chunks
 
-    def final_chunk(self, finish_reason: str | None) -> dict:
-        return self._chunk([self._choice(None, finish_reason)])
+    def final_chunk(self, finish_reason: str | None, index: int = 0) -> dict:
+        return self._chunk([self._choice(None, finish_reason, index=index)])
 
-    def usage_chunk(self, out: RequestOutput) -> dict:
-        return self._chunk([], usage=usage(out))
+    def usage_chunk(self, outs) -> dict:
+        return self._chunk([], usage=usage(outs))
 
-    def response(self, out: RequestOutput) -> dict:
+    def response(self, outs: RequestOutput | tuple[RequestOutput, ...]) -> dict:
+        outs = (outs,) if isinstance(outs, RequestOutput) else outs
         if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": out.text},
-                "logprobs": None,
-                "finish_reason": out.finish_reason,
-            }
-            return self._envelope("chat.completion", [choice], usage=usage(out))
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
-        return self._envelope("text_completion", [choice], usage=usage(out))
+            choices = [
+                {
+                    "index": out.index,
+                    "message": {"role": "assistant", "content": out.text},
+                    "logprobs": None,
+                    "finish_reason": out.finish_reason,
+                }
+                for out in outs
+            ]
+            return self._envelope("chat.completion", choices, usage=usage(outs))
+        choices = [
+            {"index": out.index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason} for out in outs
+        ]
+        return self._envelope("text_completion", choices, usage=usage(outs))

@@ -25,6 +25,12 @@ FROM_STATS = [
     ("requests_waiting", "gauge", "Requests queued for a slot, including preempted ones.", "num_waiting"),
     ("kv_blocks_free", "gauge", "Free KV cache blocks.", "num_kv_blocks_free"),
     ("kv_blocks_total", "gauge", "KV cache blocks in all.", "num_kv_blocks_total"),
+    (
+        "kv_blocks_shared",
+        "gauge",
+        "KV cache blocks held by several sequences (a common prefix, or n samples of one prompt), each stored once.",
+        "num_kv_blocks_shared",
+    ),
     ("preemptions_total", "counter", "Sequences preempted to free KV blocks.", "num_preemptions"),
     (
         "prefix_cache_hit_tokens_total",

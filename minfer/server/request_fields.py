@@ -17,6 +17,7 @@ import logging
 import threading
 
 from ..errors import APIError
+from .sampling_fields import FIELDS as SAMPLING_FIELDS
 
 log = logging.getLogger("minfer.serve")
 
@@ -35,7 +36,7 @@ OPENAI_CHAT = frozenset(
 )
 # vLLM's extensions (its protocol's extra sampling and request fields), to both endpoints.
 VLLM_EXTRA = frozenset(
-    "top_k min_p repetition_penalty length_penalty stop_token_ids include_stop_str_in_output ignore_eos "
+    "best_of top_k min_p repetition_penalty length_penalty stop_token_ids include_stop_str_in_output ignore_eos "
     "min_tokens skip_special_tokens spaces_between_special_tokens truncate_prompt_tokens allowed_token_ids "
     "prompt_logprobs bad_words use_beam_search logits_processors return_tokens_as_token_ids return_token_ids "
     "guided_json guided_regex guided_choice guided_grammar guided_decoding_backend guided_whitespace_pattern "
@@ -58,6 +59,7 @@ NO_OP_VALUES: dict[str, tuple] = {
     "parallel_tool_calls": (True, False),  # meaningful only with tools
     "response_format": ({"type": "text"},),
     "use_beam_search": (False,),
+    "allowed_token_ids": ([],),
     "length_penalty": (1, 1.0),
     "modalities": (["text"],),
     "bad_words": ([],),
@@ -115,21 +117,21 @@ class FieldRules:
         log.warning("%s: ignoring the field %r, which minfer does not use (logged once)", self.endpoint, name)
 
 
-SAMPLING_READS = frozenset("temperature top_p top_k seed stop ignore_eos".split())
+# What sampling_fields.py reads into SamplingParams, on every endpoint.
+SAMPLING_READS = frozenset(SAMPLING_FIELDS) | frozenset(("logit_bias", "n"))
 COMPLETIONS = FieldRules(
     "/v1/completions",
-    SAMPLING_READS | frozenset("model prompt max_tokens stream stream_options echo logprobs prompt_logprobs n".split()),
+    SAMPLING_READS
+    | frozenset("model prompt max_tokens ignore_eos best_of stream stream_options echo logprobs prompt_logprobs".split()),
     OPENAI_COMPLETIONS | VLLM_EXTRA,
 )
 CHAT = FieldRules(
     "/v1/chat/completions",
     SAMPLING_READS
     | frozenset(
-        "model messages max_tokens max_completion_tokens stream stream_options chat_template_kwargs logprobs "
-        "top_logprobs n".split()
+        "model messages max_tokens max_completion_tokens ignore_eos best_of stream stream_options "
+        "chat_template_kwargs logprobs top_logprobs".split()
     ),
     OPENAI_CHAT | VLLM_EXTRA,
 )
-GENERATE = FieldRules(
-    "/generate", frozenset("prompt max_new_tokens temperature top_k top_p seed stop stop_on_eos stream".split()), None
-)
+GENERATE = FieldRules("/generate", SAMPLING_READS | frozenset("prompt max_new_tokens stop_on_eos stream".split()), None)

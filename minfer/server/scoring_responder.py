@@ -1,7 +1,9 @@
-"""Responses with several choices (a batch of prompts) and with logprobs, echo and prompt logprobs.
+"""Responses with several choices (a batch of prompts, n completions each) and with logprobs, echo and
+prompt logprobs.
 
-`ScoringResponder` extends openai_api.Responder: choice i answers prompt i, usage is summed over them,
-and each choice carries the logprobs its request asked for (logprobs_format.py has the shapes).
+`ScoringResponder` extends openai_api.Responder. Choice `i * n + j` is completion j of prompt i (vLLM's
+numbering); usage counts each prompt once and every completion's tokens, and each choice carries the
+logprobs its request asked for (logprobs_format.py has the shapes).
 Streamed, each chunk carries the logprobs of exactly the tokens whose text it carries: tokens whose
 text is still held back (a possible stop string) wait for the next chunk with text, or the choice's
 final chunk. With `echo`, a choice's first chunk is its prompt (and the prompt's logprobs).
@@ -22,22 +24,22 @@ def _trim(entries: list[TokenLogprob | None], k: int) -> list[TokenLogprob | Non
 
 class ScoringResponder(Responder):
     def __init__(self, model: str, chat: bool, req: ParsedRequest, tokenizer: Tokenizer):
-        super().__init__(model, chat)
+        super().__init__(model, chat, req.params.n)
         self.req = req
         self.tokenizer = tokenizer
         self.scoring = None if chat else req.scoring
-        n = len(req.prompts)
-        self.formatters = [LogprobFormatter(tokenizer) for _ in range(n)]
-        self.pending: list[list[tuple[int, TokenLogprob]]] = [[] for _ in range(n)]  # streamed, awaiting text
-        self.echoed = [False] * n
+        choices = len(req.prompts) * self.n  # by choice index: prompt index * n + completion index
+        self.formatters = [LogprobFormatter(tokenizer) for _ in range(choices)]
+        self.pending: list[list[tuple[int, TokenLogprob]]] = [[] for _ in range(choices)]  # awaiting text
+        self.echoed = [False] * choices
 
     @property
     def wants_logprobs(self) -> bool:
         return self.req.params.logprobs is not None
 
-    def _echo_text(self, index: int) -> str:
-        text = self.req.prompt_texts[index]
-        return text if text is not None else self.tokenizer.decode(self.req.prompts[index])
+    def _echo_text(self, prompt: int) -> str:
+        text = self.req.prompt_texts[prompt]
+        return text if text is not None else self.tokenizer.decode(self.req.prompts[prompt])
 
     def _logprobs(self, index: int, token_ids: list[int], entries: list) -> dict | None:
         if not self.wants_logprobs:
@@ -56,8 +58,9 @@ class ScoringResponder(Responder):
             asked = self.formatters[index].prompt_logprobs(_trim(prompt_logprobs, self.req.params.prompt_logprobs))
         if not s.echo:
             return "", None, asked
-        entries = prompt_logprobs if prompt_logprobs is not None else [None] * len(self.req.prompts[index])
-        return self._echo_text(index), self._logprobs(index, self.req.prompts[index], entries), asked
+        prompt = index // self.n
+        entries = prompt_logprobs if prompt_logprobs is not None else [None] * len(self.req.prompts[prompt])
+        return self._echo_text(prompt), self._logprobs(index, self.req.prompts[prompt], entries), asked
 
     def _with(self, choice: dict, logprobs, prompt_logprobs=None) -> dict:
         choice["logprobs"] = logprobs
@@ -67,8 +70,9 @@ class ScoringResponder(Responder):
 
     # ---- one body --------------------------------------------------------------------
 
-    def response_all(self, outs: list[RequestOutput]) -> dict:
-        choices = [self._full_choice(i, out) for i, out in enumerate(outs)]
+    def response_all(self, outs: list[tuple[RequestOutput, ...]]) -> dict:
+        """outs: per prompt, its n completions."""
+        choices = [self._full_choice(i * self.n + out.index, out) for i, prompt in enumerate(outs) for out in prompt]
         obj = "chat.completion" if self.chat else "text_completion"
         return self._envelope(obj, choices, usage=self.usage_all(outs))
 
@@ -87,10 +91,11 @@ class ScoringResponder(Responder):
         text = echo_text + ("" if score_only else out.text)
         return self._with(self._choice(text, finish_reason, index=index), logprobs, asked)
 
-    def usage_all(self, outs: list[RequestOutput]) -> dict:
-        prompt = sum(len(o.prompt_token_ids) for o in outs)
+    def usage_all(self, outs: list[tuple[RequestOutput, ...]]) -> dict:
+        """Each prompt counted once, every completion's tokens (OpenAI's and vLLM's rule)."""
+        prompt = sum(len(p[0].prompt_token_ids) for p in outs)
         score_only = self.scoring is not None and self.scoring.score_only
-        completion = 0 if score_only else sum(len(o.token_ids) for o in outs)
+        completion = 0 if score_only else sum(len(o.token_ids) for p in outs for o in p)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     # ---- a stream --------------------------------------------------------------------
@@ -98,10 +103,19 @@ class ScoringResponder(Responder):
     def first_chunks_all(self) -> list[dict]:
         if not self.chat:
             return []
-        return [self._chunk([self._choice("", None, role=True, index=i)]) for i in range(len(self.req.prompts))]
+        choices = len(self.req.prompts) * self.n
+        return [self._chunk([self._choice("", None, role=True, index=i)]) for i in range(choices)]
 
-    def delta_chunks(self, delta: CompletionDelta, index: int) -> list[dict]:
-        """The chunks for one step's delta of choice `index`: its echo first, if due, then its text."""
+    def delta_chunks(self, delta: CompletionDelta, prompt: int) -> list[dict]:
+        """The chunks for one step's delta of a completion of prompt `prompt`: its echo first, if due,
+        then its text, and on its last delta its final chunk."""
+        index = prompt * self.n + delta.index
+        chunks = self._delta_text_chunks(delta, index)
+        if delta.finish_reason is not None:
+            chunks.append(self.final_chunk_for(delta.finish_reason, index))
+        return chunks
+
+    def _delta_text_chunks(self, delta: CompletionDelta, index: int) -> list[dict]:
         chunks = []
         if not self.echoed[index]:
             self.echoed[index] = True

@@ -74,6 +74,11 @@ def stream_body(rng: random.Random, target: Target, max_tokens: int | None = Non
         body.update(temperature=0.9, top_p=0.95, seed=rng.randrange(2**31))
     else:
         body["temperature"] = 0
+    if not max_tokens and rng.random() < 0.3:  # parallel samples of one prompt, sharing its blocks
+        body["n"] = rng.randint(2, 4)
+    if rng.random() < 0.3:  # the sampling controls, on the batched logits beside plain rows
+        body.update(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, min_p=0.05,
+                    logit_bias={str(rng.randrange(256)): 2.0})
     return body
 
 
@@ -114,18 +119,23 @@ def check_stream(tally: Tally, body: dict, events: list[bytes]) -> str | None:
         tally.fail(f"stream got an error event: {[c for c in chunks if 'error' in c][0]}")
         return None
     usage = chunks[-1].get("usage") or {}
+    n = body.get("n", 1)
     want = {
         "prompt_tokens": len(body["prompt"]),
-        "completion_tokens": body["max_tokens"],
-        "total_tokens": len(body["prompt"]) + body["max_tokens"],
+        "completion_tokens": n * body["max_tokens"],  # every choice's tokens
+        "total_tokens": len(body["prompt"]) + n * body["max_tokens"],
     }
     if {k: usage.get(k) for k in want} != want:
         tally.fail(f"stream usage {usage} != {want}")
-    if chunks[-2]["choices"][0]["finish_reason"] != "length":
-        tally.fail(f"stream finish_reason {chunks[-2]['choices'][0]['finish_reason']!r} != 'length'")
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    finishes = {c["index"]: c["finish_reason"] for c in choices if c["finish_reason"]}
+    if finishes != dict.fromkeys(range(n), "length"):
+        tally.fail(f"stream finish_reasons {finishes} != 'length' for each of {n} choices")
     tally.count("streams finished")
-    tally.count("tokens streamed", body["max_tokens"])
-    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    tally.count("streams with n > 1 finished" if n > 1 else "streams with n = 1 finished")
+    tally.count("tokens streamed", n * body["max_tokens"])
+    texts = ["".join(c["text"] for c in choices if c["index"] == i) for i in range(n)]
+    return "\x00".join(texts)  # each choice's text, in index order
 
 
 def check_error_reply(tally: Tally, what: str, status: int, payload: bytes) -> None:

@@ -101,6 +101,7 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally) -> dict:
         "load seconds": round(load_seconds, 1),
         "concurrent streams": cfg.streams,
         "streams finished": c["streams finished"],
+        "of them with n > 1 choices": c["streams with n > 1 finished"],
         "streams cancelled midway": c["streams cancelled"],
         "tokens streamed": c["tokens streamed"],
         "preemptions": after["minfer_preemptions_total"] - before["minfer_preemptions_total"],

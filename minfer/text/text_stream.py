@@ -13,32 +13,35 @@ from .tokenizer import IncrementalDetokenizer
 
 
 class TextStream:
-    def __init__(self, detokenizer: IncrementalDetokenizer, stop: list[str] | None = None):
+    def __init__(self, detokenizer: IncrementalDetokenizer, stop: list[str] | None = None, include_stop: bool = False):
         self.detokenizer = detokenizer
         self.stop = stop or []
+        self.include_stop = include_stop  # cut after the stop string rather than before it (vLLM's include_stop_str_in_output)
         self.text = ""
         self.num_streamed_chars = 0  # how much of `text` pop_new_text has handed out
         self.hit_stop = False  # a stop string was found: the text is final
 
-    def add_token(self, token_id: int) -> bool:
-        """Add one generated token's text. True if it completed a stop string (the text is cut before it)."""
-        return self._add_text(self.detokenizer.add(token_id))
+    def add_token(self, token_id: int, check_stop: bool = True) -> bool:
+        """Add one generated token's text. True if it completed a stop string (the text is cut before it).
+        check_stop=False adds the text without looking for stop strings (min_tokens not yet reached)."""
+        return self._add_text(self.detokenizer.add(token_id), check_stop)
 
-    def flush(self) -> bool:
+    def flush(self, check_stop: bool = True) -> bool:
         """End of generation: add an unfinished UTF-8 tail, as decode() renders it. True on a stop string."""
-        return self._add_text(self.detokenizer.flush())
+        return self._add_text(self.detokenizer.flush(), check_stop)
 
-    def _add_text(self, piece: str) -> bool:
+    def _add_text(self, piece: str, check_stop: bool = True) -> bool:
         if not piece or self.hit_stop:
             return False
         self.text += piece
-        if self.stop:
+        if self.stop and check_stop:
             # Only the tail can hold a stop string that was not there before this piece.
             longest = max(map(len, self.stop))
             search_from = max(0, len(self.text) - len(piece) - longest + 1)
-            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+            hits = [(i, len(s)) for i, s in ((self.text.find(s, search_from), s) for s in self.stop) if i >= 0]
             if hits:
-                self.text = self.text[: min(hits)]  # cut the stop string and all after it
+                start, length = min(hits)  # the stop string that starts first
+                self.text = self.text[: start + length if self.include_stop else start]  # and all after it
                 self.hit_stop = True
         return self.hit_stop
 

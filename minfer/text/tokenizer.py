@@ -77,6 +77,7 @@ class Tokenizer:
         ids = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
         self.eos_token_ids: list[int] = [i for i in ids if i is not None]
         self._token_bytes: list[bytes] | None = None
+        self._token_bytes_with_special: list[bytes] | None = None
 
     # ---- loading -------------------------------------------------------------------
 
@@ -136,13 +137,21 @@ class Tokenizer:
 
         Built once, on first use: it is what lets streaming work per token in O(1)."""
         if self._token_bytes is None:
-            special = {i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
-            table = [b""] * self.vocab_size
-            for token, i in self.backend.get_vocab(with_added_tokens=True).items():
-                if 0 <= i < len(table) and i not in special:
-                    table[i] = _token_to_bytes(token)
-            self._token_bytes = table
+            self._token_bytes = self._bytes_table(skip_special_tokens=True)
         return self._token_bytes
+
+    def _bytes_table(self, skip_special_tokens: bool) -> list[bytes]:
+        added = self.backend.get_added_tokens_decoder()
+        special = {i: t.content for i, t in added.items() if t.special}
+        table = [b""] * self.vocab_size
+        for token, i in self.backend.get_vocab(with_added_tokens=True).items():
+            if 0 <= i < len(table) and i not in special:
+                table[i] = _token_to_bytes(token)
+        if not skip_special_tokens:  # a special token's text is its content, as written
+            for i, content in special.items():
+                if 0 <= i < len(table):
+                    table[i] = content.encode("utf-8")
+        return table
 
     # ---- encode / decode -----------------------------------------------------------
 
@@ -164,13 +173,18 @@ class Tokenizer:
         valid = [i for i in map(operator.index, ids) if 0 <= i < n]
         return self.backend.decode(valid, skip_special_tokens=True)
 
-    def detokenizer(self) -> "IncrementalDetokenizer":
+    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        """A streaming decoder; with skip_special_tokens=False special tokens render as their text."""
         if not isinstance(self.backend.decoder, decoders.ByteLevel):
             raise ValueError(
                 f"streaming decode needs a byte-level (GPT-2 style) tokenizer, "
                 f"but this one's decoder is {type(self.backend.decoder).__name__}."
             )
-        return IncrementalDetokenizer(self.token_bytes)
+        if skip_special_tokens:
+            return IncrementalDetokenizer(self.token_bytes)
+        if self._token_bytes_with_special is None:
+            self._token_bytes_with_special = self._bytes_table(skip_special_tokens=False)
+        return IncrementalDetokenizer(self._token_bytes_with_special)
 
 
 def read_eos_token_ids(model_dir: str | Path) -> list[int]:

@@ -17,6 +17,7 @@ const blockMap = {
   states: new Uint8Array(0), // block id -> FREE, USED or CACHED
   counts: [0, 0, 0],         // blocks in each state
   mine: new Set(),           // the playground request's blocks (drawn pink)
+  shared: new Set(),         // used blocks held by several sequences: stored once (drawn dark blue)
   changed: new Set(),        // blocks to redraw at the next frame
   layout: null,              // which blocks the map shows, and how big: see fitLayout
   // Redraws so far: whole-map ones and changed-cells-only ones, cells drawn, and the ms they took
@@ -40,6 +41,13 @@ function setBlockState(b, name) {
   blockMap.counts[state]++;
   blockMap.states[b] = state;
   blockMap.changed.add(b);
+}
+
+// `blocks`: the ids whose sharing may have changed; `shared`: those of them held by several sequences
+// (all of the cache's, in a snapshot).
+function setSharedBlocks(blocks, shared) {
+  for (const b of blocks) if (blockMap.shared.delete(b)) blockMap.changed.add(b);
+  for (const b of shared) { blockMap.shared.add(b); blockMap.changed.add(b); }
 }
 
 function setMineBlocks(blocks) {
@@ -120,7 +128,9 @@ function drawBlockMap() {
 function drawCell(ctx, b) {
   const rect = cellRect(b);
   if (!rect) return; // off the map
-  ctx.fillStyle = blockMap.mine.has(b) ? color.mine : color[STATE_NAMES[blockMap.states[b]]];
+  const state = blockMap.states[b];
+  ctx.fillStyle = blockMap.mine.has(b) ? color.mine :
+    state === USED && blockMap.shared.has(b) ? color.shared : color[STATE_NAMES[state]];
   ctx.fillRect(rect[0], rect[1], rect[2], rect[2]);
 }
 
@@ -188,7 +198,7 @@ $("blocks").addEventListener("mousemove", (ev) => {
     const index = table.indexOf(block);
     if (index >= 0) holders.push(`request ${id} (tokens ${index * view.blockSize}–${(index + 1) * view.blockSize - 1})`);
   }
-  const state = STATE_NAMES[blockMap.states[block]];
+  const state = STATE_NAMES[blockMap.states[block]] + (blockMap.shared.has(block) ? ", shared: stored once" : "");
   $("hover").textContent = `block ${block}: ${state}` + (holders.length ? ` · held by ${holders.join(", ")}` :
     state === "cached" ? " · holds a prefix a later request can reuse" : "");
 });

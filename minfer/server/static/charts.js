@@ -8,7 +8,7 @@ const AXIS_FONT = "10px system-ui, sans-serif";
 
 // Colours come from the CSS variables in live.css, read once.
 const color = {};
-for (const name of ["free", "used", "cached", "mine", "prefill", "decode", "steptime", "seqs", "preempt", "muted", "axis"]) {
+for (const name of ["free", "used", "shared", "cached", "mine", "prefill", "decode", "steptime", "seqs", "preempt", "muted", "axis"]) {
   color[name] = getComputedStyle(document.documentElement).getPropertyValue(`--${name}`).trim();
 }
 

@@ -91,6 +91,8 @@ function applySnapshot(s) {
   view.blockSize = s.block_size;
   view.step = s.step;
   resetBlocks(s.blocks);
+  blockMap.shared = new Set();
+  setSharedBlocks([], s.shared || []);
   view.tables = new Map(Object.entries(s.tables).map(([id, [, blocks]]) => [id, blocks]));
   view.running = s.running;
   view.waiting = s.waiting;
@@ -103,11 +105,12 @@ function applyChanges(e, now) {
   const wasRunning = new Set(view.running.map((r) => r[0]));
   for (const [id, [offset, blocks]] of Object.entries(e.tables)) {
     if (offset === 0 || !view.tables.has(id)) view.tables.set(id, blocks.slice());
-    else view.tables.get(id).push(...blocks);
+    else { const table = view.tables.get(id); table.length = offset; table.push(...blocks); } // offset < length: copy-on-write
   }
   const running = new Set(e.running.map((r) => r[0]));
   for (const id of view.tables.keys()) if (!running.has(id)) view.tables.delete(id);
   for (const [b, state] of Object.entries(e.blocks)) setBlockState(+b, state);
+  setSharedBlocks(Object.keys(e.blocks).map(Number), e.shared || []);
   view.running = e.running;
   view.waiting = e.waiting;
   view.step = e.step;
@@ -168,6 +171,7 @@ function render() {
   $("stat-running").textContent = view.running.length;
   $("stat-waiting").textContent = view.waiting.length;
   $("stat-used").textContent = blockMap.counts[USED];
+  $("stat-shared").textContent = blockMap.shared.size;
   $("stat-cached").textContent = blockMap.counts[CACHED];
   $("stat-free").textContent = blockMap.counts[FREE];
   $("stat-preempt").textContent = view.preemptions;

@@ -1,0 +1,114 @@
+"""The sampling controls that reshape a batch's logits before the draw, with vLLM's semantics.
+
+vLLM's sampler (v1/sample/sampler.py) runs, on float32 logits:
+1. logit_bias (added) and min_tokens (stop tokens at -inf until the output is long enough);
+2. the penalties (vllm/model_executor/layers/utils.py `apply_penalties`):
+   - repetition_penalty over every token seen in the prompt *or* the output: a positive logit
+     is divided by it, a non-positive one multiplied;
+   - frequency_penalty times the token's count in the output, subtracted;
+   - presence_penalty for every token present in the output, subtracted;
+3. greedy rows take the argmax of that; the others divide by their temperature, then
+4. min_p: tokens whose probability is below min_p x the row's highest are dropped; then top-k, top-p.
+
+`apply_logits_controls` does steps 1 and 2, `apply_min_p` step 4 (sampling.py calls both). Each works
+on the rows that use it, with tensor ops over the whole vocabulary (no loop over vocabulary entries):
+a row that uses none costs nothing. Counts come from each row's token history, read fresh every step,
+so a preempted and recomputed sequence, or a forked one, gets exactly the same logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+
+class TokenHistory(Protocol):
+    """What the controls read of a row's sequence (engine/sequence.py's Sequence has it)."""
+
+    token_ids: list[int]  # prompt, then output
+    num_prompt_tokens: int
+    min_tokens_stop_ids: list[int]  # what min_tokens holds back: stop_token_ids and the EOS ids
+
+
+def apply_logits_controls(logits: torch.Tensor, params: Sequence, histories: Sequence[TokenHistory]) -> torch.Tensor:
+    """logit_bias, min_tokens and the penalties, on the rows whose params use them. logits: (B, V) float32,
+    changed in place and returned."""
+    rows = [i for i, p in enumerate(params) if p.uses_logits_controls]
+    if not rows:
+        return logits
+    device, V = logits.device, logits.shape[1]
+    index = torch.tensor(rows, device=device)
+    x = logits[index]  # (R, V): a copy, written back below
+    row_params = [params[i] for i in rows]
+    row_histories = [histories[i] for i in rows]
+    _add_logit_bias(x, row_params)
+    _mask_min_tokens(x, row_params, row_histories)
+    penalised = [
+        r for r, p in enumerate(row_params) if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
+    ]
+    if penalised:
+        sub = torch.tensor(penalised, device=device)
+        x[sub] = apply_penalties(x[sub], [row_params[r] for r in penalised], [row_histories[r] for r in penalised], V)
+    logits[index] = x
+    return logits
+
+
+def _add_logit_bias(x: torch.Tensor, params: Sequence) -> None:
+    rows, tokens, biases = [], [], []
+    for r, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            rows.append(r)
+            tokens.append(token)
+            biases.append(bias)
+    if rows:
+        idx = (torch.tensor(rows, device=x.device), torch.tensor(tokens, device=x.device))
+        x.index_put_(idx, torch.tensor(biases, device=x.device), accumulate=True)
+
+
+def _mask_min_tokens(x: torch.Tensor, params: Sequence, histories: Sequence[TokenHistory]) -> None:
+    rows, tokens = [], []
+    for r, (p, h) in enumerate(zip(params, histories)):
+        if len(h.token_ids) - h.num_prompt_tokens < p.min_tokens:
+            rows += [r] * len(h.min_tokens_stop_ids)
+            tokens += h.min_tokens_stop_ids
+    if rows:
+        x[torch.tensor(rows, device=x.device), torch.tensor(tokens, device=x.device)] = float("-inf")
+
+
+def token_counts(histories: Sequence[TokenHistory], V: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row: how often each vocabulary entry occurs in the output, and whether it occurs in the
+    prompt. Both (R, V); one bincount over flat (row, token) indices, built once per step."""
+    R = len(histories)
+    out_flat, prompt_flat = [], []
+    for r, h in enumerate(histories):
+        base, n = r * V, h.num_prompt_tokens
+        prompt_flat += [base + t for t in h.token_ids[:n]]
+        out_flat += [base + t for t in h.token_ids[n:]]
+    output_counts = torch.tensor(out_flat, dtype=torch.long, device=device).bincount(minlength=R * V)
+    in_prompt = torch.tensor(prompt_flat, dtype=torch.long, device=device).bincount(minlength=R * V) > 0
+    return output_counts.view(R, V), in_prompt.view(R, V)
+
+
+def apply_penalties(x: torch.Tensor, params: Sequence, histories: Sequence[TokenHistory], V: int) -> torch.Tensor:
+    """Repetition (prompt and output), frequency and presence (output only) penalties. x: (R, V)."""
+    output_counts, in_prompt = token_counts(histories, V, x.device)  # (R, V) each
+    def column(values: list[float]) -> torch.Tensor:  # (R, 1)
+        return torch.tensor(values, dtype=x.dtype, device=x.device)[:, None]
+
+    repetition = column([p.repetition_penalty for p in params])
+    seen = in_prompt | (output_counts > 0)
+    penalty = torch.where(seen, repetition, 1.0)  # (R, V)
+    x = torch.where(x > 0, x / penalty, x * penalty)
+    x -= column([p.frequency_penalty for p in params]) * output_counts
+    x -= column([p.presence_penalty for p in params]) * (output_counts > 0)
+    return x
+
+
+def apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop (-inf) tokens whose probability is below min_p x the row's likeliest. scaled: (R, V)
+    temperature-scaled logits; min_p: (R,), 0 = off."""
+    probs = scaled.softmax(dim=-1)  # (R, V)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # (R, 1)
+    return scaled.masked_fill(probs < threshold, float("-inf"))

@@ -1,0 +1,100 @@
+"""The scheduler's record of one request: its n completions (choices), each a sequence with its text and
+timeline, and what it hands out: CompletionDelta per step, RequestOutput per choice at the end.
+
+With n = 1 a request is one choice. With n > 1 (SamplingParams.n) choice 0 runs the prompt's prefill;
+the others fork from it when the prefill ends (ContinuousBatcher.fork), so the prompt is computed and
+stored once. Each choice then runs, finishes and frees its blocks on its own; the request is finished
+when all of them are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..text.text_stream import TextStream
+from .logprobs import TokenLogprob
+from .sequence import CompletionDelta, RequestOutput, Sequence
+
+
+def prompt_logprobs_of(seq: Sequence) -> list[TokenLogprob | None] | None:
+    """The prompt's logprobs as RequestOutput has them: None first (no context), then one per token."""
+    return None if seq.params.prompt_logprobs is None else [None, *seq.prompt_logprobs]
+
+
+@dataclass
+class Choice:
+    """One completion of a request: its sequence, its text, its timeline."""
+
+    seq: Sequence
+    text: TextStream
+    token_times: list[float] = field(default_factory=list)  # time.perf_counter() values
+    finish_time: float | None = None
+    num_streamed_tokens: int = 0  # output tokens new_output has handed out
+
+    def add_token(self, token: int, now: float) -> bool:
+        """Record a sampled token in the sequence (stop tokens, max_tokens) and the text (stop strings).
+        True if it finished the choice."""
+        seq = self.seq
+        seq.append_token(token)  # finishes it on a stop token or at max_tokens
+        self.token_times.append(now)
+        # A stop token's text is shown only with include_stop_str_in_output. Stop strings count once the
+        # output is past min_tokens (vLLM's rule); one ends the choice too, and wins over "length".
+        if seq.finish_reason != "stop" or seq.params.include_stop_str_in_output:
+            check = seq.num_output_tokens > seq.params.min_tokens
+            if self.text.add_token(token, check) or (seq.is_finished and self.text.flush(check)):
+                seq.finish("stop")
+        if seq.is_finished:
+            self.finish_time = now
+        return seq.is_finished
+
+    def new_output(self) -> CompletionDelta | None:
+        """The token ids sampled since the last call and the text they add (less a tail that might still
+        become a stop string); None if nothing was sampled since."""
+        seq = self.seq
+        start = seq.num_prompt_tokens + self.num_streamed_tokens
+        token_ids = seq.token_ids[start:]
+        if not token_ids:
+            return None
+        streamed = self.num_streamed_tokens
+        logprobs = seq.logprobs[streamed : streamed + len(token_ids)] if seq.params.logprobs is not None else None
+        prompt_logprobs = prompt_logprobs_of(seq) if streamed == 0 else None  # on the first delta
+        self.num_streamed_tokens += len(token_ids)
+        text = self.text.pop_new_text(finished=seq.is_finished)
+        return CompletionDelta(seq.index, token_ids, text, seq.finish_reason, logprobs, prompt_logprobs)
+
+    def output(self, request_id: str, arrival_time: float) -> RequestOutput:
+        seq = self.seq
+        return RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids,
+            text=self.text.text,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions,
+            arrival_time=arrival_time,
+            first_token_time=self.token_times[0] if self.token_times else None,
+            token_times=self.token_times,
+            finish_time=self.finish_time,
+            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs_of(seq),
+            index=seq.index,
+        )
+
+
+@dataclass
+class Request:
+    """The registry's entry for one request: its choices (n of them) and when it arrived."""
+
+    choices: list[Choice]
+    arrival_time: float  # time.perf_counter()
+    num_steps: int = 0  # engine steps that ran it (prefill chunks and decodes)
+
+    @property
+    def seq(self) -> Sequence:
+        """The first choice's sequence: the one that runs the prompt's prefill."""
+        return self.choices[0].seq
+
+    @property
+    def is_finished(self) -> bool:
+        return all(c.seq.is_finished for c in self.choices)

@@ -1,0 +1,163 @@
+"""n > 1 completions of one prompt: the prompt is prefilled once, its full blocks shared by reference
+count, its last partial block copied on write; seeded choices replay; nothing leaks."""
+
+import pytest
+import torch
+
+from minfer import LLM, SamplingParams
+from minfer.errors import InvalidParameter
+from minfer.server.prometheus import Metrics
+
+
+def assert_all_free(llm):
+    stats = llm.stats()
+    assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"] and stats["num_kv_blocks_shared"] == 0
+    assert stats["num_running"] == stats["num_waiting"] == 0 and not llm.scheduler.requests
+    llm.scheduler.check_invariants()
+
+
+def prompt_of(length, seed=0):
+    return torch.randint(0, 511, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(make_checkpoint):
+    return make_checkpoint(n_positions=1024)
+
+
+@pytest.fixture(scope="module")
+def llm(long_checkpoint):
+    return LLM(long_checkpoint, num_kv_blocks=400)
+
+
+def step_until_forked(sched, n):
+    while len(sched.running) < n:
+        sched.step()
+        sched.check_invariants()
+
+
+def test_eight_samples_of_a_512_token_prompt_hold_its_32_blocks_once(llm):
+    sched = llm.scheduler
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=1, n=8, ignore_eos=True)
+    rid = sched.add_request(prompt_token_ids=prompt_of(512), sampling_params=params)
+    step_until_forked(sched, 8)
+    tables = [seq.block_table for seq in sched.running]
+    assert all(t == tables[0] for t in tables) and len(tables[0]) == 32  # 512 tokens / 16 per block
+    stats = sched.stats()
+    assert stats["num_kv_blocks_total"] - stats["num_kv_blocks_free"] == 32, "the prompt is held once"
+    assert stats["num_kv_blocks_shared"] == 32
+    assert "\nminfer_kv_blocks_shared 32\n" in Metrics().render(stats)  # what /metrics serves
+    sched.step()  # each choice's first decode opens a block of its own; the prompt stays shared
+    used = stats["num_kv_blocks_total"] - sched.stats()["num_kv_blocks_free"]
+    assert used == 32 + 8 and sched.stats()["num_kv_blocks_shared"] == 32
+    assert len({seq.block_table[32] for seq in sched.running}) == 8
+    while not sched.is_finished(rid):
+        sched.step()
+    outs = sched.pop_responses(rid)
+    assert [o.index for o in outs] == list(range(8)) and all(len(o.token_ids) == 16 for o in outs)
+    assert len({tuple(o.token_ids) for o in outs}) == 8
+    assert_all_free(llm)
+
+
+def test_a_cache_too_small_for_eight_copies_serves_n8_without_preempting(long_checkpoint, llm):
+    prompt = prompt_of(512, seed=1)
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=7, n=8, ignore_eos=True)
+    # Eight copies of 528 tokens would need 8 x 33 = 264 blocks; shared, 32 + 8 fit in 48.
+    small = LLM(long_checkpoint, num_kv_blocks=48)
+    outs = small.generate([prompt], params, use_tqdm=False)
+    assert small.stats()["num_preemptions"] == 0 and all(o.num_preemptions == 0 for o in outs)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate([prompt], params, use_tqdm=False)]
+    assert_all_free(small)
+
+
+def test_last_partial_block_is_copied_on_write(llm):
+    sched = llm.scheduler
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=11, n=3, ignore_eos=True)
+    rid = sched.add_request(prompt_token_ids=prompt_of(21, seed=2), sampling_params=params)  # 16 + 5 tokens
+    step_until_forked(sched, 3)
+    full, partial = sched.running[0].block_table
+    assert all(seq.block_table == [full, partial] for seq in sched.running)  # forked: nothing copied yet
+    sched.step()
+    copies = sched.batcher.copies
+    assert len(copies) == 2 and all(src == partial for src, _ in copies), "two of three copy; the last writes in place"
+    lasts = [seq.block_table[1] for seq in sched.running]
+    assert sorted(lasts) == sorted([partial] + [dst for _, dst in copies])
+    assert all(seq.block_table[0] == full for seq in sched.running)
+    while not sched.is_finished(rid):
+        sched.step()
+    forked = sched.pop_responses(rid)
+    # Each choice is exactly what a request with its seed (seed + index) draws alone: the copies hold the
+    # prompt's keys and values.
+    for out in forked:
+        alone = SamplingParams(max_tokens=6, temperature=1.0, seed=11 + out.index, ignore_eos=True)
+        assert out.token_ids == llm.generate([prompt_of(21, seed=2)], alone, use_tqdm=False)[0].token_ids
+    assert_all_free(llm)
+
+
+def test_seeded_choices_replay_whatever_runs_beside_them(long_checkpoint, llm):
+    prompt = prompt_of(40, seed=3)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=5, n=4, ignore_eos=True, frequency_penalty=0.5)
+    first = [o.token_ids for o in llm.generate([prompt], params, use_tqdm=False)]
+    assert first == [o.token_ids for o in llm.generate([prompt], params, use_tqdm=False)]
+    others = [prompt_of(30 + i, seed=10 + i) for i in range(5)]
+    crowd = llm.generate(others + [prompt], [SamplingParams(max_tokens=20, temperature=1.2)] * 5 + [params],
+                         use_tqdm=False)
+    assert [o.token_ids for o in crowd[-4:]] == first
+    # A tight cache preempts and recomputes choices; the draws do not change.
+    tight = LLM(long_checkpoint, num_kv_blocks=12, max_num_batched_tokens=32)
+    squeezed = tight.generate(others + [prompt], [SamplingParams(max_tokens=20, temperature=1.2)] * 5 + [params],
+                              use_tqdm=False)
+    assert tight.stats()["num_preemptions"] > 0
+    assert [o.token_ids for o in squeezed[-4:]] == first
+    assert_all_free(tight)
+
+
+def test_greedy_choices_agree_and_stops_end_each_choice_on_its_own(llm):
+    prompt = prompt_of(30, seed=4)
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    one = llm.generate([prompt], greedy, use_tqdm=False)[0].token_ids
+    outs = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, n=3), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [one] * 3
+    sampled = SamplingParams(max_tokens=30, temperature=1.5, seed=2, n=6, ignore_eos=True)
+    runs = llm.generate([prompt], sampled, use_tqdm=False)
+    stop_id = runs[0].token_ids[3]  # a token choice 0 draws fourth: a stop token for all six
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=1.5, seed=2, n=6, ignore_eos=True,
+                                                    stop_token_ids=[stop_id]), use_tqdm=False)
+    for run, out in zip(runs, stopped):
+        end = run.token_ids.index(stop_id) + 1 if stop_id in run.token_ids else 30
+        assert out.token_ids == run.token_ids[:end]
+        assert out.finish_reason == ("stop" if stop_id in run.token_ids else "length")
+    assert_all_free(llm)
+
+
+def test_discarding_frees_every_choice_at_any_point(long_checkpoint):
+    llm = LLM(long_checkpoint, num_kv_blocks=80, max_num_batched_tokens=64)  # a 200-token prompt takes 4 steps
+    sched = llm.scheduler
+    params = SamplingParams(max_tokens=40, temperature=1.0, n=5, ignore_eos=True)
+    for steps in (0, 2, 5, 9):  # queued, prefilling (forks not started), just forked, decoding
+        rid = sched.add_request(prompt_token_ids=prompt_of(200, seed=steps), sampling_params=params)
+        keep = sched.add_request(prompt_token_ids=prompt_of(50, seed=99), sampling_params=params)
+        for _ in range(steps):
+            sched.step()
+            sched.check_invariants()
+        assert sched.discard_request(rid)
+        sched.check_invariants()
+        while not sched.is_finished(keep):
+            sched.step()
+        assert len(sched.pop_responses(keep)) == 5
+        assert_all_free(llm)
+
+
+def test_n_takes_its_slots_and_more_than_the_batch_is_refused(long_checkpoint):
+    llm = LLM(long_checkpoint, num_kv_blocks=200, max_num_seqs=4)
+    with pytest.raises(InvalidParameter, match="max_num_seqs") as e:
+        llm.scheduler.add_request(prompt_token_ids=[1, 2], sampling_params=SamplingParams(n=5))
+    assert e.value.param == "n"
+    sched = llm.scheduler
+    params = SamplingParams(max_tokens=8, temperature=1.0, n=3, ignore_eos=True)
+    ids = [sched.add_request(prompt_token_ids=prompt_of(20, seed=i), sampling_params=params) for i in range(3)]
+    while sched.has_unfinished():
+        sched.step()
+        assert len(sched.running) + sum(len(s.forks) for s in sched.running) <= 4
+    assert all(len(sched.pop_responses(i)) == 3 for i in ids)
+    assert_all_free(llm)
