@@ -1,6 +1,6 @@
-"""Every tutorial script runs to the end (its own asserts pass) on minfer-tiny and on a random
-GPT-2 shape with a short context and an odd head count; every stage has its chapter and its
-script, and the index links them all."""
+"""Every tutorial script runs to the end (its own asserts pass) on two random GPT-2 shapes, one
+with a short context, and on minfer-tiny; every stage has its chapter and its script, and the index
+links them all."""
 
 import os
 import re
@@ -33,11 +33,10 @@ STAGES = [
     "15_scoring_text",
     "16_parallel_sampling",
 ]
-# Every stage takes its sizes from the checkpoint's config: it must run on any GPT-2 shape, and on
+# Every stage takes its sizes from the checkpoint's config: it must run on any GPT-2 shape. And on
 # minfer-tiny, the shipped trained model: the tutorials' fallback when gpt2 is out of reach (None here).
-# (A third shape, the tests' 2-layer random GPT-2, added a third of the suite's tutorial time and
-# nothing minfer-tiny, a 4-layer GPT-2 with the same 512-token context, does not cover.)
 SHAPES = {
+    "tiny": {},  # 2 layers, 4 heads, 64 channels, a 512-token context
     "short": dict(n_positions=128, n_head=3, n_embd=48, n_layer=3),  # the shortest context supported
     "minfer-tiny": None,  # 4 layers, 4 heads, 128 channels, a 512-token context
 }
