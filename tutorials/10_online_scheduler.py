@@ -203,7 +203,7 @@ def make_seq(name: str, length: int) -> Sequence:
 @torch.inference_mode()
 def run(chunks: list[ScheduledChunk], show: bool = False) -> torch.Tensor:
     """One engine step without sampling: logits (N, V) of every row, not just the sampling ones."""
-    input_ids, batch = runner.prepare(chunks)
+    input_ids, batch, _ = runner.prepare(chunks)  # _: the logprobs asked for (stage 15)
     meta = batch.attention
     if show:
         print(f"  rows: {len(input_ids)}, positions {batch.positions.tolist()}")
@@ -234,7 +234,7 @@ x, y, z, w = make_seq("x", 70), make_seq("y", 20), make_seq("z", 9), make_seq("w
 run([ScheduledChunk(x, 0, 69), ScheduledChunk(y, 0, 19), ScheduledChunk(w, 0, 12)])  # earlier steps
 chunks = [ScheduledChunk(x, 69, 1), ScheduledChunk(y, 19, 1), ScheduledChunk(z, 0, 9), ScheduledChunk(w, 12, 18)]
 mixed = run(chunks, show=True)
-_, batch = runner.prepare(chunks)
+_, batch, _ = runner.prepare(chunks)
 meta, sample_rows = batch.attention, batch.sample_rows
 # Decodes of 70 and 20 tokens are not padded into one (2, 70) grid: that would be 55% padding.
 assert group_by_length([70, 20]) == [[0], [1]] and len(meta.decode_groups) == 2
