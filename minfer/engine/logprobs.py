@@ -81,10 +81,12 @@ class StepLogprobs:
         device, S = logits.device, self.num_sampled
         self._sample_logprobs = self._prompt_logprobs = None
         if self.sample_rows:
-            rows = torch.tensor(self.sample_rows, device=device)
-            self._sample_logprobs = logits[:S][rows].float().log_softmax(dim=-1)  # (R, V)
+            asking = logits[:S]  # (S, V); a copy of just the rows that ask only when some do not
+            if len(self.sample_rows) < S:
+                asking = asking[torch.tensor(self.sample_rows, device=device)]  # (R, V)
+            self._sample_logprobs = torch.log_softmax(asking, dim=-1, dtype=torch.float32)  # (R, V)
         if self.prompt_targets:
-            self._prompt_logprobs = logits[S:].float().log_softmax(dim=-1)  # (Q, V)
+            self._prompt_logprobs = torch.log_softmax(logits[S:], dim=-1, dtype=torch.float32)  # (Q, V)
 
     def fetch(self, tokens: torch.Tensor) -> tuple[list[int], list[TokenLogprob], list[TokenLogprob]]:
         """tokens (S,) sampled -> (tokens, sample logprobs, prompt logprobs) on the host, in one .tolist():
