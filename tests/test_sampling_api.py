@@ -2,6 +2,7 @@
 the offline engine's for the same SamplingParams), n choices come back with their index, streamed or not,
 bad values are 400s naming the field, and no request leaves a block behind."""
 
+import http.client
 import json
 import socket
 import threading
@@ -35,8 +36,6 @@ def llm(checkpoint):
 
 
 def post(server, path, body, timeout=60):
-    import http.client
-
     conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=timeout)
     conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -60,6 +59,7 @@ def wait_all_free(server):
 
 
 def texts_by_index(events):
+    """Each choice's streamed text and finish_reason, from a stream's events ("[DONE]" last)."""
     texts, finishes = {}, {}
     for e in events[:-1]:
         for c in e["choices"]:
@@ -82,7 +82,7 @@ def test_n_choices_streamed_and_not_equal_the_engine(server, llm):
     assert out["usage"]["completion_tokens"] == sum(len(r.token_ids) for r in ref)
     status, events = post(server, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
     assert status == 200 and events[-1] == "[DONE]" and events[-2]["usage"] == out["usage"]
-    texts, finishes = texts_by_index(events[:-1])
+    texts, finishes = texts_by_index(events)
     assert texts == {i: r.text for i, r in enumerate(ref)}
     assert finishes == {i: r.finish_reason for i, r in enumerate(ref)}
     wait_all_free(server)
