@@ -34,6 +34,7 @@ def test_banner_names_every_choice(tiny_checkpoint, caplog):
         "(auto: ",
         "device: cpu, ",
         " threads; attention: ",
+        "idle OpenMP threads: ",
         "KV cache: 100 blocks x 16 tokens = 1,600 tokens, ",
         "MiB; prefix caching on",
         "max model len 512; max num seqs 64; max num batched tokens 512",
@@ -95,6 +96,26 @@ def test_bad_starts_are_one_line(tiny_checkpoint, argv, message):
     done = serve(*argv, "--port", "0")
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
+
+
+def test_a_missing_tokenizer_is_one_line_before_the_weights_load(tiny_checkpoint, tmp_path, monkeypatch):
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for f in tiny_checkpoint.iterdir():
+        if not f.name.startswith("tokenizer") and f.name not in ("vocab.json", "merges.txt"):
+            (no_tokenizer / f.name).symlink_to(f)
+    done = serve("--model", str(no_tokenizer), "--port", "0")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"error: no tokenizer found in {no_tokenizer}: looked for tokenizer.json, or vocab.json with merges.txt."
+    ]
+    import minfer.server.serve as serve_module
+
+    loaded = []
+    monkeypatch.setattr(serve_module, "load_model", lambda *a, **k: loaded.append(a) or pytest.fail("loaded"))
+    with pytest.raises(FileNotFoundError, match="no tokenizer found"):
+        create_server(EngineConfig(str(no_tokenizer)), port=0)
+    assert loaded == []  # the weights were never read
 
 
 @pytest.mark.parametrize(

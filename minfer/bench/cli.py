@@ -30,6 +30,7 @@ from ..engine.llm import LLM, cpu_threads_wanted, resolve_dtype, set_cpu_threads
 from ..engine.logprobs import MAX_LOGPROBS
 from ..engine.scheduler import OnlineScheduler
 from ..models.loader import ModelNotFoundError, resolve_model_dir
+from ..openmp_waiting import wait_policy
 from ..models.registry import read_config
 from ..text.tokenizer import Tokenizer
 from .hf_baseline import compare, format_comparison, generate_batch, load_hf_model, run_hf
@@ -254,7 +255,7 @@ def header(args, engine: EngineConfig) -> str:
     else:
         dtype = str(resolve_dtype(args.dtype, torch.device(args.device))).removeprefix("torch.")
         dtype = f"{dtype} (--dtype {args.dtype})" if args.dtype == "auto" else dtype
-        threads = str(cpu_threads_wanted(engine.num_threads)) if cpu else "n/a (GPU)"
+        threads = f"{cpu_threads_wanted(engine.num_threads)}; {wait_policy()}" if cpu else "n/a (GPU)"
         attention = "eager (--enforce-eager)" if engine.enforce_eager else engine.attention_backend
     return format_header(args, dtype, threads, attention, machine(args.device))
 

@@ -11,6 +11,7 @@ import torch
 from ..attention.kv_cache import KVCache
 from ..engine.config import dtype_name
 from ..engine.scheduler import OnlineScheduler
+from ..openmp_waiting import wait_policy
 
 
 def dtype_reason(asked: str, dtype: torch.dtype, device: torch.device) -> str:
@@ -40,6 +41,7 @@ def banner_lines(scheduler: OnlineScheduler, asked_dtype: str, address: str, api
         f"model: {model.model_dir} ({arch}, {params / 1e6:.1f}M parameters)",
         f"dtype: {dtype_reason(asked_dtype, model.dtype, model.device)}",
         f"device: {model.device}{threads}; attention: {attention}",
+        *([f"idle OpenMP threads: {wait_policy()}"] if model.device.type == "cpu" else []),
         f"KV cache: {blocks:,} blocks x {block_size} tokens = {blocks * block_size:,} tokens, "
         f"{kv_bytes / 2**20:,.0f} MiB; prefix caching {'on' if ran.enable_prefix_caching else 'off'}",
         f"max model len {ran.max_model_len:,}; max num seqs {ran.max_num_seqs}; "

@@ -41,7 +41,8 @@ import torch
 from ..engine.config import EngineConfig
 from ..engine.llm import check_device, resolve_dtype, set_cpu_threads
 from ..engine.scheduler import OnlineScheduler
-from ..models.registry import load_model
+from ..models.loader import resolve_model_dir
+from ..models.registry import load_model, read_config
 from ..text.chat_template import ChatTemplate, read_template_option
 from ..text.tokenizer import Tokenizer
 from .banner import banner_lines
@@ -153,8 +154,11 @@ def create_server(
         set_cpu_threads(config.num_threads)  # as LLM does, before the model loads
 
     def build() -> OnlineScheduler:
-        language_model = load_model(config.model, device=device, dtype=resolve_dtype(config.dtype, device))
-        return OnlineScheduler(language_model, Tokenizer.from_dir(language_model.model_dir), config)
+        model_dir = resolve_model_dir(config.model)  # a Hub id is fetched here
+        read_config(model_dir)  # not a checkpoint at all (no config.json)? say so first
+        tokenizer = Tokenizer.from_dir(model_dir)  # before the weights: a missing tokenizer fails at once
+        language_model = load_model(str(model_dir), device=device, dtype=resolve_dtype(config.dtype, device))
+        return OnlineScheduler(language_model, tokenizer, config)
 
     scheduler = in_passing_thread(build)
     language_model, tokenizer = scheduler.model, scheduler.tokenizer
