@@ -60,6 +60,19 @@ def quantization_of(model: nn.Module) -> str | None:
     return None
 
 
+def find_token_embedding(model: nn.Module, head: nn.Linear | None) -> tuple[nn.Module, str, nn.Embedding] | None:
+    """(parent, name, module) of the token embedding: the one tied to the head, else the first with a row
+    per token (GPT-2's position table may have as many rows: it comes second)."""
+    found = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Embedding and child.num_embeddings == model.config.vocab_size
+    ]
+    tied = [entry for entry in found if head is not None and entry[2].weight is head.weight]
+    return (tied or found or [None])[0]
+
+
 def quantize_model(
     model: nn.Module, method: str, group_size: int | None = None, quantize_lm_head: bool = True
 ) -> nn.Module:
@@ -79,12 +92,7 @@ def quantize_model(
     dtype = model.dtype  # the activations' dtype, before the embedding that tells it is replaced
     head = getattr(model, "lm_head", None)
     head = head if type(head) is nn.Linear else None
-    token_embeddings = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Embedding and child.num_embeddings == model.config.vocab_size
-    ]
+    token_embedding = find_token_embedding(model, head)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child is not head:
@@ -93,7 +101,8 @@ def quantize_model(
         return model
     quantized_head = quantized_linear(head, method, group_size)
     model.lm_head = quantized_head
-    for parent, name, embedding in token_embeddings:
+    if token_embedding is not None:
+        parent, name, embedding = token_embedding
         if embedding.weight is head.weight:  # tied: the lookup reads the head's quantized rows
             table = quantized_head
         else:  # a table of its own, quantized the same way
