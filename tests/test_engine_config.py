@@ -253,6 +253,9 @@ def test_in_process_server_reports_its_engine_in_health(tiny_checkpoint):
         "attention_backend": "eager",  # what runs: the tests' default (conftest.py)
         "enforce_eager": False,
         "num_threads": None,
+        "quantization": None,
+        "quantization_group_size": None,
+        "quantize_lm_head": True,
     }
 
 

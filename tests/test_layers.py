@@ -24,7 +24,7 @@ LAYERS = [
     ("bench", 7, ("minfer.bench",)),
     ("stress", 7, ("minfer.stress",)),
     # What users run: the package's names, the `minfer` command and the old `python -m` entry points.
-    ("entry", 8, ("minfer.__init__", "minfer.__main__", "minfer.cli", "minfer.serve", "minfer.generate",
+    ("entry", 8, ("minfer.__init__", "minfer.__main__", "minfer.cli", "minfer.serve", "minfer.generate", "minfer.quantize",
                   "minfer.random_model")),
 ]
 MAX_LINES = 400

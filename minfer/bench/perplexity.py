@@ -25,7 +25,8 @@ from ..engine.config import DTYPES
 from ..engine.llm import resolve_dtype, set_cpu_threads
 from ..models.perplexity import Perplexity, perplexity
 from ..models.registry import load_model
-from ..quantization import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization, quantize_model
+from ..quantization import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization
+from ..quantization.checkpoint import QuantizationSpec
 from ..text.tokenizer import Tokenizer
 
 
@@ -38,9 +39,8 @@ def file_perplexity(
     quantized as the engine's --quantization would (quantization/) if one is given."""
     text = Path(path).read_text(encoding="utf-8")
     check_quantization(quantization, group_size)
-    model = load_model(model_name, device=device, dtype=resolve_dtype(dtype, torch.device(device)))
-    if quantization is not None:
-        quantize_model(model, quantization, group_size, quantize_lm_head)
+    spec = None if quantization is None else QuantizationSpec(quantization, group_size, quantize_lm_head)
+    model = load_model(model_name, device=device, dtype=resolve_dtype(dtype, torch.device(device)), quantization=spec)
     ids = Tokenizer.from_dir(model.model_dir).encode(text)
     window = window or model.config.max_positions
     stride = stride or max(1, window // 2)

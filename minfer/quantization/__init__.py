@@ -9,7 +9,8 @@ models, above attention; the engine's prepare_model applies `quantize_model` aft
 - linear.py: what both share: the kernel for a few rows, dequantize + GEMM for batches
 - embedding.py: the token embedding read from a quantized (tied) matrix
 - transform.py: `quantize_model`, `check_quantization`
-- checkpoint.py: the on-disk format (quantized tensors, scales, config.json's quantization_config)
+- checkpoint.py: quantizing while loading, and the on-disk format `minfer quantize` writes (quantized
+  tensors, scales, config.json's quantization_config); other formats (GPTQ, AWQ) are refused
 """
 
 from .embedding import QuantizedEmbedding

@@ -39,7 +39,7 @@ from dataclasses import asdict, replace
 import torch
 
 from ..engine.config import EngineConfig
-from ..engine.llm import check_device, resolve_dtype, set_cpu_threads
+from ..engine.llm import check_device, quantization_spec, resolve_dtype, set_cpu_threads
 from ..engine.scheduler import OnlineScheduler
 from ..models.registry import load_model
 from ..text.chat_template import ChatTemplate
@@ -144,7 +144,8 @@ def create_server(
         set_cpu_threads(config.num_threads)  # as LLM does, before the model loads
 
     def build() -> OnlineScheduler:
-        language_model = load_model(config.model, device=device, dtype=resolve_dtype(config.dtype, device))
+        dtype = resolve_dtype(config.dtype, device)
+        language_model = load_model(config.model, device=device, dtype=dtype, quantization=quantization_spec(config))
         return OnlineScheduler(language_model, Tokenizer.from_dir(language_model.model_dir), config)
 
     scheduler = in_passing_thread(build)
