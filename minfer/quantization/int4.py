@@ -140,13 +140,25 @@ class Int4Linear(QuantizedLinear):
         return y[:, : self.out_features] if self.padded_out != self.out_features else y
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # (out, in)
-        w = dequantize_values(unpack_int4pack(self.qweight), self.sz_in(dtype), dtype)  # (N', K')
-        return w[: self.out_features, : self.in_features]
+        scale, offset = self.affine_in(dtype)  # (N', K'/G, 1) each
+        q = unpack_int4pack(self.qweight).view(scale.shape[0], scale.shape[1], -1)  # (N', K'/G, G)
+        w = torch.addcmul(offset, q, scale)  # (q - 8) * scale + zero in one pass, in the activations' dtype
+        return w.view(self.padded_out, -1)[: self.out_features, : self.in_features]
+
+    def affine_in(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero - 8 * scale), each (N', K'/G, 1) in `dtype`: w = q * scale + offset."""
+        key = ("affine", dtype)
+        if key not in self._sz_as:
+            sz = self.scales_and_zeros.transpose(0, 1)  # (N', K'/G, 2)
+            scale, zero = sz[..., :1], sz[..., 1:]
+            self._sz_as[key] = (scale.to(dtype).contiguous(), (zero - 8 * scale).to(dtype).contiguous())
+        return self._sz_as[key]
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # (n,) -> (n, in)
         """Dequantized rows `ids` of the weight only: a tied embedding's lookup."""
-        q = packed_rows(self.qweight, ids)  # (n, K')
-        return dequantize_values(q, self.scales_and_zeros[:, ids], dtype)[:, : self.in_features]
+        scale, offset = self.affine_in(dtype)  # (N', K'/G, 1) each
+        q = packed_rows(self.qweight, ids).view(len(ids), scale.shape[1], -1)  # (n, K'/G, G)
+        return torch.addcmul(offset[ids], q, scale[ids]).view(len(ids), -1)[:, : self.in_features]
 
     def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(nibbles (out, in'/2), scales_and_zeros (in'/G, out, 2)): the portable form quantize_int4 made."""
