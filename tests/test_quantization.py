@@ -71,6 +71,22 @@ def test_int4_linear_is_the_matmul_with_its_dequantized_weight(in_features, out_
 
 
 @pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
+def test_quantizing_in_row_chunks_changes_nothing(monkeypatch, method):
+    """Large matrices are quantized and packed a few rows at a time (bounded memory): same result."""
+    from minfer.quantization import int8 as int8_module
+
+    torch.manual_seed(0)
+    linear = nn.Linear(100, 300)
+    whole = Int8Linear.from_float(linear) if method == "int8" else Int4Linear.from_float(linear, 32)
+    monkeypatch.setattr(int8_module, "CHUNK_ELEMENTS", 64 * 128)
+    monkeypatch.setattr(int4_module, "CHUNK_ELEMENTS", 64 * 128)
+    chunked = Int8Linear.from_float(linear) if method == "int8" else Int4Linear.from_float(linear, 32)
+    for a, b in zip(whole.stored(), chunked.stored()):
+        assert torch.equal(a, b)
+    assert torch.equal(whole.qweight, chunked.qweight)
+
+
+@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
 def test_quantization_error_is_bounded_by_half_a_step(method):
     torch.manual_seed(0)
     w = torch.randn(96, 200)

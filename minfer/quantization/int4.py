@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .int8 import CHUNK_ELEMENTS
 from .linear import QuantizedLinear, pad_columns, round_up
 
 GROUP_SIZES = (32, 64, 128)
@@ -46,6 +47,10 @@ def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) ->
     in' = in rounded up to a multiple of the group size (the padding quantizes zeros)."""
     if group_size not in GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size!r}")
+    step = max(1, CHUNK_ELEMENTS // max(1, weight.shape[1]))  # row chunks: bounded fp32 temporaries
+    if weight.shape[0] > step:
+        parts = [quantize_int4(weight[i : i + step], group_size) for i in range(0, weight.shape[0], step)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts], dim=1)
     N = weight.shape[0]
     w = pad_columns(weight.detach().float(), round_up(weight.shape[1], group_size))  # (N, K')
     groups = w.reshape(N, -1, group_size)  # (N, K'/G, G)
@@ -114,12 +119,18 @@ class Int4Linear(QuantizedLinear):
         self.padded_in = nibbles.shape[1] * 2
         self.group_size = self.padded_in // groups
         self.padded_out = round_up(out_features, BLOCK_N)
-        q = unpack_nibbles(nibbles).to(torch.int32)  # (N, K')
         sz = scales_and_zeros.float()
-        if self.padded_out != out_features:  # zero rows: q = 8 with zero scale and offset dequantize to 0
-            q = torch.cat([q, torch.full((self.padded_out - out_features, q.shape[1]), 8, dtype=torch.int32)])
+        if self.padded_out != out_features:  # zero rows: nibbles 8 with zero scale and offset dequantize to 0
+            pad = torch.full((self.padded_out - out_features, nibbles.shape[1]), 0x88, dtype=torch.uint8)
+            nibbles = torch.cat([nibbles, pad])
             sz = torch.cat([sz, sz.new_zeros(groups, self.padded_out - out_features, 2)], dim=1)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        # Blocks of 64 rows pack independently: converting a few thousand rows at a time bounds the int32
+        # temporaries the op wants (4 bytes a weight) for a large embedding.
+        step = max(BLOCK_N, CHUNK_ELEMENTS // self.padded_in // BLOCK_N * BLOCK_N)
+        packed = torch.cat([
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(nibbles[i : i + step]).to(torch.int32), 1)
+            for i in range(0, self.padded_out, step)
+        ])
         self.qweight = nn.Parameter(packed, requires_grad=False)  # the kernel's layout
         self.scales_and_zeros = nn.Parameter(sz.contiguous(), requires_grad=False)  # (K'/G, N', 2)
         self._sz_as = {}

@@ -19,11 +19,21 @@ from .linear import QuantizedLinear, pad_columns, round_up
 K_MULTIPLE = 16  # _weight_int8pack_mm's bf16 path reads the inner dimension 16 at a time
 
 
+CHUNK_ELEMENTS = 1 << 22  # quantize this many weights at a time: fp32 temporaries stay ~16 MB each
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, in) float weight -> (q int8 (out, in), scales fp32 (out,))."""
-    w = weight.detach().float()
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,): an all-zero row keeps a usable scale
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    """(out, in) float weight -> (q int8 (out, in), scales fp32 (out,)). Row chunk by row chunk, so a
+    (151936, 1024) embedding does not briefly need several fp32 copies of itself."""
+    out_features, in_features = weight.shape
+    q = torch.empty(out_features, in_features, dtype=torch.int8)
+    scales = torch.empty(out_features)
+    step = max(1, CHUNK_ELEMENTS // max(1, in_features))
+    for start in range(0, out_features, step):
+        w = weight[start : start + step].detach().float()  # (rows, in)
+        s = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (rows,): an all-zero row keeps a usable scale
+        q[start : start + step] = torch.round(w / s[:, None]).clamp(-127, 127)
+        scales[start : start + step] = s
     return q, scales
 
 
