@@ -177,8 +177,10 @@ def test_engine_batches_and_preempts_a_quantized_model(tiny_checkpoint, method):
 def test_unknown_quantization_is_refused_naming_what_is_supported():
     with pytest.raises(ValueError, match=r"--quantization must be one of int8, int4, got 'int5'"):
         EngineConfig(quantization="int5")
-    with pytest.raises(ValueError, match=r"gptq checkpoints are not supported.*--quantization int8 or int4"):
-        check_quantization("gptq")
+    with pytest.raises(ValueError, match=r"got 'gptq' \(gptq checkpoints are not supported.*--quantization int8 or int4"):
+        EngineConfig(quantization="gptq")
+    with pytest.raises(ValueError, match=r"got 'awq' \(awq checkpoints"):
+        check_quantization("awq")
     with pytest.raises(ValueError, match="--quantization-group-size"):
         EngineConfig(quantization="int8", quantization_group_size=64)
     with pytest.raises(ValueError, match="--quantization-group-size"):
@@ -266,3 +268,17 @@ def test_checkpoints_quantized_by_other_tools_are_refused_saying_what_runs(make_
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=rf"quantized as '{method}'.*--quantization int8 or int4.*minfer quantize"):
         load_model(out)
+
+
+def test_roofline_and_profile_count_quantized_bytes(make_checkpoint):
+    """--roofline's floor reads the quantized bytes; --profile's linears are the quantized ones, not the
+    untied embedding's table (read a row at a time)."""
+    from minfer.bench.roofline import module_bytes, weight_bytes, weight_linears, weights_name
+
+    model = quantize_model(load_model(make_checkpoint("llama-tiny")), "int8")
+    float_bytes = sum(p.numel() * 4 for p in load_model(make_checkpoint("llama-tiny")).parameters())
+    assert weights_name(model) == "int8 + float32"
+    assert weight_bytes(model) < float_bytes / 3  # int8 weights: a quarter of fp32, plus scales and norms
+    linears = weight_linears(model)
+    assert len(linears) == 7 * model.config.num_layers and all(isinstance(m, Int8Linear) for m in linears)
+    assert module_bytes(linears[0]) == linears[0].qweight.numel() + 4 * linears[0].out_features

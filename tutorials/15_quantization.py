@@ -82,7 +82,7 @@ for name, layer in (("int8", Int8Linear.from_float(linear)), ("int4", Int4Linear
         y_kernel, y_dequant = layer.kernel(x), x @ layer.dequantized(x.dtype).t()
         torch.testing.assert_close(y_kernel, y_dequant, rtol=1e-4, atol=1e-4)  # the same matmul, two ways
         timings = []
-        for run in (lambda: layer.kernel(x), lambda: x @ layer.dequantized(x.dtype).t()):
+        for run in (lambda layer=layer, x=x: layer.kernel(x), lambda layer=layer, x=x: x @ layer.dequantized(x.dtype).t()):
             run()
             start = time.perf_counter()
             for _ in range(5):

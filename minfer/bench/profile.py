@@ -108,8 +108,9 @@ def step_work(steps: list[dict], model) -> dict[str, tuple[float, float]]:
     linears = weight_linears(model)
     linear_params = sum(m.in_features * m.out_features for m in linears)  # any architecture
     head_params = model.lm_head.in_features * c.vocab_size
-    linear_bytes = sum(map(module_bytes, linears))  # as stored: quantized weights read fewer bytes
-    head_bytes = module_bytes(model.lm_head) if quantization_of(model) else head_params * elem
+    quantized = quantization_of(model) is not None  # then bytes as stored: int8/int4 weights and their scales
+    linear_bytes = sum(map(module_bytes, linears)) if quantized else linear_params * elem
+    head_bytes = module_bytes(model.lm_head) if quantized else head_params * elem
     token_kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * elem  # keys + values of one token, all layers
     work = defaultdict(lambda: [0.0, 0.0])
     for s in steps:

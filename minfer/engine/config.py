@@ -161,7 +161,8 @@ class EngineConfig:
     quantization: str | None = setting(
         None,
         str,
-        Check(lambda v: v in QUANTIZATION_METHODS, f"one of {', '.join(QUANTIZATION_METHODS)}"),
+        # Any text passes here: check_quantization (in __post_init__) refuses it, naming what is supported.
+        Check(lambda v: isinstance(v, str), f"one of {', '.join(QUANTIZATION_METHODS)}"),
         "weight-only quantization of every linear, the LM head and the token embedding: int8 (per "
         "channel) or int4 (group-wise); default: none",
         convert=lambda v: v.lower() if isinstance(v, str) else v,
