@@ -26,7 +26,7 @@ from minfer.quantization.int8 import dequantize_int8
 
 needs_int4 = pytest.mark.skipif(not int4_kernel_available(), reason="torch's CPU int4 kernels need torch >= 2.6")
 # Rows on both sides of each format's bucket boundary: the kernel below it, dequantize + GEMM above.
-ROWS = [1, 3, 4, 5, 8, 9, 33]
+ROWS = [1, 3, 9, 16, 17, 33, 64, 65]
 # Odd shapes: inner widths that are no multiple of 16 or of the group size, a 3-head-like 72, a vocabulary
 # that is no multiple of 64.
 SHAPES = [(70, 100), (72, 803), (128, 64), (24, 40)]

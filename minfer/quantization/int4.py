@@ -105,7 +105,7 @@ class Int4Linear(QuantizedLinear):
     """A linear with an int4 group-wise weight: `Int4Linear.from_float(linear, group_size)`, or from the
     stored (nibbles, scales_and_zeros). The weight is kept only in the kernel's packed layout."""
 
-    kernel_max_rows = 8  # measured on an AVX512-BF16 Zen 4: see linear.py
+    kernel_max_rows = 64  # the int4 dequantize is slow (unpacking nibbles): the kernel wins up to ~64 rows here
 
     def __init__(
         self,

@@ -45,7 +45,7 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 class Int8Linear(QuantizedLinear):
     """A linear with an int8 per-channel weight: `Int8Linear.from_float(linear)`, or from (q, scales)."""
 
-    kernel_max_rows = 4  # measured on an AVX512-BF16 Zen 4: see linear.py
+    kernel_max_rows = 16  # measured on an AVX512-BF16 Zen 4 (scripts/quant_crossover.py): see linear.py
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         out_features, in_features = q.shape

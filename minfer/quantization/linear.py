@@ -22,6 +22,7 @@ class QuantizedLinear(nn.Module):
     their bytes as they are."""
 
     kernel_max_rows = 4  # rows up to this go through the quantized kernel; more, through dequantize + GEMM
+    # (each format sets its own: int8 16, int4 64, from scripts/quant_crossover.py on a Zen 4)
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
