@@ -6,6 +6,7 @@
     minfer stress --duration 60               (= python -m minfer.stress ...)
     minfer bench --num-requests 64            (= python bench.py ...)
     minfer eval-ppl --model minfer-tiny FILE  (perplexity of a checkpoint on a text file)
+    minfer quantize SRC DST --quantization int8  (a quantized checkpoint: python -m minfer.quantize)
     minfer train-tiny OUT_DIR                 (= python scripts/train_tiny.py ...: train minfer-tiny)
 
 Each subcommand takes the same flags as the module it names; `minfer SUBCOMMAND --help` lists them.
@@ -25,6 +26,7 @@ SUBCOMMANDS = {
     "stress": ("minfer.stress.__main__", "soak a server with misbehaving and well-behaved clients"),
     "bench": ("minfer.bench.cli", "benchmark TTFT, TPOT, ITL and throughput, offline or online"),
     "eval-ppl": ("minfer.bench.perplexity", "perplexity of a checkpoint on a text file (quality yardstick)"),
+    "quantize": ("minfer.quantize", "write an int8/int4 weight-only quantized checkpoint"),
     "train-tiny": ("minfer.checkpoints.train_tiny", "train a small GPT-2 on simple stories, on a CPU (minfer-tiny)"),
 }
 

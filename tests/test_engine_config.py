@@ -254,6 +254,9 @@ def test_in_process_server_reports_its_engine_in_health(tiny_checkpoint):
         "enforce_eager": False,
         "num_threads": None,
         "generation_config": "auto",
+        "quantization": None,
+        "quantization_group_size": None,
+        "quantize_lm_head": True,
     }
 
 

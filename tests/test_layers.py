@@ -16,14 +16,15 @@ LAYERS = [
     ("base", 0, ("minfer.errors", "minfer.openmp_waiting", "minfer.step_parts", "minfer.version")),
     ("attention", 1, ("minfer.attention",)),
     ("text", 1, ("minfer.text",)),
-    ("models", 2, ("minfer.models",)),
-    ("checkpoints", 3, ("minfer.checkpoints",)),
-    ("engine", 4, ("minfer.engine",)),
-    ("server", 5, ("minfer.server",)),
-    ("bench", 6, ("minfer.bench",)),
-    ("stress", 6, ("minfer.stress",)),
+    ("quantization", 2, ("minfer.quantization",)),
+    ("models", 3, ("minfer.models",)),
+    ("checkpoints", 4, ("minfer.checkpoints",)),
+    ("engine", 5, ("minfer.engine",)),
+    ("server", 6, ("minfer.server",)),
+    ("bench", 7, ("minfer.bench",)),
+    ("stress", 7, ("minfer.stress",)),
     # What users run: the package's names, the `minfer` command and the old `python -m` entry points.
-    ("entry", 7, ("minfer.__init__", "minfer.__main__", "minfer.cli", "minfer.serve", "minfer.generate",
+    ("entry", 8, ("minfer.__init__", "minfer.__main__", "minfer.cli", "minfer.serve", "minfer.generate", "minfer.quantize",
                   "minfer.random_model")),
 ]
 MAX_LINES = 400

@@ -2,6 +2,7 @@
 
     minfer eval-ppl --model minfer-tiny minfer/models/builtin/minfer-tiny/heldout.txt
     python -m minfer.bench.perplexity --model DIR --dtype bfloat16 FILE
+    minfer eval-ppl --model minfer-tiny --dtype auto --quantization int4 --quantization-group-size 32 FILE
 
 The model is the one minfer serves (load_model, the dtype and threads the engine would use), run
 through its plain forward: the engine's step computes logits only for rows that sample, and
@@ -24,16 +25,22 @@ from ..engine.config import DTYPES
 from ..engine.llm import resolve_dtype, set_cpu_threads
 from ..models.perplexity import Perplexity, perplexity
 from ..models.registry import load_model
+from ..quantization import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization
+from ..quantization.checkpoint import QuantizationSpec
 from ..text.tokenizer import Tokenizer
 
 
 def file_perplexity(
     model_name: str, path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-    window: int | None = None, stride: int | None = None,
+    window: int | None = None, stride: int | None = None, quantization: str | None = None,
+    group_size: int | None = None, quantize_lm_head: bool = True,
 ) -> tuple[Perplexity, int, int]:
-    """(the result, window, stride) for the text file at `path` under checkpoint `model_name`."""
+    """(the result, window, stride) for the text file at `path` under checkpoint `model_name`,
+    quantized as the engine's --quantization would (quantization/) if one is given."""
     text = Path(path).read_text(encoding="utf-8")
-    model = load_model(model_name, device=device, dtype=resolve_dtype(dtype, torch.device(device)))
+    check_quantization(quantization, group_size)
+    spec = None if quantization is None else QuantizationSpec(quantization, group_size, quantize_lm_head)
+    model = load_model(model_name, device=device, dtype=resolve_dtype(dtype, torch.device(device)), quantization=spec)
     ids = Tokenizer.from_dir(model.model_dir).encode(text)
     window = window or model.config.max_positions
     stride = stride or max(1, window // 2)
@@ -53,6 +60,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.bench.perp
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--window", type=int, help="tokens per window (default: the model's context)")
     parser.add_argument("--stride", type=int, help="tokens between window starts (default: half the window)")
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, help="weight-only int8 or int4 (default: none)")
+    parser.add_argument("--quantization-group-size", type=int, choices=GROUP_SIZES, help="int4: weights per scale")
+    parser.add_argument("--no-quantize-lm-head", dest="quantize_lm_head", action="store_false",
+                        help="keep the LM head (and its tied embedding) in full precision")
     parser.add_argument("--num-threads", type=int, help="CPU threads (default: every core)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
     args = parser.parse_args(argv)
@@ -60,16 +71,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.bench.perp
         set_cpu_threads(args.num_threads)
     try:
         result, window, stride = file_perplexity(args.model, args.file, args.dtype, args.device, args.window,
-                                                 args.stride)
+                                                 args.stride, args.quantization, args.quantization_group_size,
+                                                 args.quantize_lm_head)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(dict(model=args.model, file=args.file, dtype=args.dtype, window=window, stride=stride,
+        print(json.dumps(dict(model=args.model, file=args.file, dtype=args.dtype, quantization=args.quantization,
+                              group_size=args.quantization_group_size, window=window, stride=stride,
                               tokens=result.tokens, loss=result.loss, perplexity=result.perplexity)))
     else:
         print(f"perplexity {result.perplexity:.4f} (loss {result.loss:.4f} nats/token over {result.tokens} tokens; "
-              f"windows of {window}, stride {stride}; {args.model}, {args.dtype})")
+              f"windows of {window}, stride {stride}; {args.model}, {args.dtype}"
+              f"{', ' + args.quantization if args.quantization else ''})")
     return 0
 
 

@@ -25,8 +25,9 @@ import torch
 
 from .. import step_parts
 from ..engine.scheduler import OnlineScheduler
+from ..quantization import quantization_of
 from .offline import submit_request
-from .roofline import best_time, measure_bandwidth, weight_linears
+from .roofline import best_time, measure_bandwidth, module_bytes, weight_linears, weights_name
 from .workload import BenchRequest
 
 REST = "norms, GELU, residuals, Python"  # the step's wall time that no part covers
@@ -61,7 +62,7 @@ def profile_steps(scheduler: OnlineScheduler, requests: list[BenchRequest], num_
     phases = (("prefill", prefill), ("decode", decode))
     return {
         "peaks": peaks,
-        "dtype": str(model.dtype).removeprefix("torch."),
+        "dtype": weights_name(model),
         "phases": {name: breakdown(phase, model, peaks) for name, phase in phases if phase},
     }
 
@@ -104,15 +105,19 @@ def step_work(steps: list[dict], model) -> dict[str, tuple[float, float]]:
     """(bytes, FLOPs) each part must move and compute over these steps, from what they scheduled."""
     c = model.config
     elem = torch.empty((), dtype=model.dtype).element_size()
-    linear_params = sum(m.in_features * m.out_features for m in weight_linears(model))  # any architecture
+    linears = weight_linears(model)
+    linear_params = sum(m.in_features * m.out_features for m in linears)  # any architecture
     head_params = model.lm_head.in_features * c.vocab_size
+    quantized = quantization_of(model) is not None  # then bytes as stored: int8/int4 weights and their scales
+    linear_bytes = sum(map(module_bytes, linears)) if quantized else linear_params * elem
+    head_bytes = module_bytes(model.lm_head) if quantized else head_params * elem
     token_kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * elem  # keys + values of one token, all layers
     work = defaultdict(lambda: [0.0, 0.0])
     for s in steps:
         tokens = s["num_decode_tokens"] + s["num_prefill_tokens"]
-        work["linears"][0] += linear_params * elem  # every weight read once a step
+        work["linears"][0] += linear_bytes  # every weight read once a step
         work["linears"][1] += 2 * linear_params * tokens
-        work["LM head"][0] += head_params * elem
+        work["LM head"][0] += head_bytes
         work["LM head"][1] += 2 * head_params * s["num_sampled"]
         work["KV write"][0] += tokens * token_kv
         work["context read"][0] += s["cached_context_tokens"] * token_kv
@@ -149,7 +154,7 @@ def breakdown(phase: dict, model, peaks: dict) -> dict:
                 "of_floor": floor / seconds if seconds and floor else None,
             }
         )
-    mean = lambda key: sum(s[key] for s in steps) / n  # noqa: E731
+    mean = lambda key: sum(s[key] for s in steps) / n
     return {
         "num_steps": n,
         "ms_per_step": 1e3 * phase["wall"] / n,

@@ -23,6 +23,7 @@ import time
 import torch
 
 from ..engine.scheduler import OnlineScheduler
+from ..quantization import QuantizedEmbedding, quantization_of
 from .offline import run_offline
 from .workload import BenchRequest, sampleable_token_ids
 
@@ -58,8 +59,23 @@ def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, repeats: i
 
 
 def weight_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's linear layers, as loaded (plain nn.Linear or a CPU fast path), without the LM head."""
-    return [m for m in model.modules() if m is not model.lm_head and type(m).__name__.endswith("Linear")]
+    """The model's linear layers, as loaded (plain nn.Linear, a CPU fast path or a quantized linear),
+    without the LM head, nor a quantized embedding's table (read a row at a time, not multiplied)."""
+    tables = {id(m.table) for m in model.modules() if isinstance(m, QuantizedEmbedding)}
+    return [m for m in model.modules()
+            if m is not model.lm_head and id(m) not in tables and type(m).__name__.endswith("Linear")]
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters as stored: int8/int4 weights and their scales, when quantized."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def weights_name(model: torch.nn.Module) -> str:
+    """"bfloat16", or "int8 + bfloat16" for a quantized model (int8 weights, bf16 activations)."""
+    dtype = str(model.dtype).removeprefix("torch.")
+    method = quantization_of(model)
+    return f"{method} + {dtype}" if method else dtype
 
 
 def matmul_floor(model: torch.nn.Module, repeats: int = 5) -> float:
@@ -101,7 +117,7 @@ def roofline(scheduler: OnlineScheduler, output_len: int = 64, seed: int = 0) ->
     tpot = batch1_tpot(scheduler, output_len=output_len, seed=seed)
     return {
         "device": str(model.device),
-        "dtype": str(model.dtype).removeprefix("torch."),
+        "dtype": weights_name(model),
         "weight_bytes": nbytes,
         "bandwidth_gb_s": bandwidth / 1e9,
         "copy_bandwidth_gb_s": copy_bandwidth / 1e9,

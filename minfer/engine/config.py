@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import is_int
+from ..quantization import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization
 
 DTYPES = {
     "float32": torch.float32,
@@ -165,6 +166,24 @@ class EngineConfig:
         "the API's defaults; DIR: that directory's generation_config.json",
         convert=str,
     )
+    quantization: str | None = setting(
+        None,
+        str,
+        # Any text passes here: check_quantization (in __post_init__) refuses it, naming what is supported.
+        Check(lambda v: isinstance(v, str), f"one of {', '.join(QUANTIZATION_METHODS)}"),
+        "weight-only quantization of every linear, the LM head and the token embedding: int8 (per "
+        "channel) or int4 (group-wise); default: none",
+        convert=lambda v: v.lower() if isinstance(v, str) else v,
+    )
+    quantization_group_size: int | None = setting(
+        None,
+        int,
+        Check(lambda v: v in GROUP_SIZES, f"one of {', '.join(map(str, GROUP_SIZES))}"),
+        "int4 only: weights per scale (default: 64)",
+    )
+    quantize_lm_head: bool = setting(
+        True, bool, BOOL, "with --quantization: quantize the LM head (and the embedding tied to it) too"
+    )
 
     def __post_init__(self):
         for f in fields(self):
@@ -188,6 +207,9 @@ class EngineConfig:
             )
         if self.num_threads is not None and device != "cpu":
             raise ValueError(f"--num-threads sets CPU threads: it applies to --device cpu, not {self.device}")
+        if self.quantization is None and self.quantization_group_size is not None:
+            raise ValueError("--quantization-group-size applies to --quantization int4 only")
+        check_quantization(self.quantization, self.quantization_group_size)  # int4 without its kernels, say
         sizes = [flag(f) for f in fields(self) if f.name in KV_CACHE_SIZES and getattr(self, f.name) is not None]
         if len(sizes) > 1:
             raise ValueError(f"{' and '.join(sizes)} each set the KV cache size: give one")

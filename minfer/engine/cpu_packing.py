@@ -122,7 +122,7 @@ class Bf16StorageLinear(nn.Linear):
 def optimize_for_cpu(model: nn.Module) -> None:
     """Swap every nn.Linear of `model` for its fast CPU equivalent, in place; `model.lm_head`, if it
     has one, becomes an LMHead. Calling it again changes nothing."""
-    dtype = next(model.parameters()).dtype
+    dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype  # a model says: its first tensor may be int8
     if packing_available(dtype):
         make = PackedLinear
     elif dtype == torch.bfloat16:

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from ..models.registry import load_model
+from ..quantization.checkpoint import QuantizationSpec
 from ..text.tokenizer import Tokenizer
 from .config import DTYPES, EngineConfig
 from .cpu_packing import cpu_has_native_bf16
@@ -68,6 +69,13 @@ def set_cpu_threads(num_threads: int | None = None) -> int:
     return num_threads
 
 
+def quantization_spec(config: EngineConfig) -> QuantizationSpec | None:
+    """What load_model needs to quantize as it loads (the float model never sits in memory whole)."""
+    if config.quantization is None:
+        return None
+    return QuantizationSpec(config.quantization, config.quantization_group_size, config.quantize_lm_head)
+
+
 class LLM:
     """`LLM(model, **settings)` or `LLM(config=EngineConfig(...))`: settings are EngineConfig's fields
     (block_size=, max_num_seqs=, dtype=, ...); given with a config, they override it."""
@@ -80,7 +88,8 @@ class LLM:
         check_device(device)
         if device.type == "cpu":
             set_cpu_threads(config.num_threads)
-        self.model = load_model(config.model, device=device, dtype=resolve_dtype(config.dtype, device))
+        dtype = resolve_dtype(config.dtype, device)
+        self.model = load_model(config.model, device=device, dtype=dtype, quantization=quantization_spec(config))
         self.tokenizer = Tokenizer.from_dir(self.model.model_dir)
         self.scheduler = OnlineScheduler(self.model, self.tokenizer, config)  # its engine_config: what runs
 

@@ -7,8 +7,10 @@ here, once, after loading, and is chosen from the device and the config:
 - the attention backend (attention/selector.py): on a CPU the compiled one, warmed up and
   checked against eager here (or the tiled eager one, with one log line saying why); plain
   torch elsewhere. `enforce_eager` (or attention_backend="eager") keeps everything eager.
-Later: quantized linears (config.quantization), compiled regions and CUDA graphs (unless
-config.enforce_eager); each is a transform or a backend, never an edit to a model file.
+- weight-only int8/int4 (config.quantization, quantization/): every linear, the LM head and the
+  token embedding, before the CPU packing (which then packs what is left in full precision).
+Later: compiled regions and CUDA graphs (unless config.enforce_eager); each is a transform or a
+backend, never an edit to a model file.
 
 Preparing is idempotent: a model prepared twice is the model prepared once (tests and
 benchmarks reuse a loaded model across engines), and each call returns a fresh backend.
@@ -22,6 +24,7 @@ import torch
 
 from ..attention.paged import AttentionBackend
 from ..attention.selector import choose_attention_backend
+from ..quantization import quantize_model
 from .cpu_packing import optimize_for_cpu
 
 log = logging.getLogger("minfer")
@@ -31,6 +34,11 @@ def prepare_model(model: torch.nn.Module, config=None) -> tuple[torch.nn.Module,
     """Make `model` (any models.CausalLM) ready to run, in place, and choose its attention backend.
     `config` is an EngineConfig or anything with its fields; a missing one keeps its default
     (attention_backend "auto": the best backend for the model's device)."""
+    method = getattr(config, "quantization", None)
+    if method is not None:
+        quantize_model(
+            model, method, getattr(config, "quantization_group_size", None), getattr(config, "quantize_lm_head", True)
+        )
     if model.device.type == "cpu":
         optimize_for_cpu(model)  # swaps nn.Linear for faster equivalents; a prepared model has none left
     choice = "eager" if getattr(config, "enforce_eager", False) else getattr(config, "attention_backend", "auto")

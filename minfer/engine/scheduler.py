@@ -26,6 +26,7 @@ import torch
 
 from ..attention.kv_cache import KVCache, cdiv, choose_num_blocks
 from ..errors import InvalidParameter, is_int
+from ..quantization import quantization_of
 from ..step_parts import part
 from ..text.text_stream import TextStream
 from ..text.tokenizer import Tokenizer
@@ -107,6 +108,7 @@ class OnlineScheduler:
             kv_cache_memory=None,
             gpu_memory_utilization=None,
             max_model_len=min(self.context_len, num_kv_blocks * block_size),
+            quantization=quantization_of(model),  # a quantized checkpoint is quantized without the flag
         )
         self.requests: dict[str, Request] = {}  # every request not yet popped or discarded
         self.finished_ids: list[str] = []  # finished since the last pop_finished_ids()

@@ -17,6 +17,15 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..quantization.checkpoint import (
+    QuantizationSpec,
+    StreamingQuantizer,
+    install_quantized,
+    read_quantized_state,
+    spec_from_config,
+)
+from .config import read_config_json
+
 if TYPE_CHECKING:
     from .contract import Architecture, CausalLM
 
@@ -104,13 +113,16 @@ def read_checked_weights(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     optional: frozenset[str] = frozenset(),
+    take: Callable[[str, torch.Tensor], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, under the model's names (`rename`: None skips a non-weight),
     checked against `expected` (name -> shape; None: ignored if present). Names in `optional` are
     read and checked if present, and not required. A missing, unexpected or mis-shaped tensor
-    raises ValueError naming it: a partial load would run and produce garbage."""
+    raises ValueError naming it: a partial load would run and produce garbage. `take(name, tensor)`
+    may keep a tensor itself instead (True): quantizing while loading, one tensor at a time."""
     model_dir = Path(model_dir)
     state: dict[str, torch.Tensor] = {}
+    taken: set[str] = set()
     for file in safetensors_files(model_dir):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -126,10 +138,15 @@ def read_checked_weights(
                             f"tensor {key!r} in {file.name} has shape {list(tensor.get_shape())}, "
                             f"but config.json implies {list(expected[name])}"
                         )
-                    state[name] = f.get_tensor(key).to(device=device, dtype=dtype).contiguous()
+                    tensor = f.get_tensor(key).to(device=device, dtype=dtype).contiguous()
+                    if take is not None and take(name, tensor):
+                        taken.add(name)
+                    else:
+                        state[name] = tensor
         except SafetensorError as e:
             raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
-    missing = [n for n, shape in expected.items() if shape is not None and n not in state and n not in optional]
+    missing = [n for n, shape in expected.items()
+               if shape is not None and n not in state and n not in taken and n not in optional]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"checkpoint in {model_dir} lacks tensor {missing[0]!r}{more}")
@@ -137,7 +154,11 @@ def read_checked_weights(
 
 
 def load_model_weights(
-    model: CausalLM, model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    model: CausalLM,
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    quantizer: StreamingQuantizer | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every weight `model` needs (built on the meta device, say), read from the checkpoint in model_dir
     and converted as its class says: a state dict for model.load_state_dict(strict=True, assign=True).
@@ -148,10 +169,22 @@ def load_model_weights(
     """
     arch: Architecture = type(model)
     expected = arch.expected_shapes(model.config)
-    state = read_checked_weights(model_dir, expected, arch.checkpoint_name, device, dtype, arch.optional_weights)
+    tied = tied_parameters(model)
+    take = None
+    if quantizer is not None:  # quantize each weight as it is read: its float copy never joins the state
+
+        def take(name: str, tensor: torch.Tensor) -> bool:
+            if quantizer.wants(tied.get(name, "")):
+                return True  # a stored copy of a tied weight, quantized from its owner's tensor
+            if not quantizer.wants(name):
+                return False
+            return quantizer.take(name, arch.convert_weights({name: tensor}, model.config)[name])
+
+    state = read_checked_weights(model_dir, expected, arch.checkpoint_name, device, dtype, arch.optional_weights, take)
     state = arch.convert_weights(state, model.config)
-    for alias, owner in tied_parameters(model).items():
-        state[alias] = state[owner]  # one tensor under both names
+    for alias, owner in tied.items():
+        if owner in state:
+            state[alias] = state[owner]  # one tensor under both names
     return state
 
 
@@ -173,15 +206,50 @@ def from_pretrained(
     name_or_path: str | os.PathLike,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    quantization: QuantizationSpec | None = None,
 ) -> CausalLM:
-    """Build `model_class` from a local checkpoint directory or a Hugging Face Hub repo id."""
+    """Build `model_class` from a local checkpoint directory or a Hugging Face Hub repo id. With
+    `quantization`, its weights are quantized as they are read (quantization/checkpoint.py); a
+    checkpoint `minfer quantize` wrote loads quantized whatever `quantization` says."""
     model_dir = resolve_model_dir(name_or_path)
+    config_path, raw = read_config_json(model_dir)
+    stored = spec_from_config(raw, config_path)  # refuses GPTQ, AWQ, ... clearly
     config = model_class.config_class.from_json(model_dir / "config.json")
     with torch.device("meta"):  # no memory and no random init for weights about to be replaced
         model = model_class(config, model_dir=model_dir)
+    if stored is not None or quantization is not None:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"quantized weights run on the CPU only for now, not on {device}")
+        if stored is not None and quantization is not None and stored.method != quantization.method:
+            raise ValueError(f"{model_dir} holds {stored.method} weights; it cannot be loaded as {quantization.method}")
+        return load_quantized(model, model_dir, dtype, stored, quantization)
     tied = tied_parameters(model)
     model.load_state_dict(load_model_weights(model, model_dir, device, dtype), strict=True, assign=True)
     for alias, owner in tied.items():  # assign=True made two parameters of one tensor: one again
         module, _, name = alias.rpartition(".")
         setattr(model.get_submodule(module), name, model.get_parameter(owner))
     return model.to(device).eval()  # .to: buffers computed at construction (RoPE's) join the weights
+
+
+def load_quantized(model, model_dir: Path, dtype: torch.dtype, stored, spec) -> CausalLM:
+    """`model` (on the meta device) filled from a quantized checkpoint (`stored`: its spec), or from a
+    float one quantized tensor by tensor (`spec`). Every weight must be there: nothing half-loaded."""
+    if stored is not None:
+        quantized, state = read_quantized_state(model_dir, dtype)
+        spec = stored
+        install_quantized(model, quantized, state, spec, dtype)
+    else:
+        quantizer = StreamingQuantizer(model, spec)
+        state = load_model_weights(model, model_dir, "cpu", dtype, quantizer)
+        quantizer.install(model, state, dtype)
+    wanted = {n for n, p in model.named_parameters() if p.is_meta}
+    missing, unexpected = sorted(wanted - set(state)), sorted(set(state) - wanted)
+    if missing or unexpected:
+        what = f"lacks tensor {missing[0]!r}" if missing else f"holds unexpected tensor {unexpected[0]!r}"
+        raise ValueError(f"quantized checkpoint in {model_dir} {what}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(model.get_parameter(name).shape):
+            raise ValueError(f"tensor {name!r} in {model_dir} has shape {list(tensor.shape)}, expected "
+                             f"{list(model.get_parameter(name).shape)}")
+    model.load_state_dict(state, strict=False, assign=True)
+    return model.to("cpu").eval()

@@ -39,7 +39,7 @@ from dataclasses import asdict, replace
 import torch
 
 from ..engine.config import EngineConfig
-from ..engine.llm import check_device, resolve_dtype, set_cpu_threads
+from ..engine.llm import check_device, quantization_spec, resolve_dtype, set_cpu_threads
 from ..engine.scheduler import OnlineScheduler
 from ..models.loader import resolve_model_dir
 from ..models.registry import load_model, read_config
@@ -157,7 +157,8 @@ def create_server(
         model_dir = resolve_model_dir(config.model)  # a Hub id is fetched here
         read_config(model_dir)  # not a checkpoint at all (no config.json)? say so first
         tokenizer = Tokenizer.from_dir(model_dir)  # before the weights: a missing tokenizer fails at once
-        language_model = load_model(str(model_dir), device=device, dtype=resolve_dtype(config.dtype, device))
+        dtype = resolve_dtype(config.dtype, device)
+        language_model = load_model(str(model_dir), device=device, dtype=dtype, quantization=quantization_spec(config))
         return OnlineScheduler(language_model, tokenizer, config)
 
     scheduler = in_passing_thread(build)

@@ -1,0 +1,219 @@
+"""Quantized models on disk and in the loader: quantize tensor by tensor while loading, save, load back.
+
+Streaming (`StreamingQuantizer`): the loader hands over each tensor as it reads it; a weight of a
+linear to be quantized is quantized there and then and its float copy dropped, so peak memory is the
+quantized model plus one tensor in full precision, not the whole float model.
+
+The format `minfer quantize` writes: the source's config.json plus a `quantization_config`
+({"quant_method": "minfer", "format": "int8" | "int4", "group_size", "quantize_lm_head"}), and one
+model.safetensors under the model's own module names: for each quantized linear `NAME.qweight`
+and `NAME.scales` (int8: (out, in) int8 and (out,) fp32) or `NAME.qweight` and
+`NAME.scales_and_zeros` (int4: (out, in'/2) uint8 nibbles and (in'/G, out, 2) fp32), its
+`NAME.bias` if any, and every other tensor as it is. A tied embedding is its LM head's matrix,
+stored once. Any other `quantization_config` (GPTQ, AWQ, ...) is refused, saying what minfer runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .embedding import QuantizedEmbedding
+from .int4 import Int4Linear, quantize_int4
+from .int8 import Int8Linear, quantize_int8
+from .linear import QuantizedLinear
+from .transform import check_quantization, find_token_embedding, quantization_of
+
+FORMAT_NAME = "minfer"
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    method: str  # "int8" or "int4"
+    group_size: int | None = None  # int4 only (None: the default)
+    quantize_lm_head: bool = True
+
+    def __post_init__(self):
+        check_quantization(self.method, self.group_size)
+
+    def to_config(self) -> dict:
+        return {"quant_method": FORMAT_NAME, "format": self.method, "group_size": self.group_size,
+                "quantize_lm_head": self.quantize_lm_head}
+
+
+def spec_from_config(raw: dict, path: Path) -> QuantizationSpec | None:
+    """The spec a config.json's `quantization_config` describes; None for a full-precision checkpoint.
+    ValueError naming what is supported for a format minfer cannot read."""
+    qc = raw.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != FORMAT_NAME or qc.get("format") not in ("int8", "int4"):
+        raise ValueError(
+            f"{path} describes a checkpoint quantized as {method or qc!r}, which minfer cannot load. minfer runs "
+            "full-precision checkpoints (quantized as they load with --quantization int8 or int4) and the int8/int4 "
+            "checkpoints `minfer quantize SRC DST --quantization int8` writes; GPTQ, AWQ and the like are not supported"
+        )
+    return QuantizationSpec(qc["format"], qc.get("group_size"), bool(qc.get("quantize_lm_head", True)))
+
+
+def quantize_weight(weight: torch.Tensor, spec: QuantizationSpec) -> dict[str, torch.Tensor]:
+    """A float (out, in) weight -> its stored tensors ({"qweight", "scales"} or {"qweight", "scales_and_zeros"})."""
+    if spec.method == "int8":
+        q, scales = quantize_int8(weight)
+        return {"qweight": q, "scales": scales}
+    nibbles, sz = quantize_int4(weight, spec.group_size or 64)
+    return {"qweight": nibbles, "scales_and_zeros": sz}
+
+
+def check_stored(name: str, stored: dict[str, torch.Tensor], spec: QuantizationSpec, out_features: int, in_features: int):
+    """ValueError naming `name` unless `stored` holds the tensors, dtypes and shapes `spec` makes for an
+    (out, in) weight: a damaged checkpoint must not load and run garbage."""
+    if spec.method == "int8":
+        want = {"qweight": (torch.int8, (out_features, in_features)), "scales": (torch.float32, (out_features,))}
+    else:
+        group = spec.group_size or 64
+        padded = -(-in_features // group) * group
+        want = {"qweight": (torch.uint8, (out_features, padded // 2)),
+                "scales_and_zeros": (torch.float32, (padded // group, out_features, 2))}
+    for leaf, (dtype, shape) in want.items():
+        tensor = stored.get(leaf)
+        if tensor is None:
+            raise ValueError(f"the checkpoint lacks {name.removesuffix('.weight')}.{leaf}")
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(f"{name.removesuffix('.weight')}.{leaf} is {tensor.dtype} {list(tensor.shape)}, "
+                             f"expected {dtype} {list(shape)} for {spec.method}")
+
+
+def build_linear(stored: dict[str, torch.Tensor], spec: QuantizationSpec, in_features: int, bias) -> QuantizedLinear:
+    if spec.method == "int8":
+        return Int8Linear(stored["qweight"], stored["scales"], bias)
+    return Int4Linear(stored["qweight"], stored["scales_and_zeros"], in_features, bias)
+
+
+def quantized_targets(model: nn.Module, spec: QuantizationSpec) -> dict[str, nn.Module]:
+    """{weight name: module} of every weight `spec` quantizes, for `model` as built (on the meta device):
+    the linears, and unless the head stays full precision, the head (or the embedding it is tied to)."""
+    head = getattr(model, "lm_head", None)
+    targets = {f"{name}.weight": m for name, m in model.named_modules() if type(m) is nn.Linear and m is not head}
+    if spec.quantize_lm_head and type(head) is nn.Linear:
+        embedding = find_token_embedding(model, head)
+        if embedding is not None and embedding[2].weight is head.weight:  # tied: one matrix, the owner's name
+            owner = next(n for n, p in model.named_parameters() if p is head.weight)
+            targets[owner] = head
+        else:
+            targets["lm_head.weight"] = head
+            if embedding is not None:
+                targets[next(n for n, p in model.named_parameters() if p is embedding[2].weight)] = embedding[2]
+    return targets
+
+
+class StreamingQuantizer:
+    """Quantizes a model's weights as the loader reads them (`take`), then builds the quantized
+    modules into the model (`install`)."""
+
+    def __init__(self, model: nn.Module, spec: QuantizationSpec):
+        self.spec = spec
+        self.targets = quantized_targets(model, spec)
+        self.quantized: dict[str, dict[str, torch.Tensor]] = {}
+
+    def wants(self, name: str) -> bool:
+        return name in self.targets
+
+    def take(self, name: str, tensor: torch.Tensor) -> bool:
+        """Quantize `tensor` if it is a weight to quantize (True: the loader drops its float copy)."""
+        if name not in self.targets:
+            return False
+        self.quantized[name] = quantize_weight(tensor, self.spec)
+        return True
+
+    def install(self, model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        """Swap the quantized modules into `model`; biases are taken from `state`."""
+        install_quantized(model, self.quantized, state, self.spec, dtype)
+
+
+def install_quantized(model, quantized: dict[str, dict], state: dict, spec: QuantizationSpec, dtype) -> None:
+    """Build each quantized module from its stored tensors (`quantized`: weight name -> tensors) and set
+    it in `model`; tied embeddings read their head's. `state` gives the biases (and loses them)."""
+    head = getattr(model, "lm_head", None)
+    embedding = find_token_embedding(model, head if type(head) is nn.Linear else None)
+    tied = embedding is not None and type(head) is nn.Linear and embedding[2].weight is head.weight
+    built: dict[int, QuantizedLinear] = {}
+    for weight_name, module in quantized_targets(model, spec).items():
+        if weight_name not in quantized:
+            raise ValueError(f"the checkpoint lacks the quantized tensors of {weight_name!r}")
+        module_name = weight_name.removesuffix(".weight")
+        bias = state.pop(f"{module_name}.bias", None) if isinstance(module, nn.Linear) else None
+        in_features = module.in_features if isinstance(module, nn.Linear) else module.embedding_dim
+        out_features = module.out_features if isinstance(module, nn.Linear) else module.num_embeddings
+        check_stored(weight_name, quantized[weight_name], spec, out_features, in_features)
+        built[id(module)] = build_linear(quantized[weight_name], spec, in_features, bias)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in built:
+                if isinstance(child, nn.Embedding):
+                    setattr(parent, name, QuantizedEmbedding(built[id(child)], dtype))
+                else:
+                    setattr(parent, name, built[id(child)])
+    if tied and id(head) in built:
+        parent, name, _ = embedding
+        setattr(parent, name, QuantizedEmbedding(built[id(head)], dtype))
+
+
+def save_quantized(model: nn.Module, source_dir: str | Path, out_dir: str | Path, spec: QuantizationSpec) -> Path:
+    """Write quantized `model` (loaded from source_dir) to out_dir: model.safetensors, config.json with its
+    quantization_config, and the source's tokenizer files."""
+    if quantization_of(model) != spec.method:
+        raise ValueError(f"the model is not quantized to {spec.method}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, module in model.named_modules():  # an embedding comes before the head tied to it
+        linear = module.table if isinstance(module, QuantizedEmbedding) else module
+        if isinstance(linear, QuantizedLinear) and id(linear) not in seen:
+            seen.add(id(linear))  # a tied head: stored once, under the embedding's name (the weight's owner)
+            first, second = linear.stored()
+            tensors[f"{name}.qweight"] = first.contiguous()
+            tensors[f"{name}.{'scales' if spec.method == 'int8' else 'scales_and_zeros'}"] = second.contiguous()
+            if linear.bias is not None:
+                tensors[f"{name}.bias"] = linear.bias.detach().contiguous()
+    quantized_params = {id(p) for m in model.modules() if isinstance(m, QuantizedLinear) for p in m.parameters()}
+    for name, param in model.named_parameters():
+        if id(param) not in quantized_params:
+            tensors[name] = param.detach().contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "quantization": spec.method})
+    source = Path(source_dir)
+    raw = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    raw["quantization_config"] = spec.to_config()
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
+    for file in source.iterdir():
+        if file.name.startswith(("tokenizer", "vocab", "merges", "generation_config", "special_tokens")):
+            (out / file.name).write_bytes(file.read_bytes())
+    return out
+
+
+def read_quantized_state(model_dir: Path, dtype: torch.dtype) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
+    """({weight name: stored quantized tensors}, {name: float tensor in `dtype`}) from a checkpoint
+    `minfer quantize` wrote; ValueError for a file that cannot be read."""
+    file = model_dir / "model.safetensors"
+    quantized: dict[str, dict] = {}
+    state: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 (a safetensors file, not a dict)
+                module, _, leaf = key.rpartition(".")
+                tensor = f.get_tensor(key)
+                if leaf in ("qweight", "scales", "scales_and_zeros"):
+                    quantized.setdefault(f"{module}.weight", {})[leaf] = tensor
+                else:
+                    state[key] = tensor.to(dtype)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+    return quantized, state

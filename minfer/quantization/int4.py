@@ -1,0 +1,177 @@
+"""int4 weight-only: asymmetric, one scale and one offset per group of `group_size` weights in a row.
+
+For each group of G consecutive weights of an output row, q in [0, 15] and
+w ~= (q - 8) * scale + zero, scale = (max - min) / 15, zero = min + 8 * scale: torch's int4pack
+convention (gpt-fast's), so the group's smallest and largest weights are exact. A quarter of the
+bytes of bf16 plus 4 bytes of scale and offset per group (group 64: 4.5 bits a weight in fp16 terms).
+Smaller groups fit the weights more closely and cost more scale bytes: the tutorial stage measures it.
+
+Stored, a weight is its nibbles packed two to a byte, (out, in/2) uint8 (low nibble first), with
+(in/G, out, 2) scales and offsets: plain, portable tensors. At load the nibbles are repacked into
+the kernel's own layout by torch.ops.aten._convert_weight_to_int4pack_for_cpu (torch >= 2.6), which
+wants out a multiple of 16 and in a multiple of G: other shapes are padded with zero weights. Out is
+padded to a multiple of 64, where that layout is simple: per block of 64 rows, a (in, 32) byte matrix
+holding row j in the low nibbles of column j and row j + 32 in the high ones. So rows can be read back
+from the packed weight alone (`packed_rows`), and one copy serves the kernel, a tied embedding's
+lookup and the dequantize-then-GEMM path of batches.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .int8 import CHUNK_ELEMENTS
+from .linear import QuantizedLinear, pad_columns, round_up
+
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 64  # see docs/quantization.md: the perplexity and speed of each size on minfer-tiny
+BLOCK_N = 64  # the int4pack layout interleaves output channels 64 at a time (16 in a tail block: avoided)
+
+
+def int4_kernel_available() -> bool:
+    """Whether this torch has the CPU int4 ops (torch >= 2.6) and they run here."""
+    ops = torch.ops.aten
+    if not (hasattr(ops, "_convert_weight_to_int4pack_for_cpu") and hasattr(ops, "_weight_int4pack_mm_for_cpu")):
+        return False
+    try:
+        packed = ops._convert_weight_to_int4pack_for_cpu(torch.zeros(16, 32, dtype=torch.int32), 1)
+        ops._weight_int4pack_mm_for_cpu(torch.zeros(1, 32), packed, 32, torch.zeros(1, 16, 2))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float weight -> (nibbles uint8 (out, in'/2), scales_and_zeros fp32 (in'/G, out, 2)),
+    in' = in rounded up to a multiple of the group size (the padding quantizes zeros)."""
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size!r}")
+    step = max(1, CHUNK_ELEMENTS // max(1, weight.shape[1]))  # row chunks: bounded fp32 temporaries
+    if weight.shape[0] > step:
+        parts = [quantize_int4(weight[i : i + step], group_size) for i in range(0, weight.shape[0], step)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts], dim=1)
+    N = weight.shape[0]
+    w = pad_columns(weight.detach().float(), round_up(weight.shape[1], group_size))  # (N, K')
+    groups = w.reshape(N, -1, group_size)  # (N, K'/G, G)
+    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+    scales = ((high - low) / 15).clamp(min=1e-12)  # (N, K'/G, 1)
+    q = torch.round((groups - low) / scales).clamp(0, 15).to(torch.uint8).reshape(N, -1)  # (N, K')
+    zeros = low + 8 * scales
+    scales_and_zeros = torch.cat([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # (K'/G, N, 2)
+    return pack_nibbles(q), scales_and_zeros
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values in [0, 15] -> (N, K/2) uint8, element 2i in the low nibble."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """(N, K/2) uint8 -> (N, K) uint8 values in [0, 15]."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (n,) of the values in [0, 15] that int4pack's `packed` (N', K'/2) holds, as (n, K') uint8."""
+    blocks = packed.view(-1, packed.shape[1] * 2, BLOCK_N // 2)  # (N'/64, K', 32)
+    column = blocks[ids // BLOCK_N, :, ids % (BLOCK_N // 2)]  # (n, K'): each row's byte column
+    high = (ids % BLOCK_N >= BLOCK_N // 2).to(torch.uint8)[:, None] * 4  # (n, 1): shift 4 for the upper half
+    return (column >> high) & 15
+
+
+def unpack_int4pack(packed: torch.Tensor) -> torch.Tensor:
+    """int4pack's `packed` (N', K'/2) -> every value, (N', K') uint8 in [0, 15]."""
+    blocks = packed.view(-1, packed.shape[1] * 2, BLOCK_N // 2)  # (N'/64, K', 32)
+    both = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # (N'/64, K', 64): row j of the block at [:, j]
+    return both.transpose(1, 2).reshape(-1, packed.shape[1] * 2)
+
+
+def dequantize_values(q: torch.Tensor, scales_and_zeros: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """q (n, K') in [0, 15] with scales_and_zeros (K'/G, n, 2) -> the float matrix (n, K')."""
+    n, groups = q.shape[0], scales_and_zeros.shape[0]
+    sz = scales_and_zeros.to(dtype).transpose(0, 1)  # (n, K'/G, 2)
+    w = (q.reshape(n, groups, -1).to(dtype) - 8) * sz[..., :1] + sz[..., 1:]  # (n, K'/G, G)
+    return w.reshape(n, -1)
+
+
+def dequantize_int4(nibbles: torch.Tensor, scales_and_zeros: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """The float matrix (out, in') that (nibbles, scales_and_zeros) stand for; works on any subset of rows
+    (nibbles (n, in'/2) with scales_and_zeros (in'/G, n, 2))."""
+    return dequantize_values(unpack_nibbles(nibbles), scales_and_zeros, dtype)
+
+
+class Int4Linear(QuantizedLinear):
+    """A linear with an int4 group-wise weight: `Int4Linear.from_float(linear, group_size)`, or from the
+    stored (nibbles, scales_and_zeros). The weight is kept only in the kernel's packed layout."""
+
+    kernel_max_rows = 64  # the int4 dequantize is slow (unpacking nibbles): the kernel wins up to ~64 rows here
+
+    def __init__(
+        self,
+        nibbles: torch.Tensor,
+        scales_and_zeros: torch.Tensor,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+    ):
+        groups, out_features, _ = scales_and_zeros.shape
+        super().__init__(in_features, out_features, bias)
+        self.padded_in = nibbles.shape[1] * 2
+        self.group_size = self.padded_in // groups
+        self.padded_out = round_up(out_features, BLOCK_N)
+        sz = scales_and_zeros.float()
+        if self.padded_out != out_features:  # zero rows: nibbles 8 with zero scale and offset dequantize to 0
+            pad = torch.full((self.padded_out - out_features, nibbles.shape[1]), 0x88, dtype=torch.uint8)
+            nibbles = torch.cat([nibbles, pad])
+            sz = torch.cat([sz, sz.new_zeros(groups, self.padded_out - out_features, 2)], dim=1)
+        # Blocks of 64 rows pack independently: converting a few thousand rows at a time bounds the int32
+        # temporaries the op wants (4 bytes a weight) for a large embedding.
+        step = max(BLOCK_N, CHUNK_ELEMENTS // self.padded_in // BLOCK_N * BLOCK_N)
+        packed = torch.cat([
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(nibbles[i : i + step]).to(torch.int32), 1)
+            for i in range(0, self.padded_out, step)
+        ])
+        self.qweight = nn.Parameter(packed, requires_grad=False)  # the kernel's layout
+        self.scales_and_zeros = nn.Parameter(sz.contiguous(), requires_grad=False)  # (K'/G, N', 2)
+        self._sz_as = {}
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE) -> Int4Linear:
+        return cls(*quantize_int4(linear.weight, group_size), linear.in_features, linear.bias)
+
+    def sz_in(self, dtype: torch.dtype) -> torch.Tensor:
+        sz = self._sz_as.get(dtype)
+        if sz is None or sz.device != self.scales_and_zeros.device:
+            sz = self._sz_as[dtype] = self.scales_and_zeros.to(dtype)
+        return sz
+
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
+        rows = pad_columns(rows, self.padded_in).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, self.group_size, self.sz_in(rows.dtype))
+        return y[:, : self.out_features] if self.padded_out != self.out_features else y
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # (out, in)
+        scale, offset = self.affine_in(dtype)  # (N', K'/G, 1) each
+        q = unpack_int4pack(self.qweight).view(scale.shape[0], scale.shape[1], -1)  # (N', K'/G, G)
+        w = torch.addcmul(offset, q, scale)  # (q - 8) * scale + zero in one pass, in the activations' dtype
+        return w.view(self.padded_out, -1)[: self.out_features, : self.in_features]
+
+    def affine_in(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero - 8 * scale), each (N', K'/G, 1) in `dtype`: w = q * scale + offset."""
+        key = ("affine", dtype)
+        if key not in self._sz_as:
+            sz = self.scales_and_zeros.transpose(0, 1)  # (N', K'/G, 2)
+            scale, zero = sz[..., :1], sz[..., 1:]
+            self._sz_as[key] = (scale.to(dtype).contiguous(), (zero - 8 * scale).to(dtype).contiguous())
+        return self._sz_as[key]
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # (n,) -> (n, in)
+        """Dequantized rows `ids` of the weight only: a tied embedding's lookup."""
+        scale, offset = self.affine_in(dtype)  # (N', K'/G, 1) each
+        q = packed_rows(self.qweight, ids).view(len(ids), scale.shape[1], -1)  # (n, K'/G, G)
+        return torch.addcmul(offset[ids], q, scale[ids]).view(len(ids), -1)[:, : self.in_features]
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(nibbles (out, in'/2), scales_and_zeros (in'/G, out, 2)): the portable form quantize_int4 made."""
+        q = unpack_int4pack(self.qweight)[: self.out_features]
+        return pack_nibbles(q), self.scales_and_zeros[:, : self.out_features].contiguous()

@@ -1,0 +1,81 @@
+"""int8 weight-only: symmetric, one scale per output channel.
+
+w[n, k] ~= q[n, k] * scale[n], q in [-127, 127] and scale[n] = max_k |w[n, k]| / 127: a row's
+largest weight maps to 127 exactly, and zero stays zero. Half the bytes of bf16; the rounding
+error is at most scale / 2 per weight, about 0.2% of the row's largest weight.
+
+The kernel is torch.ops.aten._weight_int8pack_mm (CPU: AVX512/AVX2 paths for bf16 activations,
+a scalar loop for fp32 ones). It needs the inner dimension to be a multiple of 16 with bf16
+activations (other widths crash or give garbage in torch 2.13): narrower weights get zero columns.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .linear import QuantizedLinear, pad_columns, round_up
+
+K_MULTIPLE = 16  # _weight_int8pack_mm's bf16 path reads the inner dimension 16 at a time
+
+
+CHUNK_ELEMENTS = 1 << 22  # quantize this many weights at a time: fp32 temporaries stay ~16 MB each
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float weight -> (q int8 (out, in), scales fp32 (out,)). Row chunk by row chunk, so a
+    (151936, 1024) embedding does not briefly need several fp32 copies of itself."""
+    out_features, in_features = weight.shape
+    q = torch.empty(out_features, in_features, dtype=torch.int8)
+    scales = torch.empty(out_features)
+    step = max(1, CHUNK_ELEMENTS // max(1, in_features))
+    for start in range(0, out_features, step):
+        w = weight[start : start + step].detach().float()  # (rows, in)
+        s = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (rows,): an all-zero row keeps a usable scale
+        q[start : start + step] = torch.round(w / s[:, None]).clamp(-127, 127)
+        scales[start : start + step] = s
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float matrix (out, in) that (q, scales) stand for."""
+    return (q.to(dtype) * scales.to(dtype)[:, None]).to(dtype)
+
+
+class Int8Linear(QuantizedLinear):
+    """A linear with an int8 per-channel weight: `Int8Linear.from_float(linear)`, or from (q, scales)."""
+
+    kernel_max_rows = 16  # measured on an AVX512-BF16 Zen 4 (scripts/quant_crossover.py): see linear.py
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        out_features, in_features = q.shape
+        super().__init__(in_features, out_features, bias)
+        self.padded_in = round_up(in_features, K_MULTIPLE)
+        self.qweight = nn.Parameter(pad_columns(q, self.padded_in).contiguous(), requires_grad=False)  # (out, in')
+        self.scales = nn.Parameter(scales.float().contiguous(), requires_grad=False)  # (out,)
+        self._scales_as = {}  # the kernel wants scales in the activations' dtype: one small copy each
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> Int8Linear:
+        return cls(*quantize_int8(linear.weight), linear.bias)
+
+    def scales_in(self, dtype: torch.dtype) -> torch.Tensor:
+        scales = self._scales_as.get(dtype)
+        if scales is None or scales.device != self.scales.device:
+            scales = self._scales_as[dtype] = self.scales.to(dtype)
+        return scales
+
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
+        rows = pad_columns(rows, self.padded_in)
+        return torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.qweight, self.scales_in(rows.dtype))
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # (out, in)
+        return dequantize_int8(self.qweight[:, : self.in_features], self.scales, dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # (n,) -> (n, in)
+        """Dequantized rows `ids` of the weight only: a tied embedding's lookup."""
+        return dequantize_int8(self.qweight[ids, : self.in_features], self.scales[ids], dtype)
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q (out, in), scales (out,)): the portable form quantize_int8 made."""
+        return self.qweight[:, : self.in_features].contiguous(), self.scales

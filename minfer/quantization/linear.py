@@ -1,0 +1,59 @@
+"""QuantizedLinear: what the int8 and int4 linears share, and how each picks its path per row count.
+
+At batch 1 a linear is bound by the bytes of its weight: torch's weight-only kernels read int8 or
+int4 weights and win by the bytes they save. With more rows the matmul becomes compute-bound, and
+these kernels (which re-read the weight every few rows) lose to a bf16 GEMM, several times at 64
+rows. So above `kernel_max_rows` rows the weight is dequantized to the activations' dtype and run
+through the ordinary matmul: one pass over the weight, amortised over every row of the batch.
+The crossover differs between formats and CPUs: `python -m minfer.quantization.crossover` measures it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class QuantizedLinear(nn.Module):
+    """nn.Linear with a quantized (out, in) weight. Subclasses hold the weight and define `kernel`
+    (the weight-only quantized matmul, for a few rows) and `dequantized` (the weight as a float
+    matrix). Quantized tensors are parameters (requires_grad=False), so model.parameters() counts
+    their bytes as they are."""
+
+    kernel_max_rows = 4  # rows up to this go through the quantized kernel; more, through dequantize + GEMM
+    # (each format sets its own: int8 16, int4 64, from scripts/quant_crossover.py on a Zen 4)
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out), no bias
+        raise NotImplementedError
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # (out, in)
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        rows = x.reshape(-1, self.in_features)  # (M, in)
+        if rows.shape[0] <= self.kernel_max_rows:
+            y = self.kernel(rows)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+        else:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            y = F.linear(rows, self.dequantized(x.dtype), bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x (..., k) with zero columns appended up to `width` (a kernel's multiple); x itself if k == width."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))

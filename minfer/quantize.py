@@ -1,0 +1,50 @@
+"""`minfer quantize SRC DST --quantization int8` (or `python -m minfer.quantize`): write a quantized checkpoint.
+
+SRC is a full-precision checkpoint (a directory, a built-in name such as minfer-tiny, or a Hub id); it
+is quantized tensor by tensor as it loads (the float model is never in memory whole) and DST gets
+model.safetensors with the quantized tensors and their scales, config.json with a
+`quantization_config`, and SRC's tokenizer. Loading DST (`--model DST`) skips quantizing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from .engine.config import DTYPES
+from .models.registry import load_model
+from .quantization import GROUP_SIZES, QUANTIZATION_METHODS
+from .quantization.checkpoint import QuantizationSpec, save_quantized
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m minfer.quantize") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("src", help="full-precision checkpoint: directory, built-in name or Hub id")
+    parser.add_argument("dst", help="directory to write the quantized checkpoint to")
+    parser.add_argument("--quantization", required=True, choices=QUANTIZATION_METHODS)
+    parser.add_argument("--quantization-group-size", type=int, choices=GROUP_SIZES, help="int4: weights per scale")
+    parser.add_argument("--no-quantize-lm-head", dest="quantize_lm_head", action="store_false",
+                        help="keep the LM head (and the embedding tied to it) in full precision")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                        help="dtype of the tensors left in full precision (norms, biases; default bfloat16)")
+    args = parser.parse_args(argv)
+    try:
+        spec = QuantizationSpec(args.quantization, args.quantization_group_size, args.quantize_lm_head)
+        start = time.perf_counter()
+        model = load_model(args.src, dtype=DTYPES[args.dtype], quantization=spec)
+        out = save_quantized(model, model.model_dir, args.dst, spec)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    size = (out / "model.safetensors").stat().st_size
+    print(f"wrote {out} ({args.quantization}, {size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s; "
+          f"run it with --model {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    sys.exit(main())

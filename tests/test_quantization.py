@@ -1,0 +1,284 @@
+"""Weight-only int8/int4: each quantized linear computes the matmul with its dequantized weight, a
+quantized model computes what the float model with those weights computes, the engine batches,
+preempts and frees blocks with it, and bad settings are refused before anything is loaded."""
+
+import pytest
+import torch
+from torch import nn
+
+from minfer import LLM, SamplingParams
+from minfer.engine.config import EngineConfig
+from minfer.models.registry import load_model
+from minfer.quantization import (
+    Int4Linear,
+    Int8Linear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    check_quantization,
+    int4_kernel_available,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+)
+from minfer.quantization import int4 as int4_module
+from minfer.quantization.int4 import dequantize_int4
+from minfer.quantization.int8 import dequantize_int8
+
+needs_int4 = pytest.mark.skipif(not int4_kernel_available(), reason="torch's CPU int4 kernels need torch >= 2.6")
+# Rows on both sides of each format's bucket boundary: the kernel below it, dequantize + GEMM above.
+ROWS = [1, 3, 9, 16, 17, 33, 64, 65]
+# Odd shapes: inner widths that are no multiple of 16 or of the group size, a 3-head-like 72, a vocabulary
+# that is no multiple of 64.
+SHAPES = [(70, 100), (72, 803), (128, 64), (24, 40)]
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("in_features,out_features", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_is_the_matmul_with_its_dequantized_weight(in_features, out_features, rows, dtype):
+    torch.manual_seed(rows)
+    linear = nn.Linear(in_features, out_features)
+    q, scales = quantize_int8(linear.weight)
+    reference_weight = dequantize_int8(q, scales)  # (out, in) fp32
+    x = torch.randn(2, rows, in_features).to(dtype)
+    y = Int8Linear.from_float(linear)(x)
+    assert y.shape == (2, rows, out_features) and y.dtype == dtype
+    ref = x.float() @ reference_weight.t() + linear.bias
+    # fp32: the same sums in another order; bf16: activations and output rounded to 8 bits of mantissa.
+    assert relative_error(y, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@needs_int4
+@pytest.mark.parametrize("in_features,out_features", SHAPES)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_linear_is_the_matmul_with_its_dequantized_weight(in_features, out_features, group_size, rows, dtype):
+    torch.manual_seed(rows)
+    linear = nn.Linear(in_features, out_features)
+    nibbles, scales_and_zeros = quantize_int4(linear.weight, group_size)
+    reference_weight = dequantize_int4(nibbles, scales_and_zeros)[:, :in_features]
+    x = torch.randn(rows, in_features).to(dtype)
+    layer = Int4Linear.from_float(linear, group_size)
+    ref = x.float() @ reference_weight.t() + linear.bias
+    assert relative_error(layer(x), ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+    stored = layer.stored()  # the packed layout gives back exactly what was quantized
+    assert torch.equal(stored[0], nibbles) and torch.equal(stored[1], scales_and_zeros)
+
+
+@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
+def test_quantizing_in_row_chunks_changes_nothing(monkeypatch, method):
+    """Large matrices are quantized and packed a few rows at a time (bounded memory): same result."""
+    from minfer.quantization import int8 as int8_module
+
+    torch.manual_seed(0)
+    linear = nn.Linear(100, 300)
+    whole = Int8Linear.from_float(linear) if method == "int8" else Int4Linear.from_float(linear, 32)
+    monkeypatch.setattr(int8_module, "CHUNK_ELEMENTS", 64 * 128)
+    monkeypatch.setattr(int4_module, "CHUNK_ELEMENTS", 64 * 128)
+    chunked = Int8Linear.from_float(linear) if method == "int8" else Int4Linear.from_float(linear, 32)
+    for a, b in zip(whole.stored(), chunked.stored()):
+        assert torch.equal(a, b)
+    assert torch.equal(whole.qweight, chunked.qweight)
+
+
+@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
+def test_quantization_error_is_bounded_by_half_a_step(method):
+    torch.manual_seed(0)
+    w = torch.randn(96, 200)
+    if method == "int8":
+        q, scales = quantize_int8(w)
+        error, step = (dequantize_int8(q, scales) - w).abs(), scales[:, None]  # (96, 200), (96, 1)
+    else:
+        nibbles, sz = quantize_int4(w, 64)  # 200 columns: the last group is padded with zeros
+        error = (dequantize_int4(nibbles, sz)[:, :200] - w).abs()
+        step = sz[:, :, 0].t().repeat_interleave(64, dim=1)[:, :200]  # each weight's group scale
+    assert (error <= step / 2 + 1e-6).all()
+    assert error.max() > 0  # it did quantize
+
+
+@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
+def test_tied_embedding_reads_the_heads_quantized_rows(method):
+    torch.manual_seed(0)
+    head = nn.Linear(72, 803, bias=False)
+    quantized = Int8Linear.from_float(head) if method == "int8" else Int4Linear.from_float(head, 32)
+    embedding = QuantizedEmbedding(quantized, torch.float32)
+    ids = torch.tensor([[0, 802, 64, 63], [31, 32, 400, 5]])
+    full = quantized.dequantized(torch.float32)  # (803, 72)
+    assert torch.equal(embedding(ids), full[ids])
+    assert embedding.weight.dtype == torch.float32 and embedding.weight.numel() == 0
+
+
+def float_model_with_dequantized_weights(checkpoint, method, group_size=None):
+    """The float model whose weights are what quantizing them gives back: what a quantized model must compute."""
+    model = load_model(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) is nn.Linear or module is getattr(model, "embed_tokens", None):  # Llama's untied table
+                if method == "int8":
+                    module.weight.copy_(dequantize_int8(*quantize_int8(module.weight)))
+                else:
+                    w = dequantize_int4(*quantize_int4(module.weight, group_size or 64))
+                    module.weight.copy_(w[:, : module.weight.shape[1]])
+    return model
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-tiny", "llama-tiny", "odd"])
+@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
+def test_quantized_model_computes_the_dequantized_float_model(make_checkpoint, preset, method):
+    """Every linear, the LM head and the token embedding (tied or not) quantized; nothing else changed."""
+    if preset == "odd":  # 3 heads of 24 channels, a vocabulary that is no multiple of 64
+        checkpoint = make_checkpoint("tiny", n_embd=72, n_head=3, vocab_size=503)
+    else:
+        checkpoint = make_checkpoint(preset)
+    reference = float_model_with_dequantized_weights(checkpoint, method)
+    model = quantize_model(load_model(checkpoint, dtype=torch.float32), method)
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert isinstance(getattr(model, "wte", None) or model.embed_tokens, QuantizedEmbedding)
+    assert isinstance(model.lm_head, QuantizedLinear) and model.dtype == torch.float32
+    for rows in (3, 40):  # the kernel path and the dequantize + GEMM path
+        ids = torch.randint(0, model.config.vocab_size, (2, rows))
+        with torch.inference_mode():
+            torch.testing.assert_close(model(ids), reference(ids), atol=2e-4, rtol=1e-4)
+
+
+def test_keeping_the_head_full_precision_keeps_the_tied_embedding_too(tiny_checkpoint):
+    model = quantize_model(load_model(tiny_checkpoint), "int8", quantize_lm_head=False)
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.wte.weight
+    assert isinstance(model.h[0].mlp.c_fc, Int8Linear)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
+def test_engine_batches_and_preempts_a_quantized_model(tiny_checkpoint, method):
+    """A prompt run with 23 others (chunked prefill, preemption, prefix reuse) gives the tokens it gives
+    alone, and every block is free after."""
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 511, (int(n),), generator=generator).tolist()
+               for n in torch.randint(5, 150, (24,), generator=generator)]
+    prompts[1] = prompts[0][:60] + prompts[1]  # a shared prefix
+    busy = LLM(tiny_checkpoint, quantization=method, num_kv_blocks=30, max_num_seqs=24, max_num_batched_tokens=48)
+    together = busy.generate(prompts, GREEDY, use_tqdm=False)
+    stats = busy.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
+    busy.scheduler.check_invariants()
+    alone = LLM(tiny_checkpoint, quantization=method, num_kv_blocks=64, enable_prefix_caching=False)
+    matches = sum(out.token_ids == alone.generate([p], GREEDY, use_tqdm=False)[0].token_ids
+                  for p, out in zip(prompts, together))
+    assert matches == len(prompts)
+
+
+def test_unknown_quantization_is_refused_naming_what_is_supported():
+    with pytest.raises(ValueError, match=r"--quantization must be one of int8, int4, got 'int5'"):
+        EngineConfig(quantization="int5")
+    with pytest.raises(ValueError, match=r"got 'gptq' \(gptq checkpoints are not supported.*--quantization int8 or int4"):
+        EngineConfig(quantization="gptq")
+    with pytest.raises(ValueError, match=r"got 'awq' \(awq checkpoints"):
+        check_quantization("awq")
+    with pytest.raises(ValueError, match="--quantization-group-size"):
+        EngineConfig(quantization="int8", quantization_group_size=64)
+    with pytest.raises(ValueError, match="--quantization-group-size"):
+        EngineConfig(quantization="int4", quantization_group_size=48)
+
+
+def test_int4_without_its_kernels_is_refused_before_loading(monkeypatch, tiny_checkpoint):
+    monkeypatch.setattr(int4_module, "int4_kernel_available", lambda: False)
+    monkeypatch.setattr("minfer.quantization.transform.int4_kernel_available", lambda: False)
+    with pytest.raises(ValueError, match=r"int4 needs torch's CPU int4 kernels \(torch >= 2.6\).*int8"):
+        LLM(tiny_checkpoint, quantization="int4")
+    assert EngineConfig(quantization="int8").quantization == "int8"
+
+
+def test_a_model_prepared_without_quantization_is_not_quantized_behind_its_back(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint)
+    with pytest.raises(ValueError, match="load it again"):
+        quantize_model(llm.model, "int8")
+    model = quantize_model(load_model(tiny_checkpoint), "int8")
+    assert quantize_model(model, "int8") is model  # again: nothing changes
+    with pytest.raises(ValueError, match="already quantized to int8"):
+        quantize_model(model, "int4")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
+def test_quantized_checkpoint_round_trip(make_checkpoint, tmp_path, preset, method):
+    """Quantized while loading == quantized after loading; saved and loaded back: the same model exactly."""
+    from minfer.quantization.checkpoint import QuantizationSpec, save_quantized
+
+    source = make_checkpoint(preset)
+    spec = QuantizationSpec(method)
+    streamed = load_model(source, quantization=spec)
+    after = quantize_model(load_model(source), method)
+    out = save_quantized(streamed, source, tmp_path / "q", spec)
+    loaded = load_model(out)
+    assert isinstance(loaded.lm_head, QuantizedLinear)
+    ids = torch.randint(0, 500, (1, 7))
+    with torch.inference_mode():
+        expected = after(ids)
+        torch.testing.assert_close(streamed(ids), expected, atol=0, rtol=0)
+        torch.testing.assert_close(loaded(ids), expected, atol=0, rtol=0)
+    assert LLM(str(out), quantization=method).generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].token_ids
+    with pytest.raises(ValueError, match=f"holds {method} weights; it cannot be loaded as"):
+        LLM(str(out), quantization="int4" if method == "int8" else "int8")
+
+
+def quantized_copy(make_checkpoint, tmp_path):
+    from minfer import quantize
+
+    out = tmp_path / "q8"
+    assert quantize.main([str(make_checkpoint()), str(out), "--quantization", "int8"]) == 0
+    return out
+
+
+def test_a_corrupt_or_incomplete_quantized_checkpoint_is_refused(make_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out = quantized_copy(make_checkpoint, tmp_path)
+    weights = out / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_model(out)
+    weights.write_bytes(data)
+    tensors = load_file(str(weights))
+    save_file({k: v for k, v in tensors.items() if k != "h.1.mlp.c_fc.scales"}, str(weights))
+    with pytest.raises(ValueError, match="lacks h.1.mlp.c_fc.scales"):
+        load_model(out)
+    tensors["h.0.ln_1.weight"] = torch.ones(3)
+    save_file(tensors, str(weights))
+    with pytest.raises(ValueError, match="h.0.ln_1.weight"):
+        load_model(out)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_checkpoints_quantized_by_other_tools_are_refused_saying_what_runs(make_checkpoint, tmp_path, method):
+    import json
+    import shutil
+
+    out = tmp_path / method
+    shutil.copytree(make_checkpoint(), out)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128}
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"quantized as '{method}'.*--quantization int8 or int4.*minfer quantize"):
+        load_model(out)
+
+
+def test_roofline_and_profile_count_quantized_bytes(make_checkpoint):
+    """--roofline's floor reads the quantized bytes; --profile's linears are the quantized ones, not the
+    untied embedding's table (read a row at a time)."""
+    from minfer.bench.roofline import module_bytes, weight_bytes, weight_linears, weights_name
+
+    model = quantize_model(load_model(make_checkpoint("llama-tiny")), "int8")
+    float_bytes = sum(p.numel() * 4 for p in load_model(make_checkpoint("llama-tiny")).parameters())
+    assert weights_name(model) == "int8 + float32"
+    assert weight_bytes(model) < float_bytes / 3  # int8 weights: a quarter of fp32, plus scales and norms
+    linears = weight_linears(model)
+    assert len(linears) == 7 * model.config.num_layers and all(isinstance(m, Int8Linear) for m in linears)
+    assert module_bytes(linears[0]) == linears[0].qweight.numel() + 4 * linears[0].out_features
