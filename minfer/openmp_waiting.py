@@ -7,9 +7,11 @@ one it is ruinous: a decode step is hundreds of short regions, each ends at a ba
 thread spinning there holds a core that the thread it waits for, descheduled by a neighbour's
 process, needs. One busy process beside minfer on 2 cores made it 7x slower.
 
-So minfer shortens the spin (SPIN_COUNT below, measured in scripts/contention.py: quiet speed
-kept, the busy case several times faster), unless the user chose: OMP_WAIT_POLICY or
-GOMP_SPINCOUNT set in the environment win. libgomp reads them once, when torch loads, so this
+So minfer shortens the spin (SPIN_COUNT below), unless the user chose: OMP_WAIT_POLICY or
+GOMP_SPINCOUNT set in the environment win. Measured with scripts/contention.py on a 2-core Zen 4:
+beside one busy process 0.32x of the quiet speed before, 0.37-0.40x with 10,000; quiet speed
+within noise. A shorter spin helps the busy case more (3,000: 0.46x; 1,000: 0.59x) but costs a
+quiet batch-1 decode 14% (3,000), since a sleeping thread must be woken for every region. libgomp reads them once, when torch loads, so this
 module must run before the first `import torch`; minfer/__init__.py imports it first. A program
 that imported torch before minfer keeps libgomp's default, and wait_policy() says so.
 """
