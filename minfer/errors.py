@@ -62,3 +62,8 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
+    """The 400 for a bad request field, naming it (every request parser raises these)."""
+    return APIError(400, message, param=param, code=code)

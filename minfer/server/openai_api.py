@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import CompletionDelta, RequestOutput
-from ..errors import APIError, is_int
+from ..errors import APIError, invalid, is_int
 from ..text.chat_template import ChatTemplate, ChatTemplateError
 from ..text.tokenizer import Tokenizer
 from . import request_fields
@@ -70,10 +70,6 @@ class ParsedRequest:
 
 
 # ---- errors --------------------------------------------------------------------------
-
-
-def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 def invalid_request(e: ValueError, fields: dict[str, str] | None = None) -> APIError:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from ..errors import APIError
+from ..errors import invalid
 from .sampling_fields import FIELDS as SAMPLING_FIELDS
 
 log = logging.getLogger("minfer.serve")
@@ -92,15 +92,11 @@ class FieldRules:
                 continue
             if self.api is None:
                 hint = " (it takes 'max_new_tokens')" if name == "max_tokens" else ""
-                raise APIError(
-                    400, f"'{name}' is not a field of {self.endpoint}{hint}", param=name, code="unknown_parameter"
-                )
+                raise invalid(name, f"'{name}' is not a field of {self.endpoint}{hint}", "unknown_parameter")
             if name in self.api and name not in NOTHING_TO_APPLY:
                 if _is_no_op(name, value):
                     continue
-                raise APIError(
-                    400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter"
-                )
+                raise invalid(name, f"'{name}' is not supported by this server", "unsupported_parameter")
             self._log_once(name)
 
     def check_stream_options(self, options: dict) -> None:

@@ -16,7 +16,7 @@ Fields of either API that minfer does not implement are request_fields.py's to r
 from __future__ import annotations
 
 from ..engine.sampling import SamplingParams
-from ..errors import APIError, is_int
+from ..errors import invalid, is_int
 
 # request field -> (SamplingParams field, the value null stands for)
 FIELDS = {
@@ -36,22 +36,18 @@ FIELDS = {
 }
 
 
-def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
 def logit_bias(value) -> dict[int, float] | None:
     """OpenAI sends {"50256": -100}: JSON keys are strings. Each must be a token id."""
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise _bad("logit_bias", f"'logit_bias' must be an object {{token id: bias}}, got {value!r}", "invalid_type")
+        raise invalid("logit_bias", f"'logit_bias' must be an object {{token id: bias}}, got {value!r}", "invalid_type")
     out = {}
     for key, bias in value.items():
         try:
             token = int(key)
         except ValueError:
-            raise _bad("logit_bias", f"'logit_bias' keys must be token ids, got {key!r}") from None
+            raise invalid("logit_bias", f"'logit_bias' keys must be token ids, got {key!r}") from None
         out[token] = bias  # SamplingParams checks the bias: a number in [-100, 100]
     return out
 
@@ -61,12 +57,12 @@ def choices_count(body: dict, allow_n: bool) -> int:
     n = body.get("n")
     n = 1 if n is None else n
     if not is_int(n):
-        raise _bad("n", f"'n' must be an integer, got {n!r}", "invalid_type")
+        raise invalid("n", f"'n' must be an integer, got {n!r}", "invalid_type")
     if not allow_n and n != 1:
-        raise _bad("n", f"'n' must be 1 on this endpoint, got {n}")
+        raise invalid("n", f"'n' must be 1 on this endpoint, got {n}")
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
-        raise _bad(
+        raise invalid(
             "best_of",
             f"'best_of' = {best_of!r} is not supported: this server returns every sample it draws, so best_of "
             f"may only equal n ({n}); ask for n = {best_of!r} and pick yourself",

@@ -14,12 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine.logprobs import MAX_LOGPROBS
-from ..errors import APIError, is_int
+from ..errors import invalid, is_int
 from ..text.tokenizer import Tokenizer
-
-
-def _invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 def _num_logprobs(body: dict, name: str) -> int | None:
@@ -27,9 +23,9 @@ def _num_logprobs(body: dict, name: str) -> int | None:
     if value is None:
         return None
     if not is_int(value):
-        raise _invalid(name, f"'{name}' must be an integer from 0 to {MAX_LOGPROBS}, got {value!r}", "invalid_type")
+        raise invalid(name, f"'{name}' must be an integer from 0 to {MAX_LOGPROBS}, got {value!r}", "invalid_type")
     if not 0 <= value <= MAX_LOGPROBS:
-        raise _invalid(name, f"'{name}' must be from 0 to {MAX_LOGPROBS}, got {value}")
+        raise invalid(name, f"'{name}' must be from 0 to {MAX_LOGPROBS}, got {value}")
     return value
 
 
@@ -48,14 +44,14 @@ def completion_scoring(body: dict) -> CompletionScoring:
     logprobs = _num_logprobs(body, "logprobs")
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
-        raise _invalid("echo", f"'echo' must be a boolean, got {echo!r}", "invalid_type")
+        raise invalid("echo", f"'echo' must be a boolean, got {echo!r}", "invalid_type")
     echo = bool(echo)
     asked = _num_logprobs(body, "prompt_logprobs")
     prompt_logprobs = max(asked or 0, logprobs) if echo and logprobs is not None else asked
     max_tokens = body.get("max_tokens")
     score_only = is_int(max_tokens) and max_tokens == 0
     if score_only and not echo:
-        raise _invalid("max_tokens", "'max_tokens' may be 0 only with 'echo': true (to score the prompt)")
+        raise invalid("max_tokens", "'max_tokens' may be 0 only with 'echo': true (to score the prompt)")
     return CompletionScoring(logprobs, echo, prompt_logprobs, asked is not None, score_only)
 
 
@@ -63,10 +59,10 @@ def chat_logprobs(body: dict) -> int | None:
     """k for a chat request's logprobs (0: the tokens' own logprobs only), or None if not asked."""
     wanted = body.get("logprobs")
     if wanted is not None and not isinstance(wanted, bool):
-        raise _invalid("logprobs", f"'logprobs' must be a boolean, got {wanted!r}", "invalid_type")
+        raise invalid("logprobs", f"'logprobs' must be a boolean, got {wanted!r}", "invalid_type")
     top = _num_logprobs(body, "top_logprobs")
     if top is not None and not wanted:
-        raise _invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     return (top or 0) if wanted else None
 
 
@@ -74,15 +70,15 @@ def completion_prompts(prompt, tokenizer: Tokenizer) -> tuple[list[list[int]], l
     """`prompt` as a batch: its token ids and its text (None where it came as ids), one per prompt.
     A string, a list of token ids, or a non-empty list of strings or of token-id lists."""
     if prompt is None:
-        raise _invalid("prompt", "'prompt' is required", "missing_required_parameter")
+        raise invalid("prompt", "'prompt' is required", "missing_required_parameter")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)):
         prompt = [prompt]  # one prompt
     if not isinstance(prompt, list):
-        raise _invalid("prompt", f"'prompt' must be a string or a list, got {type(prompt).__name__}", "invalid_type")
+        raise invalid("prompt", f"'prompt' must be a string or a list, got {type(prompt).__name__}", "invalid_type")
     if not prompt:
-        raise _invalid("prompt", "'prompt' is an empty list: give at least one prompt")
+        raise invalid("prompt", "'prompt' is an empty list: give at least one prompt")
     if not (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
-        raise _invalid(
+        raise invalid(
             "prompt",
             "'prompt' must be a string, a list of token ids, a list of strings or a list of token-id lists; "
             "a list may not mix them",
@@ -97,5 +93,5 @@ def completion_prompts(prompt, tokenizer: Tokenizer) -> tuple[list[list[int]], l
             ids.append(list(p))
             texts.append(None)
         else:
-            raise _invalid(f"prompt[{i}]", f"'prompt[{i}]' must be a list of token ids", "invalid_type")
+            raise invalid(f"prompt[{i}]", f"'prompt[{i}]' must be a list of token ids", "invalid_type")
     return ids, texts

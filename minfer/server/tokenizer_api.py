@@ -14,12 +14,8 @@ for messages (the chat template writes its own). `add_generation_prompt` (messag
 
 from __future__ import annotations
 
-from ..errors import APIError, is_int
+from ..errors import invalid, is_int
 from .openai_api import ModelInfo, render_messages
-
-
-def _invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -27,18 +23,18 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _invalid(name, f"'{name}' must be a boolean, got {value!r}", "invalid_type")
+        raise invalid(name, f"'{name}' must be a boolean, got {value!r}", "invalid_type")
     return value
 
 
 def tokenize(body: dict, info: ModelInfo) -> dict:
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
-        raise _invalid("prompt", "give exactly one of 'prompt' or 'messages'", "missing_required_parameter")
+        raise invalid("prompt", "give exactly one of 'prompt' or 'messages'", "missing_required_parameter")
     tokenizer = info.tokenizer
     if prompt is not None:
         if not isinstance(prompt, str):
-            raise _invalid("prompt", f"'prompt' must be a string, got {type(prompt).__name__}", "invalid_type")
+            raise invalid("prompt", f"'prompt' must be a string, got {type(prompt).__name__}", "invalid_type")
         special = _flag(body, "add_special_tokens", True)
         text = prompt
     else:
@@ -54,13 +50,13 @@ def tokenize(body: dict, info: ModelInfo) -> dict:
 def detokenize(body: dict, info: ModelInfo) -> dict:
     tokens = body.get("tokens")
     if tokens is None:
-        raise _invalid("tokens", "'tokens' is required", "missing_required_parameter")
+        raise invalid("tokens", "'tokens' is required", "missing_required_parameter")
     if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
-        raise _invalid("tokens", "'tokens' must be a list of token ids", "invalid_type")
+        raise invalid("tokens", "'tokens' must be a list of token ids", "invalid_type")
     vocab = info.tokenizer.vocab_size
     bad = next((t for t in tokens if not 0 <= t < vocab), None)
     if bad is not None:
-        raise _invalid("tokens", f"token id {bad} is not in the vocabulary [0, {vocab})")
+        raise invalid("tokens", f"token id {bad} is not in the vocabulary [0, {vocab})")
     return {"prompt": info.tokenizer.decode(tokens)}
 
 
