@@ -14,8 +14,8 @@ from pathlib import Path
 
 log = logging.getLogger("minfer.serve")
 
-# generation_config.json key -> the request field it defaults (the names are the same in both APIs)
-APPLIED = {k: k for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+# generation_config.json keys that default the request field of the same name
+APPLIED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # keys vLLM also applies that minfer does not: reported, never silently dropped
 NOT_APPLIED = ("max_new_tokens",)
 
@@ -33,7 +33,7 @@ def sampling_defaults(model_dir: str | Path, setting: str = "auto") -> tuple[dic
         config = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e})") from None
-    defaults = {field: config[key] for key, field in APPLIED.items() if config.get(key) is not None}
+    defaults = {key: config[key] for key in APPLIED if config.get(key) is not None}
     notes = [f"{key}={config[key]!r} (not supported yet)" for key in NOT_APPLIED if config.get(key) is not None]
     return defaults, notes
 
