@@ -62,7 +62,9 @@ class CompiledBackend(CPUTiledBackend):
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype):
         super().__init__(device, dtype)
-        self.decode_kernel = torch.compile(paged_decode_attention, dynamic=True)
+        # dynamic_threads: the C++ loops ask OpenMP for the thread count at run time (cpu_share.py
+        # changes it), instead of baking in the count at compile time.
+        self.decode_kernel = torch.compile(paged_decode_attention, dynamic=True, options={"cpp.dynamic_threads": True})
 
     def decode_attention(self, q, kv_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
         with part("attention"):  # the context read is fused into it: no "context read" part here

@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
+from ..cpu_share import cpu_threads_wanted
 from ..models.registry import load_model
 from ..quantization.checkpoint import QuantizationSpec
 from ..text.tokenizer import Tokenizer
@@ -42,21 +43,6 @@ def check_device(device: torch.device) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         build = "is a CPU-only build" if torch.version.cuda is None else "sees no CUDA GPU"
         raise ValueError(f"--device {device}: this torch ({torch.__version__}) {build}; use --device cpu")
-
-
-def cpu_threads_wanted(num_threads: int | None = None) -> int:
-    """The thread count set_cpu_threads gives torch: num_threads (the --num-threads flag), else
-    MINFER_NUM_THREADS, else OMP_NUM_THREADS, else every core this process may use."""
-    if num_threads is None:
-        for name in ("MINFER_NUM_THREADS", "OMP_NUM_THREADS"):
-            value = os.environ.get(name, "").strip()
-            if value:
-                if not value.isdigit() or int(value) < 1:
-                    raise ValueError(f"{name} must be a positive integer, got {value!r}")
-                return int(value)
-        affinity = getattr(os, "sched_getaffinity", None)  # Linux only; elsewhere count all cores
-        return len(affinity(0)) if affinity else (os.cpu_count() or 1)
-    return num_threads
 
 
 def set_cpu_threads(num_threads: int | None = None) -> int:

@@ -25,6 +25,7 @@ from typing import Iterator
 import torch
 
 from ..attention.kv_cache import KVCache, cdiv, choose_num_blocks
+from ..cpu_share import CpuShare, threads_chosen
 from ..errors import InvalidParameter, is_int
 from ..quantization import quantization_of
 from ..step_parts import part
@@ -97,6 +98,7 @@ class OnlineScheduler:
         )
         model, attention_backend = prepare_model(model, config)  # once, before the first step; idempotent
         self.runner = ModelRunner(model, self.kv_cache, block_size, attention_backend)
+        self.cpu_share = CpuShare(enabled=model.device.type == "cpu" and not threads_chosen(config.num_threads))
         # What runs, every choice made: the dtype "auto" picked, the blocks the memory bought, the
         # longest request the cache holds, the attention that runs. The server's /health reports it.
         self.engine_config = replace(
@@ -227,6 +229,7 @@ class OnlineScheduler:
     def step(self) -> dict[str, int]:
         """Run one engine step. Returns {request_id: token_id} for every token sampled."""
         start = time.perf_counter()
+        self.cpu_share.update()  # fewer threads while other processes take cores (cpu_share.py)
         preemptions_before = self.num_preemptions
         with part("host: schedule"):
             chunks = self.batcher.schedule()

@@ -30,7 +30,10 @@ def banner_lines(scheduler: OnlineScheduler, asked_dtype: str, address: str, api
     model, ran = scheduler.model, scheduler.engine_config
     params = sum(p.numel() for p in model.parameters())
     arch = type(model).__name__
-    threads = f", {torch.get_num_threads()} threads" if model.device.type == "cpu" else ""
+    threads = ""
+    if model.device.type == "cpu":
+        adapts = " (fewer while other processes use these cores)" if scheduler.cpu_share.enabled else ""
+        threads = f", {torch.get_num_threads()} threads{adapts}"
     attention = ran.attention_backend
     warm = getattr(scheduler.runner.attention_backend, "warm_up_seconds", None)
     if warm is not None:

@@ -1,0 +1,100 @@
+"""CpuShare: torch's thread count follows the cores other processes leave free (minfer/cpu_share.py)."""
+
+import os
+
+import pytest
+import torch
+
+from minfer import cpu_share
+
+
+class FakeMachine:
+    """/proc as CpuShare reads it, driven by the test: 2 cores, a clock, our ticks and everybody's."""
+
+    def __init__(self, monkeypatch):
+        self.now, self.busy, self.own = 0.0, 0, 0
+        monkeypatch.setattr(cpu_share, "_cores", lambda: [0, 1])
+        monkeypatch.setattr(cpu_share, "_busy_ticks", lambda cores: self.busy)
+        monkeypatch.setattr(cpu_share, "_own_ticks", lambda: self.own)
+        monkeypatch.setattr(cpu_share.time, "monotonic", lambda: self.now)
+
+    def run(self, seconds: float, ours: float, others: float) -> None:
+        """`seconds` pass with this process using `ours` cores and other processes `others`."""
+        ticks = seconds * cpu_share._TICKS_PER_S
+        self.now += seconds
+        self.own += round(ours * ticks)
+        self.busy += round((ours + others) * ticks)
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_busy_neighbour_takes_a_thread_and_gives_it_back(monkeypatch, restore_threads):
+    machine = FakeMachine(monkeypatch)
+    share = cpu_share.CpuShare(max_threads=2)
+    assert share.enabled
+    machine.run(1.0, ours=2.0, others=0.0)  # quiet: both cores are ours
+    assert share.update() == 2 == torch.get_num_threads()
+    machine.run(1.0, ours=1.33, others=0.67)  # one busy process: the scheduler shares 3 threads over 2 cores
+    assert share.update() == 1 == torch.get_num_threads()
+    assert share.others == pytest.approx(0.67, abs=0.01)
+    machine.run(1.0, ours=1.0, others=1.0)  # still there: one core each
+    assert share.update() == 1
+    machine.run(1.0, ours=1.0, others=0.0)  # it left
+    assert share.update() == 2 == torch.get_num_threads()
+    assert share.changes == 2
+
+
+def test_light_use_by_others_keeps_every_thread(monkeypatch, restore_threads):
+    machine = FakeMachine(monkeypatch)
+    share = cpu_share.CpuShare(max_threads=2)
+    machine.run(1.0, ours=1.8, others=0.4)  # a browser tab, a shell: less than half a core
+    assert share.update() == 2
+
+
+def test_it_measures_at_most_twice_a_second(monkeypatch, restore_threads):
+    machine = FakeMachine(monkeypatch)
+    share = cpu_share.CpuShare(max_threads=2)
+    machine.run(0.1, ours=1.0, others=1.0)
+    assert share.update() == torch.get_num_threads()  # too soon: nothing measured
+    assert share.others == 0.0
+    machine.run(0.5, ours=1.0, others=1.0)
+    assert share.update() == 1
+
+
+def test_a_thread_count_the_user_chose_is_left_alone(monkeypatch, restore_threads):
+    for name in cpu_share.THREAD_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert not cpu_share.threads_chosen(None)
+    assert cpu_share.threads_chosen(2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cpu_share.threads_chosen(None)
+    machine = FakeMachine(monkeypatch)
+    share = cpu_share.CpuShare(enabled=False, max_threads=2)
+    machine.run(1.0, ours=1.0, others=1.0)
+    torch.set_num_threads(2)
+    assert share.update() == 2 == torch.get_num_threads()
+
+
+def test_the_real_proc_files_give_a_sane_share(restore_threads):
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc here (not Linux): CpuShare stays off")
+    share = cpu_share.CpuShare(max_threads=2)
+    assert share.enabled
+    share._last = (share._last[0] - 1.0, *share._last[1:])  # pretend a second passed
+    threads = share.update()
+    assert 1 <= threads <= 2
+    assert 0.0 <= share.others <= len(share.cores) + 0.5
+
+
+def test_the_engine_adapts_only_when_threads_were_not_chosen(tiny_checkpoint, monkeypatch, restore_threads):
+    from minfer import LLM
+
+    for name in cpu_share.THREAD_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert LLM(tiny_checkpoint, num_kv_blocks=16).scheduler.cpu_share.enabled == (len(cpu_share._cores()) > 1)
+    assert not LLM(tiny_checkpoint, num_kv_blocks=16, num_threads=1).scheduler.cpu_share.enabled
