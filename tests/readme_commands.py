@@ -9,14 +9,20 @@ in the background, and every later snippet that talks to it must get status 200 
 tests/test_readme.py runs this under pytest; .ci/run also runs it in a virtual environment
 holding minfer's runtime dependencies only (standard library here, nothing else):
 
-    python tests/readme_commands.py [--config-as-written]
+    python tests/readme_commands.py [--config-as-written] [--record FILE]
+
+--record writes what ran and how it went to FILE. .ci/run passes it on to pytest in
+$MINFER_README_RECORD, so test_readme checks those outcomes instead of running the same commands
+again, and runs only what the first run could not (the openai examples), with the server they need.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import importlib.util
+import json
 import os
 import queue
 import re
@@ -61,6 +67,36 @@ class Outcome:
     stdout: str
     stderr: str
     problems: list[str] = field(default_factory=list)
+
+
+RECORD_ENV = "MINFER_README_RECORD"
+
+
+def write_record(path: Path, ran: list[tuple[Snippet, Outcome]], server_problems: list[str]) -> None:
+    """What ran (keyed by README line and text) and how it went, for test_readme to check."""
+    record = {
+        "readme_sha256": hashlib.sha256(README.read_bytes()).hexdigest(),
+        "ran": [{"line": s.line, "text": s.text, **o.__dict__} for s, o in ran],
+        "server_problems": server_problems,
+    }
+    path.write_text(json.dumps(record), encoding="utf-8")
+
+
+def read_record() -> tuple[dict[tuple[int, str], Outcome], list[str]] | None:
+    """The record $MINFER_README_RECORD names: {(line, text): outcome} and the server's problems.
+    None when unset, or written for another README (a stale record checks nothing)."""
+    path = os.environ.get(RECORD_ENV)
+    if not path:
+        return None
+    record = json.loads(Path(path).read_text(encoding="utf-8"))
+    if record["readme_sha256"] != hashlib.sha256(README.read_bytes()).hexdigest():
+        return None
+    ran = {(r.pop("line"), r.pop("text")): Outcome(**r) for r in record["ran"]}
+    return ran, record["server_problems"]
+
+
+def starts_server(snippet: Snippet) -> bool:
+    return snippet.lang == "bash" and "minfer.serve" in snippet.text
 
 
 def fenced_blocks(markdown: str) -> list[tuple[str, str, int]]:
@@ -225,7 +261,7 @@ class ReadmeSession:
         return text
 
     def run(self, snippet: Snippet) -> Outcome:
-        if snippet.lang == "bash" and "minfer.serve" in snippet.text:
+        if starts_server(snippet):
             return self._start_server(snippet)
         command = self.substitute(snippet.text)
         argv = ["bash", "-c", command] if snippet.lang == "bash" else [sys.executable, "-c", command]
@@ -316,7 +352,10 @@ class ReadmeSession:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config-as-written", action="store_true", help="keep `--config gpt2` (slower)")
+    parser.add_argument("--record", type=Path, help="write what ran and how it went here (JSON)")
     args = parser.parse_args(argv)
+    ran: list[tuple[Snippet, Outcome]] = []
+    server_problems: list[str] = []
     # Killed (CI timeout, kill PID): stop the server on the way out, as for Ctrl-C.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"stopped by signal {signum}"))
     failures = 0
@@ -330,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 start = time.perf_counter()
                 outcome = session.run(snippet)
+                ran.append((snippet, outcome))
                 verdict = "FAIL" if outcome.problems else "ok  "
                 print(f"{verdict} {snippet.label} ({time.perf_counter() - start:.1f} s)", flush=True)
                 if outcome.problems:
@@ -339,9 +379,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"     stdout: {outcome.stdout[-2000:]}\n     stderr: {outcome.stderr[-2000:]}"
                     )
         finally:
-            for problem in session.close():
+            server_problems = session.close()
+            for problem in server_problems:
                 failures += 1
                 print(f"FAIL server: {problem}")
+            if args.record:
+                write_record(args.record, ran, server_problems)
     print("README commands: " + ("all ran as written" if not failures else f"{failures} failed"))
     return 1 if failures else 0
 
