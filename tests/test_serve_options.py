@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from minfer import EngineConfig
-from minfer.server.generation_defaults import sampling_defaults
+from minfer.engine.generation_defaults import sampling_defaults
 from minfer.server.openai_api import ModelInfo, parse_completion
 from minfer.server.serve import create_server
 from minfer.text.tokenizer import Tokenizer
@@ -54,6 +54,19 @@ def test_generation_config_fills_only_what_the_request_leaves_out(tuned_checkpoi
     assert (params.temperature, params.top_k, params.repetition_penalty) == (0.0, 5, 1.1)
     params = parse_completion({"prompt": "Hello", "temperature": 0.7, "top_k": -1}, info).params
     assert (params.temperature, params.top_k) == (0.7, 0)  # what the request sends wins
+
+
+def test_llm_generate_without_params_uses_the_checkpoints_defaults(tuned_checkpoint):
+    """As vLLM's LLM: generate() given no SamplingParams samples with generation_config.json's settings."""
+    from minfer import LLM, SamplingParams
+
+    llm = LLM(str(tuned_checkpoint), num_kv_blocks=64)
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.top_k, params.repetition_penalty) == (0.0, 5, 1.1)
+    tuned = SamplingParams(temperature=0.0, top_k=5, repetition_penalty=1.1)
+    assert llm.generate(["Hello"])[0].token_ids == llm.generate(["Hello"], tuned)[0].token_ids
+    plain = LLM(str(tuned_checkpoint), num_kv_blocks=64, generation_config="vllm").get_default_sampling_params()
+    assert (plain.temperature, plain.top_k, plain.repetition_penalty) == (1.0, 0, 1.0)
 
 
 def test_a_generation_config_directory_must_exist(tmp_path):

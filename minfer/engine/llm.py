@@ -19,6 +19,7 @@ from ..models.registry import load_model
 from ..quantization.checkpoint import QuantizationSpec
 from ..text.tokenizer import Tokenizer
 from .config import DTYPES, EngineConfig
+from .generation_defaults import sampling_defaults
 from .cpu_packing import cpu_has_native_bf16
 from .sampling import SamplingParams
 from .scheduler import OnlineScheduler
@@ -78,6 +79,12 @@ class LLM:
         self.model = load_model(config.model, device=device, dtype=dtype, quantization=quantization_spec(config))
         self.tokenizer = Tokenizer.from_dir(self.model.model_dir)
         self.scheduler = OnlineScheduler(self.model, self.tokenizer, config)  # its engine_config: what runs
+        self.sampling_defaults, _ = sampling_defaults(self.model.model_dir, config.generation_config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() samples with when given no SamplingParams: the checkpoint's
+        generation_config.json settings under --generation-config auto (the default), as in vLLM."""
+        return SamplingParams(**self.sampling_defaults)
 
     def generate(
         self,
@@ -91,7 +98,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         ids = []

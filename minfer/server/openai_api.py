@@ -31,7 +31,7 @@ from ..errors import APIError, invalid, is_int
 from ..text.chat_template import ChatTemplate, ChatTemplateError
 from ..text.tokenizer import Tokenizer
 from . import request_fields
-from .generation_defaults import with_defaults
+from ..engine.generation_defaults import with_defaults
 from .scoring_fields import CompletionScoring, chat_logprobs, completion_prompts, completion_scoring
 from .sampling_fields import build_params
 

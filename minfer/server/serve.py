@@ -48,8 +48,8 @@ from ..text.tokenizer import Tokenizer
 from .banner import banner_lines
 from .connections import CappedHTTPServer, ConnectionLimits, add_arguments, limits_from_args
 from .endpoints import APIHandler
-from .generation_defaults import describe as describe_defaults
-from .generation_defaults import sampling_defaults
+from ..engine.generation_defaults import describe as describe_defaults
+from ..engine.generation_defaults import sampling_defaults
 from .manager import SchedulerManager
 from .openai_api import ModelInfo
 from .prometheus import Metrics

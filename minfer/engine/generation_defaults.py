@@ -3,16 +3,14 @@
 Model authors ship recommended sampling settings there (Qwen3: temperature 0.6, top_p 0.95,
 top_k 20). With `auto` (the default, as in vLLM) a request that leaves a field out gets the
 checkpoint's value instead of the API's default; `vllm` ignores the file; a directory reads its
-generation_config.json instead of the model's. A field the request sends always wins.
+generation_config.json instead of the model's. A field the request sends always wins. The server
+applies them to requests, `LLM.generate` to calls that pass no SamplingParams (as vLLM's LLM does).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
-
-log = logging.getLogger("minfer.serve")
 
 # generation_config.json keys that default the request field of the same name
 APPLIED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
