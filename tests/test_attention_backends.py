@@ -71,3 +71,16 @@ def test_prepare_model_is_idempotent_and_picks_the_configured_backend(tiny_check
     assert again is model and type(other) is TorchBackend and other is not backend
     assert [(name, type(m)) for name, m in model.named_modules()] == modules  # nothing swapped twice
     assert [id(p) for p in model.parameters()] == params
+
+
+def test_prepare_model_without_a_config_takes_the_environments_backend(tiny_checkpoint, monkeypatch):
+    """No config: EngineConfig's default, which $MINFER_ATTENTION_BACKEND sets (eager in tests, by
+    conftest), not a hard-coded "auto" that would compile."""
+    from minfer.engine.config import EngineConfig
+
+    monkeypatch.setattr(EngineConfig, "attention_backend", "eager")
+    _, backend = prepare_model(GPT2.from_pretrained(tiny_checkpoint))
+    assert type(backend) is CPUTiledBackend
+    monkeypatch.setattr(EngineConfig, "attention_backend", "torch")
+    _, backend = prepare_model(GPT2.from_pretrained(tiny_checkpoint))
+    assert type(backend) is TorchBackend

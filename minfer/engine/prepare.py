@@ -25,6 +25,7 @@ import torch
 from ..attention.paged import AttentionBackend
 from ..attention.selector import choose_attention_backend
 from ..quantization import quantize_model
+from .config import EngineConfig
 from .cpu_packing import optimize_for_cpu
 
 log = logging.getLogger("minfer")
@@ -32,8 +33,8 @@ log = logging.getLogger("minfer")
 
 def prepare_model(model: torch.nn.Module, config=None) -> tuple[torch.nn.Module, AttentionBackend]:
     """Make `model` (any models.CausalLM) ready to run, in place, and choose its attention backend.
-    `config` is an EngineConfig or anything with its fields; a missing one keeps its default
-    (attention_backend "auto": the best backend for the model's device)."""
+    `config` is an EngineConfig or anything with its fields; a missing one keeps EngineConfig's
+    default (attention_backend: $MINFER_ATTENTION_BACKEND, else "auto": the best for the device)."""
     method = getattr(config, "quantization", None)
     if method is not None:
         quantize_model(
@@ -41,8 +42,9 @@ def prepare_model(model: torch.nn.Module, config=None) -> tuple[torch.nn.Module,
         )
     if model.device.type == "cpu":
         optimize_for_cpu(model)  # swaps nn.Linear for faster equivalents; a prepared model has none left
-    choice = "eager" if getattr(config, "enforce_eager", False) else getattr(config, "attention_backend", "auto")
-    backend = choose_attention_backend(model.device, model.dtype, choice or "auto")
+    choice = "eager" if getattr(config, "enforce_eager", False) else getattr(config, "attention_backend", None)
+    choice = choice or EngineConfig.attention_backend
+    backend = choose_attention_backend(model.device, model.dtype, choice)
     warm_up = getattr(backend, "warm_up", None)
     if warm_up is not None:
         c = model.config
