@@ -6,6 +6,10 @@ import os
 # Tests run the eager attention backend unless they ask for the compiled one (test_compiled_attention.py):
 # compiling costs each new process (a served model, a tutorial) a few seconds. Set before minfer is imported.
 os.environ.setdefault("MINFER_ATTENTION_BACKEND", "eager")
+# And a fixed thread count: CpuShare (minfer/cpu_share.py) would follow the machine's load (CI runs
+# the tutorials beside the suite), and fp32 results change in their last bits with the thread count.
+# tests/test_cpu_share.py tests the adaptation itself.
+os.environ.setdefault("MINFER_NUM_THREADS", "2")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
