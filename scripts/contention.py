@@ -5,7 +5,8 @@ alone, then beside busy processes (`python -c "while True: pass"`, one per --bus
 
 Prints each run's output throughput and the median ratio busy / alone. Environment variables
 and flags after `--` go to every bench run, so a variant (e.g. GOMP_SPINCOUNT=0, --num-threads 1)
-is measured the same way.
+is measured the same way. With `-- --baseline hf`, transformers runs the same workload in each run
+too, and its figures and minfer's ratio to it are printed beside.
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = ["--num-requests", "32", "--input-len", "64", "--output-len", "64", "--disable-tqdm"]
 
 
-def bench(model: str, extra: list[str]) -> float:
-    """Output tokens per second of one offline run."""
+def bench(model: str, extra: list[str]) -> tuple[float, float | None]:
+    """Output tokens per second of one offline run: minfer's, and transformers' if it ran too."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         cmd = [sys.executable, str(ROOT / "bench.py"), "--model", model, *WORKLOAD, "--json", str(out), *extra]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return json.loads(out.read_text())["summary"]["output_throughput"]
+        report = json.loads(out.read_text())
+        baseline = report.get("baseline", {}).get("summary", {}).get("output_throughput")
+        return report["summary"]["output_throughput"], baseline
 
 
 def main() -> int:
@@ -39,7 +42,7 @@ def main() -> int:
     parser.add_argument("--busy", type=int, default=1, help="competing busy processes")
     parser.add_argument("extra", nargs="*", help="flags for bench.py (after --)")
     args = parser.parse_args()
-    alone, busy = [], []
+    alone, busy = [], []  # (minfer tok/s, transformers tok/s or None) per run
     for _ in range(args.rounds):
         alone.append(bench(args.model, args.extra))
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
@@ -49,10 +52,18 @@ def main() -> int:
             for h in hogs:
                 h.kill()
                 h.wait()
-        print(f"alone {alone[-1]:7.1f} tok/s   with {args.busy} busy process(es) {busy[-1]:7.1f} tok/s", flush=True)
-    ratio = statistics.median(b / a for a, b in zip(alone, busy))
-    print(f"median alone {statistics.median(alone):.1f} tok/s, busy {statistics.median(busy):.1f} tok/s: "
-          f"{ratio:.2f}x ({os.cpu_count()} cores; extra flags: {' '.join(args.extra) or 'none'})")
+        line = f"alone {alone[-1][0]:7.1f} tok/s   with {args.busy} busy process(es) {busy[-1][0]:7.1f} tok/s"
+        if alone[-1][1] and busy[-1][1]:
+            line += f"   (transformers: alone {alone[-1][1]:.1f}, busy {busy[-1][1]:.1f})"
+        print(line, flush=True)
+    ratio = statistics.median(b[0] / a[0] for a, b in zip(alone, busy))
+    print(f"median alone {statistics.median(a[0] for a in alone):.1f} tok/s, busy "
+          f"{statistics.median(b[0] for b in busy):.1f} tok/s: {ratio:.2f}x "
+          f"({os.cpu_count()} cores; extra flags: {' '.join(args.extra) or 'none'})")
+    if all(a[1] and b[1] for a, b in zip(alone, busy)):
+        quiet = statistics.median(a[0] / a[1] for a in alone)
+        loaded = statistics.median(b[0] / b[1] for b in busy)
+        print(f"minfer / transformers: {quiet:.2f}x alone, {loaded:.2f}x beside the busy process(es)")
     return 0
 
 
