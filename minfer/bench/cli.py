@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..engine.config import EngineConfig
+from ..cpu_share import threads_chosen
 from ..engine.llm import LLM, cpu_threads_wanted, resolve_dtype, set_cpu_threads
 from ..engine.logprobs import MAX_LOGPROBS
 from ..engine.scheduler import OnlineScheduler
@@ -255,7 +256,8 @@ def header(args, engine: EngineConfig) -> str:
     else:
         dtype = str(resolve_dtype(args.dtype, torch.device(args.device))).removeprefix("torch.")
         dtype = f"{dtype} (--dtype {args.dtype})" if args.dtype == "auto" else dtype
-        threads = f"{cpu_threads_wanted(engine.num_threads)}; {wait_policy()}" if cpu else "n/a (GPU)"
+        adapts = "" if threads_chosen(engine.num_threads) else " (fewer while other processes use these cores)"
+        threads = f"{cpu_threads_wanted(engine.num_threads)}{adapts}; {wait_policy()}" if cpu else "n/a (GPU)"
         attention = "eager (--enforce-eager)" if engine.enforce_eager else engine.attention_backend
     return format_header(args, dtype, threads, attention, machine(args.device))
 
@@ -311,6 +313,7 @@ def run(args) -> int:
         "torch_dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "thread_count_changes": scheduler.cpu_share.changes if scheduler else None,  # by CpuShare, under load
         "machine": machine(args.device),
     }
     records = [dict(r.to_json(), run=k) for k, res in enumerate(results) for r in res.records]
