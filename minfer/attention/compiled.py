@@ -12,11 +12,11 @@ the gathered context is never stored. The function is the lesson; the compiler d
   queries does T x L work per context position read, so it is bound by compute, which
   matmuls do best.
 - Compiled with dynamic=True, so batch size and context length never trigger a recompile
-  while serving. Dynamo still guards on what else it sees: sizes of 1 (`one_shape` pads a
-  lone sequence and a one-token context to 2), strides (q is made contiguous), a storage
-  offset of 0 (the first layer's cache; `warm_up` runs it and a later layer's) and sizes that
-  happen to be equal (duck sizing, switched off around the call). `warm_up` compiles before
-  the engine starts and checks every result against the eager backend. If anything fails (no C++ compiler, a
+  while serving. Dynamo still guards on what else it sees: sizes of 1 (a lone sequence gets
+  a kernel of its own, compiled by `warm_up`; `one_shape` pads a one-token context to 2),
+  strides (q is made contiguous), and sizes that happen to be equal (duck sizing, switched
+  off around the call). `warm_up` compiles before the engine starts, on the first layer's
+  cache and a later one's, and checks every result against the eager backend. If anything fails (no C++ compiler, a
   compile error, a mismatch, a compile slower than its time budget), the engine runs the
   eager backend instead and says why (engine/prepare.py).
 """
@@ -60,17 +60,14 @@ def paged_decode_attention(
 
 
 def one_shape(group: DecodeGroup, null_slot: int) -> DecodeGroup:
-    """Dynamic shapes still specialise sizes 1 (and 0), so a group of one sequence or a context of one
-    token would compile kernels of their own: here a lone sequence gets a padding row (its context the
-    zeroed null slot, length 1) and a one-token context a padding column (the null slot, masked). Each
-    costs a read of one cached slot. lens gets its own storage: as a view into the backend's (2, S)
-    tensor its storage offset is S, which the kernel would guard on too."""
+    """Dynamic shapes still specialise sizes of 1, so a context of one token would compile a kernel
+    of its own: it gets a padding column (the zeroed null slot, masked), which costs one cached read
+    per sequence. (A lone sequence is not padded: a padding row would double a batch-1 step's
+    attention; `warm_up` compiles that kernel too.) lens gets its own storage: as a view into the
+    backend's (2, S) tensor its storage offset is S, which the kernel would guard on too."""
     slots, lens = group.slots, group.lens.clone()  # (S, L), (S,)
     if slots.shape[1] == 1:
         slots = torch.cat((slots, torch.full_like(slots, null_slot)), dim=1)  # (S, 2)
-    if slots.shape[0] == 1:
-        slots = torch.cat((slots, torch.full_like(slots, null_slot)))  # (2, L)
-        lens = torch.cat((lens, torch.ones_like(lens)))  # (2,)
     return replace(group, slots=slots, lens=lens)
 
 
@@ -90,13 +87,11 @@ class CompiledBackend(CPUTiledBackend):
         return one_shape(group, null_slot)
 
     def decode_attention(self, q, kv_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
-        S = q.shape[0]
         with part("attention"):  # the context read is fused into it: no "context read" part here
             # q is a strided view of the step's q/k/v projection when every row decodes, a contiguous copy
             # otherwise: one layout, one compiled kernel (Dynamo guards on strides too).
-            q = q.contiguous() if S == group.slots.shape[0] else torch.cat((q, q.new_zeros(1, *q.shape[1:])))
             with fx_config.patch(use_duck_shape=False):  # S, L and the cache's sizes: never assumed equal
-                return self.decode_kernel(q, kv_cache, group.slots, group.lens, scale)[:S]
+                return self.decode_kernel(q.contiguous(), kv_cache, group.slots, group.lens, scale)
 
     def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, budget_s: float = WARM_UP_BUDGET_S):
         """Compile for these head shapes and check against the eager backend. Returns None when the
@@ -132,7 +127,7 @@ class CompiledBackend(CPUTiledBackend):
             cache[:, num_blocks * block_size :] = 0  # the null block
         tolerance = 1e-5 if self.dtype == torch.float32 else 2e-2
         # One sequence and several, contexts of 1 token and longer, on the first layer's cache (storage
-        # offset 0, which Dynamo specialises) and the second's: every kernel the engine will need.
+        # offset 0) and the second's: every kernel the engine will need.
         cases = [([1], 0), ([37], 1), ([1, 5, 37], 0), ([16, 16], 1), ([3], 0)]
         for lens, layer in cases:
             tables = torch.randperm(num_blocks, generator=gen)[: 3 * len(lens)].view(len(lens), 3).tolist()
