@@ -109,7 +109,11 @@ def test_enforce_eager_and_the_eager_choice_never_compile(tiny_checkpoint, monke
 
 
 def test_prepare_model_keeps_eager_off_cpu_choices():
-    assert prepare.choose_attention_backend("cpu", torch.float32, "auto").name == "compiled"
+    """auto: compiled for a 16-bit cache on a CPU; an fp32 cache reads faster eagerly (no upcast)."""
+    assert prepare.choose_attention_backend("cpu", torch.bfloat16, "auto").name == "compiled"
+    assert prepare.choose_attention_backend("cpu", torch.float16, "auto").name == "compiled"
+    assert prepare.choose_attention_backend("cpu", torch.float32, "auto").name == "cpu_tiled"
+    assert prepare.choose_attention_backend("cpu", torch.float32, "compiled").name == "compiled"
     assert prepare.choose_attention_backend("cpu", torch.float32, "eager").name == "cpu_tiled"
     with pytest.raises(ValueError, match="runs on cpu only"):
         prepare.choose_attention_backend("meta", torch.float32, "compiled")
