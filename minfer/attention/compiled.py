@@ -15,10 +15,12 @@ the gathered context is never stored. The function is the lesson; the compiler d
   while serving. Dynamo still guards on what else it sees: sizes of 1 (a lone sequence gets
   a kernel of its own, compiled by `warm_up`; `one_shape` pads a one-token context to 2),
   strides (q is made contiguous), and sizes that happen to be equal (duck sizing, switched
-  off around the call). `warm_up` compiles before the engine starts, on the first layer's
-  cache and a later one's, and checks every result against the eager backend. If anything fails (no C++ compiler, a
-  compile error, a mismatch, a compile slower than its time budget), the engine runs the
-  eager backend instead and says why (engine/prepare.py).
+  off while `warm_up` compiles). `warm_up` compiles before the engine starts, on the first
+  layer's cache and a later one's, and checks every result against the eager backend. If
+  anything fails (no C++ compiler, a compile error, a mismatch, a compile slower than its
+  time budget), the engine runs the eager backend instead and says why (engine/prepare.py).
+- On a CPU `auto` compiles for a bf16/fp16 cache only: with fp32 the eager read, which has
+  nothing to upcast, measured faster (selector.py).
 """
 
 from __future__ import annotations
@@ -90,8 +92,7 @@ class CompiledBackend(CPUTiledBackend):
         with part("attention"):  # the context read is fused into it: no "context read" part here
             # q is a strided view of the step's q/k/v projection when every row decodes, a contiguous copy
             # otherwise: one layout, one compiled kernel (Dynamo guards on strides too).
-            with fx_config.patch(use_duck_shape=False):  # S, L and the cache's sizes: never assumed equal
-                return self.decode_kernel(q.contiguous(), kv_cache, group.slots, group.lens, scale)
+            return self.decode_kernel(q.contiguous(), kv_cache, group.slots, group.lens, scale)
 
     def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, budget_s: float = WARM_UP_BUDGET_S):
         """Compile for these head shapes and check against the eager backend. Returns None when the
@@ -101,7 +102,10 @@ class CompiledBackend(CPUTiledBackend):
 
         def run():
             try:
-                result["error"] = self._check(num_heads, num_kv_heads, head_dim)
+                # Duck sizing off while compiling: S, L and the cache's sizes are never assumed equal
+                # because they happened to be in a warm-up case. (Not around every call: 70 us each.)
+                with fx_config.patch(use_duck_shape=False):
+                    result["error"] = self._check(num_heads, num_kv_heads, head_dim)
             except Exception as e:  # no C++ compiler, an Inductor error: all mean "use eager"
                 result["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
