@@ -10,8 +10,10 @@ import torch._dynamo
 from minfer import LLM, SamplingParams
 from minfer.attention.compiled import CompiledBackend, paged_decode_attention
 from minfer.attention.cpu_tiled import CPUTiledBackend
+from minfer.attention.kv_cache import KVCache
 from minfer.attention.paged import StepLayout
 from minfer.engine import prepare
+from minfer.models.registry import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
@@ -117,3 +119,11 @@ def test_prepare_model_keeps_eager_off_cpu_choices():
     assert prepare.choose_attention_backend("cpu", torch.float32, "eager").name == "cpu_tiled"
     with pytest.raises(ValueError, match="runs on cpu only"):
         prepare.choose_attention_backend("meta", torch.float32, "compiled")
+
+
+def test_the_kv_cache_is_a_normal_tensor_whoever_builds_it(tiny_checkpoint):
+    """Dynamo guards on inference vs normal tensors: warm_up's cache and the engine's must be alike."""
+    config = load_model(tiny_checkpoint).config
+    with torch.inference_mode():
+        cache = KVCache(config, num_blocks=4, block_size=16, device="cpu", dtype=torch.float32)
+    assert not cache.kv.is_inference()
