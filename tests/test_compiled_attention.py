@@ -10,8 +10,10 @@ import torch._dynamo
 from minfer import LLM, SamplingParams
 from minfer.attention.compiled import CompiledBackend, paged_decode_attention
 from minfer.attention.cpu_tiled import CPUTiledBackend
+from minfer.attention.kv_cache import KVCache
 from minfer.attention.paged import StepLayout
 from minfer.engine import prepare
+from minfer.models.registry import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
@@ -71,10 +73,14 @@ def test_engine_greedy_output_equals_eager(make_checkpoint, preset):
 
 
 def test_no_recompile_after_warm_up(tiny_checkpoint, monkeypatch):
-    """dynamic=True: batch sizes and context lengths, one sequence included, never recompile."""
+    """dynamic=True: batch sizes and context lengths, one and two sequences included, never recompile.
+    From a clean slate: kernels compiled by earlier tests must not cover for the warm-up."""
+    torch._dynamo.reset()
     llm = LLM(tiny_checkpoint, attention_backend="compiled", num_kv_blocks=64, max_num_seqs=8)
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-    for n, length in [(1, 3), (5, 40), (1, 100), (8, 7), (3, 150)]:
+    # Steps where every row decodes (q a strided view) and mixed ones (q a copy); 2 sequences (the
+    # cache's K/V axis is 2 too); contexts of 1 token and several blocks.
+    for n, length in [(1, 1), (2, 3), (5, 40), (1, 100), (8, 7), (3, 150), (2, 2)]:
         prompts = [[(7 * i + j) % 500 for j in range(length + i)] for i in range(n)]
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
 
@@ -105,7 +111,19 @@ def test_enforce_eager_and_the_eager_choice_never_compile(tiny_checkpoint, monke
 
 
 def test_prepare_model_keeps_eager_off_cpu_choices():
-    assert prepare.choose_attention_backend("cpu", torch.float32, "auto").name == "compiled"
+    """auto: compiled for a 16-bit cache on a CPU; an fp32 cache reads faster eagerly (no upcast)."""
+    assert prepare.choose_attention_backend("cpu", torch.bfloat16, "auto").name == "compiled"
+    assert prepare.choose_attention_backend("cpu", torch.float16, "auto").name == "compiled"
+    assert prepare.choose_attention_backend("cpu", torch.float32, "auto").name == "cpu_tiled"
+    assert prepare.choose_attention_backend("cpu", torch.float32, "compiled").name == "compiled"
     assert prepare.choose_attention_backend("cpu", torch.float32, "eager").name == "cpu_tiled"
     with pytest.raises(ValueError, match="runs on cpu only"):
         prepare.choose_attention_backend("meta", torch.float32, "compiled")
+
+
+def test_the_kv_cache_is_a_normal_tensor_whoever_builds_it(tiny_checkpoint):
+    """Dynamo guards on inference vs normal tensors: warm_up's cache and the engine's must be alike."""
+    config = load_model(tiny_checkpoint).config
+    with torch.inference_mode():
+        cache = KVCache(config, num_blocks=4, block_size=16, device="cpu", dtype=torch.float32)
+    assert not cache.kv.is_inference()

@@ -58,7 +58,8 @@ class KVCache:
         num_slots = (num_blocks + 1) * block_size
         shape = (config.num_layers, num_slots, 2, config.num_kv_heads, config.head_dim)
         self.null_block = num_blocks
-        self.kv = torch.empty(shape, device=device, dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor whoever builds it: compiled kernels guard on the kind
+            self.kv = torch.empty(shape, device=device, dtype=dtype)
         self.kv[:, num_blocks * block_size :].zero_()
         self.k, self.v = self.kv[:, :, 0], self.kv[:, :, 1]  # (num_layers, num_slots, num_kv_heads, head_dim)
 

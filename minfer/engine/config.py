@@ -151,7 +151,7 @@ class EngineConfig:
         os.environ.get("MINFER_ATTENTION_BACKEND", "auto"),
         str,
         Check(lambda v: v in ("auto", "compiled", "eager"), "one of auto, compiled, eager"),
-        "auto: compiled where it compiles and matches eager (a CPU), else eager (default: "
+        "auto: compiled where it compiles and matches eager (a CPU, bf16/fp16), else eager (default: "
         "$MINFER_ATTENTION_BACKEND, else auto)",
     )
     enforce_eager: bool = setting(False, bool, BOOL, "never compile: eager PyTorch only (implies --attention-backend eager)")

@@ -4,7 +4,7 @@ Model files stay plain (nanoGPT-like: nn.Linear, one readable forward) and never
 what transforms them. Everything that makes a model fast on the machine at hand happens
 here, once, after loading, and is chosen from the device and the config:
 - on a CPU, prepacked linears and LM head, or bf16 kept as storage only (cpu_packing.py);
-- the attention backend (attention/selector.py): on a CPU the compiled one, warmed up and
+- the attention backend (attention/selector.py): on a CPU in bf16 the compiled one, warmed up and
   checked against eager here (or the tiled eager one, with one log line saying why); plain
   torch elsewhere. `enforce_eager` (or attention_backend="eager") keeps everything eager.
 - weight-only int8/int4 (config.quantization, quantization/): every linear, the LM head and the
