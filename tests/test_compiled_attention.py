@@ -117,6 +117,10 @@ def test_prepare_model_keeps_eager_off_cpu_choices():
     assert prepare.choose_attention_backend("cpu", torch.float32, "auto").name == "cpu_tiled"
     assert prepare.choose_attention_backend("cpu", torch.float32, "compiled").name == "compiled"
     assert prepare.choose_attention_backend("cpu", torch.float32, "eager").name == "cpu_tiled"
+    # a narrow cache (minfer-tiny: 4 heads x 32) stays eager: the compiled call's fixed cost outweighs it
+    assert prepare.choose_attention_backend("cpu", torch.bfloat16, "auto", kv_width=128).name == "cpu_tiled"
+    assert prepare.choose_attention_backend("cpu", torch.bfloat16, "auto", kv_width=768).name == "compiled"
+    assert prepare.choose_attention_backend("cpu", torch.bfloat16, "compiled", kv_width=128).name == "compiled"
     with pytest.raises(ValueError, match="runs on cpu only"):
         prepare.choose_attention_backend("meta", torch.float32, "compiled")
 

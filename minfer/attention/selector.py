@@ -21,29 +21,40 @@ ATTENTION_BACKENDS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "torch": (TorchBackend, None),
 }
 CHOICES = ("auto", "compiled", "eager")  # what users choose from (--attention-backend)
+# Below this K/V width (kv heads x head dim) "auto" stays eager: each compiled call costs ~0.1 ms
+# before any work, more than it saves on a narrow cache. minfer-tiny (width 128) ran 13.9 ms per
+# decode step compiled against 9.8 eager; GPT-2 124M (768) was 1.4-3.9x faster compiled. Widths in
+# between are unmeasured: 512 splits the two.
+MIN_COMPILED_KV_WIDTH = 512
 
 
-def backend_name(device: torch.device | str, choice: str = "auto", dtype: torch.dtype | None = None) -> str:
+def backend_name(
+    device: torch.device | str, choice: str = "auto", dtype: torch.dtype | None = None, kv_width: int | None = None
+) -> str:
     """The backend a choice means on this device and cache dtype: "auto" is the compiled one on a CPU
-    when the cache holds 16-bit floats (the engine falls back to eager if it cannot compile there),
-    "eager" the device's eager one. An fp32 cache needs no upcast, and its eager read (a gather of
+    when the cache holds 16-bit floats and is at least MIN_COMPILED_KV_WIDTH wide (the engine falls
+    back to eager if it cannot compile there), "eager" the device's eager one. An fp32 cache needs no upcast, and its eager read (a gather of
     whole rows, then sdpa) was 1.4-2.8x faster than the compiled loop in `bench.py --profile` decode
     steps on a Zen 4, where in bf16 the compiled one was 1.4-3.9x faster (docs/performance.md)."""
     device = torch.device(device)
     if choice == "auto":
         if device.type != "cpu":
             return "torch"
-        return "cpu_tiled" if dtype == torch.float32 else "compiled"
+        narrow = kv_width is not None and kv_width < MIN_COMPILED_KV_WIDTH
+        return "cpu_tiled" if dtype == torch.float32 or narrow else "compiled"
     if choice == "eager":
         return "cpu_tiled" if device.type == "cpu" else "torch"
     return choice
 
 
-def choose_attention_backend(device: torch.device | str, dtype: torch.dtype, name: str = "auto") -> AttentionBackend:
-    """A fresh backend for a model on `device` in `dtype`: `name` (one of CHOICES, or a backend's own
-    name). A fresh one each call: a backend may hold buffers it reuses step after step."""
+def choose_attention_backend(
+    device: torch.device | str, dtype: torch.dtype, name: str = "auto", kv_width: int | None = None
+) -> AttentionBackend:
+    """A fresh backend for a model on `device` in `dtype` whose K/V rows are `kv_width` wide: `name`
+    (one of CHOICES, or a backend's own name). A fresh one each call: a backend may hold buffers it
+    reuses step after step."""
     device = torch.device(device)
-    name = backend_name(device, name, dtype)
+    name = backend_name(device, name, dtype, kv_width)
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(CHOICES)}, got {name!r}")
     backend_class, device_types = ATTENTION_BACKENDS[name]

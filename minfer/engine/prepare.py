@@ -44,7 +44,8 @@ def prepare_model(model: torch.nn.Module, config=None) -> tuple[torch.nn.Module,
         optimize_for_cpu(model)  # swaps nn.Linear for faster equivalents; a prepared model has none left
     choice = "eager" if getattr(config, "enforce_eager", False) else getattr(config, "attention_backend", None)
     choice = choice or EngineConfig.attention_backend
-    backend = choose_attention_backend(model.device, model.dtype, choice)
+    kv_width = model.config.num_kv_heads * model.config.head_dim
+    backend = choose_attention_backend(model.device, model.dtype, choice, kv_width)
     warm_up = getattr(backend, "warm_up", None)
     if warm_up is not None:
         c = model.config
