@@ -3,13 +3,15 @@ greedy and rejection-sampling acceptance, rollback. Speculation may change speed
 output is token for token what plain decoding gives, in batches, under chunked prefill, prefix hits and
 preemption; sampling draws from the target's distribution (a chi-square test); every block comes back."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from minfer import LLM, EngineConfig, SamplingParams
 from minfer.engine.speculative.ngram import NgramProposer
 
-SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3)
+SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 4, "ngram_min": 1, "ngram_max": 3}
 
 
 def copy_prompts(n, vocab, seed=0, max_len=120):
@@ -23,6 +25,13 @@ def copy_prompts(n, vocab, seed=0, max_len=120):
             ids = ids + ids[: max(1, length // 3)]
         prompts.append(ids)
     return prompts
+
+
+def half_seeded(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n copies, every other one with a seed. Greedy ignores the seed, but speculation does not: unseeded
+    requests speculate only in small batches (speculator.MAX_BATCH), seeded ones always, so a batch of
+    these mixes speculating and plain sequences."""
+    return [replace(params, seed=i) if i % 2 == 0 else params for i in range(n)]
 
 
 def assert_all_free(llm):
@@ -69,12 +78,12 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
 @pytest.mark.parametrize(
     "settings, message",
     [
-        (dict(speculative_method="medusa"), "--speculative-method must be one of ngram, draft"),
-        (dict(num_speculative_tokens=4), "--num-speculative-tokens apply only with --speculative-method"),
-        (dict(speculative_method="ngram", num_speculative_tokens=0), "--num-speculative-tokens must be a positive"),
-        (dict(speculative_method="ngram", ngram_min=4, ngram_max=2), r"--ngram-min \(4\) must be <= --ngram-max"),
-        (dict(speculative_method="draft", speculative_model="x"), "draft .* is not implemented yet"),
-        (dict(speculative_method="ngram", speculative_model="x"), "--speculative-model applies to"),
+        ({"speculative_method": "medusa"}, "--speculative-method must be one of ngram, draft"),
+        ({"num_speculative_tokens": 4}, "--num-speculative-tokens apply only with --speculative-method"),
+        ({"speculative_method": "ngram", "num_speculative_tokens": 0}, "--num-speculative-tokens must be a positive"),
+        ({"speculative_method": "ngram", "ngram_min": 4, "ngram_max": 2}, r"--ngram-min \(4\) must be <= --ngram-max"),
+        ({"speculative_method": "draft", "speculative_model": "x"}, "draft .* is not implemented yet"),
+        ({"speculative_method": "ngram", "speculative_model": "x"}, "--speculative-model applies to"),
     ],
 )
 def test_bad_options_are_refused_naming_the_flag(settings, message):
@@ -104,7 +113,7 @@ def test_greedy_batch_of_32_equals_plain_and_alone(models, family):
     plain = LLM(path, block_size=8).generate(prompts, params, use_tqdm=False)
     # Chunked prefill (a small token budget), a small cache (preemptions), small blocks.
     spec = LLM(path, block_size=8, max_num_batched_tokens=64, num_kv_blocks=120, **SPEC)
-    outs = run_stepwise(spec, prompts, params)
+    outs = run_stepwise(spec, prompts, half_seeded(params, len(prompts)))
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     stats = spec.scheduler.speculator.stats
     assert stats.num_accepted_tokens > 50 and stats.num_draft_tokens > stats.num_accepted_tokens  # both ways
@@ -169,7 +178,7 @@ def test_controls_stops_and_logprobs_apply_at_every_verified_position(models):
     prompts = [prompts[0]] * len(params) + prompts[1:5]
     params += [SamplingParams(max_tokens=30, temperature=0, logprobs=0, ignore_eos=True)] * 4
     want = plain.generate(prompts, params, use_tqdm=False)
-    got = run_stepwise(spec, prompts, params)
+    got = run_stepwise(spec, prompts, [replace(p, seed=1) for p in params])  # seeded: speculating in any batch
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids and g.text == w.text and g.finish_reason == w.finish_reason
         if w.logprobs is not None:
@@ -204,7 +213,9 @@ def test_greedy_n_above_one(models):
     params = SamplingParams(max_tokens=30, temperature=0, n=2, ignore_eos=True)
     prompts = copy_prompts(3, 512, seed=6)
     want = plain.generate(prompts, params, use_tqdm=False)
-    assert [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == [o.token_ids for o in want]
+    got = spec.generate(prompts, half_seeded(params, 3), use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert spec.scheduler.speculator.stats.num_accepted_tokens > 0
     assert_all_free(spec)
 
 
@@ -256,8 +267,8 @@ def test_rejection_sampling_keeps_the_target_distribution(make_checkpoint):
 def test_cancelled_speculating_requests_free_everything(models):
     spec = LLM(models["gpt2"], block_size=4, **SPEC)
     sched = spec.scheduler
-    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-    ids = [sched.add_request(prompt_token_ids=p, sampling_params=params) for p in copy_prompts(6, 512, seed=8)]
+    params = half_seeded(SamplingParams(max_tokens=60, temperature=0, ignore_eos=True), 6)
+    ids = [sched.add_request(prompt_token_ids=p, sampling_params=s) for p, s in zip(copy_prompts(6, 512, seed=8), params)]
     for _ in range(12):
         sched.step()
         sched.check_invariants()
@@ -270,3 +281,87 @@ def test_cancelled_speculating_requests_free_everything(models):
     for i in ids[1::2]:
         sched.pop_response(i)
     assert_all_free(spec)
+
+
+# ---- observability: /metrics, the engine feed, bench.py --------------------------------------
+
+
+def test_server_streams_plain_greedy_and_counts_proposals(models):
+    import threading
+
+    from test_serve import AUTH, call, metrics, stream_events
+
+    from minfer.server.serve import create_server
+
+    prompt = copy_prompts(1, 512, seed=11)[0]  # one on which proposals are accepted
+    want = LLM(models["gpt2"]).generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    srv = create_server(EngineConfig(model=str(models["gpt2"]), **SPEC), port=0)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    port = srv.server_address[1]
+    try:
+        name = call(port, "GET", "/v1/models", headers=AUTH)[2]["data"][0]["id"]
+        body = {"model": name, "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+        events = stream_events(port, "/v1/completions", body)
+        status, _, full = call(port, "POST", "/v1/completions", {**body, "logprobs": None}, headers=AUTH)
+        counts = metrics(port)
+    finally:
+        srv.stop(grace=1.0)
+    text = "".join(e["choices"][0]["text"] for e in events if e != "[DONE]")
+    streamed = sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e != "[DONE]" and e["choices"][0]["logprobs"])
+    assert status == 200 and text == full["choices"][0]["text"] == want[0].text and streamed == 40
+    drafts = counts["minfer_spec_decode_num_drafts_total"]
+    accepted = counts["minfer_spec_decode_num_accepted_tokens_total"]
+    assert drafts > 0 and 0 < accepted <= counts["minfer_spec_decode_num_draft_tokens_total"]
+    assert counts["minfer_spec_decode_accepted_length_count"] == drafts
+    assert counts["minfer_spec_decode_accepted_length_sum"] == drafts + accepted
+    assert sum(v for k, v in counts.items() if k.startswith("minfer_spec_decode_num_accepted_tokens_per_pos")) == accepted
+    assert counts["minfer_generation_tokens_total"] == 80  # accepted proposals count as generated tokens
+
+
+def test_engine_feed_reports_each_steps_proposals(models):
+    from minfer.server.engine_events import EventRecorder
+
+    spec = LLM(models["gpt2"], **SPEC)
+    recorder = EventRecorder(spec.scheduler)
+    sched = spec.scheduler
+    sched.add_request(prompt_token_ids=copy_prompts(1, 512, seed=10)[0], sampling_params=SamplingParams(max_tokens=30))
+    events = []
+    while sched.has_unfinished():
+        sampled = sched.step()
+        events.append(recorder.step(len(sampled), []))
+    assert sum(e["num_draft_tokens"] for e in events) == sched.speculator.stats.num_draft_tokens > 0
+    assert sum(e["num_accepted_tokens"] for e in events) == sched.speculator.stats.num_accepted_tokens
+
+
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_bench_copy_workload_reports_acceptance(capsys, tmp_path, mode):
+    from minfer.bench import cli as bench
+
+    argv = ["--model", "minfer-tiny", "--workload", "copy", "--num-requests", "2", "--output-len", "24",
+            "--max-concurrency", "1", "--disable-tqdm", "--mode", mode, "--json", tmp_path / "b.json",
+            "--speculative-method", "ngram", "--num-speculative-tokens", "3"]  # fmt: skip
+    assert bench.main([str(a) for a in argv]) == 0
+    out = capsys.readouterr().out
+    assert "Mean accepted length:" in out and "Acceptance rate:" in out
+    import json
+
+    summary = json.loads((tmp_path / "b.json").read_text())["summary"]
+    assert summary["spec_num_draft_tokens"] > 0 and summary["total_output_tokens"] == 48
+    rate = summary["spec_num_accepted_tokens"] / summary["spec_num_draft_tokens"]
+    assert summary["spec_acceptance_rate"] == pytest.approx(rate)
+
+
+def test_unseeded_requests_speculate_only_in_small_batches(models):
+    from minfer.engine.speculative.speculator import MAX_BATCH
+
+    spec = LLM(models["gpt2"], **SPEC)
+    sched = spec.scheduler
+    prompts = copy_prompts(MAX_BATCH + 4, 512, seed=12)
+    for i, p in enumerate(prompts):  # the short ones finish first, and leave a small batch
+        sched.add_request(prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=8 if i % 2 else 60, temperature=0))
+    seen = []
+    while sched.has_unfinished():
+        sched.step()
+        seen.append((len(sched.last_chunks), sched.last_step.num_draft_tokens))
+    assert all(drafted == 0 for running, drafted in seen if running > MAX_BATCH)
+    assert any(drafted > 0 for running, drafted in seen)  # the last ones, once few are left

@@ -37,14 +37,14 @@ class ContinuousBatcher:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_logprob_rows: int | None = None,  # prompt positions one step may score (logprobs.py); None: no cap
-        propose: Callable[[Sequence, int], list[int]] | None = None,  # speculative decoding's proposer
+        propose: Callable[[Sequence, int, int], list[int]] | None = None,  # speculative decoding's proposer
     ):
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_logprob_rows = max_logprob_rows or max_num_batched_tokens
-        self.propose = propose  # (seq, rows left) -> tokens to verify after its last; None: no speculation
+        self.propose = propose  # (seq, rows left, running) -> tokens to verify after its last; None: none
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
@@ -74,7 +74,7 @@ class ContinuousBatcher:
             draft = []
             if self.propose and n == 1:
                 with part("speculation: propose"):
-                    draft = self.propose(seq, budget - n)
+                    draft = self.propose(seq, budget - n, len(self.running))
             if not self._grow(seq, seq.num_computed_tokens + n + len(draft)):
                 preempted = True
                 if seq not in self.running:  # it was itself the newest: nothing left to schedule
