@@ -296,6 +296,8 @@ def test_profile_splits_a_step_into_parts(tiny_checkpoint, tmp_path, capsys, dty
             "LM head",
             "sampling",
             "host: bookkeeping",
+            "speculation: propose",
+            "speculation: verify",
             "norms, GELU, residuals, Python",
         }
         # Every part ran and the parts add up to the step: nothing counted twice.

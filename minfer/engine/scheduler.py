@@ -266,8 +266,7 @@ class OnlineScheduler:
                     if finished:
                         break
                 if chunk.draft:
-                    num_accepted = output.num_accepted[i]
-                    self._keep_proposals(seq, chunk.draft, num_accepted, min(j - row + 1, num_accepted))
+                    self._keep_proposals(seq, chunk.draft, output.num_accepted[i], num_emitted=j - row + 1)
                 row += len(chunk.row_samplers) if chunk.draft else 1
                 if finished:
                     self.batcher.retire(seq)
@@ -275,12 +274,13 @@ class OnlineScheduler:
                         self.finished_ids.append(seq.request_id)
         return out
 
-    def _keep_proposals(self, seq: Sequence, draft: list[int], num_accepted: int, num_kept: int) -> None:
-        """After a verification: count it, keep the K/V of the proposals now in seq's tokens, give back
-        the rest (num_kept < num_accepted when a stop among them ended the sequence)."""
+    def _keep_proposals(self, seq: Sequence, draft: list[int], num_accepted: int, num_emitted: int) -> None:
+        """After a verification that emitted num_emitted tokens (fewer than num_accepted + 1 when a stop
+        among them ended the sequence): count it, keep the K/V of the proposals now in seq's tokens,
+        give back the rest."""
         self.speculator.record(seq, len(draft), num_accepted)
-        self.batcher.keep_proposals(seq, num_kept)
-        self.last_step.num_sampled += num_kept  # tokens emitted: the kept proposals, and one sampled
+        self.batcher.keep_proposals(seq, min(num_emitted, num_accepted))
+        self.last_step.num_sampled += num_emitted - 1  # the step counted one token per sampler
         self.last_step.num_draft_tokens += len(draft)
         self.last_step.num_accepted_tokens += num_accepted
 
