@@ -375,7 +375,7 @@ def test_logprobs_flag_asks_every_request_for_logprobs(tiny_checkpoint, tmp_path
     fetched = []
     real_fetch = StepLogprobs.fetch
     monkeypatch.setattr(
-        StepLogprobs, "fetch", lambda self, tokens: fetched.append(self.sample_k) or real_fetch(self, tokens)
+        StepLogprobs, "fetch", lambda self, *a: fetched.append(self.sample_k) or real_fetch(self, *a)
     )
     run_bench(capsys, "--model", tiny_checkpoint, *WORKLOAD, "--logprobs", "3", "--json", tmp_path / "b.json")
     assert fetched and set(fetched) == {3}
