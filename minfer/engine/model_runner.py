@@ -75,12 +75,15 @@ class ModelRunner:
         plain = [s for c in chunks if not c.draft for s in c.samplers]  # a fork draws from its parent's row
         if len(plain) == logits.shape[0]:
             return sample(logits, [s.params for s in plain], [s.generator for s in plain], plain), None
-        is_verify = torch.tensor([bool(c.draft) for c in chunks for _ in c.row_samplers], device=logits.device)
-        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)  # (S,)
-        if plain:
-            tokens[~is_verify] = sample(logits[~is_verify], [s.params for s in plain], [s.generator for s in plain], plain)
         speculating = [c for c in chunks if c.draft]
         rows = VerifyRows.of([c.seq for c in speculating], [c.draft for c in speculating])
+        if not plain:  # every row verifies (batch 1, say): no split, no scatter
+            with part("speculation: verify"):
+                tokens, accepted = verify(logits, rows)
+            return tokens, accepted.long()
+        is_verify = torch.tensor([bool(c.draft) for c in chunks for _ in c.row_samplers], device=logits.device)
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)  # (S,)
+        tokens[~is_verify] = sample(logits[~is_verify], [s.params for s in plain], [s.generator for s in plain], plain)
         with part("speculation: verify"):
             tokens[is_verify], accepted = verify(logits[is_verify], rows)
         return tokens, accepted.long()
