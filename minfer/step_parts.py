@@ -18,17 +18,22 @@ from typing import Callable
 # (layer norms, GELU, residual adds, embeddings) and Python between ops.
 PARTS = (
     "host: schedule",
+    "speculation: propose",  # inside the schedule (a part inside another counts for itself alone)
     "host: prepare",
     "KV write",
     "context read",
     "attention",
     "sampling",
+    "speculation: verify",  # inside sampling
     "host: bookkeeping",
 )
 
 _totals: dict[str, float] | None = None  # seconds per part while timing, else None
 _sync: Callable[[], None] | None = None  # on a GPU, wait for queued kernels at each boundary
 _NONE = nullcontext()
+
+
+_open: list[_Timer] = []  # the parts being timed, innermost last
 
 
 class _Timer:
@@ -41,12 +46,17 @@ class _Timer:
         if _sync is not None:
             _sync()
         self.start = perf_counter()
+        _open.append(self)
 
     def __exit__(self, *exc):
         if _sync is not None:
             _sync()
+        _open.remove(self)
         if _totals is not None:
-            _totals[self.name] += perf_counter() - self.start
+            seconds = perf_counter() - self.start
+            _totals[self.name] += seconds
+            if _open:  # a part inside another: its time is its own, not the enclosing part's too
+                _totals[_open[-1].name] -= seconds
 
 
 def part(name: str):

@@ -257,6 +257,11 @@ def test_in_process_server_reports_its_engine_in_health(tiny_checkpoint):
         "quantization": None,
         "quantization_group_size": None,
         "quantize_lm_head": True,
+        "speculative_method": None,
+        "num_speculative_tokens": None,
+        "ngram_min": None,
+        "ngram_max": None,
+        "speculative_model": None,
     }
 
 

@@ -195,7 +195,7 @@ def test_head_path_draws_what_sorting_whole_rows_draws(monkeypatch):
 def test_inverse_cdf_never_draws_a_zero_probability_token():
     probs = torch.tensor([[0.0, 0.2, 0.8, 0.0, 0.0]] * 3)
     u = torch.tensor([0.0, 0.5, 1.0])  # rand draws from [0, 1); the guard holds even at 1, whatever the rounding
-    assert sampling._draw(probs.clone(), u).tolist() == [1, 2, 2]
+    assert sampling.draw_from(probs.clone(), u).tolist() == [1, 2, 2]
 
 
 # --- distributions --------------------------------------------------------------

@@ -41,8 +41,9 @@ from .online import Endpoint, EngineFeedReader, ServerProcess, run_online
 from .profile import format_profile, profile_steps
 from .report import format_header, memory_owner, progress, result_title
 from .roofline import format_roofline, roofline
+from .speculation import counters_of_server, counters_of_stats, format_spec, spec_summary
 from .trace import write_trace
-from .workload import build_workload, read_prompts, warmup_workload
+from .workload import build_workload, copy_texts, read_prompts, warmup_workload
 
 NO_MODEL_HINT = (
     "bench.py: cannot load model {model!r} ({why}). Pass a local checkpoint with --model DIR; "
@@ -74,6 +75,13 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
         "--prompt", action="append", help="a text prompt instead of random tokens (repeatable; --input-len is unused)"
     )
     w.add_argument("--prompts-file", help="text prompts, one per line, used in turn")
+    w.add_argument(
+        "--workload",
+        choices=["random", "copy"],
+        default="random",
+        help="random: random token prompts (or --prompt/--prompts-file); copy: held-out stories, then the "
+        "first one's opening again (the model's heldout.txt; where speculative decoding pays)",
+    )
     w.add_argument("--pretok", action="store_true", help="tokenize text prompts outside the timed region")
     w.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     w.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
@@ -175,8 +183,10 @@ def offline_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResu
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         bar = not args.disable_tqdm
+        before = counters_of_stats(llm.scheduler.stats())
         results.append(run_offline(llm.scheduler, workload, args.max_concurrency, bar, f"run {k}", args.n))
-        summaries.append(run_summary(results[-1], **peak_memory(device)))
+        spec = spec_summary(before, counters_of_stats(llm.scheduler.stats()))
+        summaries.append(run_summary(results[-1], **peak_memory(device), **spec))
     return results, summaries, llm.scheduler
 
 
@@ -192,13 +202,15 @@ def online_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResul
         for k, workload in enumerate(workloads):
             progress(f"measuring run {k + 1} of {len(workloads)} ...")
             # Watching the engine costs the server a little: only for the run that is traced.
+            before = counters_of_server(endpoint)
             with EngineFeedReader(endpoint) if args.trace and k == len(workloads) - 1 else nullcontext() as feed:
                 bar = not args.disable_tqdm
                 results.append(
                     run_online(endpoint, model, workload, args.max_concurrency, bar, f"run {k}", feed, args.n)
                 )
             memory = {"peak_rss_mib": server.peak_rss_mib()} if server else {}  # the server's, not ours
-            summaries.append(run_summary(results[-1], **memory))
+            spec = spec_summary(before, counters_of_server(endpoint))
+            summaries.append(run_summary(results[-1], **memory, **spec))
 
     if args.base_url:
         measure(Endpoint(args.base_url))
@@ -275,6 +287,10 @@ def run(args) -> int:
     config = read_config(model_dir) if model_dir else None
     vocab, context = (config.vocab_size, config.max_positions) if config else (None, None)
     texts = read_prompts(args.prompt, args.prompts_file)
+    if args.workload == "copy":
+        if model_dir is None:
+            raise ValueError("--workload copy reads the model's heldout.txt: pass its directory as --tokenizer")
+        texts += copy_texts(model_dir, args.num_requests)
     workloads = [
         build_workload(
             args.num_requests,
@@ -304,6 +320,8 @@ def run(args) -> int:
     if len(summaries) > 1:
         print_runs(summaries)
     print(format_summary(summary, result_title(args.mode, len(summaries)), memory_owner(args.mode, args.base_url)))
+    if format_spec(summary):
+        print(format_spec(summary))
     # The dtype minfer ran in ("auto" resolves per machine); the baseline uses the same.
     dtype = scheduler.model.dtype if scheduler else resolve_dtype(args.dtype, torch.device(args.device))
     settings = {

@@ -41,6 +41,8 @@ ROWS = (
     "LM head",
     "sampling",
     "host: bookkeeping",
+    "speculation: propose",
+    "speculation: verify",
     REST,
 )
 

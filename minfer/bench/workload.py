@@ -16,6 +16,8 @@ from pathlib import Path
 
 from ..text.tokenizer import Tokenizer
 
+EOS = "<|endoftext|>"  # what separates the stories of a held-out text file
+
 
 @dataclass
 class BenchRequest:
@@ -71,6 +73,23 @@ def read_prompts(prompts: list[str] | None, prompts_file: str | None) -> list[st
             raise ValueError(f"prompts file {prompts_file!r} holds no prompt")
     if any(not t for t in texts):
         raise ValueError("a prompt is empty")
+    return texts
+
+
+def copy_texts(model_dir: Path, num: int) -> list[str]:
+    """The copy-heavy workload (`--workload copy`), where speculative decoding pays: two stories of the
+    model's held-out text, then the first one's opening sentence again, so the answer tells a story like
+    those it just read (minfer-tiny retells its grammar's phrases; a larger model would copy verbatim).
+    Read from the checkpoint's heldout.txt (minfer-tiny ships one), stories separated by <|endoftext|>."""
+    path = Path(model_dir) / "heldout.txt"
+    if not path.is_file():
+        raise ValueError(f"--workload copy reads held-out text from {path}, which does not exist (minfer-tiny has one)")
+    stories = [s.strip() for s in path.read_text(encoding="utf-8").split(EOS) if s.strip()]
+    texts = []
+    for i in range(num):
+        first, second = stories[2 * i % len(stories)], stories[(2 * i + 1) % len(stories)]
+        opening = first.split(". ")[0] + "."
+        texts.append(f"{first}{EOS}{second}{EOS}{opening}")
     return texts
 
 

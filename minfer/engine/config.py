@@ -63,6 +63,7 @@ class Check(NamedTuple):
 
 POSITIVE = Check(lambda v: is_int(v) and v >= 1, "a positive integer")
 BOOL = Check(lambda v: isinstance(v, bool), "True or False")
+SPECULATIVE_METHODS = ("ngram", "draft")
 KV_CACHE_SIZES = ("num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization")  # at most one may be given
 
 
@@ -185,6 +186,27 @@ class EngineConfig:
         True, bool, BOOL, "with --quantization: quantize the LM head (and the embedding tied to it) too"
     )
 
+    # Speculative decoding (engine/speculative/): propose tokens cheaply, verify them in one forward.
+    speculative_method: str | None = setting(
+        None,
+        str,
+        Check(lambda v: v in SPECULATIVE_METHODS, f"one of {', '.join(SPECULATIVE_METHODS)}"),
+        "speculative decoding: ngram (prompt lookup: propose what followed the last n tokens earlier "
+        "in the sequence); default: none",
+    )
+    num_speculative_tokens: int | None = setting(
+        None, int, POSITIVE, "with --speculative-method: tokens proposed per step (default: 4)"
+    )
+    ngram_min: int | None = setting(None, int, POSITIVE, "ngram: shortest suffix to look up (default: 2)")
+    ngram_max: int | None = setting(None, int, POSITIVE, "ngram: longest suffix to look up (default: 4)")
+    speculative_model: str | None = setting(
+        None,
+        str,
+        Check(lambda v: isinstance(v, str) and v != "", "a checkpoint directory"),
+        "the draft model of --speculative-method draft (not implemented yet)",
+        convert=lambda v: os.fspath(v) if isinstance(v, os.PathLike) else v,
+    )
+
     def __post_init__(self):
         for f in fields(self):
             given = getattr(self, f.name)
@@ -210,9 +232,29 @@ class EngineConfig:
         if self.quantization is None and self.quantization_group_size is not None:
             raise ValueError("--quantization-group-size applies to --quantization int4 only")
         check_quantization(self.quantization, self.quantization_group_size)  # int4 without its kernels, say
+        self._check_speculative()
         sizes = [flag(f) for f in fields(self) if f.name in KV_CACHE_SIZES and getattr(self, f.name) is not None]
         if len(sizes) > 1:
             raise ValueError(f"{' and '.join(sizes)} each set the KV cache size: give one")
+
+    def _check_speculative(self) -> None:
+        """The speculative options make sense together; fill in the defaults a method implies."""
+        options = ("num_speculative_tokens", "ngram_min", "ngram_max", "speculative_model")
+        if self.speculative_method is None:
+            given = [flag(f) for f in fields(self) if f.name in options and getattr(self, f.name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} apply only with --speculative-method")
+            return
+        if self.speculative_method == "draft":
+            raise ValueError("--speculative-method draft (a draft model) is not implemented yet: use ngram")
+        if self.speculative_model is not None:
+            raise ValueError("--speculative-model applies to --speculative-method draft, not ngram")
+        defaults = {"num_speculative_tokens": 4, "ngram_min": 2, "ngram_max": 4}
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"--ngram-min ({self.ngram_min}) must be <= --ngram-max ({self.ngram_max})")
 
     # ---- the command line ------------------------------------------------------------
 

@@ -22,8 +22,10 @@ business (scheduler.py), not this class's.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from ..attention.kv_cache import cdiv
+from ..step_parts import part
 from .block_allocator import BlockAllocator
 from .sequence import ScheduledChunk, Sequence, Status
 
@@ -35,12 +37,14 @@ class ContinuousBatcher:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_logprob_rows: int | None = None,  # prompt positions one step may score (logprobs.py); None: no cap
+        propose: Callable[[Sequence, int, int], list[int]] | None = None,  # speculative decoding's proposer
     ):
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_logprob_rows = max_logprob_rows or max_num_batched_tokens
+        self.propose = propose  # (seq, rows left, running) -> tokens to verify after its last; None: none
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
@@ -67,14 +71,18 @@ class ContinuousBatcher:
             if n == 0:  # its prompt logprobs wait for the next step's rows
                 i += 1
                 continue
-            if not self._grow(seq, seq.num_computed_tokens + n):
+            draft = []
+            if self.propose and n == 1:
+                with part("speculation: propose"):
+                    draft = self.propose(seq, budget - n, len(self.running))
+            if not self._grow(seq, seq.num_computed_tokens + n + len(draft)):
                 preempted = True
                 if seq not in self.running:  # it was itself the newest: nothing left to schedule
                     break
                 continue  # a newer sequence gave up its blocks; try this one again
-            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n + len(draft), draft))
             self._take_logprob_rows(seq, n)
-            budget -= n
+            budget -= n + len(draft)
             i += 1
         # Admitting right after a preemption would just take the blocks back. A sequence with forks still
         # to come takes their slots too.
@@ -113,8 +121,20 @@ class ContinuousBatcher:
         """The chunks' K/V are now in the cache: count them, and make newly full blocks findable."""
         for chunk in chunks:
             seq = chunk.seq
-            seq.num_computed_tokens += chunk.num_tokens
+            seq.num_computed_tokens += chunk.num_tokens - len(chunk.draft)  # proposals count once kept
             self.allocator.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+
+    def keep_proposals(self, seq: Sequence, num_kept: int) -> None:
+        """Speculative decoding's rollback, once a verification's tokens are appended to seq: the K/V of
+        the first num_kept proposals (those now in its tokens) stay, the rejected ones' slots are
+        written over by the next step, and blocks that held only rejected proposals go back. Only
+        computed tokens are ever registered, so no cached block holds a rejected one."""
+        seq.num_computed_tokens += num_kept
+        self.allocator.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        needed = cdiv(seq.num_tokens, self.block_size)  # the next step writes the last token
+        if len(seq.block_table) > needed:
+            self.allocator.free(seq.block_table[needed:])
+            del seq.block_table[needed:]
 
     def retire(self, seq: Sequence) -> None:
         """A running sequence finished: free its blocks now."""

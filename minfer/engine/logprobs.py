@@ -88,9 +88,10 @@ class StepLogprobs:
         if self.prompt_targets:
             self._prompt_logprobs = torch.log_softmax(logits[S:], dim=-1, dtype=torch.float32)  # (Q, V)
 
-    def fetch(self, tokens: torch.Tensor) -> tuple[list[int], list[TokenLogprob], list[TokenLogprob]]:
-        """tokens (S,) sampled -> (tokens, sample logprobs, prompt logprobs) on the host, in one .tolist():
-        the step's only sync. The logprob lists follow sample_rows and prompt_targets."""
+    def fetch(self, tokens: torch.Tensor, extra: torch.Tensor | None = None):
+        """tokens (S,) sampled -> (tokens, sample logprobs, prompt logprobs, extra) on the host, in one
+        .tolist(): the step's only sync. The logprob lists follow sample_rows and prompt_targets; `extra`
+        (small ints, as speculative decoding's acceptance flags) comes back as a list ([] if None)."""
         device, S = tokens.device, self.num_sampled
         parts = [tokens.float()]  # (S,): token ids < 2**24 are exact in fp32
         if self._sample_logprobs is not None:
@@ -99,11 +100,15 @@ class StepLogprobs:
         if self._prompt_logprobs is not None:
             targets = torch.tensor(self.prompt_targets, device=device)
             parts += _gathered(self._prompt_logprobs, targets, self.prompt_k)
+        num_extra = 0 if extra is None else extra.shape[0]
+        if num_extra:
+            parts.append(extra.float())
         values = torch.cat(parts).tolist()
+        values, extra_values = values[: len(values) - num_extra], values[len(values) - num_extra :]
         out_tokens = [int(t) for t in values[:S]]
         sample_lps, rest = _unpack(values[S:], [out_tokens[r] for r in self.sample_rows], self.sample_k)
         prompt_lps, _ = _unpack(rest, self.prompt_targets, self.prompt_k)
-        return out_tokens, sample_lps, prompt_lps
+        return out_tokens, sample_lps, prompt_lps, [int(v) for v in extra_values]
 
 
 def _unpack(values: list[float], targets: list[int], k: int) -> tuple[list[TokenLogprob], list[float]]:

@@ -21,6 +21,7 @@ from ..step_parts import part
 from .logprobs import StepLogprobs, TokenLogprob
 from .sampling import sample
 from .sequence import ScheduledChunk
+from .speculative.verify import VerifyRows, verify
 
 
 @dataclass
@@ -29,9 +30,12 @@ class StepOutput:
     logprobs of the sampled tokens that asked, by sampler index; and, by chunk index, the logprobs of
     the chunks' prompt positions."""
 
-    tokens: list[int]
+    tokens: list[int]  # a speculating chunk has k + 1 rows: see num_accepted
     sample_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    # By chunk index, for speculating chunks: how many proposals were accepted (a). The chunk's rows
+    # give its tokens: the first a + 1 of them are the sequence's next tokens (speculative/verify.py).
+    num_accepted: dict[int, int] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -50,15 +54,39 @@ class ModelRunner:
             input_ids, batch, wanted = self.prepare(chunks)
         logits = self.model(input_ids, batch)  # (S + Q, V): one forward over the N tokens of every sequence
         with part("sampling"):
-            sampling = [s for c in chunks for s in c.samplers]  # a fork draws from its parent's row
-            S = len(sampling)
+            S = sum(len(c.row_samplers) for c in chunks)
             if not wanted.empty:
                 wanted.score(logits)  # raw logprobs, before penalties, temperature and filters
-            tokens = sample(logits[:S], [s.params for s in sampling], [s.generator for s in sampling], sampling)
-            if wanted.empty:
-                return StepOutput(tokens.tolist())  # the step's single host sync
-            token_list, sample_lps, prompt_lps = wanted.fetch(tokens)  # still the only sync
-            return self._by_sampler(chunks, token_list, sample_lps, prompt_lps)
+            tokens, accepted = self._sample(chunks, logits[:S])
+            if wanted.empty:  # the step's single host sync
+                values = (tokens if accepted is None else torch.cat([tokens, accepted])).tolist()
+                token_list, sample_lps, prompt_lps, accepted_list = values[:S], [], [], values[S:]
+            else:  # still the only sync
+                token_list, sample_lps, prompt_lps, accepted_list = wanted.fetch(tokens, accepted)
+            out = self._by_sampler(chunks, token_list, sample_lps, prompt_lps)
+            if accepted is not None:
+                out.num_accepted = _num_accepted(chunks, accepted_list)
+            return out
+
+    @staticmethod
+    def _sample(chunks: list[ScheduledChunk], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits (S, V) of the sampled rows -> a token per row (S,), and for the verify rows (those of
+        speculating chunks, in order) whether each proposal was accepted (as 0/1), or None if none."""
+        plain = [s for c in chunks if not c.draft for s in c.samplers]  # a fork draws from its parent's row
+        if len(plain) == logits.shape[0]:
+            return sample(logits, [s.params for s in plain], [s.generator for s in plain], plain), None
+        speculating = [c for c in chunks if c.draft]
+        rows = VerifyRows.of([c.seq for c in speculating], [c.draft for c in speculating])
+        if not plain:  # every row verifies (batch 1, say): no split, no scatter
+            with part("speculation: verify"):
+                tokens, accepted = verify(logits, rows)
+            return tokens, accepted.long()
+        is_verify = torch.tensor([bool(c.draft) for c in chunks for _ in c.row_samplers], device=logits.device)
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)  # (S,)
+        tokens[~is_verify] = sample(logits[~is_verify], [s.params for s in plain], [s.generator for s in plain], plain)
+        with part("speculation: verify"):
+            tokens[is_verify], accepted = verify(logits[is_verify], rows)
+        return tokens, accepted.long()
 
     @staticmethod
     def _by_sampler(chunks, tokens, sample_lps, prompt_lps) -> StepOutput:
@@ -68,7 +96,7 @@ class ModelRunner:
         sample_lps, prompt_lps = iter(sample_lps), iter(prompt_lps)
         row = 0
         for i, (chunk, rows) in enumerate(zip(chunks, _prompt_rows_per_chunk(chunks))):
-            for seq in chunk.samplers:
+            for seq in chunk.row_samplers:
                 if seq.params.logprobs is not None:
                     out.sample_logprobs[row] = next(sample_lps)
                 row += 1
@@ -83,7 +111,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        wanted = StepLogprobs(sum(len(c.samplers) for c in chunks))
+        wanted = StepLogprobs(sum(len(c.row_samplers) for c in chunks))
         prompt_rows: list[int] = []  # rows whose logits score the prompt token after them
         starts: list[int] = []  # per chunk: its first row, its rows, its context after the step, its blocks
         lens: list[int] = []
@@ -97,18 +125,26 @@ class ModelRunner:
                 wanted.prompt_targets.append(seq.token_ids[p + 1])
                 wanted.prompt_k = max(wanted.prompt_k, seq.params.prompt_logprobs)
             table = seq.block_table
-            starts.append(len(input_ids))
-            lens.append(chunk.num_tokens)
-            context_lens.append(end)
-            tables.append(table)
-            input_ids += seq.token_ids[start:end]
+            if chunk.draft:  # verify rows: each its own one-query row over the context up to it, batched
+                starts += range(first_row, first_row + chunk.num_tokens)
+                lens += [1] * chunk.num_tokens
+                context_lens += range(start + 1, end + 1)
+                tables += [table] * chunk.num_tokens
+            else:
+                starts.append(first_row)
+                lens.append(chunk.num_tokens)
+                context_lens.append(end)
+                tables.append(table)
+            input_ids += seq.token_ids[start : end - len(chunk.draft)] + chunk.draft
             positions += range(start, end)
             slots += [slot_of(table, p, block_size) for p in range(start, end)]
-            for sampler in chunk.samplers:  # n rows when n completions fork here
+            samplers = chunk.row_samplers  # n rows when n completions fork here; k + 1 when speculating
+            rows = range(first_row, first_row + chunk.num_tokens) if chunk.draft else [len(input_ids) - 1] * len(samplers)
+            for sampler, row in zip(samplers, rows):
                 if sampler.params.logprobs is not None:
                     wanted.sample_rows.append(len(sample_rows))
                     wanted.sample_k = max(wanted.sample_k, sampler.params.logprobs)
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows.append(row)
         sample_rows += prompt_rows  # the LM head runs on these too, after the sampled rows
 
         # One host->device copy for all the flat per-token integers.
@@ -118,6 +154,16 @@ class ModelRunner:
         layout = StepLayout(slots_t, starts, lens, context_lens, tables, block_size, self.kv_cache.null_block)
         batch = PagedBatch(pos_t, self.kv_cache, self.attention_backend.build_metadata(layout), sample_t)
         return ids_t, batch, wanted
+
+
+def _num_accepted(chunks: list[ScheduledChunk], accepted: list[int]) -> dict[int, int]:
+    """By speculating chunk: how many of its proposals, from the first, were accepted."""
+    out, flags = {}, iter(accepted)
+    for i, chunk in enumerate(chunks):
+        if chunk.draft:
+            row_flags = [next(flags) for _ in range(chunk.num_tokens)]  # the last (bonus) row's is 0
+            out[i] = next((j for j, ok in enumerate(row_flags) if not ok), len(chunk.draft))
+    return out
 
 
 def _prompt_rows_per_chunk(chunks: list[ScheduledChunk]) -> list[range]:

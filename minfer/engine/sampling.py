@@ -183,7 +183,7 @@ def _kept_head(logits, top_k, top_p, K: int):
     return probs.masked_fill_(drop, 0.0), token_ids, ~drop, within
 
 
-def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def draw_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: for each row of probs (R, K), which need not sum to 1, the first index
     whose cumulative probability passes u (R,) in [0, 1) times the row's total. Index i comes up with
     probability probs[i] / total, and a zero entry never does. probs is overwritten."""
@@ -210,7 +210,7 @@ def _draw_filtered(logits, u, top_k: list[int], top_p: list[float]) -> torch.Ten
     x, k_rows, p_rows, u_rows = logits, k, p, u
     while True:
         probs, token_ids, _, within = _kept_head(x, k_rows, p_rows, K)  # (r, K)
-        tokens[rows] = token_ids.gather(1, _draw(probs, u_rows)[:, None]).squeeze(1)
+        tokens[rows] = token_ids.gather(1, draw_from(probs, u_rows)[:, None]).squeeze(1)
         if K == V or within.all():  # a CPU tensor: reading it costs nothing
             return tokens
         rows, K = rows[~within], min(V, 16 * K)
@@ -238,7 +238,7 @@ def sample(
     Rows that ask get logit_bias, min_tokens and the penalties first (logits_processors.py; they read
     `histories`, each row's tokens). Greedy rows then take the argmax. The others divide by their
     temperature, keep what min_p, top-k and top-p leave, and draw by inverse CDF: one uniform per row
-    against the cumulative probabilities (see _draw)."""
+    against the cumulative probabilities (see draw_from)."""
     B, V = logits.shape
     assert len(params) == B and len(generators) == B, "need one params and generator per row"
     device = logits.device
@@ -262,7 +262,7 @@ def sample(
     plain = [i for i, p in enumerate(params) if not p.is_greedy and p.top_k == 0 and p.top_p == 1]
     filtered = [i for i, p in enumerate(params) if not p.is_greedy and (p.top_k > 0 or p.top_p < 1)]
     if plain:  # temperature only: the usual case
-        tokens[_index(plain, device)] = _draw(_rows(scaled, plain).softmax(dim=-1), _rows(u, plain))
+        tokens[_index(plain, device)] = draw_from(_rows(scaled, plain).softmax(dim=-1), _rows(u, plain))
     if filtered:
         top_k, top_p = [params[i].top_k for i in filtered], [params[i].top_p for i in filtered]
         tokens[_index(filtered, device)] = _draw_filtered(_rows(scaled, filtered), _rows(u, filtered), top_k, top_p)

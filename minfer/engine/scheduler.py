@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Iterator
 
 import torch
@@ -40,22 +40,8 @@ from .prepare import prepare_model
 from .request_state import Choice, Request
 from .sampling import SamplingParams, make_generator
 from .sequence import CompletionDelta, RequestOutput, ScheduledChunk, Sequence, Status
-
-
-@dataclass
-class StepStats:
-    """What one step did, for benchmarks, traces and the engine event feed."""
-
-    start: float  # time.perf_counter() when the step began
-    end: float  # ... and when its tokens were sampled
-    num_seqs: int
-    num_decode_tokens: int
-    num_prefill_tokens: int
-    num_sampled: int
-    attended_pairs: int  # attention work: queries x the context each attends to
-    cached_context_tokens: int  # context read from the cache (chunks that do not start at 0)
-    num_preemptions: int
-    kv_blocks_used: int
+from .speculative import Speculator
+from .step_stats import StepStats
 
 
 class OnlineScheduler:
@@ -90,11 +76,15 @@ class OnlineScheduler:
         )
         self.allocator = BlockAllocator(num_kv_blocks, block_size, config.enable_prefix_caching)
         self.kv_cache = KVCache(model.config, num_kv_blocks, block_size, model.device, model.dtype)
+        self.speculator = None  # speculative decoding (speculative/), when asked for
+        if config.speculative_method is not None:
+            self.speculator = Speculator(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
         self.batcher = ContinuousBatcher(
             self.allocator,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             max_logprob_rows(model.config.vocab_size),
+            self.speculator.propose if self.speculator else None,
         )
         model, attention_backend = prepare_model(model, config)  # once, before the first step; idempotent
         self.runner = ModelRunner(model, self.kv_cache, block_size, attention_backend)
@@ -239,7 +229,7 @@ class OnlineScheduler:
         output = self.runner.execute(chunks)
         with part("host: bookkeeping"):
             end = time.perf_counter()
-            self._record_step(chunks, len(output.tokens), start, end, self.num_preemptions - preemptions_before)
+            self._record_step(chunks, start, end, self.num_preemptions - preemptions_before)
             self._record_prompt_logprobs(chunks, output)  # before advance(): it may register their blocks
             self.batcher.advance(chunks)
             return self._record_tokens(chunks, output, end)
@@ -259,42 +249,49 @@ class OnlineScheduler:
         """Give each sampler of each chunk its token and logprobs; forks start first (they share the
         parent's blocks, which the parent may free at once if its first token finishes it)."""
         out = {}
-        sampled = iter(output.tokens)
-        row = 0  # the sampler's index in the step, as StepOutput.sample_logprobs counts them
-        for chunk in chunks:
+        row = 0  # the sampled row's index in the step, as StepOutput.tokens and sample_logprobs count them
+        for i, chunk in enumerate(chunks):
             request = self.requests[chunk.seq.request_id]
             request.num_steps += 1
             samplers = chunk.samplers
             if len(samplers) > 1:
                 self.batcher.fork(chunk.seq)
             for seq in samplers:
-                token = next(sampled)
-                if row in output.sample_logprobs:
-                    seq.logprobs.append(keep_top(output.sample_logprobs[row], seq.params.logprobs))
-                row += 1
-                if request.choices[seq.index].add_token(token, now):
+                # A speculating chunk emits its accepted proposals and one more token, one at a time (a
+                # stop or max_tokens among them ends it there); any other sampler emits one token.
+                num_emitted = output.num_accepted[i] + 1 if chunk.draft else 1
+                for j in range(row, row + num_emitted):
+                    token = output.tokens[j]
+                    if j in output.sample_logprobs:
+                        seq.logprobs.append(keep_top(output.sample_logprobs[j], seq.params.logprobs))
+                    finished = request.choices[seq.index].add_token(token, now)
+                    out[seq.request_id] = token  # a request with n > 1 appears once, with its last choice's
+                    if finished:
+                        break
+                if chunk.draft:
+                    self._keep_proposals(seq, chunk.draft, output.num_accepted[i], num_emitted=j - row + 1)
+                row += len(chunk.row_samplers) if chunk.draft else 1
+                if finished:
                     self.batcher.retire(seq)
                     if request.is_finished:
                         self.finished_ids.append(seq.request_id)
-                out[seq.request_id] = token  # a request with n > 1 appears once, with its last choice's token
         return out
 
-    def _record_step(self, chunks: list[ScheduledChunk], num_sampled: int, start, end, num_preemptions) -> None:
+    def _keep_proposals(self, seq: Sequence, draft: list[int], num_accepted: int, num_emitted: int) -> None:
+        """After a verification that emitted num_emitted tokens (fewer than num_accepted + 1 when a stop
+        among them ended the sequence): count it, keep the K/V of the proposals now in seq's tokens,
+        give back the rest."""
+        self.speculator.record(seq, len(draft), num_accepted)
+        self.batcher.keep_proposals(seq, min(num_emitted, num_accepted))
+        self.last_step.num_sampled += num_emitted - 1  # the step counted one token per sampler
+        self.last_step.num_draft_tokens += len(draft)
+        self.last_step.num_accepted_tokens += num_accepted
+
+    def _record_step(self, chunks: list[ScheduledChunk], start: float, end: float, num_preemptions: int) -> None:
         self.num_steps += 1
         self.last_chunks = chunks
-        decode_tokens = sum(1 for c in chunks if c.num_tokens == 1 and c.start >= c.seq.num_prompt_tokens)
-        self.last_step = StepStats(
-            start=start,
-            end=end,
-            num_seqs=len(chunks),
-            num_decode_tokens=decode_tokens,
-            num_prefill_tokens=sum(c.num_tokens for c in chunks) - decode_tokens,
-            num_sampled=num_sampled,
-            attended_pairs=sum(c.num_tokens * (c.start + c.num_tokens) for c in chunks),
-            cached_context_tokens=sum(c.start + c.num_tokens for c in chunks if c.start > 0),
-            num_preemptions=num_preemptions,
-            kv_blocks_used=self.allocator.num_blocks - self.allocator.num_free_blocks,
-        )
+        kv_blocks_used = self.allocator.num_blocks - self.allocator.num_free_blocks
+        self.last_step = StepStats.of(chunks, start, end, num_preemptions, kv_blocks_used)
 
     def has_unfinished(self) -> bool:
         return self.batcher.has_unfinished()
@@ -357,7 +354,8 @@ class OnlineScheduler:
         return True
 
     def stats(self) -> dict:
-        return {
+        spec = self.speculator.stats.as_dict() if self.speculator else {}
+        return spec | {
             "num_kv_blocks_total": self.allocator.num_blocks,
             "num_kv_blocks_free": self.allocator.num_free_blocks,
             "num_kv_blocks_shared": self.allocator.num_shared_blocks,  # held by several sequences, stored once

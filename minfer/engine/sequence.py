@@ -142,12 +142,19 @@ class ScheduledChunk:
 
     seq: Sequence
     start: int
-    num_tokens: int
+    num_tokens: int  # with a draft: the sequence's last token and the proposals
+    draft: list[int] = field(default_factory=list)  # speculative decoding: tokens proposed after the last
 
     @property
     def produces_token(self) -> bool:
         """A chunk that reaches the sequence's last token produces the next token."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens - len(self.draft) == self.seq.num_tokens
+
+    @property
+    def row_samplers(self) -> list[Sequence]:
+        """The sequence each sampled row of this chunk draws for: its samplers, one row each, or a
+        speculating sequence once per verified row (its last token and every proposal)."""
+        return [self.seq] * self.num_tokens if self.draft else self.samplers
 
     @property
     def samplers(self) -> list[Sequence]:

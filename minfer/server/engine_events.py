@@ -98,6 +98,8 @@ class EventRecorder:
             "num_prefill_tokens": info.num_prefill_tokens,
             "num_decode_tokens": info.num_decode_tokens,
             "num_sampled": num_sampled,
+            "num_draft_tokens": info.num_draft_tokens,  # speculative decoding: proposals verified ...
+            "num_accepted_tokens": info.num_accepted_tokens,  # ... and accepted this step
             "kv_blocks_used": info.kv_blocks_used,
             "chunks": [[feed_id(c.seq), c.start, c.num_tokens] for c in s.last_chunks],
         }

@@ -201,7 +201,8 @@ class SchedulerManager:
             self._active.pop(request_id).events.put(Done(outs[0], tuple(outs)))
             finished += outs
         if self.events.active:
-            self.events.publish(self._recorder.step(len(sampled), finished))
+            num_tokens = self.scheduler.last_step.num_sampled if sampled else 0  # accepted proposals too
+            self.events.publish(self._recorder.step(num_tokens, finished))
 
     def _publish_between_steps(self, queues_changed: bool) -> None:
         """A snapshot when a viewer waits for one (it holds the queue changes too), else an update

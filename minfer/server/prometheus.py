@@ -39,6 +39,12 @@ FROM_STATS = [
         "prefix_cache_hit_tokens",
     ),
 ]
+# Speculative decoding's counters (vLLM's spec_decode_* names), when the engine speculates.
+SPEC_DECODE = [
+    ("spec_decode_num_drafts_total", "Verifications: steps in which a sequence checked proposals.", "spec_decode_num_drafts"),
+    ("spec_decode_num_draft_tokens_total", "Proposed tokens verified.", "spec_decode_num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens_total", "Proposed tokens accepted.", "spec_decode_num_accepted_tokens"),
+]
 
 
 class Histogram:
@@ -112,6 +118,8 @@ class Metrics:
             lines = []
             for name, kind, help_text, key in FROM_STATS:
                 lines += metric("minfer_" + name, kind, help_text, stats.get(key, 0))
+            if "spec_decode_num_drafts" in stats:
+                lines += spec_decode_metrics(stats)
             for name, help_text, value in [
                 ("requests_finished_total", "Requests that finished (stop or length).", self.finished),
                 ("requests_aborted_total", "Requests discarded before finishing.", self.aborted),
@@ -129,6 +137,26 @@ class Metrics:
         if rss is not None:  # the standard process metric's name, so dashboards find it
             lines += metric("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", rss)
         return "\n".join(lines) + "\n"
+
+
+def spec_decode_metrics(stats: dict) -> list[str]:
+    """The speculative-decoding counters, accepted tokens per proposal position, and the histogram of
+    accepted lengths (tokens a verification emits: accepted proposals + 1; its mean is the speed-up's bound)."""
+    lines = []
+    for name, help_text, key in SPEC_DECODE:
+        lines += metric("minfer_" + name, "counter", help_text, stats[key])
+    per_pos = {f'position="{j}"': n for j, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"])}
+    lines += metric(
+        "minfer_spec_decode_num_accepted_tokens_per_pos_total", "counter", "Accepted proposals by position.", per_pos
+    )
+    counts = stats["spec_decode_accepted_length_counts"]  # [n]: verifications that emitted n tokens
+    lengths = Histogram(tuple(range(1, len(counts))))
+    lengths.counts = counts[1:]
+    lengths.count = sum(counts)
+    lengths.sum = sum(n * c for n, c in enumerate(counts))
+    return lines + metric(
+        "minfer_spec_decode_accepted_length", "histogram", "Tokens each verification emitted.", lengths
+    )
 
 
 def metric(name: str, kind: str, help_text: str, value) -> list[str]:

@@ -49,6 +49,9 @@ class SoakConfig:
     stall_limit: float = 45.0  # seconds a stalled or idle connection may stay open (server timeouts + slack)
     write_timeout: float = 30.0  # the server's; stopped readers pause a little longer than this
     seed: int = 0
+    # The spawned server's extra engine flags: ("--speculative-method", "ngram") mixes speculating requests
+    # (seeded ones speculate in any batch, the others when few run) into the load.
+    server_args: tuple[str, ...] = ()
 
 
 def get_metrics(target: Target) -> dict[str, float]:
@@ -105,6 +108,8 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally) -> dict:
         "streams cancelled midway": c["streams cancelled"],
         "tokens streamed": c["tokens streamed"],
         "preemptions": after["minfer_preemptions_total"] - before["minfer_preemptions_total"],
+        "speculative proposals accepted": after.get("minfer_spec_decode_num_accepted_tokens_total", 0)
+        - before.get("minfer_spec_decode_num_accepted_tokens_total", 0),
         "requests discarded by the server": after["minfer_requests_aborted_total"]
         - before["minfer_requests_aborted_total"],
         "slow-reader streams finished": c["slow streams finished"],
@@ -175,7 +180,7 @@ class ServerDidNotStart(RuntimeError):
     """minfer.serve exited before listening (a bad --model, say); the message holds its log's tail."""
 
 
-def spawn_server(model: str, kv_blocks: int, log_path: str) -> tuple[subprocess.Popen, int]:
+def spawn_server(model: str, kv_blocks: int, log_path: str, server_args=()) -> tuple[subprocess.Popen, int]:
     t = str(SPAWN_TIMEOUTS)
     cmd = [
         sys.executable,
@@ -193,6 +198,7 @@ def spawn_server(model: str, kv_blocks: int, log_path: str) -> tuple[subprocess.
         t,
         "--write-timeout",
         t,
+        *server_args,
     ]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -265,7 +271,7 @@ def run_spawned(model: str, cfg: SoakConfig, kv_blocks: int = 48, tally: Tally |
     cfg.stall_limit = SPAWN_TIMEOUTS + 8.0
     cfg.write_timeout = SPAWN_TIMEOUTS
     log_path = os.path.join(tempfile.mkdtemp(prefix="minfer-stress-"), "server.log")
-    proc, port = spawn_server(model, kv_blocks, log_path)
+    proc, port = spawn_server(model, kv_blocks, log_path, cfg.server_args)
     try:
         target = Target("127.0.0.1", port, cfg.stall_limit)
         figures = {"KV blocks": kv_blocks, **soak(target, cfg, tally)}

@@ -128,7 +128,8 @@ function applyChanges(e, now) {
     // (the header's count) those running after it, which also holds any the token budget left out.
     push(view.steps, { step: e.step, prefill: e.num_prefill_tokens, decode: e.num_decode_tokens, seqs: e.num_seqs,
                        finished: e.finished.length, runningAfter: e.running.length,
-                       ms: (e.end - e.start) * 1000, preempted: e.preempted.length }, MAX_STEPS);
+                       ms: (e.end - e.start) * 1000, preempted: e.preempted.length,
+                       drafted: e.num_draft_tokens || 0, accepted: e.num_accepted_tokens || 0 }, MAX_STEPS);
     view.sampled.push([now, e.num_sampled]);
   }
 }
@@ -184,7 +185,8 @@ function render() {
 function describeStep(s) {
   if (!s) return "No steps yet.";
   return `step ${s.step}: ${s.seqs} seqs ran (${s.finished} finished in it), ${s.runningAfter} running after it; ` +
-    `${s.prefill} prefill + ${s.decode} decode tokens in ${s.ms.toFixed(1)} ms`;
+    `${s.prefill} prefill + ${s.decode} decode tokens in ${s.ms.toFixed(1)} ms` +
+    (s.drafted ? `; speculation: ${s.accepted} of ${s.drafted} proposed tokens accepted` : "");
 }
 
 function updateRate() { // tokens/s over the last two seconds, also when the engine falls idle

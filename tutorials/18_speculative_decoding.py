@@ -1,0 +1,83 @@
+"""Stage 18: speculative decoding. Propose a few tokens cheaply, let the model check them all in one
+forward pass, keep the ones it agrees with: more than one token per step, with the same output.
+
+It loads the model of the other stages and: times one forward over 1 row and over k + 1 rows of one
+sequence (printed, not asserted: timings are noisy), with the bytes and FLOPs each must move; checks
+on a six-token distribution that the acceptance rule samples exactly the target distribution; and
+runs the engine with n-gram (prompt lookup) speculation on a text that repeats, beside plain decoding.
+
+    python tutorials/18_speculative_decoding.py   # MINFER_MODEL=/path to choose the checkpoint
+"""
+
+import time
+from pathlib import Path
+
+import torch
+from _common import model_path, section
+
+from minfer import LLM, SamplingParams
+from minfer.engine.sequence import ScheduledChunk
+from minfer.engine.speculative.ngram import NgramProposer
+from minfer.engine.speculative.verify import VerifyRows, verify
+
+torch.manual_seed(0)
+path = model_path()
+
+section("1. checking k tokens costs about what generating one does")
+llm = LLM(path)
+sched = llm.scheduler
+config = llm.model.config
+params = sum(p.numel() for p in llm.model.parameters())
+prompt = torch.randint(0, config.vocab_size - 1, (min(64, config.max_positions // 2),)).tolist()
+request = sched.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=32, temperature=0))
+sched.step()  # the prefill, and the first token
+seq = sched.running[0]
+sched.batcher._grow(seq, seq.num_tokens + 8)  # room for the proposals' keys and values (a test-only reach-in)
+for k in (0, 4, 8):
+    chunk = ScheduledChunk(seq, seq.num_computed_tokens, 1 + k, [7] * k)  # k made-up proposals
+    sched.runner.execute([chunk])  # once to warm up
+    start = time.perf_counter()
+    for _ in range(10):
+        sched.runner.execute([chunk])
+    ms = (time.perf_counter() - start) / 10 * 1e3
+    print(f"  {1 + k} row(s): {ms:6.2f} ms per forward; reads {4 * params / 1e6:.0f} MB of fp32 weights, "
+          f"computes {2 * params * (1 + k) / 1e6:.0f} MFLOP")
+sched.discard_request(request)
+assert sched.allocator.num_free_blocks == sched.allocator.num_blocks
+
+section("2. the acceptance rule keeps the target distribution")
+p = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03])  # the target's next-token distribution
+R, proposal = 40_000, 0  # R independent verifications of the same proposal: token 0
+rows = VerifyRows([SamplingParams(temperature=1.0)] * R, [None] * R, [None] * R, [proposal] * R)
+tokens, accepted = verify(p.log().expand(R, -1), rows)  # (R,) each
+empirical = torch.bincount(tokens, minlength=len(p)).float() / R
+print(f"  accepted {accepted.float().mean():.3f} of proposals (p[0] = {p[0]:.2f})")
+print(f"  target    {[round(x, 3) for x in p.tolist()]}")
+print(f"  emitted   {[round(x, 3) for x in empirical.tolist()]}")
+assert (empirical - p).abs().max() < 0.01  # accept with p(d), else draw from p without d: exactly p
+
+section("3. n-gram proposals on a text that repeats")
+ngram = NgramProposer(2, 4)
+print("  [5, 6, 7, 8, 9, 6, 7] ->", ngram.propose([5, 6, 7, 8, 9, 6, 7], 3), "(what followed '6 7' before)")
+heldout = Path(path) / "heldout.txt"
+if heldout.is_file():  # minfer-tiny: two of its held-out stories, then the first one's opening again
+    stories = [s for s in heldout.read_text(encoding="utf-8").split("<|endoftext|>") if s.strip()]
+    text = stories[0] + "<|endoftext|>" + stories[1] + "<|endoftext|>" + stories[0].split(". ")[0] + "."
+    ids = llm.tokenizer.encode_prompt(text)
+else:  # a random model copies nothing it read, but its greedy output loops: lookup finds the loop
+    ids = prompt + prompt[:8]
+ids = ids[-(config.max_positions - 64) :]
+greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+spec = LLM(path, speculative_method="ngram", num_speculative_tokens=4)
+for name, engine in (("plain", llm), ("ngram", spec)):
+    steps = engine.scheduler.num_steps
+    start = time.perf_counter()
+    out = engine.generate([ids], greedy, use_tqdm=False)[0]
+    seconds = time.perf_counter() - start
+    print(f"  {name:<6} {len(out.token_ids)} tokens in {engine.scheduler.num_steps - steps} steps, {seconds * 1e3:.0f} ms")
+    if name == "plain":
+        plain = out
+assert out.token_ids == plain.token_ids  # greedy: speculation changes the speed, never the tokens
+stats = spec.scheduler.speculator.stats
+print(f"  acceptance rate {stats.acceptance_rate:.2f}, mean accepted length {stats.mean_accepted_length:.2f} "
+      f"tokens per verification")
