@@ -16,13 +16,17 @@ SECONDS = float(os.environ.get("MINFER_SOAK_SECONDS", "12"))
 
 def test_soak_with_faults_then_sigterm(tiny_checkpoint):
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "minfer-stress-*")))
-    figures, tally = run_spawned(str(tiny_checkpoint), SoakConfig(duration=SECONDS, replays=8), kv_blocks=48)
+    # With n-gram speculation on: seeded streams speculate in any batch, the others when few run, so
+    # speculating and plain sequences share the steps (and their preemptions and cancellations).
+    cfg = SoakConfig(duration=SECONDS, replays=8, server_args=("--speculative-method", "ngram"))
+    figures, tally = run_spawned(str(tiny_checkpoint), cfg, kv_blocks=48)
     print("\n".join(f"{k}: {v}" for k, v in figures.items()))
     assert tally.failures == []
     # every fault really happened, so the checks above had something to check
     assert figures["streams finished"] > 0 and figures["streams cancelled midway"] > 0
     assert figures["of them with n > 1 choices"] > 0  # n > 1 and penalty requests are in the mix
     assert figures["preemptions"] > 0 and figures["requests discarded by the server"] > 0
+    assert figures["speculative proposals accepted"] > 0
     assert figures["slow-reader streams finished"] > 0
     assert figures["scoring requests answered (echo + logprobs)"] > 0 and figures["logprob streams finished"] > 0
     assert figures["stalled requests closed with 408"] > 0 and figures["silent connections closed"] > 0
