@@ -52,7 +52,8 @@ def dynamic_int8_mm(rows: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -
     row_scales = rows.abs().amax(dim=1, keepdim=True).float().div_(127).clamp_(min=1e-12)  # (M, 1)
     rows_q = torch.round(rows / row_scales).to(torch.int8)  # (M, K), the row's largest at +-127
     acc = torch._int_mm(rows_q, q.t())  # (M, N) int32: exact
-    return (acc * (row_scales * scales)).to(rows.dtype)
+    # In place on one fp32 copy: int32 * fp32 with broadcasting is a slow mixed-dtype loop (2x, measured).
+    return acc.float().mul_(scales).mul_(row_scales).to(rows.dtype)
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
