@@ -287,7 +287,7 @@ def test_roofline_and_profile_count_quantized_bytes(make_checkpoint):
 
 
 def test_a_quantizing_load_holds_mallocs_mmap_threshold_low_and_releases_it(monkeypatch, tiny_checkpoint):
-    """models/malloc.py: while quantizing at load, freed float tensors go back to the OS (peak RSS);
+    """models/malloc.py: while a quantized model loads, freed float tensors go back to the OS (peak RSS);
     a plain load leaves malloc alone."""
     from minfer.models import malloc
 

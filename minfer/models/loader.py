@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -192,9 +191,7 @@ def load_model_weights(
                 return False
             return quantizer.take(name, arch.convert_weights({name: tensor}, model.config)[name])
 
-    with freed_memory_returned() if quantizer is not None else nullcontext():  # malloc.py: peak RSS
-        state = read_checked_weights(model_dir, expected, arch.checkpoint_name, device, dtype, arch.optional_weights,
-                                     take)
+    state = read_checked_weights(model_dir, expected, arch.checkpoint_name, device, dtype, arch.optional_weights, take)
     state = arch.convert_weights(state, model.config)
     for alias, owner in tied.items():
         if owner in state:
@@ -248,14 +245,15 @@ def from_pretrained(
 def load_quantized(model, model_dir: Path, dtype: torch.dtype, stored, spec) -> CausalLM:
     """`model` (on the meta device) filled from a quantized checkpoint (`stored`: its spec), or from a
     float one quantized tensor by tensor (`spec`). Every weight must be there: nothing half-loaded."""
-    if stored is not None:
-        quantized, state = read_quantized_state(model_dir, dtype)
-        spec = stored
-        install_quantized(model, quantized, state, spec, dtype)
-    else:
-        quantizer = StreamingQuantizer(model, spec)
-        state = load_model_weights(model, model_dir, "cpu", dtype, quantizer)
-        quantizer.install(model, state, dtype)
+    with freed_memory_returned():  # temporaries (float weights, int4's int32 copies) go back to the OS: malloc.py
+        if stored is not None:
+            quantized, state = read_quantized_state(model_dir, dtype)
+            spec = stored
+            install_quantized(model, quantized, state, spec, dtype)
+        else:
+            quantizer = StreamingQuantizer(model, spec)
+            state = load_model_weights(model, model_dir, "cpu", dtype, quantizer)
+            quantizer.install(model, state, dtype)
     wanted = {n for n, p in model.named_parameters() if p.is_meta}
     missing, unexpected = sorted(wanted - set(state)), sorted(set(state) - wanted)
     if missing or unexpected:
