@@ -1,11 +1,12 @@
-"""Give freed memory back to the OS while a checkpoint is quantized as it loads (glibc only).
+"""Give freed memory back to the OS while a quantized model loads (glibc only).
 
 glibc serves a large allocation with its own mmap, unmapped when freed, but only above its mmap
 threshold; and each such free raises the threshold to the freed block's size (up to 32 MiB). After
 the first few float weights are freed, later ones come from the heap, and a heap freed in the
 middle is not returned. Quantizing while loading frees one float tensor per weight: Qwen3-0.6B's
 int8 load peaked at 2.0 GB of RSS for 0.6 GB of weights, 0.87 GB with the threshold held at
-128 KiB (measured, /usr/bin/time -v). After loading, the threshold is set to glibc's own ceiling
+128 KiB (measured, /usr/bin/time -v; with loader.read_alone). int4's repacking frees an int32
+copy of each weight in the same way (2.6 GB -> 0.99 GB). After loading, the threshold is set to glibc's own ceiling
 (32 MiB), where a long-running process's dynamic threshold ends up anyway, so steps keep reusing
 heap blocks instead of mapping fresh pages.
 """
