@@ -10,7 +10,7 @@ activations (other widths crash or give garbage in torch 2.13): narrower weights
 
 With `quantize_activations` (--quantize-activations) the activations are quantized too, each row
 (token) to int8 with a scale of its own, and the matmul is int8 x int8 -> int32 (torch._int_mm,
-VNNI on AVX512 CPUs), as llama.cpp's Q8_0 does with blocks of 32. On a Zen 4 core that runs a
+VNNI on AVX512 CPUs), as llama.cpp's Q8_0 does with blocks of 32. On one Zen 4 core that runs a
 GPT-2 block at one row in half the time of the packed bf16 matmul, where _weight_int8pack_mm,
 which converts every weight to float before multiplying, is compute-bound at 0.7x of it, and at
 batches it stays ahead of bf16 (0.75-0.8x at 64 to 256 rows) where that kernel is 2.5x behind.
