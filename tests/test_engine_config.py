@@ -257,6 +257,7 @@ def test_in_process_server_reports_its_engine_in_health(tiny_checkpoint):
         "quantization": None,
         "quantization_group_size": None,
         "quantize_lm_head": True,
+        "quantize_activations": False,
         "speculative_method": None,
         "num_speculative_tokens": None,
         "ngram_min": None,

@@ -16,11 +16,13 @@ from minfer.quantization import (
     QuantizedLinear,
     check_quantization,
     int4_kernel_available,
+    quantization_of,
     quantize_int4,
     quantize_int8,
     quantize_model,
 )
 from minfer.quantization import int4 as int4_module
+from minfer.quantization.checkpoint import QuantizationSpec
 from minfer.quantization.int4 import dequantize_int4
 from minfer.quantization.int8 import dequantize_int8
 
@@ -282,3 +284,17 @@ def test_roofline_and_profile_count_quantized_bytes(make_checkpoint):
     linears = weight_linears(model)
     assert len(linears) == 7 * model.config.num_layers and all(isinstance(m, Int8Linear) for m in linears)
     assert module_bytes(linears[0]) == linears[0].qweight.numel() + 4 * linears[0].out_features
+
+
+def test_a_quantizing_load_holds_mallocs_mmap_threshold_low_and_releases_it(monkeypatch, tiny_checkpoint):
+    """models/malloc.py: while a quantized model loads, freed float tensors go back to the OS (peak RSS);
+    a plain load leaves malloc alone."""
+    from minfer.models import malloc
+
+    calls = []
+    monkeypatch.setattr(malloc, "glibc_mallopt", lambda: lambda param, value: calls.append((param, value)))
+    load_model(tiny_checkpoint)
+    assert calls == []
+    model = load_model(tiny_checkpoint, quantization=QuantizationSpec("int8", None, True))
+    assert calls == [(malloc.M_MMAP_THRESHOLD, 128 << 10), (malloc.M_MMAP_THRESHOLD, 32 << 20)]
+    assert quantization_of(model) == "int8"

@@ -25,7 +25,7 @@ from ..engine.config import DTYPES
 from ..engine.llm import resolve_dtype, set_cpu_threads
 from ..models.perplexity import Perplexity, perplexity
 from ..models.registry import load_model
-from ..quantization import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization
+from ..quantization import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization, quantize_model
 from ..quantization.checkpoint import QuantizationSpec
 from ..text.tokenizer import Tokenizer
 
@@ -33,7 +33,7 @@ from ..text.tokenizer import Tokenizer
 def file_perplexity(
     model_name: str, path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
     window: int | None = None, stride: int | None = None, quantization: str | None = None,
-    group_size: int | None = None, quantize_lm_head: bool = True,
+    group_size: int | None = None, quantize_lm_head: bool = True, quantize_activations: bool = False,
 ) -> tuple[Perplexity, int, int]:
     """(the result, window, stride) for the text file at `path` under checkpoint `model_name`,
     quantized as the engine's --quantization would (quantization/) if one is given."""
@@ -41,6 +41,8 @@ def file_perplexity(
     check_quantization(quantization, group_size)
     spec = None if quantization is None else QuantizationSpec(quantization, group_size, quantize_lm_head)
     model = load_model(model_name, device=device, dtype=resolve_dtype(dtype, torch.device(device)), quantization=spec)
+    if quantize_activations:  # the weights are quantized already: this sets how int8 linears multiply
+        quantize_model(model, quantization, group_size, quantize_lm_head, quantize_activations=True)
     ids = Tokenizer.from_dir(model.model_dir).encode(text)
     window = window or model.config.max_positions
     stride = stride or max(1, window // 2)
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.bench.perp
     parser.add_argument("--quantization-group-size", type=int, choices=GROUP_SIZES, help="int4: weights per scale")
     parser.add_argument("--no-quantize-lm-head", dest="quantize_lm_head", action="store_false",
                         help="keep the LM head (and its tied embedding) in full precision")
+    parser.add_argument("--quantize-activations", action="store_true",
+                        help="int8: round each linear's input rows to int8 too (int8 x int8 matmuls)")
     parser.add_argument("--num-threads", type=int, help="CPU threads (default: every core)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
     args = parser.parse_args(argv)
@@ -72,18 +76,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.bench.perp
     try:
         result, window, stride = file_perplexity(args.model, args.file, args.dtype, args.device, args.window,
                                                  args.stride, args.quantization, args.quantization_group_size,
-                                                 args.quantize_lm_head)
+                                                 args.quantize_lm_head, args.quantize_activations)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(dict(model=args.model, file=args.file, dtype=args.dtype, quantization=args.quantization,
+                              quantize_activations=args.quantize_activations,
                               group_size=args.quantization_group_size, window=window, stride=stride,
                               tokens=result.tokens, loss=result.loss, perplexity=result.perplexity)))
     else:
         print(f"perplexity {result.perplexity:.4f} (loss {result.loss:.4f} nats/token over {result.tokens} tokens; "
               f"windows of {window}, stride {stride}; {args.model}, {args.dtype}"
-              f"{', ' + args.quantization if args.quantization else ''})")
+              f"{', ' + args.quantization if args.quantization else ''}{' (int8 activations)' if args.quantize_activations else ''})")
     return 0
 
 

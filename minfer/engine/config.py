@@ -185,6 +185,10 @@ class EngineConfig:
     quantize_lm_head: bool = setting(
         True, bool, BOOL, "with --quantization: quantize the LM head (and the embedding tied to it) too"
     )
+    quantize_activations: bool = setting(
+        False, bool, BOOL, "with --quantization int8: round each linear's input rows to int8 too and multiply "
+        "int8 x int8 (as llama.cpp's Q8_0 does): faster at every batch size, a second rounding"
+    )
 
     # Speculative decoding (engine/speculative/): propose tokens cheaply, verify them in one forward.
     speculative_method: str | None = setting(
@@ -232,6 +236,8 @@ class EngineConfig:
         if self.quantization is None and self.quantization_group_size is not None:
             raise ValueError("--quantization-group-size applies to --quantization int4 only")
         check_quantization(self.quantization, self.quantization_group_size)  # int4 without its kernels, say
+        if self.quantize_activations and self.quantization != "int8":
+            raise ValueError("--quantize-activations applies to --quantization int8 only")
         self._check_speculative()
         sizes = [flag(f) for f in fields(self) if f.name in KV_CACHE_SIZES and getattr(self, f.name) is not None]
         if len(sizes) > 1:

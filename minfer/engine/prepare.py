@@ -38,7 +38,8 @@ def prepare_model(model: torch.nn.Module, config=None) -> tuple[torch.nn.Module,
     method = getattr(config, "quantization", None)
     if method is not None:
         quantize_model(
-            model, method, getattr(config, "quantization_group_size", None), getattr(config, "quantize_lm_head", True)
+            model, method, getattr(config, "quantization_group_size", None), getattr(config, "quantize_lm_head", True),
+            getattr(config, "quantize_activations", False),
         )
     if model.device.type == "cpu":
         optimize_for_cpu(model)  # swaps nn.Linear for faster equivalents; a prepared model has none left

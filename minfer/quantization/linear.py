@@ -35,9 +35,13 @@ class QuantizedLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # (out, in)
         raise NotImplementedError
 
+    def uses_kernel(self, num_rows: int) -> bool:
+        """Whether `num_rows` rows go through `kernel` (else: dequantize + GEMM)."""
+        return num_rows <= self.kernel_max_rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         rows = x.reshape(-1, self.in_features)  # (M, in)
-        if rows.shape[0] <= self.kernel_max_rows:
+        if self.uses_kernel(rows.shape[0]):
             y = self.kernel(rows)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)

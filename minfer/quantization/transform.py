@@ -74,12 +74,24 @@ def find_token_embedding(model: nn.Module, head: nn.Linear | None) -> tuple[nn.M
 
 
 def quantize_model(
-    model: nn.Module, method: str, group_size: int | None = None, quantize_lm_head: bool = True
+    model: nn.Module, method: str, group_size: int | None = None, quantize_lm_head: bool = True,
+    quantize_activations: bool = False,
 ) -> nn.Module:
     """Quantize `model` (a models.CausalLM) in place and return it. `quantize_lm_head=False` keeps the
-    LM head, and the embedding tied to it, in full precision. Quantizing a quantized model again with
-    the same method changes nothing."""
+    LM head, and the embedding tied to it, in full precision. `quantize_activations` (int8 only) rounds
+    each linear's input rows to int8 too, for int8 x int8 matmuls (int8.py). Quantizing a quantized
+    model again with the same method changes nothing but that choice."""
     check_quantization(method, group_size)
+    if quantize_activations and method != "int8":
+        raise ValueError(f"--quantize-activations applies to --quantization int8, not {method}")
+    _quantize_weights(model, method, group_size, quantize_lm_head)
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            m.quantize_activations = quantize_activations
+    return model
+
+
+def _quantize_weights(model: nn.Module, method: str, group_size: int | None, quantize_lm_head: bool) -> nn.Module:
     if model.device.type != "cpu":  # the seam for the GPU issue: CUDA kernels go here
         raise ValueError(f"--quantization {method} runs on the CPU only for now, not on {model.device}")
     done = quantization_of(model)

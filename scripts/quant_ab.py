@@ -1,0 +1,62 @@
+"""bf16 and quantized engines side by side: the same greedy requests through each, alternating, best of
+--rounds (a shared, noisy CPU: alternation keeps the comparison fair, the best round drops stalls).
+
+    python scripts/quant_ab.py --model /tmp/gpt2 [--batches 1,16,64] [--rounds 3] [--threads 1]
+
+Batch 1 prints ms/token (a 4-token prompt, --output-len tokens, wall time / tokens: the prefill is
+spread over them); larger batches print output tokens/s (32-token prompts). Each figure has its
+time relative to the first variant beside it.
+"""
+
+import argparse
+import time
+
+from minfer import LLM, SamplingParams
+
+VARIANTS = {
+    "bf16": {},
+    "int8": {"quantization": "int8"},
+    "int8xint8": {"quantization": "int8", "quantize_activations": True},
+    "int4": {"quantization": "int4"},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="minfer-tiny")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"from {', '.join(VARIANTS)}")
+    parser.add_argument("--batches", default="1")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--threads", type=int, help="CPU threads (default: every core)")
+    parser.add_argument("--attention-backend", default="auto")
+    args = parser.parse_args()
+    names = args.variants.split(",")
+    engines = {
+        name: LLM(args.model, dtype="auto", num_threads=args.threads, attention_backend=args.attention_backend,
+                  **VARIANTS[name])
+        for name in names
+    }
+    batches = [int(b) for b in args.batches.split(",")]
+    greedy = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    best: dict[tuple[int, str], float] = {}
+    for _ in range(args.rounds):
+        for batch in batches:
+            prompts = [[(7 * i + j) % 1000 + 10 for j in range(32 if batch > 1 else 4)] for i in range(batch)]
+            for name, llm in engines.items():
+                llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # warm: shapes compile
+                start = time.perf_counter()
+                llm.generate(prompts, greedy, use_tqdm=False)
+                best[batch, name] = min(best.get((batch, name), float("inf")), time.perf_counter() - start)
+    for batch in batches:
+        cells = []
+        for name in names:
+            seconds = best[batch, name]
+            figure = (f"{seconds / args.output_len * 1e3:.1f} ms/token" if batch == 1
+                      else f"{batch * args.output_len / seconds:.1f} tok/s")
+            cells.append(f"{name} {figure} ({seconds / best[batch, names[0]]:.2f}x time)")
+        print(f"batch {batch}: " + "  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
