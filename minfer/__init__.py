@@ -5,10 +5,6 @@ bench and stress as clients; docs/architecture.md draws them. This file re-expor
 users import: `from minfer import LLM, SamplingParams` (and `EngineConfig`).
 """
 
-from .openmp_waiting import choose_wait_policy
-
-choose_wait_policy()  # before anything below imports torch: libgomp reads it once, when torch loads
-
 from .engine.config import EngineConfig
 from .engine.llm import LLM
 from .engine.sampling import SamplingParams
