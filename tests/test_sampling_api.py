@@ -10,6 +10,7 @@ import time
 
 import openai
 import pytest
+from serving import serving
 
 from minfer import LLM, EngineConfig, SamplingParams
 from minfer.server.serve import create_server
@@ -24,10 +25,8 @@ def checkpoint(make_checkpoint):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    srv = create_server(EngineConfig(str(checkpoint), num_kv_blocks=300, max_num_seqs=8), port=0)
-    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    yield srv
-    srv.stop(grace=1.0)
+    with serving(EngineConfig(str(checkpoint), num_kv_blocks=300, max_num_seqs=8)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

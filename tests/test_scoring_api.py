@@ -9,6 +9,7 @@ import threading
 import openai
 import pytest
 import torch
+from serving import serving
 
 from minfer import EngineConfig
 from minfer.server.serve import create_server
@@ -20,10 +21,8 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    srv = create_server(EngineConfig(str(tiny_checkpoint), num_kv_blocks=200, max_num_batched_tokens=64), port=0)
-    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    yield srv
-    srv.stop(grace=1.0)
+    with serving(EngineConfig(str(tiny_checkpoint), num_kv_blocks=200, max_num_batched_tokens=64)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
