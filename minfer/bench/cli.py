@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from ..engine.config import EngineConfig
 from ..cpu_share import threads_chosen
+from ..engine.config import EngineConfig
 from ..engine.llm import LLM, cpu_threads_wanted, resolve_dtype, set_cpu_threads
 from ..engine.logprobs import MAX_LOGPROBS
 from ..engine.scheduler import OnlineScheduler
 from ..models.loader import ModelNotFoundError, resolve_model_dir
-from ..openmp_waiting import wait_policy
 from ..models.registry import read_config
+from ..openmp_waiting import wait_policy
 from ..text.tokenizer import Tokenizer
 from .hf_baseline import compare, format_comparison, generate_batch, load_hf_model, run_hf
 from .metrics import RunResult, format_summary, median_summary, summarize
@@ -320,8 +320,9 @@ def run(args) -> int:
     if len(summaries) > 1:
         print_runs(summaries)
     print(format_summary(summary, result_title(args.mode, len(summaries)), memory_owner(args.mode, args.base_url)))
-    if format_spec(summary):
-        print(format_spec(summary))
+    speculation = format_spec(summary)
+    if speculation:
+        print(speculation)
     # The dtype minfer ran in ("auto" resolves per machine); the baseline uses the same.
     dtype = scheduler.model.dtype if scheduler else resolve_dtype(args.dtype, torch.device(args.device))
     settings = {

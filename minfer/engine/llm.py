@@ -8,7 +8,6 @@ for out in llm.generate(["Hello, my name is", "The sky is"], SamplingParams(temp
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import torch
@@ -19,8 +18,8 @@ from ..models.registry import load_model
 from ..quantization.checkpoint import QuantizationSpec
 from ..text.tokenizer import Tokenizer
 from .config import DTYPES, EngineConfig
-from .generation_defaults import sampling_defaults
 from .cpu_packing import cpu_has_native_bf16
+from .generation_defaults import sampling_defaults
 from .sampling import SamplingParams
 from .scheduler import OnlineScheduler
 from .sequence import RequestOutput

@@ -45,11 +45,10 @@ def prepare_model(model: torch.nn.Module, config=None) -> tuple[torch.nn.Module,
         optimize_for_cpu(model)  # swaps nn.Linear for faster equivalents; a prepared model has none left
     choice = "eager" if getattr(config, "enforce_eager", False) else getattr(config, "attention_backend", None)
     choice = choice or EngineConfig.attention_backend
-    kv_width = model.config.num_kv_heads * model.config.head_dim
-    backend = choose_attention_backend(model.device, model.dtype, choice, kv_width)
+    c = model.config
+    backend = choose_attention_backend(model.device, model.dtype, choice, kv_width=c.num_kv_heads * c.head_dim)
     warm_up = getattr(backend, "warm_up", None)
     if warm_up is not None:
-        c = model.config
         why_not = warm_up(c.num_heads, c.num_kv_heads, c.head_dim)
         if why_not:
             log.warning("minfer: compiled attention is off, running eager attention instead: %s", why_not)
