@@ -2,11 +2,15 @@
 with a short context, and on minfer-tiny; every stage has its chapter and its script, and the index
 links them all."""
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -45,42 +49,76 @@ SHAPES = {
 TEST_NAME = "test_tutorial_script_runs"
 
 
+@dataclass
+class ScriptRun:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
 @pytest.fixture(scope="session")
-def script_runs(request, make_checkpoint):
-    """Start the selected (shape, script) runs in the background, two at a time. Most of each
-    script's few seconds is start-up (importing torch, building the model), so two at once keep
-    two cores busy."""
+def script_runs(request, make_checkpoint, tmp_path_factory):
+    """Start the selected (shape, script) runs in the background, two at a time, each in a process of
+    its own forked by tests/script_forks.py: most of each script's few seconds would otherwise be
+    importing torch, once per run. Two at once keep two cores busy."""
     selected = [
         (item.callspec.params["shape"], item.callspec.params["script"])
         for item in request.session.items
         if getattr(item, "originalname", None) == TEST_NAME
     ]
+    if not selected:
+        yield {}
+        return
     checkpoints = {
         shape: "minfer-tiny" if SHAPES[shape] is None else make_checkpoint("tiny", **SHAPES[shape])
         for shape, _ in selected
     }
+    # Later stages run more of the engine and take longer: start them first, so the run
+    # does not end with one long script on one core while the other sits idle.
+    keys = sorted(selected, key=lambda key: key[1], reverse=True)
+    out = tmp_path_factory.mktemp("tutorial-runs")
+    jobs = [
+        {
+            "script": str(script),
+            "env": {"MINFER_MODEL": str(checkpoints[shape])},
+            "stdout": str(out / f"{shape}-{script.stem}.out"),
+            "stderr": str(out / f"{shape}-{script.stem}.err"),
+            "timeout": 180,
+        }
+        for shape, script in keys
+    ]
+    (out / "jobs.json").write_text(json.dumps(jobs))
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "OMP_NUM_THREADS": "1",  # two scripts at once on a small machine: don't oversubscribe it
-        "PYTHONUNBUFFERED": "1",
     }
+    forks = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("script_forks.py")), str(out / "jobs.json")],
+        cwd=TUTORIALS.parent, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    futures = {key: Future() for key in keys}
 
-    def run(shape: str, script: Path) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, str(script)],
-            cwd=TUTORIALS.parent,
-            env={**env, "MINFER_MODEL": str(checkpoints[shape])},
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
+    def collect():
+        for line in forks.stdout:
+            done = json.loads(line)
+            job = jobs[done["index"]]
+            futures[keys[done["index"]]].set_result(ScriptRun(
+                done["returncode"],
+                Path(job["stdout"]).read_text(errors="replace"),
+                Path(job["stderr"]).read_text(errors="replace"),
+            ))
+        forks.wait()
+        for future in futures.values():  # the forking process itself died: say so in every test left
+            if not future.done():
+                future.set_result(ScriptRun(-1, "", f"tests/script_forks.py exited with {forks.returncode}"))
 
-    pool = ThreadPoolExecutor(max_workers=2)
-    # Later stages run more of the engine and take longer: start them first, so the run
-    # does not end with one long script on one core while the other sits idle.
-    yield {key: pool.submit(run, *key) for key in sorted(selected, key=lambda key: key[1], reverse=True)}
-    pool.shutdown(wait=True, cancel_futures=True)  # after -x, don't start the ones nobody will check
+    collector = threading.Thread(target=collect, daemon=True)
+    collector.start()
+    yield futures
+    if forks.poll() is None:  # after -x: stop the runs nobody will check, children included
+        os.killpg(forks.pid, signal.SIGKILL)
+    collector.join()
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
