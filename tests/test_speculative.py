@@ -3,6 +3,7 @@ greedy and rejection-sampling acceptance, rollback. Speculation may change speed
 output is token for token what plain decoding gives, in batches, under chunked prefill, prefix hits and
 preemption; sampling draws from the target's distribution (a chi-square test); every block comes back."""
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -73,6 +74,32 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert ngram.propose([1, 2, 3, 4], 3) == []  # nothing repeats
     assert NgramProposer(2, 3).propose([1, 5, 2, 1], 3) == []  # a one-token match is too short
     assert ngram.propose([1, 2, 1, 2], 4) == [1, 2]  # only what exists after the match
+
+
+def scan_for_ngram(token_ids, k, ngram_min, ngram_max):
+    """The definition, by brute force: the latest earlier occurrence of the longest suffix."""
+    L = len(token_ids)
+    for n in range(min(ngram_max, L - 1), ngram_min - 1, -1):
+        for start in range(L - n - 1, -1, -1):
+            if token_ids[start : start + n] == token_ids[L - n :]:
+                return token_ids[start + n : start + n + k]
+    return []
+
+
+def test_ngram_index_kept_per_sequence_equals_a_fresh_scan_at_every_length():
+    """The proposer extends a sequence's index token by token; at every length it must propose what a
+    scan of the whole list would (small vocabularies, so matches of every length occur)."""
+    rng = random.Random(0)
+
+    class Key:  # stands for a Sequence: any object a weak reference can point to
+        pass
+
+    for vocab, ngram_min, ngram_max in [(3, 1, 3), (5, 2, 4), (8, 2, 2)]:
+        ngram, key, tokens = NgramProposer(ngram_min, ngram_max), Key(), [rng.randrange(vocab) for _ in range(5)]
+        for _ in range(200):
+            k = rng.randint(1, 5)
+            assert ngram.propose(tokens, k, key=key) == scan_for_ngram(tokens, k, ngram_min, ngram_max)
+            tokens.append(rng.randrange(vocab) if rng.random() < 0.7 else rng.choice(tokens))
 
 
 @pytest.mark.parametrize(

@@ -92,7 +92,7 @@ class Speculator:
         record = self._records.get(seq)
         if k < 1 or (record is not None and seq.num_output_tokens < record.resume_at):
             return []
-        return self.proposer.propose(seq.token_ids, k)
+        return self.proposer.propose(seq.token_ids, k, key=seq)
 
     def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """A verification's outcome: count it, and update the sequence's average (and cool-down)."""
