@@ -28,7 +28,9 @@ class FakeMachine:
 
 @pytest.fixture
 def restore_threads():
+    """Start from the 2 threads of FakeMachine's 2 cores (conftest pins tests to 1); restore after."""
     before = torch.get_num_threads()
+    torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
 
