@@ -21,6 +21,7 @@ from ..step_parts import part
 from .logprobs import StepLogprobs, TokenLogprob
 from .sampling import sample
 from .sequence import ScheduledChunk
+from .speculative.draft import DraftProposer
 from .speculative.verify import VerifyRows, verify
 
 
@@ -39,20 +40,35 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, attention_backend: AttentionBackend):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        block_size: int,
+        attention_backend: AttentionBackend,
+        draft: DraftProposer | None = None,  # speculative decoding's draft model, on the same blocks
+    ):
         self.model = model  # as prepare_model left it: the runner never changes it
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.attention_backend = attention_backend  # builds each step's attention metadata, and runs it
         self.device = model.device
+        self.draft = draft
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
         """Run one step: a token for every sampler of every chunk (ScheduledChunk.samplers), in chunk
         order, and the logprobs asked for."""
+        if self.draft is not None:
+            with part("speculation: propose", whole=True):
+                self.draft.fill(chunks)  # the proposals, before prepare() lays them out as verify rows
         with part("host: prepare"):
-            input_ids, batch, wanted = self.prepare(chunks)
+            input_ids, positions, layout, sample_rows, wanted = self.lay_out(chunks)
+            batch = PagedBatch(positions, self.kv_cache, self.attention_backend.build_metadata(layout), sample_rows)
         logits = self.model(input_ids, batch)  # (S + Q, V): one forward over the N tokens of every sequence
+        if self.draft is not None:
+            with part("speculation: propose", whole=True):
+                self.draft.follow(input_ids, positions, layout)  # the draft's K/V of the same tokens
         with part("sampling"):
             S = sum(len(c.row_samplers) for c in chunks)
             if not wanted.empty:
@@ -105,7 +121,15 @@ class ModelRunner:
         return out
 
     def prepare(self, chunks: list[ScheduledChunk]):
-        """Flatten the chunks into rows and describe, for attention, where each row's context is."""
+        """Flatten the chunks into rows and describe, for attention, where each row's context is:
+        (input_ids (N,), the PagedBatch, the logprob rows wanted)."""
+        input_ids, positions, layout, sample_rows, wanted = self.lay_out(chunks)
+        batch = PagedBatch(positions, self.kv_cache, self.attention_backend.build_metadata(layout), sample_rows)
+        return input_ids, batch, wanted
+
+    def lay_out(self, chunks: list[ScheduledChunk]):
+        """prepare()'s work, before any backend's metadata: (input_ids (N,), positions (N,), the
+        StepLayout, sample rows (S,), the logprob rows wanted)."""
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -152,8 +176,7 @@ class ModelRunner:
         flat = torch.tensor(input_ids + positions + slots + sample_rows).to(self.device, non_blocking=True)
         ids_t, pos_t, slots_t, sample_t = flat.split([N, N, N, S])
         layout = StepLayout(slots_t, starts, lens, context_lens, tables, block_size, self.kv_cache.null_block)
-        batch = PagedBatch(pos_t, self.kv_cache, self.attention_backend.build_metadata(layout), sample_t)
-        return ids_t, batch, wanted
+        return ids_t, pos_t, layout, sample_t, wanted
 
 
 def _num_accepted(chunks: list[ScheduledChunk], accepted: list[int]) -> dict[int, int]:
