@@ -61,14 +61,10 @@ class ModelRunner:
         order, and the logprobs asked for."""
         if self.draft is not None:
             with part("speculation: propose", whole=True):
-                self.draft.fill(chunks)  # the proposals, before prepare() lays them out as verify rows
+                self.draft.run(chunks)  # its K/V of the step's rows, and the proposals prepare() lays out
         with part("host: prepare"):
-            input_ids, positions, layout, sample_rows, wanted = self.lay_out(chunks)
-            batch = PagedBatch(positions, self.kv_cache, self.attention_backend.build_metadata(layout), sample_rows)
+            input_ids, batch, wanted = self.prepare(chunks)
         logits = self.model(input_ids, batch)  # (S + Q, V): one forward over the N tokens of every sequence
-        if self.draft is not None:
-            with part("speculation: propose", whole=True):
-                self.draft.follow(input_ids, positions, layout)  # the draft's K/V of the same tokens
         with part("sampling"):
             S = sum(len(c.row_samplers) for c in chunks)
             if not wanted.empty:
@@ -121,15 +117,7 @@ class ModelRunner:
         return out
 
     def prepare(self, chunks: list[ScheduledChunk]):
-        """Flatten the chunks into rows and describe, for attention, where each row's context is:
-        (input_ids (N,), the PagedBatch, the logprob rows wanted)."""
-        input_ids, positions, layout, sample_rows, wanted = self.lay_out(chunks)
-        batch = PagedBatch(positions, self.kv_cache, self.attention_backend.build_metadata(layout), sample_rows)
-        return input_ids, batch, wanted
-
-    def lay_out(self, chunks: list[ScheduledChunk]):
-        """prepare()'s work, before any backend's metadata: (input_ids (N,), positions (N,), the
-        StepLayout, sample rows (S,), the logprob rows wanted)."""
+        """Flatten the chunks into rows and describe, for attention, where each row's context is."""
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -176,7 +164,8 @@ class ModelRunner:
         flat = torch.tensor(input_ids + positions + slots + sample_rows).to(self.device, non_blocking=True)
         ids_t, pos_t, slots_t, sample_t = flat.split([N, N, N, S])
         layout = StepLayout(slots_t, starts, lens, context_lens, tables, block_size, self.kv_cache.null_block)
-        return ids_t, pos_t, layout, sample_t, wanted
+        batch = PagedBatch(pos_t, self.kv_cache, self.attention_backend.build_metadata(layout), sample_t)
+        return ids_t, batch, wanted
 
 
 def _num_accepted(chunks: list[ScheduledChunk], accepted: list[int]) -> dict[int, int]:

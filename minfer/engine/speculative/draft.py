@@ -3,28 +3,32 @@
 Its KV cache is a second cache tensor on the target's blocks: the same number of blocks, the same block
 size, read and written through the same block tables and slots (as vLLM v1's draft proposers do). So
 whatever the engine does to blocks it does to both caches at once: allocation, the rollback of rejected
-proposals (their slots are written over next step), preemption (freed, recomputed together), prefix-cache
+proposals (their slots are written over later), preemption (freed, recomputed together), prefix-cache
 hits (a cached block holds both models' K/V of the same tokens) and copy-on-write. That holds as long as
-the draft computes K/V for every token the target does, so it follows every forward the target runs.
+the draft computes K/V for every token the target does: before each target step, run() runs the draft
+over the step's rows too.
 
-Which draft positions hold K/V, for a sequence of L tokens whose last one (t_{L-1}, the target's latest
-sampled token) is not yet computed by either model (num_computed_tokens = L - 1):
-1. before the step (propose): the draft cache holds positions 0 .. L-2, as the target's does (step 3
-   of every earlier step put them there). Draft step j = 0 .. k-1 feeds one row per speculating
-   sequence: t_{L-1} at position L-1, then d_0 at L, ..., d_{k-2} at L+k-2, writing their K/V into the
-   slots the verify rows will take, and its argmax is d_j. d_{k-1}'s K/V is not written here.
-2. the target verifies t_{L-1}, d_0 .. d_{k-1} at positions L-1 .. L+k-1 and keeps a of the proposals.
-3. after the target's forward (follow): the draft runs the very rows the target ran (prefill chunks,
-   decode rows, verify rows) with the same positions and slots, so its cache holds every position the
-   target's holds: L-1 .. L+k-1 written again with the same tokens, d_{k-1} included. Positions
-   L-1 .. L-1+a are now kept tokens; the slots past them hold rejected proposals, written over when
-   those positions are next computed, by both models alike.
-So at the next step's propose the draft again holds every position the target has computed.
+Which draft positions hold K/V. Take a sequence whose first c tokens the target has computed (its
+num_computed_tokens); a decoding one has L = c + 1 tokens, the last (t_c, the target's latest sampled
+token) computed by neither model yet.
+- Invariant at the start of run(): the draft holds positions 0 .. c-2, and c-1 too unless the last
+  verification accepted every proposal (below).
+- Forward 0 runs every chunk's rows from one position early: a speculating chunk's are t_{c-1} and
+  t_c at positions c-1 and c. Rewriting c-1 changes nothing when it is there (same token, same context)
+  and fills it when it is not. The speculating chunks' last rows give d_0.
+- Forward j = 1 .. k-1 runs d_{j-1} at position c+j for each chunk with more than j proposals; its
+  argmax is d_j. So run() writes positions c-1 .. c+k-1; d_{k-1}'s (position c+k) is not written.
+- The target verifies t_c, d_0 .. d_{k-1} at positions c .. c+k and keeps a of the proposals: it has
+  then computed c' = c+1+a positions, the kept ones c .. c+a holding t_c, d_0 .. d_{a-1}, exactly the
+  tokens run() wrote there. With a <= k-1 all of them are written; with a = k all but c+k = c'-1, which
+  the next run() starts from. Slots past c'-1 hold rejected proposals, written over when those positions
+  are next computed, by both models alike.
+A plain (non-speculating) chunk and a prefill chunk are computed by forward 0 like the target's.
 
 The proposal is a point mass (the draft's argmax), so the acceptance rule of verify.py stays exact for
 sampling too. Proposals are placeholders (PENDING) when the batcher schedules a step: it reserves k rows
 and blocks for a sequence, and the draft fills every sequence's proposals with k batched forwards just
-before the target's step runs (ModelRunner.execute).
+before the target's step runs (ModelRunner.execute): k draft forwards per step, not k + 1.
 """
 
 from __future__ import annotations
@@ -87,36 +91,70 @@ class DraftProposer:
         return [PENDING] * k
 
     @torch.inference_mode()
-    def fill(self, chunks: list[ScheduledChunk]) -> None:
-        """Fill the PENDING proposals of the step's speculating chunks: forward j runs one row per chunk
-        with more than j proposals (its last token, then its proposal j - 1) and takes the argmax."""
-        pending = [c for c in chunks if c.draft and c.draft[0] == PENDING]
-        for j in range(max((len(c.draft) for c in pending), default=0)):
-            live = [c for c in pending if len(c.draft) > j]
-            ids = [c.seq.token_ids[c.start] if j == 0 else c.draft[j - 1] for c in live]
-            positions = [c.start + j for c in live]  # c.start: the sequence's last token's position
-            tables = [c.seq.block_table for c in live]
-            slots = [slot_of(t, p, self.block_size) for t, p in zip(tables, positions)]
-            n = len(live)
-            flat = torch.tensor(ids + positions + slots + list(range(n))).to(self.device)
-            ids_t, pos_t, slots_t, rows_t = flat.split([n, n, n, n])
-            layout = StepLayout(
-                slots_t, list(range(n)), [1] * n, [p + 1 for p in positions], tables, self.block_size,
-                self.kv_cache.null_block,
-            )
-            logits = _with_logit_bias(self._forward(ids_t, pos_t, layout, rows_t), live)  # (n, V)
-            for chunk, token in zip(live, logits.argmax(dim=-1).tolist()):
-                chunk.draft[j] = token
+    def run(self, chunks: list[ScheduledChunk]) -> None:
+        """Before the target's step: the draft's K/V of every row the step runs, and the PENDING proposals
+        of its speculating chunks. Forward 0 runs each chunk's rows (a speculating chunk's: its last
+        token), each from one position early, and draws proposal 0; forward j > 0 runs one row per chunk
+        with more than j proposals (proposal j - 1) and draws proposal j."""
+        rows = _Rows()
+        for c in chunks:
+            first = max(c.start - 1, 0)  # one early: a last proposal accepted without its draft K/V
+            end = c.start + 1 if c.draft else c.start + c.num_tokens
+            rows.add(c.seq.token_ids[first:end], first, c.seq.block_table, sample=bool(c.draft))
+        pending = [c for c in chunks if c.draft]
+        _take_argmax(pending, 0, self._forward(rows))
+        for j in range(1, max((len(c.draft) for c in pending), default=0)):
+            pending = [c for c in pending if len(c.draft) > j]
+            rows = _Rows()
+            for c in pending:
+                rows.add([c.draft[j - 1]], c.start + j, c.seq.block_table, sample=True)
+            _take_argmax(pending, j, self._forward(rows))
 
-    @torch.inference_mode()
-    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: StepLayout) -> None:
-        """Run the rows the target just ran (input_ids, positions (N,), the step's layout), for their K/V
-        only: no LM head."""
-        self._forward(input_ids, positions, layout, positions[:0])
-
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: StepLayout, rows: torch.Tensor):
+    def _forward(self, rows: _Rows) -> torch.Tensor:
+        """The draft over `rows` (writing their K/V) -> (S, V) logits of their sampled rows."""
+        n, s = len(rows.ids), len(rows.sample_rows)
+        slots = [slot_of(t, p, self.block_size) for t, p in zip(rows.row_tables, rows.positions)]
+        flat = torch.tensor(rows.ids + rows.positions + slots + rows.sample_rows).to(self.device)
+        ids_t, pos_t, slots_t, sample_t = flat.split([n, n, n, s])
+        layout = StepLayout(
+            slots_t, rows.starts, rows.lens, rows.context_lens, rows.tables, self.block_size, self.kv_cache.null_block
+        )
         meta = self.attention_backend.build_metadata(layout)
-        return self.model(ids, PagedBatch(positions, self.kv_cache, meta, rows))
+        return self.model(ids_t, PagedBatch(pos_t, self.kv_cache, meta, sample_t))
+
+
+class _Rows:
+    """One draft forward's rows, flattened as ModelRunner.lay_out does: sequences' runs of consecutive
+    positions, the last row of some sampled."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.positions: list[int] = []
+        self.row_tables: list[list[int]] = []  # per row: its sequence's block table
+        self.sample_rows: list[int] = []
+        self.starts: list[int] = []  # per sequence, as StepLayout has them
+        self.lens: list[int] = []
+        self.context_lens: list[int] = []
+        self.tables: list[list[int]] = []
+
+    def add(self, ids: list[int], first: int, table: list[int], sample: bool) -> None:
+        """A sequence's tokens `ids` at positions first, first + 1, ...; sample: its last row draws."""
+        self.starts.append(len(self.ids))
+        self.lens.append(len(ids))
+        self.context_lens.append(first + len(ids))
+        self.tables.append(table)
+        self.ids += ids
+        self.positions += range(first, first + len(ids))
+        self.row_tables += [table] * len(ids)
+        if sample:
+            self.sample_rows.append(len(self.ids) - 1)
+
+
+def _take_argmax(chunks: list[ScheduledChunk], j: int, logits: torch.Tensor) -> None:
+    """Proposal j of each chunk: the argmax of its row of logits (len(chunks), V)."""
+    if chunks:
+        for chunk, token in zip(chunks, _with_logit_bias(logits, chunks).argmax(dim=-1).tolist()):
+            chunk.draft[j] = token
 
 
 def _with_logit_bias(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.Tensor:
