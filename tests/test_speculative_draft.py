@@ -120,6 +120,21 @@ def test_prefix_hits_reuse_both_caches(models):
     assert_all_free(spec)
 
 
+def test_forks_copy_both_caches_on_write(models):
+    """n = 2 completions share the prompt's last, partly filled block until each writes to it: copy-on-write
+    must copy the draft's K/V too, or the self-draft's proposals go wrong."""
+    target, _ = models["qwen3"]
+    spec = LLM(target, block_size=8, **draft_settings(target))
+    params = SamplingParams(max_tokens=30, temperature=0, n=2, ignore_eos=True)
+    prompts = copy_prompts(3, 512, seed=6)
+    want = LLM(target, block_size=8).generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, half_seeded(params, 3), use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = spec.scheduler.speculator.stats
+    assert stats.num_draft_tokens > 100 and stats.acceptance_rate > 0.99
+    assert_all_free(spec)
+
+
 @pytest.mark.parametrize("self_draft", [False, True], ids=["random-draft", "self-draft"])
 def test_trained_tiny_greedy_equals_plain(make_checkpoint, self_draft):
     from minfer.models.loader import BUILTIN_MODELS
