@@ -6,8 +6,8 @@ step draws from its generator depends on how many rows it verified.
 - A sequence speculates once it is decoding (its first token sampled, no forks still to start), and
   never past its max_tokens: k is cut to the tokens it may still produce, less the one every step
   makes anyway, and to the step's token budget.
-- The proposer must find something (a draft model always does): an n-gram proposer with no match proposes nothing, and the step
-  runs a plain decode row for it.
+- The proposer must find something: an n-gram proposer with no match proposes nothing, and the step
+  runs a plain decode row for it (a draft model always proposes).
 - Proposals that keep failing cost k extra rows for nothing. Each sequence keeps a moving average of
   the share of its proposals accepted; when it falls below FAIL_SHARE, the sequence pauses speculation
   for a cool-down of output tokens that doubles each time it fails again (up to MAX_COOLDOWN), and
