@@ -157,9 +157,9 @@ def test_trained_tiny_greedy_equals_plain(make_checkpoint, self_draft):
 
 
 def test_draft_cache_holds_what_the_draft_alone_computes(models):
-    """Mid-generation, with rejections behind it, each running sequence's draft K/V at every computed
-    position is what the draft model computes for those tokens by itself (a plain engine on it); all
-    but the last computed one, which the next step rewrites (draft.py tells why)."""
+    """Mid-generation, with rejections behind it, each running sequence's draft K/V at every position
+    the proposer counts as valid is what the draft model computes for those tokens by itself (a plain
+    engine on it). A sequence paused by the pause rule lags: it catches up when it speculates again."""
     target, draft = models["gpt2"]
     spec = LLM(target, block_size=4, **draft_settings(draft))
     sched = spec.scheduler
@@ -171,16 +171,47 @@ def test_draft_cache_holds_what_the_draft_alone_computes(models):
     stats = sched.speculator.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # accepts and rejects behind us
     reference = LLM(draft, block_size=4, enable_prefix_caching=False)
+    checked = 0
     for seq in sched.running:
-        n = seq.num_computed_tokens
+        n = sched.draft.num_valid(seq)
+        if n == 0:
+            continue  # paused since its prefill (the truncated draft is often wrong)
         ref_sched = reference.scheduler
         ref_id = ref_sched.add_request(prompt_token_ids=seq.token_ids[:n], sampling_params=SamplingParams(max_tokens=2))
         ref_sched.step()  # the whole prompt, one chunk
         (ref_seq,) = ref_sched.running
-        got = sched.draft.kv_cache.kv[:, [slot_of(seq.block_table, p, 4) for p in range(n - 1)]]
-        want = ref_sched.kv_cache.kv[:, [slot_of(ref_seq.block_table, p, 4) for p in range(n - 1)]]
+        got = sched.draft.kv_cache.kv[:, [slot_of(seq.block_table, p, 4) for p in range(n)]]
+        want = ref_sched.kv_cache.kv[:, [slot_of(ref_seq.block_table, p, 4) for p in range(n)]]
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         ref_sched.discard_request(ref_id)
+        checked += 1
+    assert checked > 0
+
+
+def test_sequences_that_do_not_speculate_cost_the_draft_nothing(models):
+    """Unseeded requests in a batch of more than MAX_BATCH do not speculate: the draft does not run at
+    all. When the batch shrinks they speculate, the draft catching up on their whole sequence first."""
+    from minfer.engine.speculative.speculator import MAX_BATCH
+
+    target, _ = models["gpt2"]
+    spec = LLM(target, **draft_settings(target))
+    sched = spec.scheduler
+    calls = []
+    forward = sched.draft._forward
+    sched.draft._forward = lambda rows: calls.append(len(rows.ids)) or forward(rows)
+    prompts = copy_prompts(MAX_BATCH + 4, 512, seed=12)
+    params = [SamplingParams(max_tokens=8 if i % 2 else 40, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    ids = [sched.add_request(prompt_token_ids=p, sampling_params=s) for p, s in zip(prompts, params)]
+    while sched.has_unfinished():
+        before = len(calls)
+        sched.step()
+        if len(sched.last_chunks) > MAX_BATCH:
+            assert len(calls) == before  # nothing speculated: no draft forward
+    assert max(calls) > 20  # a catch-up over a whole sequence
+    got = [sched.pop_response(i).token_ids for i in ids]
+    assert got == [o.token_ids for o in LLM(target).generate(prompts, params, use_tqdm=False)]
+    assert sched.speculator.stats.acceptance_rate > 0.99
+    assert_all_free(spec)
 
 
 # ---- sampling stays the target's distribution; nothing leaks ---------------------------------

@@ -2,37 +2,40 @@
 
 Its KV cache is a second cache tensor on the target's blocks: the same number of blocks, the same block
 size, read and written through the same block tables and slots (as vLLM v1's draft proposers do). So
-whatever the engine does to blocks it does to both caches at once: allocation, the rollback of rejected
-proposals (their slots are written over later), preemption (freed, recomputed together), prefix-cache
-hits (a cached block holds both models' K/V of the same tokens) and copy-on-write. That holds as long as
-the draft computes K/V for every token the target does: before each target step, run() runs the draft
-over the step's rows too.
+the engine's block bookkeeping serves both caches: allocation, the rollback of rejected proposals
+(their slots are written over later), freeing on preemption or finish, copy-on-write (both caches
+copied). The draft computes its K/V lazily, only for sequences that speculate: a sequence that decodes
+plainly (unseeded in a large batch, paused, prefilling) costs the draft nothing, and catches up when it
+next speculates.
 
-Which draft positions hold K/V. Take a sequence whose first c tokens the target has computed (its
-num_computed_tokens); a decoding one has L = c + 1 tokens, the last (t_c, the target's latest sampled
-token) computed by neither model yet.
-- Invariant at the start of run(): the draft holds positions 0 .. c-2, and c-1 too unless the last
-  verification accepted every proposal (below).
-- Forward 0 runs every chunk's rows from one position early: a speculating chunk's are t_{c-1} and
-  t_c at positions c-1 and c. Rewriting c-1 changes nothing when it is there (same token, same context)
-  and fills it when it is not. The speculating chunks' last rows give d_0.
-- Forward j = 1 .. k-1 runs d_{j-1} at position c+j for each chunk with more than j proposals; its
-  argmax is d_j. So run() writes positions c-1 .. c+k-1; d_{k-1}'s (position c+k) is not written.
-- The target verifies t_c, d_0 .. d_{k-1} at positions c .. c+k and keeps a of the proposals: it has
-  then computed c' = c+1+a positions, the kept ones c .. c+a holding t_c, d_0 .. d_{a-1}, exactly the
-  tokens run() wrote there. With a <= k-1 all of them are written; with a = k all but c+k = c'-1, which
-  the next run() starts from. Slots past c'-1 hold rejected proposals, written over when those positions
-  are next computed, by both models alike.
-A plain (non-speculating) chunk and a prefill chunk are computed by forward 0 like the target's.
+Which draft positions hold K/V. DraftProposer remembers, per sequence, what it last wrote; num_valid()
+cuts that at the first position whose token the sequence did not keep (a rejected proposal). Take a speculating sequence whose first c
+tokens the target has computed (num_computed_tokens = c); its last token t_c is computed by neither.
+- Forward 0 runs its positions v .. c, v = num_valid(seq): the ones the draft lacks (after a
+  verification: 0 or 1 of them; at its first speculation, or after a preemption, all of them), then
+  t_c, whose logits give d_0.
+- Forward j = 1 .. k-1 runs d_{j-1} at position c+j; its argmax is d_j. So positions 0 .. c+k-1 now
+  hold draft K/V; d_{k-1}'s (position c+k) is not written.
+- The target verifies t_c, d_0 .. d_{k-1} at positions c .. c+k and keeps a proposals: it has then
+  computed c' = c+1+a positions, c .. c+a holding t_c, d_0 .. d_{a-1}, exactly the tokens the draft ran
+  there. So the valid prefix is min(c + k, c'): all of them if a <= k-1, all but c+k if a = k (forward 0
+  runs it next time). Past it lie rejected proposals, written over when computed again; the target
+  computes past them later (plain decodes), so the cut is at the first token that differs, not at c'.
+- A preemption frees the blocks: the record counts for nothing once seq.num_preemptions has changed.
+- A prefix-cache hit or a fork's shared blocks may hold draft K/V or not (the sequence that filled them
+  may never have speculated): a sequence trusts only its own record, so it writes them again. That is
+  harmless: a shared block holds the same tokens after the same prefix, so the same values.
 
 The proposal is a point mass (the draft's argmax), so the acceptance rule of verify.py stays exact for
 sampling too. Proposals are placeholders (PENDING) when the batcher schedules a step: it reserves k rows
-and blocks for a sequence, and the draft fills every sequence's proposals with k batched forwards just
-before the target's step runs (ModelRunner.execute): k draft forwards per step, not k + 1.
+and blocks for a sequence, and the draft fills every sequence's proposals with k forwards batched across
+sequences just before the target's step runs (ModelRunner.execute).
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -41,7 +44,7 @@ from ...attention.kv_cache import KVCache, slot_of
 from ...attention.paged import PagedBatch, StepLayout
 from ...models.registry import load_model
 from ..prepare import prepare_model
-from ..sequence import ScheduledChunk
+from ..sequence import ScheduledChunk, Sequence
 
 PENDING = -1  # a proposal the draft model fills in before the step runs
 
@@ -81,34 +84,51 @@ class DraftProposer:
         self.kv_cache = KVCache(model.config, num_blocks, block_size, model.device, model.dtype)
         self.block_size = block_size
         self.device = model.device
+        self._written: weakref.WeakKeyDictionary[Sequence, _Written] = weakref.WeakKeyDictionary()  # num_valid()
 
     @staticmethod
     def bytes_per_block(model: torch.nn.Module, block_size: int) -> int:
         return KVCache.bytes_per_block(model.config, block_size, model.dtype)
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """What the Speculator asks of a proposer: k placeholders, filled by fill() before the step runs."""
+        """What the Speculator asks of a proposer: k placeholders, filled by run() before the step runs."""
         return [PENDING] * k
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> None:
-        """Before the target's step: the draft's K/V of every row the step runs, and the PENDING proposals
-        of its speculating chunks. Forward 0 runs each chunk's rows (a speculating chunk's: its last
-        token), each from one position early, and draws proposal 0; forward j > 0 runs one row per chunk
-        with more than j proposals (proposal j - 1) and draws proposal j."""
-        rows = _Rows()
-        for c in chunks:
-            first = max(c.start - 1, 0)  # one early: a last proposal accepted without its draft K/V
-            end = c.start + 1 if c.draft else c.start + c.num_tokens
-            rows.add(c.seq.token_ids[first:end], first, c.seq.block_table, sample=bool(c.draft))
+        """Before the target's step: the PENDING proposals of its speculating chunks. Forward 0 runs each
+        one's positions the draft has not computed, up to its last token, and draws proposal 0; forward
+        j > 0 runs one row per chunk with more than j proposals (proposal j - 1) and draws proposal j."""
         pending = [c for c in chunks if c.draft]
+        if not pending:
+            return  # no draft work: the sequences that speculate later catch up then
+        rows = _Rows()
+        for c in pending:
+            first = self.num_valid(c.seq)
+            rows.add(c.seq.token_ids[first : c.start + 1], first, c.seq.block_table, sample=True)
         _take_argmax(pending, 0, self._forward(rows))
-        for j in range(1, max((len(c.draft) for c in pending), default=0)):
+        for j in range(1, max(len(c.draft) for c in pending)):
             pending = [c for c in pending if len(c.draft) > j]
             rows = _Rows()
             for c in pending:
                 rows.add([c.draft[j - 1]], c.start + j, c.seq.block_table, sample=True)
             _take_argmax(pending, j, self._forward(rows))
+        for c in chunks:
+            if c.draft:  # positions 0 .. c.start - 1 hold draft K/V; then t_c, d_0 .. d_{k-2}
+                tail = [c.seq.token_ids[c.start], *c.draft[:-1]]
+                self._written[c.seq] = _Written(c.start, tail, c.seq.num_preemptions)
+
+    def num_valid(self, seq: Sequence) -> int:
+        """How many of seq's first positions hold the draft's K/V of seq's own tokens: those the draft
+        wrote, up to the first where seq's token is not the one it ran (a rejected proposal), and no
+        further than the target has computed; 0 if the draft never ran for seq, or seq was preempted since
+        (its blocks were freed)."""
+        written = self._written.get(seq)
+        if written is None or written.num_preemptions != seq.num_preemptions:
+            return 0
+        kept = seq.token_ids[written.start : written.start + len(written.tail)]
+        same = next((i for i, (a, b) in enumerate(zip(kept, written.tail)) if a != b), len(kept))
+        return min(written.start + same, seq.num_computed_tokens)
 
     def _forward(self, rows: _Rows) -> torch.Tensor:
         """The draft over `rows` (writing their K/V) -> (S, V) logits of their sampled rows."""
@@ -121,6 +141,15 @@ class DraftProposer:
         )
         meta = self.attention_backend.build_metadata(layout)
         return self.model(ids_t, PagedBatch(pos_t, self.kv_cache, meta, sample_t))
+
+
+@dataclass
+class _Written:
+    """What the draft last wrote for a sequence: every position before `start`, then `tail` from there."""
+
+    start: int
+    tail: list[int]
+    num_preemptions: int  # the sequence's, then: a preemption since freed the blocks
 
 
 class _Rows:
