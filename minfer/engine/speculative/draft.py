@@ -105,13 +105,13 @@ class DraftProposer:
         rows = _Rows()
         for c in pending:
             first = self.num_valid(c.seq)
-            rows.add(c.seq.token_ids[first : c.start + 1], first, c.seq.block_table, sample=True)
+            rows.add(c.seq.token_ids[first : c.start + 1], first, c.seq.block_table)
         _take_argmax(pending, 0, self._forward(rows))
         for j in range(1, max(len(c.draft) for c in pending)):
             pending = [c for c in pending if len(c.draft) > j]
             rows = _Rows()
             for c in pending:
-                rows.add([c.draft[j - 1]], c.start + j, c.seq.block_table, sample=True)
+                rows.add([c.draft[j - 1]], c.start + j, c.seq.block_table)
             _take_argmax(pending, j, self._forward(rows))
         for c in chunks:
             if c.draft:  # positions 0 .. c.start - 1 hold draft K/V; then t_c, d_0 .. d_{k-2}
@@ -153,8 +153,8 @@ class _Written:
 
 
 class _Rows:
-    """One draft forward's rows, flattened as ModelRunner.lay_out does: sequences' runs of consecutive
-    positions, the last row of some sampled."""
+    """One draft forward's rows, flattened as ModelRunner.prepare does: each sequence's run of
+    consecutive positions, its last row sampled."""
 
     def __init__(self):
         self.ids: list[int] = []
@@ -166,8 +166,8 @@ class _Rows:
         self.context_lens: list[int] = []
         self.tables: list[list[int]] = []
 
-    def add(self, ids: list[int], first: int, table: list[int], sample: bool) -> None:
-        """A sequence's tokens `ids` at positions first, first + 1, ...; sample: its last row draws."""
+    def add(self, ids: list[int], first: int, table: list[int]) -> None:
+        """A sequence's tokens `ids` at positions first, first + 1, ...; its last row draws."""
         self.starts.append(len(self.ids))
         self.lens.append(len(ids))
         self.context_lens.append(first + len(ids))
@@ -175,8 +175,7 @@ class _Rows:
         self.ids += ids
         self.positions += range(first, first + len(ids))
         self.row_tables += [table] * len(ids)
-        if sample:
-            self.sample_rows.append(len(self.ids) - 1)
+        self.sample_rows.append(len(self.ids) - 1)
 
 
 def _take_argmax(chunks: list[ScheduledChunk], j: int, logits: torch.Tensor) -> None:
