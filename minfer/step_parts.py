@@ -37,10 +37,11 @@ _open: list[_Timer] = []  # the parts being timed, innermost last
 
 
 class _Timer:
-    __slots__ = ("name", "start")
+    __slots__ = ("name", "start", "whole")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, whole: bool = False):
         self.name = name
+        self.whole = whole
 
     def __enter__(self):
         if _sync is not None:
@@ -52,16 +53,17 @@ class _Timer:
         if _sync is not None:
             _sync()
         _open.remove(self)
-        if _totals is not None:
+        if _totals is not None and not any(t.whole for t in _open):  # inside a whole part: its time
             seconds = perf_counter() - self.start
             _totals[self.name] += seconds
             if _open:  # a part inside another: its time is its own, not the enclosing part's too
                 _totals[_open[-1].name] -= seconds
 
 
-def part(name: str):
-    """A context manager marking one part of a step (a no-op unless timing)."""
-    return _Timer(name) if _totals is not None else _NONE
+def part(name: str, whole: bool = False):
+    """A context manager marking one part of a step (a no-op unless timing). A `whole` part keeps the
+    time of the parts inside it: a draft model's attention is speculation's time, not attention's."""
+    return _Timer(name, whole) if _totals is not None else _NONE
 
 
 def start_timing(sync: Callable[[], None] | None = None) -> dict[str, float]:

@@ -1,12 +1,13 @@
-"""Speculative decoding A/B in one process: plain and n-gram engines side by side, alternating request by
-request, so a shared machine's changing load falls on both alike (separate bench.py runs one after the
-other caught a rising load on whichever ran second).
+"""Speculative decoding A/B in one process: plain, n-gram and (with --draft) draft-model engines side by
+side, alternating request by request, so a shared machine's changing load falls on all alike (separate
+bench.py runs one after the other caught a rising load on whichever ran second).
 
-    python scripts/spec_ab.py [--model minfer-tiny] [--rounds 3] [--num-threads 1]
+    python scripts/spec_ab.py [--model minfer-tiny] [--rounds 3] [--num-threads 1] [--draft DIR] [--no-ngram]
 
 Workloads: copy (bench.py --workload copy: held-out stories, then the first one's opening), batch 1;
 free (random token prompts), batch 1; and 16 streams of random prompts at once. Prints tokens/s of each
-engine per round, the ratio ngram / plain, and the acceptance rate and mean accepted length.
+engine per round, each speculating engine's ratio to plain, and its acceptance rate and mean accepted
+length.
 """
 
 from __future__ import annotations
@@ -45,36 +46,56 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--output-len", type=int, default=96)
+    p.add_argument("--draft", default=None, help="a draft checkpoint: also run --speculative-method draft")
+    p.add_argument("--no-ngram", action="store_true", help="leave the n-gram engine out")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--workloads", default="copy,free,16", help="which of copy, free, 16 (comma-separated)")
     args = p.parse_args()
     model_dir = resolve_model_dir(args.model)
     common = {"attention_backend": "eager", "num_threads": args.num_threads}
-    plain = LLM(str(model_dir), **common)
-    spec = LLM(str(model_dir), speculative_method="ngram", **common)
+    k = {"num_speculative_tokens": args.num_speculative_tokens}
+    engines = {"plain": LLM(str(model_dir), **common)}
+    if not args.no_ngram:
+        engines["ngram"] = LLM(str(model_dir), speculative_method="ngram", **k, **common)
+    if args.draft:
+        engines["draft"] = LLM(str(model_dir), speculative_method="draft", speculative_model=args.draft, **k, **common)
+    plain = engines["plain"]
     loads = workloads(model_dir, plain.tokenizer, plain.model.config.vocab_size, random.Random(0))
+    wanted = args.workloads.split(",")
+    loads = {name: prompts for name, prompts in loads.items() if name.split()[0].rstrip(",") in wanted}
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     for name, prompts in loads.items():
         batch = 16 if name == "16 streams" else 1
-        run(plain, prompts[:1], 1, params), run(spec, prompts[:1], 1, params)  # warm-up
-        stats = spec.scheduler.speculator.stats
-        drafts0, proposed0, accepted0 = stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
-        ratios = []
+        for llm in engines.values():
+            run(llm, prompts[:1], 1, params)  # warm-up
+        before = {label: _counts(llm) for label, llm in engines.items() if label != "plain"}
+        ratios = {label: [] for label in before}
         for r in range(args.rounds):
-            rates = {"plain": [0, 0.0], "ngram": [0, 0.0]}
-            for i in range(0, len(prompts), batch):  # alternate, a batch at a time
-                for label, llm in (("plain", plain), ("ngram", spec)) if i % 2 == 0 else (("ngram", spec), ("plain", plain)):
+            rates = {label: [0, 0.0] for label in engines}
+            order = list(engines.items())
+            for i in range(0, len(prompts), batch):  # a batch at a time, each engine in turn, rotating
+                shift = (i // batch) % len(order)
+                for label, llm in order[shift:] + order[:shift]:
                     tokens, seconds = run(llm, prompts[i : i + batch], batch, params)
                     rates[label][0] += tokens
                     rates[label][1] += seconds
-            tps = {k: t / s for k, (t, s) in rates.items()}
-            ratios.append(tps["ngram"] / tps["plain"])
-            print(f"{name:<14} round {r + 1}: plain {tps['plain']:7.1f} tok/s, ngram {tps['ngram']:7.1f} tok/s, "
-                  f"ratio {ratios[-1]:.2f}", flush=True)
-        drafts, proposed = stats.num_drafts - drafts0, stats.num_draft_tokens - proposed0
-        accepted = stats.num_accepted_tokens - accepted0
-        rate = accepted / proposed if proposed else float("nan")
-        length = 1 + accepted / drafts if drafts else float("nan")
-        print(f"{name:<14} median ratio {statistics.median(ratios):.2f}; acceptance rate {rate:.2f}, mean accepted "
-              f"length {length:.2f}, {drafts} verifications", flush=True)
+            tps = {label: t / s for label, (t, s) in rates.items()}
+            for label, values in ratios.items():
+                values.append(tps[label] / tps["plain"])
+            figures = ", ".join(f"{label} {v:7.1f} tok/s" for label, v in tps.items())
+            shares = ", ".join(f"{label}/plain {values[-1]:.2f}" for label, values in ratios.items())
+            print(f"{name:<14} round {r + 1}: {figures}; {shares}", flush=True)
+        for label, (drafts0, proposed0, accepted0) in before.items():
+            drafts, proposed, accepted = (a - b for a, b in zip(_counts(engines[label]), (drafts0, proposed0, accepted0)))
+            rate = accepted / proposed if proposed else float("nan")
+            length = 1 + accepted / drafts if drafts else float("nan")
+            print(f"{name:<14} {label}: median ratio {statistics.median(ratios[label]):.2f}; acceptance rate "
+                  f"{rate:.2f}, mean accepted length {length:.2f}, {drafts} verifications", flush=True)
+
+
+def _counts(llm: LLM) -> tuple[int, int, int]:
+    stats = llm.scheduler.speculator.stats
+    return stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
 
 
 if __name__ == "__main__":

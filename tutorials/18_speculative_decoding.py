@@ -3,8 +3,9 @@ forward pass, keep the ones it agrees with: more than one token per step, with t
 
 It loads the model of the other stages and: times one forward over 1 row and over k + 1 rows of one
 sequence (printed, not asserted: timings are noisy), with the bytes and FLOPs each must move; checks
-on a six-token distribution that the acceptance rule samples exactly the target distribution; and
-runs the engine with n-gram (prompt lookup) speculation on a text that repeats, beside plain decoding.
+on a six-token distribution that the acceptance rule samples exactly the target distribution; runs
+the engine with n-gram (prompt lookup) speculation on a text that repeats, beside plain decoding; and
+then with a draft model (the model itself, unless a trained draft ships beside it).
 
     python tutorials/18_speculative_decoding.py   # MINFER_MODEL=/path to choose the checkpoint
 """
@@ -19,6 +20,7 @@ from minfer import LLM, SamplingParams
 from minfer.engine.sequence import ScheduledChunk
 from minfer.engine.speculative.ngram import NgramProposer
 from minfer.engine.speculative.verify import VerifyRows, verify
+from minfer.models.loader import BUILTIN_MODELS
 
 torch.manual_seed(0)
 path = model_path()
@@ -81,3 +83,23 @@ assert out.token_ids == plain.token_ids  # greedy: speculation changes the speed
 stats = spec.scheduler.speculator.stats
 print(f"  acceptance rate {stats.acceptance_rate:.2f}, mean accepted length {stats.mean_accepted_length:.2f} "
       f"tokens per verification")
+
+section("5. n-gram vs a draft model")
+# A draft is a smaller model with the same vocabulary that proposes its own greedy tokens: it guesses
+# where nothing repeats, at the cost of k small forwards per step. Its KV cache sits on the model's
+# blocks (engine/speculative/draft.py). With no trained draft at hand, the model is its own draft:
+# every proposal is accepted, and each step costs k forwards of the full model for k + 1 tokens.
+draft = BUILTIN_MODELS.get("minfer-tiny-draft")  # shipped beside minfer-tiny, when it is
+if draft is None or Path(path).resolve() != BUILTIN_MODELS["minfer-tiny"].resolve():
+    draft = path
+drafted = LLM(path, speculative_method="draft", speculative_model=str(draft), num_speculative_tokens=4)
+for name, engine in (("ngram", LLM(path, speculative_method="ngram")), ("draft", drafted)):
+    start = time.perf_counter()
+    out = engine.generate([ids], greedy, use_tqdm=False)[0]
+    seconds = time.perf_counter() - start
+    stats = engine.scheduler.speculator.stats
+    print(f"  {name:<6} {engine.scheduler.num_steps - 1} decode steps, {seconds * 1e3:.0f} ms; acceptance rate "
+          f"{stats.acceptance_rate:.2f}, mean accepted length {stats.mean_accepted_length:.2f}")
+    assert out.token_ids == plain.token_ids  # either way, plain decoding's tokens
+if draft == path:
+    assert drafted.scheduler.speculator.stats.acceptance_rate > 0.99  # its own draft is always right

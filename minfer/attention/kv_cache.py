@@ -109,6 +109,7 @@ def choose_num_blocks(
     memory_bytes: int | None = None,
     memory_fraction: float | None = None,
     context_len: int | None = None,
+    extra_bytes_per_block: int = 0,  # a second cache on the same blocks (a draft model's) shares the budget
 ) -> int:
     """Size the cache from a budget: bytes, or a fraction of free memory (default 0.9 on a GPU,
     0.25 on CPU). Never more than every running sequence at full context (the model's, or a shorter
@@ -116,7 +117,7 @@ def choose_num_blocks(
     for nothing. The budget must hold one sequence of the full context, or of LONGEST_REQUIRED tokens
     for long-context models (Qwen3's 40960 would need GBs): the scheduler refuses requests longer than
     the cache."""
-    per_block = KVCache.bytes_per_block(config, block_size, dtype)
+    per_block = KVCache.bytes_per_block(config, block_size, dtype) + extra_bytes_per_block
     if memory_bytes is None:
         fraction = memory_fraction if memory_fraction is not None else (0.9 if device.type == "cuda" else 0.25)
         if not 0 < fraction <= 1:

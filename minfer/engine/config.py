@@ -196,7 +196,8 @@ class EngineConfig:
         str,
         Check(lambda v: v in SPECULATIVE_METHODS, f"one of {', '.join(SPECULATIVE_METHODS)}"),
         "speculative decoding: ngram (prompt lookup: propose what followed the last n tokens earlier "
-        "in the sequence); default: none",
+        "in the sequence) or draft (a smaller model with the same vocabulary, --speculative-model, "
+        "proposes greedily); default: none",
     )
     num_speculative_tokens: int | None = setting(
         None, int, POSITIVE, "with --speculative-method: tokens proposed per step (default: 4)"
@@ -207,7 +208,8 @@ class EngineConfig:
         None,
         str,
         Check(lambda v: isinstance(v, str) and v != "", "a checkpoint directory"),
-        "the draft model of --speculative-method draft (not implemented yet)",
+        "the draft model of --speculative-method draft: a checkpoint directory (or built-in name) with "
+        "the target's vocabulary; it runs in the target's dtype, with a KV cache of its own",
         convert=lambda v: os.fspath(v) if isinstance(v, os.PathLike) else v,
     )
 
@@ -252,7 +254,14 @@ class EngineConfig:
                 raise ValueError(f"{', '.join(given)} apply only with --speculative-method")
             return
         if self.speculative_method == "draft":
-            raise ValueError("--speculative-method draft (a draft model) is not implemented yet: use ngram")
+            if self.speculative_model is None:
+                raise ValueError("--speculative-method draft needs --speculative-model DIR (the draft checkpoint)")
+            ngram = [flag(f) for f in fields(self) if f.name.startswith("ngram_") and getattr(self, f.name) is not None]
+            if ngram:
+                raise ValueError(f"{', '.join(ngram)} apply to --speculative-method ngram, not draft")
+            if self.num_speculative_tokens is None:
+                object.__setattr__(self, "num_speculative_tokens", 4)
+            return
         if self.speculative_model is not None:
             raise ValueError("--speculative-model applies to --speculative-method draft, not ngram")
         defaults = {"num_speculative_tokens": 4, "ngram_min": 2, "ngram_max": 4}

@@ -21,6 +21,7 @@ from ..step_parts import part
 from .logprobs import StepLogprobs, TokenLogprob
 from .sampling import sample
 from .sequence import ScheduledChunk
+from .speculative.draft import DraftProposer
 from .speculative.verify import VerifyRows, verify
 
 
@@ -39,17 +40,28 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, attention_backend: AttentionBackend):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        block_size: int,
+        attention_backend: AttentionBackend,
+        draft: DraftProposer | None = None,  # speculative decoding's draft model, on the same blocks
+    ):
         self.model = model  # as prepare_model left it: the runner never changes it
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.attention_backend = attention_backend  # builds each step's attention metadata, and runs it
         self.device = model.device
+        self.draft = draft
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
         """Run one step: a token for every sampler of every chunk (ScheduledChunk.samplers), in chunk
         order, and the logprobs asked for."""
+        if self.draft is not None:
+            with part("speculation: propose", whole=True):
+                self.draft.run(chunks)  # its K/V of the step's rows, and the proposals prepare() lays out
         with part("host: prepare"):
             input_ids, batch, wanted = self.prepare(chunks)
         logits = self.model(input_ids, batch)  # (S + Q, V): one forward over the N tokens of every sequence

@@ -41,6 +41,7 @@ from .request_state import Choice, Request
 from .sampling import SamplingParams, make_generator
 from .sequence import CompletionDelta, RequestOutput, ScheduledChunk, Sequence, Status
 from .speculative import Speculator
+from .speculative.draft import DraftProposer, load_draft_model
 from .step_stats import StepStats
 
 
@@ -64,6 +65,7 @@ class OnlineScheduler:
         self.config = model.config
         self.block_size = block_size = config.block_size
         self.context_len = config.max_model_len or model.config.max_positions
+        draft = load_draft_model(config, model, self.context_len) if config.speculative_method == "draft" else None
         num_kv_blocks = config.num_kv_blocks or choose_num_blocks(
             model.config,
             block_size,
@@ -73,12 +75,15 @@ class OnlineScheduler:
             config.kv_cache_memory,
             config.gpu_memory_utilization,
             self.context_len,
+            DraftProposer.bytes_per_block(draft, block_size) if draft else 0,  # its cache is on the same blocks
         )
         self.allocator = BlockAllocator(num_kv_blocks, block_size, config.enable_prefix_caching)
         self.kv_cache = KVCache(model.config, num_kv_blocks, block_size, model.device, model.dtype)
         self.speculator = None  # speculative decoding (speculative/), when asked for
+        self.draft = draft and DraftProposer(draft, num_kv_blocks, block_size, config)
         if config.speculative_method is not None:
-            self.speculator = Speculator(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
+            k = config.num_speculative_tokens
+            self.speculator = Speculator(k, config.ngram_min, config.ngram_max, self.draft)
         self.batcher = ContinuousBatcher(
             self.allocator,
             config.max_num_seqs,
@@ -87,7 +92,7 @@ class OnlineScheduler:
             self.speculator.propose if self.speculator else None,
         )
         model, attention_backend = prepare_model(model, config)  # once, before the first step; idempotent
-        self.runner = ModelRunner(model, self.kv_cache, block_size, attention_backend)
+        self.runner = ModelRunner(model, self.kv_cache, block_size, attention_backend, self.draft)
         self.cpu_share = CpuShare(enabled=model.device.type == "cpu" and not threads_chosen(config.num_threads))
         # What runs, every choice made: the dtype "auto" picked, the blocks the memory bought, the
         # longest request the cache holds, the attention that runs. The server's /health reports it.
@@ -225,7 +230,8 @@ class OnlineScheduler:
             chunks = self.batcher.schedule()
         if not chunks:
             return {}
-        self.kv_cache.copy_blocks(self.batcher.copies, self.block_size)  # copy-on-write, before anyone writes
+        for cache in (self.kv_cache, self.draft.kv_cache) if self.draft else (self.kv_cache,):
+            cache.copy_blocks(self.batcher.copies, self.block_size)  # copy-on-write, before anyone writes
         output = self.runner.execute(chunks)
         with part("host: bookkeeping"):
             end = time.perf_counter()

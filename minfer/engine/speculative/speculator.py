@@ -7,7 +7,7 @@ step draws from its generator depends on how many rows it verified.
   never past its max_tokens: k is cut to the tokens it may still produce, less the one every step
   makes anyway, and to the step's token budget.
 - The proposer must find something: an n-gram proposer with no match proposes nothing, and the step
-  runs a plain decode row for it.
+  runs a plain decode row for it (a draft model always proposes).
 - Proposals that keep failing cost k extra rows for nothing. Each sequence keeps a moving average of
   the share of its proposals accepted; when it falls below FAIL_SHARE, the sequence pauses speculation
   for a cool-down of output tokens that doubles each time it fails again (up to MAX_COOLDOWN), and
@@ -73,9 +73,10 @@ class _Record:
 
 
 class Speculator:
-    def __init__(self, num_speculative_tokens: int, ngram_min: int, ngram_max: int):
+    def __init__(self, num_speculative_tokens: int, ngram_min: int | None, ngram_max: int | None, draft=None):
         self.k = num_speculative_tokens
-        self.proposer = NgramProposer(ngram_min, ngram_max)
+        # A draft model (draft.py) proposes k placeholders here and fills them before the step runs.
+        self.proposer = draft or NgramProposer(ngram_min, ngram_max)
         k = num_speculative_tokens
         self.stats = SpecStats(accepted_per_position=[0] * k, accepted_length_counts=[0] * (k + 2))
         self._records: weakref.WeakKeyDictionary[Sequence, _Record] = weakref.WeakKeyDictionary()
