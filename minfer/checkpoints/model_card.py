@@ -39,8 +39,24 @@ def greedy(model: GPT2, tokenizer: Tokenizer, prompt: str, max_tokens: int = 120
     return tokenizer.decode(ids)
 
 
+def purpose(o: dict) -> str:
+    if o["tokenizer"]:  # trained with another model's tokenizer: a draft for it
+        return (f"The draft model for speculative decoding with the model in `{o['tokenizer']}`: the same training "
+                "text and tokenizer (`--tokenizer`), a few times fewer FLOPs per token, so it proposes tokens "
+                "cheaply for the larger model to verify.")
+    return ("Output a person can read, offline, in a few megabytes: for the README's offline recipe, the "
+            "tutorials without the Hub, and as a yardstick (held-out perplexity) for quantization and "
+            "speculative decoding.")
+
+
+def tokenizer_origin(o: dict) -> str:
+    if o["tokenizer"]:
+        return f"the tokenizer is `{o['tokenizer']}`'s (`--tokenizer`)"
+    return f"the tokenizer was trained (minfer's `train_tokenizer`) on the first {o['tokenizer_stories']:,}"
+
+
 def card_text(r: dict, name: str, command: str, check: str, samples: list[str], weights_bytes: int) -> str:
-    o = r["options"]
+    o, c = r["options"], r["copy_accuracy"]
     curve = "\n".join(f"| {step} | {train:.4f} | {held:.4f} |" for step, train, held in r["curve"])
     first = sum(r["losses"][:5]) / 5
     sample_lines = "\n".join(f"> {s}\n" for s in samples)
@@ -48,13 +64,12 @@ def card_text(r: dict, name: str, command: str, check: str, samples: list[str], 
     return f"""# {name}
 
 A {r['parameters'] / 1e6:.2f}M-parameter GPT-2 trained from scratch on a CPU by minfer's own script, on simple
-stories from a grammar minfer ships. Output a person can read, offline, in a few megabytes: for the README's
-offline recipe, the tutorials without the Hub, and as a yardstick (held-out perplexity) for quantization and
-speculative decoding. It knows only its grammar's ~270 words: it is a toy, not a language model of English.
+stories from a grammar minfer ships. {purpose(o)} It knows only its grammar's ~270 words: it is a toy, not a
+language model of English.
 
 ```bash
-python -m minfer.generate --model minfer-tiny --temperature 0 "Once upon a time"
-minfer eval-ppl --model minfer-tiny minfer/models/builtin/minfer-tiny/heldout.txt
+python -m minfer.generate --model {name} --temperature 0 "Once upon a time"
+minfer eval-ppl --model {name} minfer/models/builtin/{name}/heldout.txt
 ```
 
 Licence: MIT, like minfer. The training text is generated, so nothing here comes from anyone else's data.
@@ -74,10 +89,13 @@ Licence: MIT, like minfer. The training text is generated, so nothing here comes
 
 Stories from the probabilistic grammar in `minfer/checkpoints/stories.py` (TinyStories-like: an opening,
 what the hero likes, an outing, a find, a problem, dialogue, a solution, an ending), one per line, each
-ended by `<|endoftext|>`. {o['num_stories']:,} training stories from seed {o['seed']}
-({r['train_tokens']:,} tokens); the tokenizer was trained (minfer's `train_tokenizer`) on the first
-{o['tokenizer_stories']:,}. `heldout.txt` holds {o['heldout_stories']} more stories from their own seed stream
-(`"heldout-{o['seed']}"`), {r['heldout_tokens']:,} tokens, never trained on.
+ended by `<|endoftext|>`. {o['num_stories']:,} training stories from seed {o['seed']};
+{tokenizer_origin(o)}. After each story, with chance
+{o['retell']} (`--retell`), one of the last three is told again word for word (`with_retellings` in stories.py):
+text that repeats itself, as real text does, so the model learns to copy from its context (what n-gram
+speculative decoding needs). With the retellings the training text is {r['train_tokens']:,} tokens.
+`heldout.txt` holds {o['heldout_stories']} more stories from their own seed stream
+(`"heldout-{o['seed']}"`), {r['heldout_tokens']:,} tokens, never trained on, without retellings.
 
 ## Training
 
@@ -100,6 +118,11 @@ context, stride half of it, every token but the first scored once) on the writte
 | --- | --- | --- |
 | train | {r['train_loss']:.4f} | {r['train_perplexity']:.4f} |
 | held-out perplexity (heldout.txt) | {r['heldout_loss']:.4f} | {r['heldout_perplexity']:.4f} |
+
+Copying, on `bench.py --workload copy`'s prompt (two stories of heldout.txt, then the first one's opening
+sentence again; minfer/checkpoints/copying.py, 20 prompts): of the first story's remaining tokens,
+{100 * c['teacher_forced']:.1f}% are the model's greedy choice given the true ones before, and greedy decoding
+writes {100 * c['greedy']:.1f}% of them before its first difference.
 
 Greedy continuations (temperature 0):
 
