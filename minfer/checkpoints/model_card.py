@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shlex
 from pathlib import Path
 
@@ -55,6 +56,27 @@ def tokenizer_origin(o: dict) -> str:
     return f"the tokenizer was trained (minfer's `train_tokenizer`) on the first {o['tokenizer_stories']:,}"
 
 
+def start(o: dict) -> str:
+    if o["init"]:
+        return (f"starting from the trained weights in `{o['init']}` (`--init`: the first command under "
+                "Reproducing it), not from scratch")
+    return "GPT-2's initialisation"
+
+
+def init_command(init: str, prog: str) -> str | None:
+    """The command that trained the checkpoint `--init` names, from its own card, written to `init`. A card
+    from before retellings existed trained without them: `--retell 0` says so now."""
+    card = Path(init) / "README.md"
+    if not card.is_file():
+        return None
+    found = re.search(r"## Reproducing it\n\n```bash\n(.+)\n```", card.read_text(encoding="utf-8"))
+    if not found:
+        return None
+    argv = shlex.split(found.group(1))[len(shlex.split(prog)) :]
+    argv = [init, *argv[1:]] + ([] if "--retell" in argv else ["--retell", "0"])
+    return " ".join([prog, *map(shlex.quote, argv)])
+
+
 def card_text(r: dict, name: str, command: str, check: str, samples: list[str], weights_bytes: int) -> str:
     o, c = r["options"], r["copy_accuracy"]
     curve = "\n".join(f"| {step} | {train:.4f} | {held:.4f} |" for step, train, held in r["curve"])
@@ -102,7 +124,7 @@ speculative decoding needs). With the retellings the training text is {r['train_
 {o['steps']:,} steps of AdamW (betas 0.9/0.95, weight decay {o['weight_decay']} on matrices), batches of
 {o['batch_size']} windows of {o['n_positions']} tokens at random offsets ({r['tokens_seen']:,} tokens,
 {r['tokens_seen'] / r['train_tokens']:.2f} passes over the data), learning rate {o['lr']} after {o['warmup_steps']} warm-up
-steps, cosine decay to a tenth; gradients clipped to norm 1; GPT-2's initialisation.
+steps, cosine decay to a tenth; gradients clipped to norm 1; {start(o)}.
 
 | step | train loss (last {o['eval_every']} steps) | held-out loss |
 | --- | --- | --- |
@@ -150,6 +172,9 @@ def write_card(out: Path, results: dict, prog: str, argv: list[str]) -> None:
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     samples = [greedy(model, tokenizer, p) for p in SAMPLE_PROMPTS]
     command = " ".join([prog, *map(shlex.quote, argv)])
+    init = results["options"]["init"]
+    if init:  # first the model it went on from
+        command = f"{init_command(init, prog) or '# train the checkpoint in ' + init}\n{command}"
     # The same options for 5 steps, written elsewhere (argparse keeps the last --steps given).
     check_argv = ["/tmp/minfer-tiny-check" if Path(a) == out else a for a in argv] + ["--steps", "5", "--no-card"]
     check = " ".join([prog, *map(shlex.quote, check_argv)])

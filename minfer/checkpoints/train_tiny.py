@@ -7,7 +7,7 @@ The defaults are the shipped model's (minfer/checkpoints/minfer-tiny). Every cho
 `--seed`: the stories (stories.py), the tokenizer trained on them, the initial weights and the
 order of the batches; with the same seed and thread count on the same machine, the weights come
 out bit for bit the same. `--tokenizer DIR` reuses a trained model's tokenizer (a draft model for
-speculative decoding must share its target's). The model is minfer's own GPT2 module, trained
+speculative decoding must share its target's); `--init DIR` starts from a trained model's weights. The model is minfer's own GPT2 module, trained
 through its plain (B, T) forward; the result is an ordinary checkpoint directory that minfer and
 transformers both load, with its held-out text and a model card.
 """
@@ -62,6 +62,7 @@ class TrainOptions:
     dtype: str = "float32"  # of the weights written
     eval_every: int = 250
     tokenizer: str | None = None  # a checkpoint directory whose tokenizer.json to reuse
+    init: str | None = None  # a checkpoint directory to start from (its weights and tokenizer), not from scratch
 
 
 def story_lines(texts: list[str]) -> list[str]:
@@ -149,8 +150,8 @@ def train(opts: TrainOptions, out: Path, log=print) -> dict:
 
     texts = stories(opts.seed, opts.num_stories)
     heldout = stories(f"heldout-{opts.seed}", opts.heldout_stories)  # its own stream: no overlap by design
-    if opts.tokenizer:
-        tokenizer = Tokenizer.from_file(str(Path(opts.tokenizer) / "tokenizer.json"))
+    if opts.tokenizer or opts.init:
+        tokenizer = Tokenizer.from_file(str(Path(opts.tokenizer or opts.init) / "tokenizer.json"))
     else:
         tokenizer = train_tokenizer(opts.vocab_size, opts.seed, corpus=texts[: opts.tokenizer_stories])
     vocab_size = tokenizer.get_vocab_size()
@@ -166,6 +167,8 @@ def train(opts: TrainOptions, out: Path, log=print) -> dict:
     model = GPT2(GPT2Config(vocab_size=vocab_size, n_positions=opts.n_positions, n_embd=opts.n_embd,
                             n_layer=opts.n_layer, n_head=opts.n_head))
     init_weights(model, opts.n_layer)
+    if opts.init:  # go on training a trained model (same shape), e.g. on text with retellings
+        model.load_state_dict(GPT2.from_pretrained(opts.init).state_dict())
     num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     log(f"model: {opts.n_layer} layers, {opts.n_head} heads, {opts.n_embd} channels, context {opts.n_positions}: "
         f"{num_params / 1e6:.2f}M parameters")
