@@ -22,6 +22,7 @@ from minfer.models.perplexity import perplexity, windows
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = BUILTIN_MODELS["minfer-tiny"]
+DRAFT = BUILTIN_MODELS["minfer-tiny-draft"]
 FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
          "README.md", "heldout.txt"]
 # Prompts a reader would type: beginnings of stories, some with their first sentence or two written.
@@ -170,7 +171,7 @@ def test_the_card_states_the_defaults_and_the_shipped_shape():
     from dataclasses import replace
 
     card = (TINY / "README.md").read_text(encoding="utf-8")
-    lines = re.search(r"## Reproducing it\n\n```bash\n(.+?)\n```", card, re.S).group(1).splitlines()
+    lines = re.search(r"## Reproducing it\n\n```bash\n(.+?)\n```", card, re.DOTALL).group(1).splitlines()
     assert all(line.split()[:2] == ["python", "scripts/train_tiny.py"] for line in lines)
     (out, opts, _), *before = [parse_args(line.split()[2:], "train_tiny") for line in reversed(lines)]
     assert out == Path("minfer/models/builtin/minfer-tiny")
@@ -206,11 +207,13 @@ def test_the_grammar_parses_its_own_stories_and_not_others():
 def test_the_package_carries_the_model():
     from importlib.resources import files
 
-    shipped = files("minfer.models") / "builtin" / "minfer-tiny"
-    assert all((shipped / f).is_file() for f in FILES)
+    for name in ("minfer-tiny", "minfer-tiny-draft"):
+        shipped = files("minfer.models") / "builtin" / name
+        assert all((shipped / f).is_file() for f in FILES), name
     assert sum(p.stat().st_size for p in TINY.iterdir()) <= 8 * 1024 * 1024
+    assert sum(p.stat().st_size for p in DRAFT.iterdir()) <= 1024 * 1024
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert '"minfer.models" = ["builtin/minfer-tiny/*"]' in pyproject
+    assert '"minfer.models" = ["builtin/minfer-tiny/*", "builtin/minfer-tiny-draft/*"]' in pyproject
 
 
 def test_a_wheel_carries_the_model(tmp_path):
@@ -229,4 +232,4 @@ def test_a_wheel_carries_the_model(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     (wheel,) = (tmp_path / "w").glob("minfer-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"minfer/models/builtin/minfer-tiny/{f}" for f in FILES} <= names
+    assert {f"minfer/models/builtin/{m}/{f}" for m in ("minfer-tiny", "minfer-tiny-draft") for f in FILES} <= names
