@@ -114,8 +114,8 @@ what the hero likes, an outing, a find, a problem, dialogue, a solution, an endi
 ended by `<|endoftext|>`. {o['num_stories']:,} training stories from seed {o['seed']};
 {tokenizer_origin(o)}. After each story, with chance
 {o['retell']} (`--retell`), one of the last three is told again word for word (`with_retellings` in stories.py):
-text that repeats itself, as real text does, so the model learns to copy from its context (what n-gram
-speculative decoding needs). With the retellings the training text is {r['train_tokens']:,} tokens.
+text that repeats itself, as real text does, from which a model can learn to copy from its context (what
+n-gram speculative decoding needs; how far this one did is under Results). With the retellings the training text is {r['train_tokens']:,} tokens.
 `heldout.txt` holds {o['heldout_stories']} more stories from their own seed stream
 (`"heldout-{o['seed']}"`), {r['heldout_tokens']:,} tokens, never trained on, without retellings.
 
