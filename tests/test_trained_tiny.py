@@ -22,6 +22,7 @@ from minfer.models.perplexity import perplexity, windows
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = BUILTIN_MODELS["minfer-tiny"]
+DRAFT = BUILTIN_MODELS["minfer-tiny-draft"]
 FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
          "README.md", "heldout.txt"]
 # Prompts a reader would type: beginnings of stories, some with their first sentence or two written.
@@ -152,15 +153,34 @@ def test_the_trainer_makes_the_loss_go_down_reproducibly(tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
+def test_init_goes_on_from_a_trained_model(tmp_path):
+    """`--init DIR` starts from DIR's weights and tokenizer: its first loss is far below a fresh start's."""
+    from dataclasses import replace
+
+    first = train(TrainOptions(**SHORT), tmp_path / "a", log=lambda *a: None)
+    more = train(replace(TrainOptions(**SHORT), init=str(tmp_path / "a"), steps=5), tmp_path / "b", log=lambda *a: None)
+    assert more["losses"][0] < first["losses"][0] - 1.0, (more["losses"], first["losses"])
+    assert (tmp_path / "b" / "tokenizer.json").read_bytes() == (tmp_path / "a" / "tokenizer.json").read_bytes()
+
+
 def test_the_card_states_the_defaults_and_the_shipped_shape():
-    """The card's reproduce command is the trainer's defaults (what the shipped config.json holds)."""
+    """The card's reproduce commands are the trainer's defaults (what the shipped config.json holds): one
+    from scratch, or one that goes on (`--init`) from a model the command before it trains (with the
+    defaults, except the retellings: the earlier model had none)."""
     import json
+    from dataclasses import replace
 
     card = (TINY / "README.md").read_text(encoding="utf-8")
-    command = re.search(r"## Reproducing it\n\n```bash\n(.+)\n```", card).group(1).split()
-    assert command[:2] == ["python", "scripts/train_tiny.py"]
-    out, opts, _ = parse_args(command[2:], "train_tiny")
-    assert out == Path("minfer/models/builtin/minfer-tiny") and opts == TrainOptions()
+    lines = re.search(r"## Reproducing it\n\n```bash\n(.+?)\n```", card, re.DOTALL).group(1).splitlines()
+    assert all(line.split()[:2] == ["python", "scripts/train_tiny.py"] for line in lines)
+    (out, opts, _), *before = [parse_args(line.split()[2:], "train_tiny") for line in reversed(lines)]
+    assert out == Path("minfer/models/builtin/minfer-tiny")
+    if opts.init:  # went on from a trained model: the command before trains it
+        base_out, base_opts, _ = before[0]
+        assert base_out == Path(opts.init) and base_opts == replace(TrainOptions(), retell=0.0)
+        assert opts.retell == TrainOptions().retell
+    else:  # from scratch: the defaults, the retellings aside (the shipped model predates them: --retell 0)
+        assert opts == replace(TrainOptions(), retell=opts.retell) and opts.retell in (0.0, TrainOptions().retell)
     config = json.loads((TINY / "config.json").read_text())
     shape = {k: config[k] for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")}
     assert shape == {k: getattr(opts, k) for k in shape}
@@ -187,11 +207,13 @@ def test_the_grammar_parses_its_own_stories_and_not_others():
 def test_the_package_carries_the_model():
     from importlib.resources import files
 
-    shipped = files("minfer.models") / "builtin" / "minfer-tiny"
-    assert all((shipped / f).is_file() for f in FILES)
+    for name in ("minfer-tiny", "minfer-tiny-draft"):
+        shipped = files("minfer.models") / "builtin" / name
+        assert all((shipped / f).is_file() for f in FILES), name
     assert sum(p.stat().st_size for p in TINY.iterdir()) <= 8 * 1024 * 1024
+    assert sum(p.stat().st_size for p in DRAFT.iterdir()) <= 1024 * 1024
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert '"minfer.models" = ["builtin/minfer-tiny/*"]' in pyproject
+    assert '"minfer.models" = ["builtin/minfer-tiny/*", "builtin/minfer-tiny-draft/*"]' in pyproject
 
 
 def test_a_wheel_carries_the_model(tmp_path):
@@ -210,4 +232,4 @@ def test_a_wheel_carries_the_model(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     (wheel,) = (tmp_path / "w").glob("minfer-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"minfer/models/builtin/minfer-tiny/{f}" for f in FILES} <= names
+    assert {f"minfer/models/builtin/{m}/{f}" for m in ("minfer-tiny", "minfer-tiny-draft") for f in FILES} <= names

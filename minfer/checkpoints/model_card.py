@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shlex
 from pathlib import Path
 
@@ -39,8 +40,45 @@ def greedy(model: GPT2, tokenizer: Tokenizer, prompt: str, max_tokens: int = 120
     return tokenizer.decode(ids)
 
 
+def purpose(o: dict) -> str:
+    if o["tokenizer"]:  # trained with another model's tokenizer: a draft for it
+        return (f"The draft model for speculative decoding with the model in `{o['tokenizer']}`: the same training "
+                "text and tokenizer (`--tokenizer`), a few times fewer FLOPs per token, so it proposes tokens "
+                "cheaply for the larger model to verify.")
+    return ("Output a person can read, offline, in a few megabytes: for the README's offline recipe, the "
+            "tutorials without the Hub, and as a yardstick (held-out perplexity) for quantization and "
+            "speculative decoding.")
+
+
+def tokenizer_origin(o: dict) -> str:
+    if o["tokenizer"]:
+        return f"the tokenizer is `{o['tokenizer']}`'s (`--tokenizer`)"
+    return f"the tokenizer was trained (minfer's `train_tokenizer`) on the first {o['tokenizer_stories']:,}"
+
+
+def start(o: dict) -> str:
+    if o["init"]:
+        return (f"starting from the trained weights in `{o['init']}` (`--init`: the first command under "
+                "Reproducing it), not from scratch")
+    return "GPT-2's initialisation"
+
+
+def init_command(init: str, prog: str) -> str | None:
+    """The command that trained the checkpoint `--init` names, from its own card, written to `init`. A card
+    from before retellings existed trained without them: `--retell 0` says so now."""
+    card = Path(init) / "README.md"
+    if not card.is_file():
+        return None
+    found = re.search(r"## Reproducing it\n\n```bash\n(.+)\n```", card.read_text(encoding="utf-8"))
+    if not found:
+        return None
+    argv = shlex.split(found.group(1))[len(shlex.split(prog)) :]
+    argv = [init, *argv[1:]] + ([] if "--retell" in argv else ["--retell", "0"])
+    return " ".join([prog, *map(shlex.quote, argv)])
+
+
 def card_text(r: dict, name: str, command: str, check: str, samples: list[str], weights_bytes: int) -> str:
-    o = r["options"]
+    o, c = r["options"], r["copy_accuracy"]
     curve = "\n".join(f"| {step} | {train:.4f} | {held:.4f} |" for step, train, held in r["curve"])
     first = sum(r["losses"][:5]) / 5
     sample_lines = "\n".join(f"> {s}\n" for s in samples)
@@ -48,13 +86,12 @@ def card_text(r: dict, name: str, command: str, check: str, samples: list[str], 
     return f"""# {name}
 
 A {r['parameters'] / 1e6:.2f}M-parameter GPT-2 trained from scratch on a CPU by minfer's own script, on simple
-stories from a grammar minfer ships. Output a person can read, offline, in a few megabytes: for the README's
-offline recipe, the tutorials without the Hub, and as a yardstick (held-out perplexity) for quantization and
-speculative decoding. It knows only its grammar's ~270 words: it is a toy, not a language model of English.
+stories from a grammar minfer ships. {purpose(o)} It knows only its grammar's ~270 words: it is a toy, not a
+language model of English.
 
 ```bash
-python -m minfer.generate --model minfer-tiny --temperature 0 "Once upon a time"
-minfer eval-ppl --model minfer-tiny minfer/models/builtin/minfer-tiny/heldout.txt
+python -m minfer.generate --model {name} --temperature 0 "Once upon a time"
+minfer eval-ppl --model {name} minfer/models/builtin/{name}/heldout.txt
 ```
 
 Licence: MIT, like minfer. The training text is generated, so nothing here comes from anyone else's data.
@@ -74,17 +111,20 @@ Licence: MIT, like minfer. The training text is generated, so nothing here comes
 
 Stories from the probabilistic grammar in `minfer/checkpoints/stories.py` (TinyStories-like: an opening,
 what the hero likes, an outing, a find, a problem, dialogue, a solution, an ending), one per line, each
-ended by `<|endoftext|>`. {o['num_stories']:,} training stories from seed {o['seed']}
-({r['train_tokens']:,} tokens); the tokenizer was trained (minfer's `train_tokenizer`) on the first
-{o['tokenizer_stories']:,}. `heldout.txt` holds {o['heldout_stories']} more stories from their own seed stream
-(`"heldout-{o['seed']}"`), {r['heldout_tokens']:,} tokens, never trained on.
+ended by `<|endoftext|>`. {o['num_stories']:,} training stories from seed {o['seed']};
+{tokenizer_origin(o)}. After each story, with chance
+{o['retell']} (`--retell`), one of the last three is told again word for word (`with_retellings` in stories.py):
+text that repeats itself, as real text does, from which a model can learn to copy from its context (what
+n-gram speculative decoding needs; how far this one did is under Results). With the retellings the training text is {r['train_tokens']:,} tokens.
+`heldout.txt` holds {o['heldout_stories']} more stories from their own seed stream
+(`"heldout-{o['seed']}"`), {r['heldout_tokens']:,} tokens, never trained on, without retellings.
 
 ## Training
 
 {o['steps']:,} steps of AdamW (betas 0.9/0.95, weight decay {o['weight_decay']} on matrices), batches of
 {o['batch_size']} windows of {o['n_positions']} tokens at random offsets ({r['tokens_seen']:,} tokens,
 {r['tokens_seen'] / r['train_tokens']:.2f} passes over the data), learning rate {o['lr']} after {o['warmup_steps']} warm-up
-steps, cosine decay to a tenth; gradients clipped to norm 1; GPT-2's initialisation.
+steps, cosine decay to a tenth; gradients clipped to norm 1; {start(o)}.
 
 | step | train loss (last {o['eval_every']} steps) | held-out loss |
 | --- | --- | --- |
@@ -100,6 +140,11 @@ context, stride half of it, every token but the first scored once) on the writte
 | --- | --- | --- |
 | train | {r['train_loss']:.4f} | {r['train_perplexity']:.4f} |
 | held-out perplexity (heldout.txt) | {r['heldout_loss']:.4f} | {r['heldout_perplexity']:.4f} |
+
+Copying, on `bench.py --workload copy`'s prompt (two stories of heldout.txt, then the first one's opening
+sentence again; minfer/checkpoints/copying.py, 20 prompts): of the first story's remaining tokens,
+{100 * c['teacher_forced']:.1f}% are the model's greedy choice given the true ones before, and greedy decoding
+writes {100 * c['greedy']:.1f}% of them before its first difference.
 
 Greedy continuations (temperature 0):
 
@@ -127,6 +172,9 @@ def write_card(out: Path, results: dict, prog: str, argv: list[str]) -> None:
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     samples = [greedy(model, tokenizer, p) for p in SAMPLE_PROMPTS]
     command = " ".join([prog, *map(shlex.quote, argv)])
+    init = results["options"]["init"]
+    if init:  # first the model it went on from
+        command = f"{init_command(init, prog) or '# train the checkpoint in ' + init}\n{command}"
     # The same options for 5 steps, written elsewhere (argparse keeps the last --steps given).
     check_argv = ["/tmp/minfer-tiny-check" if Path(a) == out else a for a in argv] + ["--steps", "5", "--no-card"]
     check = " ".join([prog, *map(shlex.quote, check_argv)])

@@ -7,7 +7,7 @@ The defaults are the shipped model's (minfer/checkpoints/minfer-tiny). Every cho
 `--seed`: the stories (stories.py), the tokenizer trained on them, the initial weights and the
 order of the batches; with the same seed and thread count on the same machine, the weights come
 out bit for bit the same. `--tokenizer DIR` reuses a trained model's tokenizer (a draft model for
-speculative decoding must share its target's). The model is minfer's own GPT2 module, trained
+speculative decoding must share its target's); `--init DIR` starts from a trained model's weights. The model is minfer's own GPT2 module, trained
 through its plain (B, T) forward; the result is an ordinary checkpoint directory that minfer and
 transformers both load, with its held-out text and a model card.
 """
@@ -30,10 +30,11 @@ from tokenizers import Tokenizer
 from ..models.config import GPT2Config
 from ..models.gpt2 import GPT2
 from ..models.perplexity import Perplexity, perplexity
+from .copying import copy_accuracy
 from .files import save_safetensors
 from .model_card import write_card
 from .random_gpt2 import make_config
-from .stories import stories
+from .stories import stories, with_retellings
 from .tokenizer_training import EOS_TOKEN, train_tokenizer
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -53,6 +54,7 @@ class TrainOptions:
     warmup_steps: int = 100
     weight_decay: float = 0.1
     num_stories: int = 120_000  # training stories; more than `steps` ever reads, so no story repeats much
+    retell: float = 0.25  # chance a story is followed by a verbatim retelling of a recent one (stories.py)
     tokenizer_stories: int = 20_000  # the first stories, to train the tokenizer on
     heldout_stories: int = 200
     seed: int = 0
@@ -60,6 +62,7 @@ class TrainOptions:
     dtype: str = "float32"  # of the weights written
     eval_every: int = 250
     tokenizer: str | None = None  # a checkpoint directory whose tokenizer.json to reuse
+    init: str | None = None  # a checkpoint directory to start from (its weights and tokenizer), not from scratch
 
 
 def story_lines(texts: list[str]) -> list[str]:
@@ -147,12 +150,12 @@ def train(opts: TrainOptions, out: Path, log=print) -> dict:
 
     texts = stories(opts.seed, opts.num_stories)
     heldout = stories(f"heldout-{opts.seed}", opts.heldout_stories)  # its own stream: no overlap by design
-    if opts.tokenizer:
-        tokenizer = Tokenizer.from_file(str(Path(opts.tokenizer) / "tokenizer.json"))
+    if opts.tokenizer or opts.init:
+        tokenizer = Tokenizer.from_file(str(Path(opts.tokenizer or opts.init) / "tokenizer.json"))
     else:
         tokenizer = train_tokenizer(opts.vocab_size, opts.seed, corpus=texts[: opts.tokenizer_stories])
     vocab_size = tokenizer.get_vocab_size()
-    train_ids = tokenize(tokenizer, story_lines(texts))
+    train_ids = tokenize(tokenizer, story_lines(with_retellings(texts, opts.retell, opts.seed)))
     heldout_ids = tokenize(tokenizer, story_lines(heldout))
     train_eval_ids = train_ids[: heldout_ids.numel()]  # the same amount of training text, scored the same way
     log(f"data: {len(texts)} stories, {train_ids.numel()} tokens; held out: {len(heldout)} stories, "
@@ -164,6 +167,8 @@ def train(opts: TrainOptions, out: Path, log=print) -> dict:
     model = GPT2(GPT2Config(vocab_size=vocab_size, n_positions=opts.n_positions, n_embd=opts.n_embd,
                             n_layer=opts.n_layer, n_head=opts.n_head))
     init_weights(model, opts.n_layer)
+    if opts.init:  # go on training a trained model (same shape), e.g. on text with retellings
+        model.load_state_dict(GPT2.from_pretrained(opts.init).state_dict())
     num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     log(f"model: {opts.n_layer} layers, {opts.n_head} heads, {opts.n_embd} channels, context {opts.n_positions}: "
         f"{num_params / 1e6:.2f}M parameters")
@@ -202,10 +207,11 @@ def train(opts: TrainOptions, out: Path, log=print) -> dict:
     write_checkpoint(model, config, tokenizer, out, dtype)
     (out / "heldout.txt").write_text("".join(story_lines(heldout)), encoding="utf-8")
     held, seen = evaluate(model, heldout_ids, T), evaluate(model, train_eval_ids, T)
+    copied = copy_accuracy(model, tokenizer, heldout)
     return dict(options=asdict(opts), parameters=num_params, train_tokens=train_ids.numel(),
                 tokens_seen=opts.steps * B * T, heldout_tokens=heldout_ids.numel(),
                 train_loss=seen.loss, train_perplexity=seen.perplexity,
-                heldout_loss=held.loss, heldout_perplexity=held.perplexity, curve=curve,
+                heldout_loss=held.loss, heldout_perplexity=held.perplexity, copy_accuracy=asdict(copied), curve=curve,
                 train_seconds=train_seconds, total_seconds=time.perf_counter() - start, losses=losses)
 
 
@@ -230,7 +236,8 @@ def main(argv: list[str] | None = None, prog: str = "python scripts/train_tiny.p
     if card:
         write_card(out, results, prog, argv if argv is not None else sys.argv[1:])
     print(f"wrote {out}: held-out loss {results['heldout_loss']:.4f}, perplexity {results['heldout_perplexity']:.3f} "
-          f"(train {results['train_perplexity']:.3f}) after {results['train_seconds']:.0f} s of training")
+          f"(train {results['train_perplexity']:.3f}), greedy copy {results['copy_accuracy']['greedy']:.3f} "
+          f"after {results['train_seconds']:.0f} s of training")
     return 0
 
 

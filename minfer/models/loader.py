@@ -39,7 +39,8 @@ HUB_ALIASES = {
     "distilgpt2": "distilbert/distilgpt2",
 }
 # Models shipped inside the package (models/builtin/), found by name before anything else, with no network.
-BUILTIN_MODELS = {"minfer-tiny": Path(__file__).parent / "builtin" / "minfer-tiny"}
+# minfer-tiny-draft is minfer-tiny's draft model for speculative decoding (same tokenizer, a few times smaller).
+BUILTIN_MODELS = {name: Path(__file__).parent / "builtin" / name for name in ("minfer-tiny", "minfer-tiny-draft")}
 # Only these files are fetched from the Hub (a GPT-2 repo also holds TF, Flax, ONNX, ...).
 HUB_FILES = [
     "config.json",

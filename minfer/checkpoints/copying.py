@@ -1,0 +1,57 @@
+"""How well a trained model copies from its context: on the prompt shape of `bench.py --workload copy`
+(two held-out stories, then the first one's opening sentence again), the share of the first story's
+remaining tokens it writes back verbatim. That share is what n-gram speculation (prompt lookup) can win."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tokenizers import Tokenizer
+
+from ..models.gpt2 import GPT2
+from .tokenizer_training import EOS_TOKEN
+
+
+@dataclass
+class CopyScore:
+    teacher_forced: float  # share of the retold story's tokens that are the model's argmax, given the true ones before
+    greedy: float  # share of them greedy decoding writes before its first difference, over all stories
+
+
+def copy_prompt(first: str, second: str) -> str:
+    """bench.py's copy prompt (minfer/bench/workload.py: copy_texts): both stories, then the first's opening."""
+    return f"{first}{EOS_TOKEN}{second}{EOS_TOKEN}{first.split('. ')[0]}."
+
+
+@torch.inference_mode()
+def copy_accuracy(model: GPT2, tokenizer: Tokenizer, stories: list[str], num: int = 20) -> CopyScore:
+    """Copy accuracy on stories[0:2], stories[2:4], ... (the first `num` prompts that fit in the context),
+    scored on the rest of the first story and its <|endoftext|>. Plain forwards without a cache: the model
+    is tiny. NaN if no prompt fits."""
+    was_training = model.training
+    model.eval()
+    forced = greedy = total = scored = 0
+    for first, second in zip(stories[0::2], stories[1::2]):
+        prompt = tokenizer.encode(copy_prompt(first, second)).ids
+        full = tokenizer.encode(f"{first}{EOS_TOKEN}{second}{EOS_TOKEN}{first}{EOS_TOKEN}").ids
+        assert full[: len(prompt)] == prompt, "the opening must end on a token boundary"
+        if len(full) > model.config.n_positions:
+            continue
+        if scored == num:
+            break
+        scored += 1
+        target = full[len(prompt) :]
+        logits = model(torch.tensor([full[:-1]]))[0, len(prompt) - 1 :]  # (len(target), V)
+        forced += int((logits.argmax(-1) == torch.tensor(target)).sum())
+        ids = list(prompt)
+        for want in target:  # greedy, up to the first token that differs
+            if int(model(torch.tensor([ids]))[0, -1].argmax()) != want:
+                break
+            ids.append(want)
+        greedy += len(ids) - len(prompt)
+        total += len(target)
+    model.train(was_training)
+    if not total:
+        return CopyScore(float("nan"), float("nan"))
+    return CopyScore(teacher_forced=forced / total, greedy=greedy / total)
