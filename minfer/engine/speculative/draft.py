@@ -90,8 +90,9 @@ class DraftProposer:
     def bytes_per_block(model: torch.nn.Module, block_size: int) -> int:
         return KVCache.bytes_per_block(model.config, block_size, model.dtype)
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """What the Speculator asks of a proposer: k placeholders, filled by run() before the step runs."""
+    def propose(self, token_ids: list[int], k: int, key: object | None = None) -> list[int]:
+        """What the Speculator asks of a proposer: k placeholders, filled by run() before the step runs.
+        (key names the sequence, as for the n-gram proposer; the draft's state lives in its cache.)"""
         return [PENDING] * k
 
     @torch.inference_mode()
