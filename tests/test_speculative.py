@@ -291,7 +291,11 @@ def test_rejection_sampling_keeps_the_target_distribution(make_checkpoint):
 
 
 def test_cancelled_speculating_requests_free_everything(models):
-    spec = LLM(models["gpt2"], block_size=4, **SPEC)
+    cancel_half_and_finish_the_rest(LLM(models["gpt2"], block_size=4, **SPEC))
+
+
+def cancel_half_and_finish_the_rest(spec):
+    """Six speculating requests: three cancelled mid-way, three run to the end; then every block is free."""
     sched = spec.scheduler
     params = half_seeded(SamplingParams(max_tokens=60, temperature=0, ignore_eos=True), 6)
     ids = [sched.add_request(prompt_token_ids=p, sampling_params=s) for p, s in zip(copy_prompts(6, 512, seed=8), params)]

@@ -9,6 +9,7 @@ import torch
 from test_speculative import (
     assert_all_free,
     assert_cache_holds_only_kept_tokens,
+    cancel_half_and_finish_the_rest,
     copy_prompts,
     exact_distribution,
     half_seeded,
@@ -243,22 +244,7 @@ def test_rejection_sampling_with_a_draft_keeps_the_target_distribution(make_chec
 
 def test_cancelled_and_finished_draft_requests_free_everything(models):
     target, draft = models["qwen3"]
-    spec = LLM(target, block_size=4, **draft_settings(draft))
-    sched = spec.scheduler
-    params = half_seeded(SamplingParams(max_tokens=60, temperature=0, ignore_eos=True), 6)
-    ids = [sched.add_request(prompt_token_ids=p, sampling_params=s) for p, s in zip(copy_prompts(6, 512, seed=8), params)]
-    for _ in range(12):
-        sched.step()
-        sched.check_invariants()
-    assert sched.speculator.stats.num_drafts > 0
-    for i in ids[::2]:
-        assert sched.discard_request(i)
-    while sched.has_unfinished():
-        sched.step()
-        sched.check_invariants()
-    for i in ids[1::2]:
-        sched.pop_response(i)
-    assert_all_free(spec)
+    cancel_half_and_finish_the_rest(LLM(target, block_size=4, **draft_settings(draft)))
 
 
 def test_profile_counts_the_draft_under_propose(models):
