@@ -80,7 +80,7 @@ class OnlineScheduler:
         self.allocator = BlockAllocator(num_kv_blocks, block_size, config.enable_prefix_caching)
         self.kv_cache = KVCache(model.config, num_kv_blocks, block_size, model.device, model.dtype)
         self.speculator = None  # speculative decoding (speculative/), when asked for
-        self.draft = draft and DraftProposer(draft, num_kv_blocks, block_size, config)
+        self.draft = draft and DraftProposer(draft, num_kv_blocks, block_size, config, model.config)
         if config.speculative_method is not None:
             k = config.num_speculative_tokens
             self.speculator = Speculator(k, config.ngram_min, config.ngram_max, self.draft)

@@ -74,7 +74,7 @@ def load_draft_model(config, target: torch.nn.Module, context_len: int) -> torch
 class DraftProposer:
     """The draft model, its KV cache (on the target's blocks) and attention backend."""
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, config=None):
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, config=None, target_config=None):
         # Prepared as the target is, but unquantized: a draft is small already.
         attention = SimpleNamespace(
             enforce_eager=getattr(config, "enforce_eager", False), attention_backend=getattr(config, "attention_backend", None)
@@ -84,6 +84,10 @@ class DraftProposer:
         self.kv_cache = KVCache(model.config, num_blocks, block_size, model.device, model.dtype)
         self.block_size = block_size
         self.device = model.device
+        # One proposal costs one draft forward. Measured in target forwards, that is about layers over
+        # layers on small models, whose forwards are mostly per-layer overhead; on large ones, where
+        # bytes rule, the draft is cheaper still, so this errs towards pausing (speculator.py).
+        self.cost_per_proposal = model.config.num_layers / target_config.num_layers if target_config else 0.0
         self._written: weakref.WeakKeyDictionary[Sequence, _Written] = weakref.WeakKeyDictionary()  # num_valid()
 
     @staticmethod

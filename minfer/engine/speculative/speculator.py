@@ -9,7 +9,8 @@ step draws from its generator depends on how many rows it verified.
 - The proposer must find something: an n-gram proposer with no match proposes nothing, and the step
   runs a plain decode row for it (a draft model always proposes).
 - Proposals that keep failing cost k extra rows for nothing. Each sequence keeps a moving average of
-  the share of its proposals accepted; when it falls below FAIL_SHARE, the sequence pauses speculation
+  the share of its proposals accepted; when it falls below FAIL_SHARE (plus, with a draft model, what a
+  proposal's draft forward costs in target forwards), the sequence pauses speculation
   for a cool-down of output tokens that doubles each time it fails again (up to MAX_COOLDOWN), and
   starts afresh with a hopeful average after it.
 - Unseeded requests speculate only while at most MAX_BATCH sequences run. At batch 1 a step reads
@@ -29,6 +30,7 @@ from .ngram import NgramProposer
 
 AVERAGE_WEIGHT = 0.3  # weight of the newest step in the moving average of the accepted share
 FAIL_SHARE = 0.1  # below this average share, proposals are not paying for their rows
+MAX_FAIL_SHARE = 0.9  # the most a draft's cost raises FAIL_SHARE to
 MAX_BATCH = 4  # unseeded requests speculate only while at most this many sequences run
 FIRST_COOLDOWN = 8  # output tokens without speculation after the first failure ...
 MAX_COOLDOWN = 128  # ... doubling on each further failure, up to this
@@ -77,6 +79,10 @@ class Speculator:
         self.k = num_speculative_tokens
         # A draft model (draft.py) proposes k placeholders here and fills them before the step runs.
         self.proposer = draft or NgramProposer(ngram_min, ngram_max)
+        # A proposal that costs a draft forward must be kept more often to pay for itself: a verification
+        # emits 1 + share * k tokens for 1 + cost * k forwards. Capped, so a draft that is always right
+        # (one that costs as much as the model, as in tests) still speculates.
+        self.fail_share = min(FAIL_SHARE + getattr(self.proposer, "cost_per_proposal", 0.0), MAX_FAIL_SHARE)
         k = num_speculative_tokens
         self.stats = SpecStats(accepted_per_position=[0] * k, accepted_length_counts=[0] * (k + 2))
         self._records: weakref.WeakKeyDictionary[Sequence, _Record] = weakref.WeakKeyDictionary()
@@ -106,9 +112,9 @@ class Speculator:
         stats.accepted_length_counts[num_accepted + 1] += 1
         record = self._records.setdefault(seq, _Record())
         record.share += AVERAGE_WEIGHT * (num_accepted / num_proposed - record.share)
-        if record.share < FAIL_SHARE:
+        if record.share < self.fail_share:
             record.resume_at = seq.num_output_tokens + record.cooldown
             record.cooldown = min(2 * record.cooldown, MAX_COOLDOWN)
-            record.share = 0.5  # after the pause, a fresh chance
+            record.share = min(1.0, self.fail_share + 0.4)  # after the pause, a fresh chance
         elif num_accepted == num_proposed:
             record.cooldown = FIRST_COOLDOWN  # paying again: a later failure pauses it briefly
