@@ -266,25 +266,33 @@ def exact_distribution(path, prompt, V, positions):
 def test_rejection_sampling_keeps_the_target_distribution(make_checkpoint):
     """A vocabulary of 8 (logit_bias +100 on tokens 0-7 leaves the others e^-90 of a chance): 1200 seeded
     samples of 4 tokens, with speculation, against the exact marginals."""
+    path = make_checkpoint("tiny", seed=7)
+    spec_options = {"speculative_method": "ngram", "num_speculative_tokens": 2, "ngram_min": 1, "ngram_max": 2}
+    stats = assert_speculative_samples_match_exact(path, spec_options)
+    assert stats.accepted_length_counts[3] > 0  # both proposals accepted, then a bonus token drawn
+
+
+def assert_speculative_samples_match_exact(path, spec_options):
+    """1200 seeded samples of 4 tokens from an 8-token vocabulary, speculating with spec_options, pass a
+    chi-square test against the exact marginals at every position. Returns the speculation counts."""
     from scipy.stats import chisquare
 
     V = 8
-    path = make_checkpoint("tiny", seed=7)
     prompt = list(range(V)) * 2 + [0, 1]  # every token occurred: n-gram lookup always proposes
     exact = exact_distribution(path, prompt, V, 4)
-    spec = LLM(path, max_num_seqs=128, speculative_method="ngram", num_speculative_tokens=2, ngram_min=1, ngram_max=2)
+    spec = LLM(path, max_num_seqs=128, **spec_options)
     N = 1200
     bias = dict.fromkeys(range(V), 100.0)
     params = [SamplingParams(max_tokens=4, temperature=1.0, seed=i, logit_bias=bias, ignore_eos=True) for i in range(N)]
     outs = spec.generate([prompt] * N, params, use_tqdm=False)
     stats = spec.scheduler.speculator.stats
     assert stats.num_draft_tokens > N and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert stats.accepted_length_counts[3] > 0  # both proposals accepted, then a bonus token drawn
     for position in range(4):
         counts = torch.bincount(torch.tensor([o.token_ids[position] for o in outs]), minlength=V).double()
         expected = exact[position] / exact[position].sum() * N
         assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3, (position, counts, expected)
     assert_all_free(spec)
+    return stats
 
 
 # ---- no leak -----------------------------------------------------------------------------
@@ -317,25 +325,18 @@ def cancel_half_and_finish_the_rest(spec):
 
 
 def test_server_streams_plain_greedy_and_counts_proposals(models):
-    import threading
-
+    from serving import serving
     from test_serve import AUTH, call, metrics, stream_events
-
-    from minfer.server.serve import create_server
 
     prompt = copy_prompts(1, 512, seed=11)[0]  # one on which proposals are accepted
     want = LLM(models["gpt2"]).generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-    srv = create_server(EngineConfig(model=str(models["gpt2"]), **SPEC), port=0)
-    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    port = srv.server_address[1]
-    try:
+    with serving(EngineConfig(model=str(models["gpt2"]), **SPEC)) as srv:
+        port = srv.server_address[1]
         name = call(port, "GET", "/v1/models", headers=AUTH)[2]["data"][0]["id"]
         body = {"model": name, "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "logprobs": 1}
         events = stream_events(port, "/v1/completions", body)
         status, _, full = call(port, "POST", "/v1/completions", {**body, "logprobs": None}, headers=AUTH)
         counts = metrics(port)
-    finally:
-        srv.stop(grace=1.0)
     text = "".join(e["choices"][0]["text"] for e in events if e != "[DONE]")
     streamed = sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e != "[DONE]" and e["choices"][0]["logprobs"])
     assert status == 200 and text == full["choices"][0]["text"] == want[0].text and streamed == 40
