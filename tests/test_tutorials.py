@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -47,13 +46,6 @@ SHAPES = {
     "minfer-tiny": None,  # 4 layers, 4 heads, 128 channels, a 512-token context
 }
 TEST_NAME = "test_tutorial_script_runs"
-
-
-@dataclass
-class ScriptRun:
-    returncode: int
-    stdout: str
-    stderr: str
 
 
 @pytest.fixture(scope="session")
@@ -103,7 +95,8 @@ def script_runs(request, make_checkpoint, tmp_path_factory):
         for line in forks.stdout:
             done = json.loads(line)
             job = jobs[done["index"]]
-            futures[keys[done["index"]]].set_result(ScriptRun(
+            futures[keys[done["index"]]].set_result(subprocess.CompletedProcess(
+                job["script"],
                 done["returncode"],
                 Path(job["stdout"]).read_text(errors="replace"),
                 Path(job["stderr"]).read_text(errors="replace"),
@@ -111,7 +104,9 @@ def script_runs(request, make_checkpoint, tmp_path_factory):
         forks.wait()
         for future in futures.values():  # the forking process itself died: say so in every test left
             if not future.done():
-                future.set_result(ScriptRun(-1, "", f"tests/script_forks.py exited with {forks.returncode}"))
+                future.set_result(subprocess.CompletedProcess(
+                    "tests/script_forks.py", -1, "", f"tests/script_forks.py exited with {forks.returncode}"
+                ))
 
     collector = threading.Thread(target=collect, daemon=True)
     collector.start()
