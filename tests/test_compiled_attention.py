@@ -2,6 +2,7 @@
 no recompiles while serving, and a clean fall back to eager when it cannot run."""
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch._dynamo
 from minfer import LLM, SamplingParams
 from minfer.attention.compiled import CompiledBackend, paged_decode_attention
 from minfer.attention.cpu_tiled import CPUTiledBackend
-from minfer.attention.kv_cache import KVCache
+from minfer.attention.kv_cache import KVCache, slot_of, slots_to_blocks
 from minfer.attention.paged import StepLayout
 from minfer.engine import prepare
 from minfer.models.registry import load_model
@@ -32,12 +33,15 @@ def random_case(S, H, Hkv, D, dtype, seed=0, block_size=16, num_blocks=64):
 @pytest.mark.parametrize("H, Hkv", [(4, 4), (8, 2), (3, 3)])  # GPT-2-like, grouped-query, odd heads
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
 def test_kernel_matches_eager(H, Hkv, dtype, tolerance):
+    """The same keys and values, the compiled backend's in blocks, the eager one's in rows of slots."""
     compiled, eager = CompiledBackend("cpu", dtype), CPUTiledBackend("cpu", dtype)
     for S in (1, 2, 7):
         q, cache, layout = random_case(S, H, Hkv, 16, dtype, seed=S)
+        blocks = slots_to_blocks(cache, layout.block_size)
+        compiled.block_size = layout.block_size
         seqs = list(range(S))
         with torch.inference_mode():
-            got = compiled.decode_attention(q, cache, compiled.decode_group(layout, seqs), 0.25)
+            got = compiled.decode_attention(q, blocks, compiled.decode_group(layout, seqs), 0.25)
             want = eager.decode_attention(q, cache, eager.decode_group(layout, seqs), 0.25)
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
@@ -47,12 +51,37 @@ def test_the_plain_function_is_attention():
     """Uncompiled, the lesson's function is softmax(q k^T) v over each sequence's own context."""
     q, cache, layout = random_case(3, 4, 2, 8, torch.float32)
     group = CompiledBackend("cpu", torch.float32).decode_group(layout, [0, 1, 2])
-    out = paged_decode_attention(q, cache, group.slots, group.lens, 0.5)
+    out = paged_decode_attention(q, slots_to_blocks(cache, 16), group.tables, group.lens, 0.5, 16)
     for i, L in enumerate(layout.context_lens):
-        kv = cache[group.slots[i, :L]]  # (L, 2, Hkv, D)
+        kv = cache[[slot_of(layout.block_tables[i], p, 16) for p in range(L)]]  # (L, 2, Hkv, D)
         k, v = kv[:, 0].repeat_interleave(2, dim=1), kv[:, 1].repeat_interleave(2, dim=1)  # (L, H, D)
         weights = torch.softmax((q[i][None] * k).sum(-1) * 0.5, dim=0)  # (L, H)
         torch.testing.assert_close(out[i], (weights[..., None] * v).sum(0))
+
+
+@pytest.mark.parametrize("Hkv, D, B", [(2, 8, 4), (3, 16, 16)])
+def test_the_block_layout_stores_and_reads_what_the_slot_layout_does(Hkv, D, B):
+    """KV writes, prefill context reads and copy-on-write, in blocks (transposed keys) and in rows of
+    slots: the same keys and values come back."""
+    config = SimpleNamespace(num_layers=2, num_kv_heads=Hkv, head_dim=D, max_positions=64)
+    rows, blocks = (KVCache(config, 6, B, "cpu", torch.float32, layout) for layout in ("slots", "blocks"))
+    assert blocks.k.shape == (2, 7, Hkv, D, B) and blocks.v.shape == (2, 7, Hkv, B, D)
+    assert not blocks.kv[:, 6].any()  # the null block is zeroed
+    eager, compiled = CPUTiledBackend("cpu", torch.float32), CompiledBackend("cpu", torch.float32)
+    compiled.block_size = B
+    g = torch.Generator().manual_seed(0)
+    slots = torch.randperm(6 * B, generator=g)  # every slot but the null block's, in random order
+    for layer in range(2):
+        k, v = torch.randn(2, 6 * B, Hkv, D, generator=g)
+        eager.write_kv(rows.kv[layer], slots, k, v)
+        compiled.write_kv(blocks.kv[layer], slots, k, v)
+    torch.testing.assert_close(slots_to_blocks(rows.kv, B), blocks.kv, rtol=0, atol=0)
+    context = torch.tensor([slot_of([4, 1, 3], p, B) for p in range(2 * B + 1)])  # a sequence's blocks 4, 1, 3
+    for got, want in zip(compiled.chunk_context(blocks.kv[1], context), eager.chunk_context(rows.kv[1], context)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # keys, then values: (Hkv, L, D) each
+    for cache in (rows, blocks):
+        cache.copy_blocks([(4, 0), (1, 2)], B)
+    torch.testing.assert_close(slots_to_blocks(rows.kv, B), blocks.kv, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen3-tiny"])
@@ -73,7 +102,7 @@ def test_engine_greedy_output_equals_eager(make_checkpoint, preset):
 
 
 def test_no_recompile_after_warm_up(tiny_checkpoint, monkeypatch):
-    """dynamic=True: batch sizes and context lengths, one and two sequences included, never recompile.
+    """dynamic=True: batch sizes and context lengths, one and two sequences and blocks included, never recompile.
     From a clean slate: kernels compiled by earlier tests must not cover for the warm-up."""
     torch._dynamo.reset()
     llm = LLM(tiny_checkpoint, attention_backend="compiled", num_kv_blocks=64, max_num_seqs=8)

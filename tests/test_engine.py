@@ -378,14 +378,17 @@ def test_one_flat_forward_per_step_and_lm_head_only_where_sampling(tiny_checkpoi
     assert_all_free(llm)
 
 
-def test_garbage_in_unwritten_cache_slots_never_leaks(tiny_checkpoint):
-    """The cache starts uninitialised: padded attention positions must never read an unwritten slot."""
+@pytest.mark.parametrize("backend", ["eager", "compiled"])  # a cache in rows of slots, or in blocks
+def test_garbage_in_unwritten_cache_slots_never_leaks(tiny_checkpoint, backend):
+    """The cache starts uninitialised: padded attention positions, and the unwritten tail of a
+    sequence's last block, must never reach the result."""
     prompts = [list(range(1, 41)), list(range(5, 69)), [7] * 3]  # decode groups with padding
-    alone = LLM(tiny_checkpoint, num_kv_blocks=64)
+    alone = LLM(tiny_checkpoint, num_kv_blocks=64, attention_backend=backend)
     expected = [alone.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts]
-    llm = LLM(tiny_checkpoint, num_kv_blocks=64)
-    null = llm.scheduler.kv_cache.null_block * llm.scheduler.block_size
-    llm.scheduler.kv_cache.k[:, :null].fill_(float("nan"))
-    llm.scheduler.kv_cache.v[:, :null].fill_(float("nan"))
+    llm = LLM(tiny_checkpoint, num_kv_blocks=64, attention_backend=backend)
+    cache = llm.scheduler.kv_cache
+    assert cache.layout == ("blocks" if backend == "compiled" else "slots")
+    end = cache.null_block if cache.layout == "blocks" else cache.null_block * llm.scheduler.block_size
+    cache.kv[:, :end].fill_(float("nan"))  # every block but the null block: keys and values
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == expected

@@ -205,30 +205,37 @@ print("\nOK: paged attention equals dense attention, gathered at once or a tile 
 # ---------------------------------------------------------------------------------------
 section("part 3: reading the cache in place, compiled (attention/compiled.py)")
 # Eager torch cannot attend through a slot table: it must gather (and, in bf16, upcast) first.
-# The same attention in plain torch, indexing the cache by slot, compiled with torch.compile:
-# Inductor writes one loop that reads each key and value where it lies, upcasts it, scores it,
-# and adds it into the softmax-weighted sum. The gathered context is never stored.
+# The same attention in plain torch, indexing the cache by block table, compiled with torch.compile:
+# Inductor writes loops that read each key and value where they lie, upcast, score, and add into the
+# softmax-weighted sum. The gathered context is never stored.
+# The compiled backend's cache is laid out in blocks, and each block's keys are stored transposed,
+# (H, D, BLOCK_SIZE) per head (kv_cache.py, layout "blocks"): the score q . k sums over D, and with
+# a block's positions side by side the compiler scores BLOCK_SIZE positions at once, as plain vector
+# multiply-adds. Over rows of slots, each position's score would end in a sum across one vector's
+# lanes, the slow kind; that version ran about half as fast on a Zen 4.
 from minfer.attention.compiled import paged_decode_attention  # noqa: E402
+from minfer.attention.kv_cache import slots_to_blocks  # noqa: E402
 
 lens = torch.full((S,), L)  # (S,): every sequence's context length (all L here: nothing padded)
+big_blocks = slots_to_blocks(big_kv, BLOCK_SIZE)  # the same keys and values: (num_blocks, 2, H, D * BLOCK_SIZE)
 compiled = torch.compile(paged_decode_attention, dynamic=True)
 start = time.perf_counter()
 with torch.inference_mode():
-    in_place = compiled(q_dec, big_kv, grid, lens, scale)
+    in_place = compiled(q_dec, big_blocks, blocks, lens, scale, BLOCK_SIZE)
 print(f"  compiled in {time.perf_counter() - start:.1f} s (a second run reads Inductor's on-disk cache)")
 check("compiled, read in place vs gather-everything", in_place, gather_all())
 # Timed in both dtypes beside the tiled read. In bf16 the tiled read must gather and then upcast
 # (two passes and a buffer); the compiled loop upcasts as it reads. In fp32 there is nothing to
 # upcast, and the tiled read's sdpa is the faster arithmetic: the engine compiles for bf16 only.
-kv16, q16 = big_kv.bfloat16(), q_dec.bfloat16()
+kv16, blocks16, q16 = big_kv.bfloat16(), big_blocks.bfloat16(), q_dec.bfloat16()
 with torch.inference_mode():
     print(f"  {'':<30}{'fp32':>10}{'bf16':>10}")
     for name, fn in (("tiled (part 2)", tiled), ("compiled: read in place, fused", compiled)):
         if fn is tiled:
             ms = [best_ms(tiled), best_ms(lambda: backend.decode_attention(q16, kv16, group, scale))]
         else:
-            ms = [best_ms(lambda: compiled(q_dec, big_kv, grid, lens, scale))]
-            ms.append(best_ms(lambda: compiled(q16, kv16, grid, lens, scale)))  # compiles once more: bf16
+            ms = [best_ms(lambda: compiled(q_dec, big_blocks, blocks, lens, scale, BLOCK_SIZE))]
+            ms.append(best_ms(lambda: compiled(q16, blocks16, blocks, lens, scale, BLOCK_SIZE)))  # compiles once more
         print(f"  {name:<30}{ms[0]:>7.2f} ms{ms[1]:>7.2f} ms")
 print("  (one layer, its cache warm from the last repeat; bench.py --profile times all layers in a real step)")
 print("  (the engine runs this backend on a CPU in bf16 when it compiles there: --attention-backend auto)")

@@ -3,24 +3,27 @@
 Eager torch must gather each sequence's keys and values out of the paged cache into a
 buffer (and upcast bf16) before sdpa can read them, so the context crosses memory three
 times. `paged_decode_attention` below says the same attention in plain torch, indexing the
-cache through the slot table; torch.compile (Inductor: a C++ loop on a CPU) fuses the
-gather, the upcast, the scores, the masked softmax and the weighted sum into one pass, and
-the gathered context is never stored. The function is the lesson; the compiler does the fusion.
+cache through the block tables; torch.compile (Inductor: C++ loops on a CPU) fuses the
+gather, the upcast, the scores, the masked softmax and the weighted sum, and the gathered
+context is never stored. The function is the lesson; the compiler does the fusion.
 
+- The cache is laid out for it (kv_cache.py, layout "blocks"): block by block, each block's keys
+  transposed, so the score's sum over head_dim runs across a block's positions as plain vector
+  multiply-adds. Over rows of slots every position's score ended in a sum across one vector's
+  lanes: the same function ran 1.6-2x slower (docs/performance.md).
 - Decode rows (one query per sequence) run here: they are bound by reading the context.
-- Prefill chunks keep the eager CPU path (gather once, then two matmuls): a chunk of T
-  queries does T x L work per context position read, so it is bound by compute, which
-  matmuls do best.
+- Prefill chunks keep the eager CPU path (gather, then two matmuls): a chunk of T queries does
+  T x L work per context position read, so it is bound by compute, which matmuls do best.
+  `chunk_context` gathers their blocks back into the rows that path reads.
 - Compiled with dynamic=True, so batch size and context length never trigger a recompile
   while serving. Dynamo still guards on what else it sees: sizes of 1 (a lone sequence gets
-  a kernel of its own, compiled by `warm_up`; `one_shape` pads a one-token context to 2),
+  a kernel of its own, compiled by `warm_up`; `one_shape` pads a one-block context to 2),
   strides (q is made contiguous), and sizes that happen to be equal (duck sizing, switched
   off while `warm_up` compiles). `warm_up` compiles before the engine starts, on the first
   layer's cache and a later one's, and checks every result against the eager backend. If
   anything fails (no C++ compiler, a compile error, a mismatch, a compile slower than its
   time budget), the engine runs the eager backend instead and says why (engine/prepare.py).
-- On a CPU `auto` compiles for a bf16/fp16 cache only: with fp32 the eager read, which has
-  nothing to upcast, measured faster (selector.py).
+- On a CPU `auto` compiles for a bf16/fp16 cache only (selector.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch.fx.experimental._config as fx_config
 
 from ..step_parts import part
 from .cpu_tiled import CPUTiledBackend
+from .kv_cache import cdiv, slots_to_blocks
 from .paged import StepLayout
 from .torch_sdpa import DecodeGroup
 
@@ -42,61 +46,110 @@ WARM_UP_BUDGET_S = 60.0  # longest the start-up compile may take before the engi
 
 def paged_decode_attention(
     q: torch.Tensor,  # (S, H, D): one query per sequence
-    kv_cache: torch.Tensor,  # (num_slots, 2, Hkv, D): one layer's keys and values
-    slots: torch.Tensor,  # (S, L): cache slot of each context position; padding reads a zeroed slot
+    kv_cache: torch.Tensor,  # (num_blocks, 2, Hkv, D * B): one layer's blocks, keys transposed (kv_cache.py, "blocks")
+    tables: torch.Tensor,  # (S, NB): each sequence's blocks; padding names the zeroed null block
     lens: torch.Tensor,  # (S,): each sequence's context length; positions past it are masked
     scale: float,
+    block_size: int,  # B: a Python int, so the compiler knows it
 ) -> torch.Tensor:  # (S, H, D)
     S, H, D = q.shape
-    Hkv = kv_cache.shape[2]
+    Hkv, B, NB = kv_cache.shape[2], block_size, tables.shape[1]
     G = H // Hkv  # query heads per key/value head (grouped-query attention; 1 for GPT-2)
-    kv = kv_cache[slots].float()  # (S, L, 2, Hkv, D): compiled, it is read in place, never stored
-    keys, values = kv[:, :, 0], kv[:, :, 1]  # (S, L, Hkv, D)
-    queries = q.float().view(S, 1, Hkv, G, D)  # a group of G query heads shares one key/value head
-    scores = (queries * keys[:, :, :, None, :]).sum(-1) * scale  # (S, L, Hkv, G)
-    valid = torch.arange(slots.shape[1], device=q.device)[None, :] < lens[:, None]  # (S, L)
-    scores = scores.masked_fill(~valid[:, :, None, None], float("-inf"))
-    weights = torch.softmax(scores, dim=1)  # over each sequence's context
-    out = (weights[..., None] * values[:, :, :, None, :]).sum(1)  # (S, Hkv, G, D)
-    return out.reshape(S, H, D).to(q.dtype)
+    blocks = kv_cache[tables]  # (S, NB, 2, Hkv, D * B): compiled, read in place, never stored
+    keys = blocks[:, :, 0].view(S, NB, Hkv, 1, D, B).float()  # a block's B positions side by side
+    values = blocks[:, :, 1].view(S, NB, Hkv, 1, B, D).float()
+    queries = q.float().view(S, 1, Hkv, G, D, 1)  # a group of G query heads shares one key/value head
+    # The sum runs over D, not over the contiguous axis: B positions are scored at once, one vector.
+    scores = (queries * keys).sum(4) * scale  # (S, NB, Hkv, G, B)
+    position = torch.arange(NB * B, device=q.device).view(1, NB, 1, 1, B)
+    valid = position < lens.view(S, 1, 1, 1, 1)  # (S, NB, 1, 1, B)
+    scores = scores.masked_fill(~valid, float("-inf"))
+    # softmax over each sequence's context: its blocks and their positions, axes 1 and 4
+    weights = torch.exp(scores - scores.amax((1, 4), keepdim=True))
+    weights = weights / weights.sum((1, 4), keepdim=True)  # (S, NB, Hkv, G, B)
+    # Unwritten slots of a last block may hold anything, NaN too (0 * NaN is NaN): mask them out.
+    values = values.masked_fill(~valid[..., None], 0.0)
+    per_block = (weights[..., None] * values).sum(4)  # (S, NB, Hkv, G, D): a block's rows stay in cache
+    return per_block.sum(1).reshape(S, H, D).to(q.dtype)
 
 
-def one_shape(group: DecodeGroup, null_slot: int) -> DecodeGroup:
-    """Dynamic shapes still specialise sizes of 1, so a context of one token would compile a kernel
-    of its own: it gets a padding column (the zeroed null slot, masked), which costs one cached read
-    per sequence. (A lone sequence is not padded: a padding row would double a batch-1 step's
-    attention; `warm_up` compiles that kernel too.) lens gets its own storage: as a view into the
-    backend's (2, S) tensor its storage offset is S, which the kernel would guard on too."""
-    slots, lens = group.slots, group.lens.clone()  # (S, L), (S,)
-    if slots.shape[1] == 1:
-        slots = torch.cat((slots, torch.full_like(slots, null_slot)), dim=1)  # (S, 2)
-    return replace(group, slots=slots, lens=lens)
+def one_shape(group: DecodeGroup, null_block: int) -> DecodeGroup:
+    """Dynamic shapes still specialise sizes of 1, so contexts that all fit in one block would compile
+    a kernel of their own: they get a padding column (the zeroed null block, masked), a cached read.
+    (A lone sequence is not padded: a padding row would double a batch-1 step's attention; `warm_up`
+    compiles that kernel too.) lens gets its own storage: as a view into the group's (2, S) tensor its
+    storage offset is S, which the kernel would guard on too."""
+    tables, lens = group.tables, group.lens.clone()  # (S, NB), (S,)
+    if tables.shape[1] == 1:
+        tables = torch.cat((tables, torch.full_like(tables, null_block)), dim=1)  # (S, 2)
+    return replace(group, tables=tables, lens=lens)
 
 
 class CompiledBackend(CPUTiledBackend):
-    """The CPU backend whose decode attention is paged_decode_attention, compiled."""
+    """The CPU backend whose decode attention is paged_decode_attention, compiled, on a cache laid out
+    in blocks with transposed keys (kv_cache.py). Prefill chunks that read earlier context gather
+    their blocks back into rows and attend by matmuls, as the eager backend does."""
 
     name = "compiled"
+    cache_layout = "blocks"
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype):
         super().__init__(device, dtype)
         # dynamic_threads: the C++ loops ask OpenMP for the thread count at run time (cpu_share.py
         # changes it), instead of baking in the count at compile time.
         self.decode_kernel = torch.compile(paged_decode_attention, dynamic=True, options={"cpp.dynamic_threads": True})
+        self.block_size = 16  # the engine's, from each step's layout
+
+    def build_metadata(self, layout: StepLayout):
+        self.block_size = layout.block_size
+        return super().build_metadata(layout)
 
     def decode_group(self, layout: StepLayout, seqs: list[int]) -> DecodeGroup:
-        """The eager group, shaped so that one compiled kernel serves every step (see `one_shape`)."""
-        group = super().decode_group(layout, seqs)
-        null_slot = layout.null_block * layout.block_size
-        return one_shape(group, null_slot)
+        """Each sequence's block table, padded with the null block to the group's longest, and its length:
+        one compiled kernel serves every step (see `one_shape`)."""
+        rows = [layout.query_starts[i] for i in seqs]
+        lens = [layout.context_lens[i] for i in seqs]
+        num_blocks = cdiv(max(lens), layout.block_size)
+        tables = [layout.block_tables[i][:num_blocks] for i in seqs]
+        padded = [t + [layout.null_block] * (num_blocks - len(t)) for t in tables]
+        ints = torch.tensor([rows, lens]).to(self.device, non_blocking=True)  # (2, S)
+        tables_t = torch.tensor(padded).to(self.device, non_blocking=True)  # (S, NB)
+        group = DecodeGroup(rows=ints[0], slots=None, mask=None, lens=ints[1], tables=tables_t)
+        return one_shape(group, layout.null_block)
 
     def decode_attention(self, q, kv_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
         with part("attention"):  # the context read is fused into it: no "context read" part here
             # q is a strided view of the step's q/k/v projection when every row decodes, a contiguous copy
             # otherwise: one layout, one compiled kernel (Dynamo guards on strides too).
-            return self.decode_kernel(q.contiguous(), kv_cache, group.slots, group.lens, scale)
+            return self.decode_kernel(q.contiguous(), kv_cache, group.tables, group.lens, scale, self.block_size)
 
-    def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, budget_s: float = WARM_UP_BUDGET_S):
+    def write_kv(self, kv_cache, slots, k, v) -> None:
+        """Store k and v (N, Hkv, D) at their slots (N,) of kv_cache (num_blocks, 2, Hkv, D * B): slot s is
+        position s % B of block s // B, a column of the block's transposed keys and a row of its values."""
+        B, (_, Hkv, D) = self.block_size, k.shape
+        blocks, offsets = slots // B, slots % B  # (N,), (N,)
+        kv_cache[:, 0].view(-1, Hkv, D, B)[blocks, :, :, offsets] = k  # indexes (N, Hkv, D)
+        kv_cache[:, 1].view(-1, Hkv, B, D)[blocks, :, offsets] = v
+
+    def chunk_context(self, kv_cache, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill chunk's context, slots (L,) of positions 0..L-1 -> keys and values (Hkv, L, D) each, in
+        fp32, for the eager prefill attention (cpu_tiled.py): the sequence's blocks gathered whole. The keys
+        stay transposed, as that attention's matmul wants them: (Hkv, D, L) in memory, a (Hkv, L, D) view."""
+        B, L, (_, _, Hkv, DB) = self.block_size, slots.shape[0], kv_cache.shape
+        table = slots[::B] // B  # (NB,): slot j * B starts the sequence's block j
+        NB, D = table.shape[0], DB // B
+        size = Hkv * D * NB * B  # buffers the reader reuses: fresh ones would page-fault on first touch
+        blocks = self.reader.buffer("blocks", kv_cache.dtype, kv_cache.device, 2 * size).view(NB, 2, Hkv, DB)
+        torch.index_select(kv_cache, 0, table, out=blocks)  # (NB, 2, Hkv, D * B)
+        keys = self.reader.buffer("keys", torch.float32, blocks.device, size).view(Hkv, D, NB, B)
+        keys.copy_(blocks[:, 0].view(NB, Hkv, D, B).permute(1, 2, 0, 3))  # runs of B positions
+        values = self.reader.buffer("values", torch.float32, blocks.device, size).view(Hkv, NB, B, D)
+        values.copy_(blocks[:, 1].view(NB, Hkv, B, D).transpose(0, 1))  # runs of a block's rows
+        return keys.view(Hkv, D, NB * B)[:, :, :L].transpose(1, 2), values.view(Hkv, NB * B, D)[:, :L]
+
+    def warm_up(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int = 16, budget_s: float = WARM_UP_BUDGET_S
+    ):
         """Compile for these head shapes and check against the eager backend. Returns None when the
         compiled kernel may serve, else a sentence saying why not. Runs in a thread so a compile
         slower than `budget_s` cannot hold the start-up longer than that."""
@@ -107,7 +160,7 @@ class CompiledBackend(CPUTiledBackend):
                 # Duck sizing off while compiling: S, L and the cache's sizes are never assumed equal
                 # because they happened to be in a warm-up case. (Not around every call: 70 us each.)
                 with fx_config.patch(use_duck_shape=False):
-                    result["error"] = self._check(num_heads, num_kv_heads, head_dim)
+                    result["error"] = self._check(num_heads, num_kv_heads, head_dim, block_size)
             except Exception as e:  # no C++ compiler, an Inductor error: all mean "use eager"
                 result["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
@@ -121,16 +174,19 @@ class CompiledBackend(CPUTiledBackend):
         return result["error"]
 
     @torch.inference_mode()  # as the engine runs it: Dynamo guards on it
-    def _check(self, num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    def _check(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> str | None:
         eager = CPUTiledBackend(self.device, self.dtype)
         gen = torch.Generator().manual_seed(0)
-        block_size, num_blocks = 16, 12
+        num_blocks = 12
+        self.block_size = block_size
         # Two layers' caches, so the kernel sees a layer view that does not start at offset 0; a normal
         # tensor, not an inference one, as the engine's (kv_cache.KVCache): Dynamo guards on the kind.
+        # The eager backend reads the same keys and values in its own layout.
         with torch.inference_mode(False):
-            cache = torch.randn(2, (num_blocks + 1) * block_size, 2, num_kv_heads, head_dim, generator=gen)
-            cache = cache.to(self.dtype)
-            cache[:, num_blocks * block_size :] = 0  # the null block
+            rows = torch.randn(2, (num_blocks + 1) * block_size, 2, num_kv_heads, head_dim, generator=gen)
+            rows = rows.to(self.dtype)
+            rows[:, num_blocks * block_size :] = 0  # the null block
+            cache = slots_to_blocks(rows, block_size)
         tolerance = 1e-5 if self.dtype == torch.float32 else 2e-2
         # One sequence and several, contexts of 1 token and longer, on the first layer's cache (storage
         # offset 0) and the second's: every kernel the engine will need.
@@ -149,7 +205,7 @@ class CompiledBackend(CPUTiledBackend):
             q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(self.dtype)
             seqs = list(range(len(lens)))
             got = self.decode_attention(q, cache[layer], self.decode_group(layout, seqs), head_dim**-0.5)
-            want = eager.decode_attention(q, cache[layer], eager.decode_group(layout, seqs), head_dim**-0.5)
+            want = eager.decode_attention(q, rows[layer], eager.decode_group(layout, seqs), head_dim**-0.5)
             error = (got.float() - want.float()).abs().max().item()
             if not error <= tolerance:
                 return f"its results differ from the eager backend's by {error:.2g} (contexts {lens})"

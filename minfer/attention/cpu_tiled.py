@@ -123,13 +123,14 @@ class ContextReader:
         One gather reads keys and values: a slot's key and value sit side by side, one contiguous row
         per slot. The result lives in a reused buffer: it is valid until the next read."""
         row, n = math.prod(kv_cache.shape[1:]), slots.numel()
-        out = self._buffer("kv", kv_cache.dtype, kv_cache.device, n * row).view(n, row)
+        out = self.buffer("kv", kv_cache.dtype, kv_cache.device, n * row).view(n, row)
         torch.index_select(kv_cache.view(-1, row), 0, slots.view(-1), out=out)
         if out.dtype != self.dtype_read:  # upcast while still in cache
-            out = self._buffer("kv32", self.dtype_read, kv_cache.device, n * row).view(n, row).copy_(out)
+            out = self.buffer("kv32", self.dtype_read, kv_cache.device, n * row).view(n, row).copy_(out)
         return out.view(*slots.shape, *kv_cache.shape[1:])
 
-    def _buffer(self, name: str, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+    def buffer(self, name: str, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        """A reused buffer of `numel` elements: valid until the next call with this name."""
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
             # Grow by half again, not by the few bytes asked for: decode contexts grow a token a step.

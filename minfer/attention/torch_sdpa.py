@@ -39,9 +39,10 @@ class PrefillChunk:
 @dataclass
 class DecodeGroup:
     rows: torch.Tensor  # (S,) rows of these single-token sequences in the flattened batch
-    slots: torch.Tensor  # (S, L) cache slots of each sequence's context, padded to the longest
+    slots: torch.Tensor | None  # (S, L) cache slots of each sequence's context, padded to the longest
     mask: torch.Tensor | None  # (S, 1, 1, L) bool, False on padding; None when nothing is padded
     lens: torch.Tensor | None = None  # (S,) context lengths (what the compiled backend masks by)
+    tables: torch.Tensor | None = None  # (S, NB) block tables, padded (the compiled backend reads by block)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class GatheredMetadata(AttentionMetadata):
 
 class TorchBackend:
     name = "torch"
+    cache_layout = "slots"  # kv_cache.KVCache: a slot's key next to its value, one gather reads both
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype):
         self.device = torch.device(device)
@@ -113,7 +115,7 @@ class TorchBackend:
         """q (N, H, D), k and v (N, Hkv, D), kv_cache (num_slots, 2, Hkv, D) -> (N, H, D)."""
         # Store this step's keys and values first: the queries below attend to them too.
         with part("KV write"):
-            kv_cache.index_copy_(0, meta.slot_mapping, torch.stack((k, v), dim=1))  # (N, 2, Hkv, D) into their slots
+            self.write_kv(kv_cache, meta.slot_mapping, k, v)
 
         if meta.all_decode:
             return self.decode_attention(q, kv_cache, meta.decode_groups[0], scale)
@@ -127,8 +129,7 @@ class TorchBackend:
                 vs = v[chunk.start : chunk.end].transpose(0, 1)
             else:  # continuing a prompt (chunked prefill, prefix-cache hit): read the cache
                 with part("context read"):
-                    kv = self.read_context(kv_cache, chunk.context_slots)  # (L, 2, Hkv, D)
-                    ks, vs = kv.permute(1, 2, 0, 3)  # 2 x (Hkv, L, D)
+                    ks, vs = self.chunk_context(kv_cache, chunk.context_slots)  # 2 x (Hkv, L, D)
             with part("attention"):
                 y = self.prefill_attention(qs, ks, vs, chunk.mask, scale)  # (H, T, D)
             out[chunk.start : chunk.end] = y.transpose(0, 1)  # (T, H, D)
@@ -156,10 +157,18 @@ class TorchBackend:
 
     # ---- what a device may do its own way (cpu_tiled.CPUTiledBackend does) --------------------
 
+    def write_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k and v (N, Hkv, D) in their slots (N,) of kv_cache (num_slots, 2, Hkv, D)."""
+        kv_cache.index_copy_(0, slots, torch.stack((k, v), dim=1))  # (N, 2, Hkv, D) into their slots
+
     def read_context(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """kv_cache (num_slots, 2, Hkv, D), slots (...) -> (..., 2, Hkv, D) in context_dtype: one gather
         reads keys and values, a slot's key and value sit side by side."""
         return kv_cache[slots]
+
+    def chunk_context(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """A prefill chunk's context: slots (L,) -> its keys and values, (2, Hkv, L, D) in context_dtype."""
+        return self.read_context(kv_cache, slots).permute(1, 2, 0, 3)  # (L, 2, Hkv, D) -> (2, Hkv, L, D)
 
     def seqs_per_tile(self, kv_cache: torch.Tensor, context_len: int) -> int | None:
         """How many decode sequences to gather at once; None: the whole group."""

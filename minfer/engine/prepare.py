@@ -49,7 +49,8 @@ def prepare_model(model: torch.nn.Module, config=None) -> tuple[torch.nn.Module,
     backend = choose_attention_backend(model.device, model.dtype, choice, kv_width=c.num_kv_heads * c.head_dim)
     warm_up = getattr(backend, "warm_up", None)
     if warm_up is not None:
-        why_not = warm_up(c.num_heads, c.num_kv_heads, c.head_dim)
+        block_size = getattr(config, "block_size", None) or EngineConfig.block_size
+        why_not = warm_up(c.num_heads, c.num_kv_heads, c.head_dim, block_size)
         if why_not:
             log.warning("minfer: compiled attention is off, running eager attention instead: %s", why_not)
             backend = choose_attention_backend(model.device, model.dtype, "eager")

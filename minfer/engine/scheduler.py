@@ -78,7 +78,9 @@ class OnlineScheduler:
             DraftProposer.bytes_per_block(draft, block_size) if draft else 0,  # its cache is on the same blocks
         )
         self.allocator = BlockAllocator(num_kv_blocks, block_size, config.enable_prefix_caching)
-        self.kv_cache = KVCache(model.config, num_kv_blocks, block_size, model.device, model.dtype)
+        model, attention_backend = prepare_model(model, config)  # once, before the first step; idempotent
+        layout = attention_backend.cache_layout  # the cache is laid out as the attention backend reads it
+        self.kv_cache = KVCache(model.config, num_kv_blocks, block_size, model.device, model.dtype, layout)
         self.speculator = None  # speculative decoding (speculative/), when asked for
         self.draft = draft and DraftProposer(draft, num_kv_blocks, block_size, config, model.config)
         if config.speculative_method is not None:
@@ -91,7 +93,6 @@ class OnlineScheduler:
             max_logprob_rows(model.config.vocab_size),
             self.speculator.propose if self.speculator else None,
         )
-        model, attention_backend = prepare_model(model, config)  # once, before the first step; idempotent
         self.runner = ModelRunner(model, self.kv_cache, block_size, attention_backend, self.draft)
         self.cpu_share = CpuShare(enabled=model.device.type == "cpu" and not threads_chosen(config.num_threads))
         # What runs, every choice made: the dtype "auto" picked, the blocks the memory bought, the

@@ -81,7 +81,9 @@ class DraftProposer:
         )
         model, self.attention_backend = prepare_model(model, attention)
         self.model = model
-        self.kv_cache = KVCache(model.config, num_blocks, block_size, model.device, model.dtype)
+        self.kv_cache = KVCache(
+            model.config, num_blocks, block_size, model.device, model.dtype, self.attention_backend.cache_layout
+        )
         self.block_size = block_size
         self.device = model.device
         # One proposal costs one draft forward. Measured in target forwards, that is about layers over
