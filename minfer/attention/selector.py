@@ -34,9 +34,9 @@ def backend_name(
     """The backend a choice means on this device and cache dtype: "auto" is the compiled one on a CPU
     when the cache holds 16-bit floats and is at least MIN_COMPILED_KV_WIDTH wide (the engine falls
     back to eager if it cannot compile there), "eager" the device's eager one. An fp32 cache needs
-    no upcast, and its eager read (a gather of whole rows, then sdpa) was 1.4-2.8x faster than the
-    compiled loop in `bench.py --profile` decode steps on a Zen 4, where in bf16 the compiled one
-    was 1.4-3.9x faster (docs/performance.md)."""
+    no upcast: its eager read (a gather of whole rows, then sdpa) and the compiled one took the same
+    time in `bench.py --profile` decode steps on a Zen 4, where in bf16 the compiled steps were
+    1.4-1.6x faster (docs/performance.md)."""
     device = torch.device(device)
     if choice == "auto":
         if device.type != "cpu":
