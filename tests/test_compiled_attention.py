@@ -101,6 +101,20 @@ def test_engine_greedy_output_equals_eager(make_checkpoint, preset):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
+def test_speculative_decoding_with_the_compiled_backend_equals_eager(tiny_checkpoint):
+    """n-gram speculation's verification chunks read the block layout (chunk_context): the same greedy
+    tokens as plain eager decoding, with proposals made and accepted."""
+    g = torch.Generator().manual_seed(3)
+    passages = [torch.randint(0, 400, (int(n),), generator=g).tolist() for n in (30, 55, 80)]
+    prompts = [p + p[:10] for p in passages]  # a passage, then its first tokens again
+    spec = dict(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3, num_kv_blocks=64)
+    compiled = LLM(tiny_checkpoint, attention_backend="compiled", **spec)
+    got = compiled.generate(prompts, GREEDY, use_tqdm=False)
+    assert compiled.stats()["spec_decode_num_accepted_tokens"] > 0
+    want = LLM(tiny_checkpoint, attention_backend="eager", num_kv_blocks=64).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
 def test_no_recompile_after_warm_up(tiny_checkpoint, monkeypatch):
     """dynamic=True: batch sizes and context lengths, one and two sequences and blocks included, never recompile.
     From a clean slate: kernels compiled by earlier tests must not cover for the warm-up."""
