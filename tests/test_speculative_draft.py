@@ -9,6 +9,7 @@ import torch
 from test_speculative import (
     assert_all_free,
     assert_cache_holds_only_kept_tokens,
+    assert_seeded_ignores_batch_neighbours,
     assert_speculative_samples_match_exact,
     cancel_half_and_finish_the_rest,
     copy_prompts,
@@ -224,6 +225,11 @@ def test_rejection_sampling_with_a_draft_keeps_the_target_distribution(make_chec
     path = make_checkpoint("tiny", seed=7)
     draft = make_checkpoint("tiny", seed=7, n_layer=1)
     assert_speculative_samples_match_exact(path, draft_settings(draft, k=2))
+
+
+def test_seeded_sampling_with_a_draft_ignores_batch_neighbours(models):
+    target, draft = models["gpt2"]
+    assert_seeded_ignores_batch_neighbours(LLM(target, **draft_settings(draft)))
 
 
 def test_cancelled_and_finished_draft_requests_free_everything(models):
