@@ -232,6 +232,25 @@ def test_seeded_sampling_with_a_draft_ignores_batch_neighbours(models):
     assert_seeded_ignores_batch_neighbours(LLM(target, **draft_settings(draft)))
 
 
+@pytest.mark.parametrize("method, temperature", [("ngram", 0.05), ("draft", 0.3)])  # accepting some, not all
+def test_seeded_sampling_is_plain_decodings_under_preemption(models, method, temperature):
+    """Verification spends one draw of a seeded request's generator per emitted token, as plain decoding
+    does: the same tokens with and without speculation, even where preemptions turn steps that would
+    have speculated into plain recomputes (which broke seeds ignoring the batch before)."""
+    target, draft = models["gpt2"]
+    spec_settings = draft_settings(draft) if method == "draft" else {"speculative_method": "ngram"}
+    prompts = copy_prompts(16, 512, seed=4, max_len=60)  # each fits in the cache; all 16 do not
+    params = [SamplingParams(max_tokens=30, temperature=temperature, top_p=0.95, seed=i, ignore_eos=True) for i in range(16)]
+    plain = LLM(target, num_kv_blocks=40, block_size=4).generate(prompts, params, use_tqdm=False)
+    spec = LLM(target, num_kv_blocks=40, block_size=4, **spec_settings)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    stats = spec.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]  # rejections too
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert_all_free(spec)
+
+
 def test_cancelled_and_finished_draft_requests_free_everything(models):
     target, draft = models["qwen3"]
     cancel_half_and_finish_the_rest(LLM(target, block_size=4, **draft_settings(draft)))

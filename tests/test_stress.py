@@ -14,11 +14,16 @@ from minfer.stress.soak import SoakConfig, run_spawned
 SECONDS = float(os.environ.get("MINFER_SOAK_SECONDS", "12"))
 
 
-def test_soak_with_faults_then_sigterm(tiny_checkpoint):
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_soak_with_faults_then_sigterm(tiny_checkpoint, make_checkpoint, proposer):
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "minfer-stress-*")))
-    # With n-gram speculation on: seeded streams speculate in any batch, the others when few run, so
-    # speculating and plain sequences share the steps (and their preemptions and cancellations).
-    cfg = SoakConfig(duration=SECONDS, replays=8, server_args=("--speculative-method", "ngram"))
+    # With speculation on: seeded streams speculate in any batch, the others when few run, so speculating
+    # and plain sequences share the steps (and their preemptions and cancellations). A draft model keeps a
+    # KV cache of its own on the target's blocks: the block count at the end checks both.
+    server_args = ("--speculative-method", proposer)
+    if proposer == "draft":  # the target's first layer: same vocabulary, right now and then
+        server_args += ("--speculative-model", str(make_checkpoint("tiny", n_layer=1)))
+    cfg = SoakConfig(duration=SECONDS, replays=8, server_args=server_args)
     figures, tally = run_spawned(str(tiny_checkpoint), cfg, kv_blocks=48)
     print("\n".join(f"{k}: {v}" for k, v in figures.items()))
     assert tally.failures == []

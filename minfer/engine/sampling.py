@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -239,8 +239,20 @@ def sample(
     `histories`, each row's tokens). Greedy rows then take the argmax. The others divide by their
     temperature, keep what min_p, top-k and top-p leave, and draw by inverse CDF: one uniform per row
     against the cumulative probabilities (see draw_from)."""
-    B, V = logits.shape
-    assert len(params) == B and len(generators) == B, "need one params and generator per row"
+    assert len(params) == logits.shape[0] and len(generators) == logits.shape[0], "need one params and generator per row"
+    return sample_with(logits, params, lambda: _uniforms(generators, params, logits.device), histories)
+
+
+def sample_with(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    uniforms: Callable[[], torch.Tensor],
+    histories: Sequence[TokenHistory] | None = None,
+) -> torch.Tensor:
+    """`sample`, its uniforms (B,) from `uniforms()`, called only if a row samples: speculative verification
+    (speculative/verify.py) draws each row's token exactly as plain decoding would, from uniforms it
+    chose itself."""
+    B = logits.shape[0]
     device = logits.device
     logits = logits.float()  # (B, V) — bf16/fp16 are too coarse for softmax/cumsum
     if any(p.uses_logits_controls for p in params):
@@ -258,7 +270,7 @@ def sample(
         index = _index(with_min_p, device)
         min_p = torch.tensor([params[i].min_p for i in with_min_p], device=device)
         scaled[index] = apply_min_p(scaled[index], min_p)
-    u = _uniforms(generators, params, device)  # (B,)
+    u = uniforms()  # (B,)
     plain = [i for i, p in enumerate(params) if not p.is_greedy and p.top_k == 0 and p.top_p == 1]
     filtered = [i for i, p in enumerate(params) if not p.is_greedy and (p.top_k > 0 or p.top_p < 1)]
     if plain:  # temperature only: the usual case

@@ -1,8 +1,8 @@
 """The Speculator: which running sequence proposes how many tokens this step, and what came of it.
 
 The rule is per request, from its own settings and its own recent acceptance; the batch enters only for
-requests without a seed. A seeded request's tokens must depend on nothing else that runs, and what a
-step draws from its generator depends on how many rows it verified.
+requests without a seed. (A seeded request's tokens depend on nothing else that runs in any case:
+verification spends one draw of its generator per emitted token, as plain decoding does; verify.py.)
 - A sequence speculates once it is decoding (its first token sampled, no forks still to start), and
   never past its max_tokens: k is cut to the tokens it may still produce, less the one every step
   makes anyway, and to the step's token budget.

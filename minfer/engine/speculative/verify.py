@@ -5,14 +5,17 @@ is the target's distribution for the token after the sequence plus d_0 .. d_{j-1
 sampling controls (logit_bias, min_tokens, penalties) with that history, exactly as it would have one
 token at a time. Then, row by row:
 - greedy: d_j is accepted if it is the row's argmax; the first row that disagrees gives its argmax;
-- sampling (the proposal is a point mass at d_j, as an n-gram's is): accept d_j with probability
-  p_j(d_j); at the first rejection draw from the residual, p_j with d_j removed and renormalised. That
-  is the standard rejection-sampling rule (Leviathan et al. 2023; Chen et al. 2023) with q a point mass:
-  the kept token is distributed exactly as p_j. With every proposal accepted, row k draws a bonus token.
+- sampling: the row's own draw, as plain decoding would make it (the same sampler, the next uniform
+  of the request's generator); d_j is accepted where the draw is d_j. That keeps d_j with probability
+  p_j(d_j), and at the first rejection the token is distributed as p_j with d_j removed and
+  renormalised: the standard rejection-sampling rule for a point-mass proposal (an n-gram's, a draft
+  model's greedy one; Leviathan et al. 2023; Chen et al. 2023), its test and its draw sharing one
+  uniform. With every proposal accepted, row k draws a bonus token.
 So a step emits the accepted prefix and one more token: 1 to k + 1 tokens.
 
-Every row draws two uniforms, accept or not, from the request's own generator when it has a seed: what a
-seeded request gets depends on its own tokens only, never on what else runs.
+A seeded request spends one uniform of its own generator per token it emits (rows after its first
+rejection give theirs back): its tokens are the ones plain decoding would give it, however many rows
+a step verified, so they never depend on what else runs.
 """
 
 from __future__ import annotations
@@ -21,8 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..logits_processors import apply_logits_controls, apply_min_p
-from ..sampling import SamplingParams, apply_top_k_top_p, draw_from
+from ..sampling import SamplingParams, sample_with
 
 
 @dataclass
@@ -58,56 +60,59 @@ class VerifyRows:
         return rows
 
 
-def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """(R, V) controlled logits -> (R, V) the probabilities sample() draws from: temperature, min_p, top-k
-    and top-p applied, renormalised."""
-    device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device)
-    scaled = logits / temps[:, None]  # (R, V)
-    if any(p.min_p > 0 for p in params):
-        scaled = apply_min_p(scaled, torch.tensor([p.min_p for p in params], device=device))
-    if any(p.top_k > 0 or p.top_p < 1 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        scaled = apply_top_k_top_p(scaled, top_k, top_p)
-    return scaled.softmax(dim=-1)
-
-
-def _uniforms(rows: VerifyRows, index: list[int], device) -> torch.Tensor:
-    """(r, 2) uniforms for the sampled rows: an acceptance test and a draw; a seeded request's from its
-    own generator."""
-    u = torch.rand(len(index), 2, device=device)
-    for i, r in enumerate(index):
-        g = rows.generators[r]
-        if g is not None:
-            u[i] = torch.rand(2, device=device, generator=g)
-    return u
-
-
 def verify(logits: torch.Tensor, rows: VerifyRows) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (R, V) of the verify rows -> (tokens (R,), accepted (R,) bool). Row j's token is d_j where
-    accepted, else the target's own choice there (its argmax, or a residual or bonus draw): so a
-    sequence's output is d_0 .. d_{a-1} and the token of row a, a being its first row not accepted."""
+    """logits (R, V) of the verify rows -> (tokens (R,), accepted (R,) bool). Row j's token is the target's
+    own choice there, exactly as plain decoding would make it: its argmax, or its draw (sampling.sample's
+    math, on the next uniform of the request's generator). d_j is accepted where that choice is d_j. So a
+    sequence's output is d_0 .. d_{a-1} and the token of row a, a being its first row not accepted, and
+    it used one uniform per token it emitted, as one token at a time would have (see _Uniforms)."""
     device = logits.device
-    logits = logits.float()  # (R, V)
-    if any(p.uses_logits_controls for p in rows.params):
-        logits = apply_logits_controls(logits, rows.params, rows.histories)
-    drafts = torch.tensor(rows.drafts, device=device)  # (R,)
-    has_draft = drafts >= 0
-    drafts_or_0 = drafts.clamp(min=0)
-    tokens = logits.argmax(dim=-1)  # (R,): the greedy rows' choice; sampled rows overwrite it
-    accepted = has_draft & (tokens == drafts)
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=device)
+    greedy = [r for r, p in enumerate(rows.params) if p.is_greedy]
     sampled = [r for r, p in enumerate(rows.params) if not p.is_greedy]
-    if sampled:
-        index = torch.tensor(sampled, device=device)
-        probs = target_probs(logits[index], [rows.params[r] for r in sampled])  # (r, V)
-        u = _uniforms(rows, sampled, device)  # (r, 2)
-        d, drafted = drafts_or_0[index], has_draft[index]
-        p_draft = probs.gather(1, d[:, None]).squeeze(1)  # (r,)
-        accepted[index] = drafted & (u[:, 0] < p_draft)
-        residual = probs.clone()
-        residual[drafted, d[drafted]] = 0.0  # p with the proposal removed (draw_from renormalises)
-        empty = residual.sum(dim=-1) <= 0  # p was all on the proposal, which is then always accepted
-        residual[empty] = probs[empty]
-        tokens[index] = draw_from(residual, u[:, 1])
-    return torch.where(accepted, drafts, tokens), accepted
+    uniforms = _Uniforms(rows, sampled, device)
+    for group in (greedy, sampled):
+        if group:
+            index = torch.tensor(group, device=device)
+            histories = [rows.histories[r] for r in group] if any(rows.histories[r] for r in group) else None
+            params = [rows.params[r] for r in group]
+            tokens[index] = sample_with(logits[index], params, uniforms.draw, histories)
+    drafts = torch.tensor(rows.drafts, device=device)  # (R,)
+    accepted = (drafts >= 0) & (tokens == drafts)
+    uniforms.give_back_unused(accepted.tolist())
+    return tokens, accepted
+
+
+class _Uniforms:
+    """One uniform per sampled row, a seeded request's from its own generator, as plain decoding draws
+    one per token. Rows after a sequence's first rejection emit nothing: their draws are given back
+    (the generator is rewound), so what a seeded request gets never depends on how many rows it
+    verified, and so never on the batch (which may cut k, or preempt it into a plain step)."""
+
+    def __init__(self, rows: VerifyRows, sampled: list[int], device):
+        self.rows, self.sampled, self.device = rows, sampled, device
+        self.states: dict[int, torch.Tensor] = {}  # row -> its generator's state before the row's draw
+
+    def draw(self) -> torch.Tensor:
+        u = torch.rand(len(self.sampled), device=self.device)  # (r,): unseeded rows use the global RNG
+        for i, r in enumerate(self.sampled):
+            g = self.rows.generators[r]
+            if g is not None:
+                self.states[r] = g.get_state()
+                u[i] = torch.rand(1, device=self.device, generator=g)[0]
+        return u
+
+    def give_back_unused(self, accepted: list[bool]) -> None:
+        """Rewind each seeded generator to just after its sequence's last emitted row: the first row not
+        accepted (rows of a sequence are consecutive; its last, the bonus row, is never accepted)."""
+        rows = self.rows
+        for r in self.states:
+            first_of_seq = r == 0 or rows.drafts[r - 1] < 0
+            if not first_of_seq:
+                continue
+            last = r
+            while accepted[last]:
+                last += 1  # an accepted row is never a sequence's last
+            after = last + 1  # the state after the last emitted row's draw
+            if after in self.states and rows.drafts[last] >= 0:  # a later row of this sequence drew too
+                rows.generators[r].set_state(self.states[after])
