@@ -71,7 +71,7 @@ class KVCache:
         if layout not in LAYOUTS:
             raise ValueError(f"the KV cache layout must be one of {LAYOUTS}, got {layout!r}")
         L, Hkv, D = config.num_layers, config.num_kv_heads, config.head_dim
-        self.layout, self.null_block, self.block_size = layout, num_blocks, block_size
+        self.layout, self.null_block = layout, num_blocks
         if layout == "slots":
             shape = (L, (num_blocks + 1) * block_size, 2, Hkv, D)
         else:

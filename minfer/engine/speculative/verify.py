@@ -62,44 +62,36 @@ class VerifyRows:
 
 def verify(logits: torch.Tensor, rows: VerifyRows) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (R, V) of the verify rows -> (tokens (R,), accepted (R,) bool). Row j's token is the target's
-    own choice there, exactly as plain decoding would make it: its argmax, or its draw (sampling.sample's
-    math, on the next uniform of the request's generator). d_j is accepted where that choice is d_j. So a
-    sequence's output is d_0 .. d_{a-1} and the token of row a, a being its first row not accepted, and
-    it used one uniform per token it emitted, as one token at a time would have (see _Uniforms)."""
-    device = logits.device
-    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=device)
-    greedy = [r for r, p in enumerate(rows.params) if p.is_greedy]
-    sampled = [r for r, p in enumerate(rows.params) if not p.is_greedy]
-    uniforms = _Uniforms(rows, sampled, device)
-    for group in (greedy, sampled):
-        if group:
-            index = torch.tensor(group, device=device)
-            histories = [rows.histories[r] for r in group] if any(rows.histories[r] for r in group) else None
-            params = [rows.params[r] for r in group]
-            tokens[index] = sample_with(logits[index], params, uniforms.draw, histories)
-    drafts = torch.tensor(rows.drafts, device=device)  # (R,)
+    own choice there, exactly as plain decoding would make it: sampling.sample's argmax or draw, on the
+    next uniform of the request's generator. d_j is accepted where that choice is d_j. So a sequence's
+    output is d_0 .. d_{a-1} and the token of row a, a being its first row not accepted, and it used one
+    uniform per token it emitted, as one token at a time would have (see _Uniforms)."""
+    uniforms = _Uniforms(rows, logits.device)
+    tokens = sample_with(logits, rows.params, uniforms.draw, rows.histories)  # (R,)
+    drafts = torch.tensor(rows.drafts, device=logits.device)  # (R,)
     accepted = (drafts >= 0) & (tokens == drafts)
     uniforms.give_back_unused(accepted.tolist())
     return tokens, accepted
 
 
 class _Uniforms:
-    """One uniform per sampled row, a seeded request's from its own generator, as plain decoding draws
-    one per token. Rows after a sequence's first rejection emit nothing: their draws are given back
-    (the generator is rewound), so what a seeded request gets never depends on how many rows it
-    verified, and so never on the batch (which may cut k, or preempt it into a plain step)."""
+    """The rows' uniforms, drawn as plain decoding draws them (sampling._uniforms: a seeded request's from
+    its own generator, one per token). Rows after a sequence's first rejection emit nothing: their draws
+    are given back (the generator is rewound), so what a seeded request gets never depends on how many
+    rows it verified, and so never on the batch (which may cut k, or preempt it into a plain step)."""
 
-    def __init__(self, rows: VerifyRows, sampled: list[int], device):
-        self.rows, self.sampled, self.device = rows, sampled, device
+    def __init__(self, rows: VerifyRows, device):
+        self.rows, self.device = rows, device
         self.states: dict[int, torch.Tensor] = {}  # row -> its generator's state before the row's draw
 
     def draw(self) -> torch.Tensor:
-        u = torch.rand(len(self.sampled), device=self.device)  # (r,): unseeded rows use the global RNG
-        for i, r in enumerate(self.sampled):
-            g = self.rows.generators[r]
-            if g is not None:
+        rows = self.rows
+        u = torch.rand(len(rows.params), device=self.device)  # (R,): unseeded rows use the global RNG
+        for r, (g, p) in enumerate(zip(rows.generators, rows.params)):
+            if g is not None and not p.is_greedy:
+                # A sequence's rows share its generator: each state is taken between two of its draws.
                 self.states[r] = g.get_state()
-                u[i] = torch.rand(1, device=self.device, generator=g)[0]
+                u[r] = torch.rand(1, device=self.device, generator=g)[0]
         return u
 
     def give_back_unused(self, accepted: list[bool]) -> None:
