@@ -20,13 +20,14 @@ def test_the_backend_follows_the_device_and_the_config():
     assert type(choose_attention_backend("cpu", torch.float32, "eager")) is CPUTiledBackend
     assert type(choose_attention_backend("cpu", torch.float32, "torch")) is TorchBackend
     assert type(choose_attention_backend("cuda", torch.bfloat16)) is TorchBackend  # built, not run: no GPU needed
+    assert type(choose_attention_backend("cpu", torch.float64, kv_width=768)) is CPUTiledBackend  # auto: 16-bit only
     with pytest.raises(ValueError, match="attention_backend must be one of auto, compiled, eager"):
         choose_attention_backend("cpu", torch.float32, "flash")
     with pytest.raises(ValueError, match="runs on cpu only"):
         choose_attention_backend("cuda", torch.float32, "cpu_tiled")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])  # plain and grouped-query attention
 def test_cpu_and_plain_backends_compute_the_same_step(dtype, heads, kv_heads):
     """Padded decodes of two lengths, a fresh prompt and a continued one, through both backends."""
@@ -55,8 +56,9 @@ def test_cpu_and_plain_backends_compute_the_same_step(dtype, heads, kv_heads):
         assert meta.backend is backend and len(meta.decode_groups) == 2 and len(meta.prefills) == 2
         outs.append(paged_attention(q, k, v, cache, meta, scale=D**-0.5))
         assert torch.equal(cache[slots, 0], k) and torch.equal(cache[slots, 1], v)  # the step's keys were written
-    tolerance = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}  # bf16: the CPU backend computes in fp32
-    torch.testing.assert_close(outs[0], outs[1], **tolerance)
+    # bf16: the CPU backend computes in fp32; float64 (the reference precision) it keeps: no fp32 rounding
+    tolerance = {torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}, torch.float64: {"atol": 1e-12, "rtol": 1e-12}}
+    torch.testing.assert_close(outs[0], outs[1], **tolerance.get(dtype, {}))
 
 
 def test_prepare_model_is_idempotent_and_picks_the_configured_backend(tiny_checkpoint):

@@ -222,11 +222,12 @@ def test_controls_stops_and_logprobs_apply_at_every_verified_position(models):
 
 
 def test_seeded_sampling_with_speculation_ignores_batch_neighbours(models):
-    assert_seeded_ignores_batch_neighbours(LLM(models["gpt2"], **SPEC))
+    assert_seeded_ignores_batch_neighbours(LLM(models["gpt2"], dtype="float64", **SPEC))
 
 
 def assert_seeded_ignores_batch_neighbours(spec):
-    """A seeded request (n = 3) gives the same tokens alone and among 9 unseeded neighbours."""
+    """A seeded request (n = 3) gives the same tokens alone and among 9 unseeded neighbours. In float64:
+    in fp32 another batch's rounding moves about one draw in 6,000 (docs/sampling.md)."""
     prompts = copy_prompts(10, 512, seed=5)
     params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=11, n=3, ignore_eos=True)
     alone = spec.generate([prompts[0]], params, use_tqdm=False)

@@ -71,23 +71,25 @@ def causal_attention_by_matmuls(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     """Causal attention of a prefill chunk (path 5): q (H, T, D) holds the queries of the last T of the
     L positions whose keys and values k, v (Hkv, L, D) hold. Returns (H, T, D) in q's dtype.
 
-    Computed in fp32 whatever the dtype (bf16 inputs are upcast), like the decode path's tiles. With
+    Computed in fp32 (bf16 inputs are upcast; float64 stays float64), like the decode path's tiles. With
     grouped-query attention (Hkv < H) the G query heads that share a key/value head are stacked into one
     matrix of G x rows. Memory: a block's scores, at most a tile or 32 query rows against the context."""
     H, T, D = q.shape
     Hkv, L, _ = k.shape
     G = H // Hkv  # query heads per key/value head
-    k, v = k.float(), v.float()
+    compute = torch.promote_types(q.dtype, torch.float32)
+    k, v = k.to(compute), v.to(compute)
     q = q.view(Hkv, G, T, D)  # head h reads key/value head h // G
     out = torch.empty(H, T, D, dtype=q.dtype, device=q.device)
     out_groups = out.view(Hkv, G, T, D)
-    rows = max(32, tile_bytes() // (H * L * 4))  # query rows per block: a block's fp32 scores fill about a tile
+    # query rows per block: a block's scores fill about a tile
+    rows = max(32, tile_bytes() // (H * L * k.element_size()))
     for first in range(0, T, rows):
         last = min(T, first + rows)  # this block's queries: rows first..last-1 of the chunk
         keys = L - T + last  # the block's last query sits at position keys - 1: later keys are all masked
         future = torch.ones(last - first, keys, dtype=torch.bool, device=q.device).triu_(L - T + first + 1)
-        bias = torch.zeros(future.shape, device=q.device).masked_fill_(future, float("-inf"))  # (rows, keys)
-        queries = (q[:, :, first:last].float() * scale).reshape(Hkv, G * (last - first), D)  # (Hkv, G x rows, D)
+        bias = torch.zeros(future.shape, dtype=compute, device=q.device).masked_fill_(future, float("-inf"))
+        queries = (q[:, :, first:last].to(compute) * scale).reshape(Hkv, G * (last - first), D)  # (Hkv, G x rows, D)
         scores = torch.bmm(queries, k[:, :keys].transpose(1, 2)).add_(bias.repeat(G, 1))  # (Hkv, G x rows, keys)
         y = torch.bmm(torch.softmax(scores, dim=-1), v[:, :keys])  # (Hkv, G x rows, D)
         out_groups[:, :, first:last] = y.view(Hkv, G, last - first, D)
@@ -106,12 +108,16 @@ class ContextReader:
         self._buffers: dict[str, torch.Tensor] = {}
         self._tile_bytes = tile_bytes()
 
-    # CPU sdpa with one query per sequence is slower in bf16 than in fp32: tiles are read as fp32.
-    dtype_read = torch.float32
+    @staticmethod
+    def dtype_read(cache_dtype: torch.dtype) -> torch.dtype:
+        """CPU sdpa with one query per sequence is slower in bf16 than in fp32: tiles are read as fp32
+        (a float64 cache, a reference precision, as float64)."""
+        return torch.promote_types(cache_dtype, torch.float32)
 
     def seqs_per_tile(self, kv_cache: torch.Tensor, context_len: int) -> int:
         """How many sequences of this (padded) context length one tile holds."""
-        key_and_value_bytes = math.prod(kv_cache.shape[1:]) * 4 * context_len  # as read: in fp32 (see read)
+        as_read = self.dtype_read(kv_cache.dtype).itemsize  # (see read)
+        key_and_value_bytes = math.prod(kv_cache.shape[1:]) * as_read * context_len
         return max(1, self._tile_bytes // key_and_value_bytes)
 
     @property
@@ -119,14 +125,15 @@ class ContextReader:
         return max((b.numel() * b.element_size() for b in self._buffers.values()), default=0)
 
     def read(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """kv_cache (num_slots, 2, Hkv, D), slots (...) -> kv_cache[slots] (..., 2, Hkv, D) in fp32.
+        """kv_cache (num_slots, 2, Hkv, D), slots (...) -> kv_cache[slots] (..., 2, Hkv, D) in dtype_read.
         One gather reads keys and values: a slot's key and value sit side by side, one contiguous row
         per slot. The result lives in a reused buffer: it is valid until the next read."""
         row, n = math.prod(kv_cache.shape[1:]), slots.numel()
         out = self.buffer("kv", kv_cache.dtype, kv_cache.device, n * row).view(n, row)
         torch.index_select(kv_cache.view(-1, row), 0, slots.view(-1), out=out)
-        if out.dtype != self.dtype_read:  # upcast while still in cache
-            out = self.buffer("kv32", self.dtype_read, kv_cache.device, n * row).view(n, row).copy_(out)
+        wide = self.dtype_read(out.dtype)
+        if out.dtype != wide:  # upcast while still in cache
+            out = self.buffer("kv32", wide, kv_cache.device, n * row).view(n, row).copy_(out)
         return out.view(*slots.shape, *kv_cache.shape[1:])
 
     def buffer(self, name: str, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
@@ -156,7 +163,7 @@ class CPUTiledBackend(TorchBackend):
         return self.reader.seqs_per_tile(kv_cache, context_len)
 
     def context_dtype(self, kv_cache: torch.Tensor) -> torch.dtype:
-        return self.reader.dtype_read
+        return self.reader.dtype_read(kv_cache.dtype)
 
     def prefill_attention(self, q, k, v, mask, scale: float) -> torch.Tensor:
         return causal_attention_by_matmuls(q, k, v, scale)  # the mask is implied: the last T of L, causal

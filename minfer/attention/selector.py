@@ -29,20 +29,21 @@ MIN_COMPILED_KV_WIDTH = 512
 
 
 def backend_name(
-    device: torch.device | str, choice: str = "auto", dtype: torch.dtype | None = None, kv_width: int | None = None
+    device: torch.device | str, dtype: torch.dtype, choice: str = "auto", kv_width: int | None = None
 ) -> str:
     """The backend a choice means on this device and cache dtype: "auto" is the compiled one on a CPU
     when the cache holds 16-bit floats and is at least MIN_COMPILED_KV_WIDTH wide (the engine falls
     back to eager if it cannot compile there), "eager" the device's eager one. An fp32 cache needs
     no upcast: its eager read (a gather of whole rows, then sdpa) and the compiled one took the same
     time in `bench.py --profile` decode steps on a Zen 4, where in bf16 the compiled steps were
-    1.4-1.6x faster (docs/performance.md)."""
+    1.4-1.6x faster (docs/performance.md). float64 (a reference precision) stays eager too."""
     device = torch.device(device)
     if choice == "auto":
         if device.type != "cpu":
             return "torch"
         narrow = kv_width is not None and kv_width < MIN_COMPILED_KV_WIDTH
-        return "cpu_tiled" if dtype == torch.float32 or narrow else "compiled"
+        sixteen_bit = dtype in (torch.bfloat16, torch.float16)
+        return "compiled" if sixteen_bit and not narrow else "cpu_tiled"
     if choice == "eager":
         return "cpu_tiled" if device.type == "cpu" else "torch"
     return choice
@@ -55,7 +56,7 @@ def choose_attention_backend(
     (one of CHOICES, or a backend's own name). A fresh one each call: a backend may hold buffers it
     reuses step after step."""
     device = torch.device(device)
-    name = backend_name(device, name, dtype, kv_width)
+    name = backend_name(device, dtype, name, kv_width)
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(CHOICES)}, got {name!r}")
     backend_class, device_types = ATTENTION_BACKENDS[name]

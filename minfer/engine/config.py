@@ -34,6 +34,8 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "float16": torch.float16,
     "fp16": torch.float16,
+    "float64": torch.float64,  # a reference precision: see docs/sampling.md, "Seeds and batches"
+    "fp64": torch.float64,
 }
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 SIZE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
@@ -113,7 +115,7 @@ class EngineConfig:
         "float32",
         str,
         Check(lambda v: v == "auto" or v in DTYPES, f"'auto' or one of {sorted(DTYPES)}"),
-        "float32, bfloat16, float16, or auto (bf16 where it is fast, else fp32)",
+        "float32, bfloat16, float16, float64, or auto (bf16 where it is fast, else fp32)",
         convert=dtype_name,
     )
     # Seeds torch's global RNG when the engine starts: what sampling draws from for requests without a seed.

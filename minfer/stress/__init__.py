@@ -11,11 +11,13 @@ any reply, exact usage on every finished stream, every stalled connection
 closed, nothing running or waiting and every KV block free afterwards, RSS
 growth bounded, /health p99 bounded, and seeded streams identical when replayed
 alone. With --model it starts the server itself (few KV blocks, so preemption
-never stops; 2 s timeouts, so they fire within the run), scans its log for
+never stops; 2 s timeouts, so they fire within the run; float64, so a seeded
+replay must match exactly, rounding aside), scans its log for
 stack traces, and ends with SIGTERM in the middle of new load: the server must
 exit 0 within its grace period, every open stream ending with an error event
 and [DONE]. With --base-url it checks what HTTP can see; pass the server's
-timeouts so it knows how long a stalled connection may live.
+timeouts so it knows how long a stalled connection may live (and
+--float64-server if it runs float64: replays that differ then fail).
 
 Traffic goes to the given server only; every loop is bounded in time.
 """

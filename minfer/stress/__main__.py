@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.stress") -
     parser.add_argument("--keepalive-timeout", type=float, default=15.0, help="with --base-url: the server's")
     parser.add_argument("--write-timeout", type=float, default=30.0, help="with --base-url: the server's")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--float64-server", action="store_true", help="with --base-url: the server runs --dtype "
+                        "float64, so a seeded stream replayed alone must match exactly (else differences are "
+                        "counted, not failed: in fp32 or bf16 rounding changes about one sampled token in 6,000)")
     parser.add_argument("--json", help="also write the figures and failures to this file")
     args = parser.parse_args(argv)
     if args.duration <= 0 or args.streams < 1:
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.stress") -
         url = urlsplit(args.base_url if "://" in args.base_url else "http://" + args.base_url)
         cfg.write_timeout = args.write_timeout
         cfg.stall_limit = max(args.request_timeout, args.keepalive_timeout) + 10
+        cfg.exact_replays = args.float64_server
         figures = soak(Target(url.hostname, url.port or 80, cfg.stall_limit), cfg, tally)
 
     for name, value in figures.items():

@@ -52,6 +52,11 @@ class SoakConfig:
     # The spawned server's extra engine flags: ("--speculative-method", "ngram") mixes speculating requests
     # (seeded ones speculate in any batch, the others when few run) into the load.
     server_args: tuple[str, ...] = ()
+    # Whether a seeded stream replayed alone must give exactly its text under load. A server in float32 or
+    # bf16 rounds logits a little differently in another batch, which changes about one sampled token in
+    # 6,000 (docs/sampling.md); the spawned server runs float64, where it does not, so any difference
+    # there is a bug. Off for a server of someone else's: differences are then counted, not failed.
+    exact_replays: bool = True
 
 
 def get_metrics(target: Target) -> dict[str, float]:
@@ -161,14 +166,14 @@ def settled(target: Target, tally: Tally, timeout: float = 30.0) -> dict:
 
 
 def replay(target: Target, cfg: SoakConfig, tally: Tally) -> int:
-    """Seeded streams, run again one at a time, must give the text they gave under load."""
+    """Seeded streams, run again one at a time, must give the text they gave under load (cfg.exact_replays)."""
     picked = random.Random(cfg.seed).sample(tally.finished, min(cfg.replays, len(tally.finished)))
     matched = 0
     for body, text in picked:
         again = run_stream(target, body, Tally())
         if again == text:
             matched += 1
-        else:
+        elif cfg.exact_replays:
             tally.fail(f"seeded stream differs when replayed alone: {body}")
     return matched
 
@@ -192,6 +197,8 @@ def spawn_server(model: str, kv_blocks: int, log_path: str, server_args=()) -> t
         "0",
         "--num-kv-blocks",
         str(kv_blocks),
+        "--dtype",  # seeded replays are then exact (SoakConfig.exact_replays)
+        "float64",
         "--request-timeout",
         t,
         "--keepalive-timeout",
