@@ -1,7 +1,11 @@
 """bf16 and quantized engines side by side: the same greedy requests through each, alternating, best of
 --rounds (a shared, noisy CPU: alternation keeps the comparison fair, the best round drops stalls).
 
-    python scripts/quant_ab.py --model /tmp/gpt2 [--batches 1,16,64] [--rounds 3] [--threads 1]
+    python scripts/quant_ab.py --model /tmp/gpt2 [--batches 1,16,64] [--rounds 3] [--threads 1] [--dtype float32]
+
+An AVX2-only CPU (no native bf16: --dtype auto is fp32 there) can be imitated on an AVX-512 one by
+capping torch's kernels, oneDNN and MKL at AVX2 before Python starts:
+ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ... --dtype float32.
 
 Batch 1 prints ms/token (a 4-token prompt, --output-len tokens, wall time / tokens: the prefill is
 spread over them); larger batches print output tokens/s (32-token prompts). Each figure has its
@@ -30,10 +34,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--threads", type=int, help="CPU threads (default: every core)")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--dtype", default="auto", help="of every variant (the first, unquantized, is named bf16)")
     args = parser.parse_args()
     names = args.variants.split(",")
     engines = {
-        name: LLM(args.model, dtype="auto", num_threads=args.threads, attention_backend=args.attention_backend,
+        name: LLM(args.model, dtype=args.dtype, num_threads=args.threads, attention_backend=args.attention_backend,
                   **VARIANTS[name])
         for name in names
     }

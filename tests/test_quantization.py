@@ -38,6 +38,19 @@ def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).abs().max() / ref.abs().max()).item()
 
 
+def tolerance(layer, rows: int, dtype: torch.dtype) -> float:
+    """fp32 through dequantize + GEMM: the same sums in another order. Through the kernel, fp32 rows go as
+    bf16 (quantization/linear.py), so they round as bf16 rows do: activations and output to 8 bits."""
+    return 1e-5 if dtype == torch.float32 and not layer.uses_kernel(rows) else 2e-2
+
+
+def assert_fp32_rows_take_the_bf16_kernel(layer, x: torch.Tensor) -> None:
+    """The kernel gives fp32 rows exactly what it gives the same rows in bf16 (the bias comes after)."""
+    if x.dtype == torch.float32:
+        rows = x.reshape(-1, x.shape[-1])
+        assert torch.equal(layer.kernel(rows), layer.kernel(rows.bfloat16()).float())
+
+
 @pytest.mark.parametrize("in_features,out_features", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -47,11 +60,12 @@ def test_int8_linear_is_the_matmul_with_its_dequantized_weight(in_features, out_
     q, scales = quantize_int8(linear.weight)
     reference_weight = dequantize_int8(q, scales)  # (out, in) fp32
     x = torch.randn(2, rows, in_features).to(dtype)
-    y = Int8Linear.from_float(linear)(x)
+    layer = Int8Linear.from_float(linear)
+    y = layer(x)
     assert y.shape == (2, rows, out_features) and y.dtype == dtype
     ref = x.float() @ reference_weight.t() + linear.bias
-    # fp32: the same sums in another order; bf16: activations and output rounded to 8 bits of mantissa.
-    assert relative_error(y, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+    assert relative_error(y, ref) < tolerance(layer, 2 * rows, dtype)
+    assert_fp32_rows_take_the_bf16_kernel(layer, x)
 
 
 @needs_int4
@@ -67,7 +81,9 @@ def test_int4_linear_is_the_matmul_with_its_dequantized_weight(in_features, out_
     x = torch.randn(rows, in_features).to(dtype)
     layer = Int4Linear.from_float(linear, group_size)
     ref = x.float() @ reference_weight.t() + linear.bias
-    assert relative_error(layer(x), ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+    y = layer(x)
+    assert relative_error(y, ref) < tolerance(layer, rows, dtype)
+    assert_fp32_rows_take_the_bf16_kernel(layer, x)
     stored = layer.stored()  # the packed layout gives back exactly what was quantized
     assert torch.equal(stored[0], nibbles) and torch.equal(stored[1], scales_and_zeros)
 
@@ -145,7 +161,11 @@ def test_quantized_model_computes_the_dequantized_float_model(make_checkpoint, p
     for rows in (3, 40):  # the kernel path and the dequantize + GEMM path
         ids = torch.randint(0, model.config.vocab_size, (2, rows))
         with torch.inference_mode():
-            torch.testing.assert_close(model(ids), reference(ids), atol=2e-4, rtol=1e-4)
+            got, want = model(ids), reference(ids)
+        if rows == 40:
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+        else:  # the kernels take fp32 rows as bf16 (quantization/linear.py): bf16's rounding, layer after
+            assert relative_error(got, want) < 3e-2  # layer (0.7-1.1% of the largest logit, measured)
 
 
 def test_keeping_the_head_full_precision_keeps_the_tied_embedding_too(tiny_checkpoint):
@@ -158,9 +178,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
 @pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
-def test_engine_batches_and_preempts_a_quantized_model(tiny_checkpoint, method):
+def test_engine_batches_and_preempts_a_quantized_model(tiny_checkpoint, method, monkeypatch):
     """A prompt run with 23 others (chunked prefill, preemption, prefix reuse) gives the tokens it gives
-    alone, and every block is free after."""
+    alone, and every block is free after. Every row count through the kernels: in fp32 they round the
+    rows to bf16 and the dequantize + GEMM path of batches does not, which alone can flip a near-tie."""
+    for layer in (Int8Linear, Int4Linear):
+        monkeypatch.setattr(layer, "kernel_max_rows", 1 << 30)
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 511, (int(n),), generator=generator).tolist()
                for n in torch.randint(5, 150, (24,), generator=generator)]

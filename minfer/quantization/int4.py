@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .int8 import CHUNK_ELEMENTS
-from .linear import QuantizedLinear, pad_columns, round_up
+from .linear import QuantizedLinear, kernel_rows, pad_columns, round_up
 
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 64  # see docs/quantization.md: the perplexity and speed of each size on minfer-tiny
@@ -146,9 +146,9 @@ class Int4Linear(QuantizedLinear):
         return sz
 
     def kernel(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
-        rows = pad_columns(rows, self.padded_in).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, self.group_size, self.sz_in(rows.dtype))
-        return y[:, : self.out_features] if self.padded_out != self.out_features else y
+        fast = kernel_rows(pad_columns(rows, self.padded_in)).contiguous()  # fp32 rows as bf16: see linear.py
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(fast, self.qweight, self.group_size, self.sz_in(fast.dtype))
+        return (y[:, : self.out_features] if self.padded_out != self.out_features else y).to(rows.dtype)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # (out, in)
         scale, offset = self.affine_in(dtype)  # (N', K'/G, 1) each

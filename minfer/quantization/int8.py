@@ -5,7 +5,7 @@ largest weight maps to 127 exactly, and zero stays zero. Half the bytes of bf16;
 error is at most scale / 2 per weight, about 0.2% of the row's largest weight.
 
 The kernel is torch.ops.aten._weight_int8pack_mm (CPU: AVX512/AVX2 paths for bf16 activations,
-a scalar loop for fp32 ones). It needs the inner dimension to be a multiple of 16 with bf16
+a scalar loop for fp32 ones, so an fp32 model's rows reach it as bf16: linear.py). It needs the inner dimension to be a multiple of 16 with bf16
 activations (other widths crash or give garbage in torch 2.13): narrower weights get zero columns.
 
 With `quantize_activations` (--quantize-activations) the activations are quantized too, each row
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .linear import QuantizedLinear, pad_columns, round_up
+from .linear import QuantizedLinear, kernel_rows, pad_columns, round_up
 
 K_MULTIPLE = 16  # _weight_int8pack_mm's bf16 path reads the inner dimension 16 at a time
 
@@ -92,7 +92,8 @@ class Int8Linear(QuantizedLinear):
         rows = pad_columns(rows, self.padded_in)
         if self.quantize_activations:
             return dynamic_int8_mm(rows, self.qweight, self.scales)
-        return torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.qweight, self.scales_in(rows.dtype))
+        fast = kernel_rows(rows).contiguous()  # fp32 rows as bf16: see linear.py
+        return torch.ops.aten._weight_int8pack_mm(fast, self.qweight, self.scales_in(fast.dtype)).to(rows.dtype)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # (out, in)
         return dequantize_int8(self.qweight[:, : self.in_features], self.scales, dtype)
