@@ -8,8 +8,10 @@ import tempfile
 
 import pytest
 
+from minfer.stress import soak
 from minfer.stress.__main__ import main
-from minfer.stress.soak import SoakConfig, run_spawned
+from minfer.stress.clients import Tally
+from minfer.stress.soak import SoakConfig, replay, run_spawned
 
 SECONDS = float(os.environ.get("MINFER_SOAK_SECONDS", "12"))
 
@@ -51,3 +53,15 @@ def test_cli_refuses_bad_arguments(capsys):
         main(["--base-url", "http://127.0.0.1:1", "--duration", "0"])
     assert e.value.code == 2
     assert "--duration must be > 0" in capsys.readouterr().err
+
+
+def test_a_replay_that_differs_fails_only_where_replays_must_be_exact(monkeypatch):
+    """The spawned server runs float64, where a seeded replay must match; a server of someone else's
+    (fp32 or bf16: rounding can move a draw) gets its differences counted, not failed."""
+    monkeypatch.setattr(soak, "run_stream", lambda target, body, tally: "same")
+    for exact, failures in ((False, 0), (True, 1)):
+        tally = Tally()
+        tally.finished = [({"seed": 1}, "same"), ({"seed": 2}, "other")]
+        assert replay(None, SoakConfig(replays=2, exact_replays=exact), tally) == 1
+        assert len(tally.failures) == failures
+
