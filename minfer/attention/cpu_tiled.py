@@ -67,6 +67,12 @@ def tile_bytes() -> int:
     return min(max(llc // 4, 1 << 20), MAX_TILE_BYTES) if llc else 4 << 20
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the CPU paths attend in: fp32 (bf16 is upcast; CPU sdpa with one query per sequence is slower
+    in bf16 than in fp32), or float64 for a float64 model (a reference precision)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def causal_attention_by_matmuls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of a prefill chunk (path 5): q (H, T, D) holds the queries of the last T of the
     L positions whose keys and values k, v (Hkv, L, D) hold. Returns (H, T, D) in q's dtype.
@@ -77,7 +83,7 @@ def causal_attention_by_matmuls(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     H, T, D = q.shape
     Hkv, L, _ = k.shape
     G = H // Hkv  # query heads per key/value head
-    compute = torch.promote_types(q.dtype, torch.float32)
+    compute = compute_dtype(q.dtype)
     k, v = k.to(compute), v.to(compute)
     q = q.view(Hkv, G, T, D)  # head h reads key/value head h // G
     out = torch.empty(H, T, D, dtype=q.dtype, device=q.device)
@@ -108,11 +114,7 @@ class ContextReader:
         self._buffers: dict[str, torch.Tensor] = {}
         self._tile_bytes = tile_bytes()
 
-    @staticmethod
-    def dtype_read(cache_dtype: torch.dtype) -> torch.dtype:
-        """CPU sdpa with one query per sequence is slower in bf16 than in fp32: tiles are read as fp32
-        (a float64 cache, a reference precision, as float64)."""
-        return torch.promote_types(cache_dtype, torch.float32)
+    dtype_read = staticmethod(compute_dtype)  # tiles are upcast while in cache: cache dtype -> dtype read
 
     def seqs_per_tile(self, kv_cache: torch.Tensor, context_len: int) -> int:
         """How many sequences of this (padded) context length one tile holds."""

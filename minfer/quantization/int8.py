@@ -5,8 +5,9 @@ largest weight maps to 127 exactly, and zero stays zero. Half the bytes of bf16;
 error is at most scale / 2 per weight, about 0.2% of the row's largest weight.
 
 The kernel is torch.ops.aten._weight_int8pack_mm (CPU: AVX512/AVX2 paths for bf16 activations,
-a scalar loop for fp32 ones, so an fp32 model's rows reach it as bf16: linear.py). It needs the inner dimension to be a multiple of 16 with bf16
-activations (other widths crash or give garbage in torch 2.13): narrower weights get zero columns.
+a scalar loop for fp32 ones, so an fp32 model's rows reach it as bf16: linear.py). It needs the
+inner dimension to be a multiple of 16 with bf16 activations (other widths crash or give garbage
+in torch 2.13): narrower weights get zero columns.
 
 With `quantize_activations` (--quantize-activations) the activations are quantized too, each row
 (token) to int8 with a scale of its own, and the matmul is int8 x int8 -> int32 (torch._int_mm,
