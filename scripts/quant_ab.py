@@ -23,12 +23,14 @@ VARIANTS = {
     "int8xint8": {"quantization": "int8", "quantize_activations": True},
     "int4": {"quantization": "int4"},
 }
+# The same with all-decode steps as one compiled graph (engine/compiled_step.py): "bf16-step", ...
+VARIANTS |= {f"{name}-step": {**settings, "compile_decode_step": True} for name, settings in list(VARIANTS.items())}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="minfer-tiny")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"from {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default="bf16,int8,int8xint8,int4", help=f"from {', '.join(VARIANTS)}")
     parser.add_argument("--batches", default="1")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=32)

@@ -25,6 +25,8 @@ cpu_tiled.py (the CPU's: gathered a tile at a time, prefill chunks by matmuls).
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -104,4 +106,48 @@ def paged_attention(
 ) -> torch.Tensor:  # (N, H, D)
     """Store this step's keys and values in the cache, then attend: each row over its own sequence's
     context (cached tokens and this step's, causally). The backend that built `meta` does the work."""
+    if torch.compiler.is_compiling():  # inside a compiled step (engine/compiled_step.py): one opaque op
+        return torch.ops.minfer.paged_attention(q, k, v, kv_cache, scale)
     return meta.backend.forward(q, k, v, kv_cache, meta, scale)
+
+
+# ---- paged attention inside a compiled step ----------------------------------------------------
+# A compiled step (engine/compiled_step.py) traces the whole model forward, but a backend's Python
+# (per-step metadata, its own compiled kernel) is not for Inductor to trace. So there attention is
+# one opaque op, and the step's batch reaches it here, as vLLM's forward context does.
+_step = threading.local()
+
+
+@contextmanager
+def compiled_step(paged: PagedBatch):
+    """While a compiled step runs: the batch its attention op reads, and the dispatcher's state at the step."""
+    _step.paged = paged
+    _step.dispatch = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+    try:
+        yield
+    finally:
+        _step.paged = None
+
+
+@torch.library.custom_op("minfer::paged_attention", mutates_args=())
+def _paged_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    # It writes kv_cache, which the op does not declare: declared, the compiler may copy the whole cache
+    # to keep it functional. Nothing else in a step's graph reads the cache, so nothing can be reordered.
+    paged = _step.paged
+    # An op's body runs with most dispatch keys switched off, and the graph's tensors were made so. The
+    # backend's own compiled kernel guards on them and would compile once more per shape: so it runs in
+    # the step's dispatch state, on the engine's own view of this layer's cache (the same memory).
+    with torch._C._ForceDispatchKeyGuard(*_step.dispatch):
+        kv = paged.kv_cache.kv  # (num_layers, ...)
+        layer = (kv_cache.data_ptr() - kv.data_ptr()) // (kv.stride(0) * kv.element_size())
+        own = kv[layer] if 0 <= layer < kv.shape[0] else kv_cache
+        if own.data_ptr() != kv_cache.data_ptr() or own.shape != kv_cache.shape:
+            own = kv_cache  # not one layer of the engine's cache (a model of its own making): as given
+        return paged.attention.backend.forward(q, k, v, own, paged.attention, scale)
+
+
+@_paged_attention_op.register_fake
+def _(q, k, v, kv_cache, scale):
+    return torch.empty_like(q)  # (N, H, D)

@@ -158,6 +158,10 @@ class EngineConfig:
         "$MINFER_ATTENTION_BACKEND, else auto)",
     )
     enforce_eager: bool = setting(False, bool, BOOL, "never compile: eager PyTorch only (implies --attention-backend eager)")
+    compile_decode_step: bool = setting(
+        False, bool, BOOL, "CPU only: run each all-decode step's model forward as one torch.compile graph, which "
+        "fuses the small ops between the matmuls; the first decode steps compile it (10-40 s)",
+    )
     num_threads: int | None = setting(
         None, int, POSITIVE, "CPU only: torch threads (default: every core this process may use)"
     )
@@ -235,6 +239,10 @@ class EngineConfig:
                 f"--gpu-memory-utilization is a share of GPU memory, for CUDA devices only; on {self.device} "
                 "size the KV cache with --kv-cache-memory SIZE (or --num-kv-blocks)"
             )
+        if self.compile_decode_step and device != "cpu":
+            raise ValueError(f"--compile-decode-step is for --device cpu for now, not {self.device}")
+        if self.compile_decode_step and self.enforce_eager:
+            raise ValueError("--compile-decode-step compiles, --enforce-eager never does: give one")
         if self.num_threads is not None and device != "cpu":
             raise ValueError(f"--num-threads sets CPU threads: it applies to --device cpu, not {self.device}")
         if self.quantization is None and self.quantization_group_size is not None:

@@ -86,6 +86,8 @@ def padded_rows(n: int) -> int:
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a weight from pack_weight: x (..., in) -> (..., out)."""
+    if torch.compiler.is_compiling():  # in a compiled step (compiled_step.py): an op Inductor calls as it is
+        return torch.ops.minfer.packed_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])  # (M, in)
     M = rows.shape[0]
     padding = padded_rows(M) - M
@@ -93,6 +95,18 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         rows = F.pad(rows, (0, 0, 0, padding))  # zero rows, dropped below
     y = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")  # (M', out)
     return y[:M].view(*x.shape[:-1], y.shape[-1])
+
+
+# Inductor lowers mkldnn._linear_pointwise only for weights it froze and packed itself, so inside a
+# compiled step the packed matmul is an opaque op (its eager body, above, runs as it is).
+@torch.library.custom_op("minfer::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return packed_linear(x, weight, bias)
+
+
+@_packed_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])  # a packed weight keeps its (out, in) shape
 
 
 class PackedLinear(nn.Module):

@@ -18,6 +18,7 @@ import torch
 from ..attention.kv_cache import KVCache, slot_of
 from ..attention.paged import AttentionBackend, PagedBatch, StepLayout
 from ..step_parts import part
+from .compiled_step import CompiledDecodeStep
 from .logprobs import StepLogprobs, TokenLogprob
 from .sampling import sample
 from .sequence import ScheduledChunk
@@ -47,8 +48,10 @@ class ModelRunner:
         block_size: int,
         attention_backend: AttentionBackend,
         draft: DraftProposer | None = None,  # speculative decoding's draft model, on the same blocks
+        compile_decode_step: bool = False,  # all-decode steps through one compiled graph (compiled_step.py)
     ):
         self.model = model  # as prepare_model left it: the runner never changes it
+        self.forward = CompiledDecodeStep(model) if compile_decode_step else model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.attention_backend = attention_backend  # builds each step's attention metadata, and runs it
@@ -64,7 +67,7 @@ class ModelRunner:
                 self.draft.run(chunks)  # its K/V of the step's rows, and the proposals prepare() lays out
         with part("host: prepare"):
             input_ids, batch, wanted = self.prepare(chunks)
-        logits = self.model(input_ids, batch)  # (S + Q, V): one forward over the N tokens of every sequence
+        logits = self.forward(input_ids, batch)  # (S + Q, V): one forward over the N tokens of every sequence
         with part("sampling"):
             S = sum(len(c.row_samplers) for c in chunks)
             if not wanted.empty:

@@ -9,8 +9,9 @@ here, once, after loading, and is chosen from the device and the config:
   torch elsewhere. `enforce_eager` (or attention_backend="eager") keeps everything eager.
 - weight-only int8/int4 (config.quantization, quantization/): every linear, the LM head and the
   token embedding, before the CPU packing (which then packs what is left in full precision).
-Later: compiled regions and CUDA graphs (unless config.enforce_eager); each is a transform or a
-backend, never an edit to a model file.
+A compiled decode step (config.compile_decode_step) wraps the prepared model in the runner
+(compiled_step.py); CUDA graphs will go there too. Each is a transform or a backend, never an edit
+to a model file.
 
 Preparing is idempotent: a model prepared twice is the model prepared once (tests and
 benchmarks reuse a loaded model across engines), and each call returns a fresh backend.

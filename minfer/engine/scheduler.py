@@ -93,7 +93,9 @@ class OnlineScheduler:
             max_logprob_rows(model.config.vocab_size),
             self.speculator.propose if self.speculator else None,
         )
-        self.runner = ModelRunner(model, self.kv_cache, block_size, attention_backend, self.draft)
+        self.runner = ModelRunner(
+            model, self.kv_cache, block_size, attention_backend, self.draft, config.compile_decode_step
+        )
         self.cpu_share = CpuShare(enabled=model.device.type == "cpu" and not threads_chosen(config.num_threads))
         # What runs, every choice made: the dtype "auto" picked, the blocks the memory bought, the
         # longest request the cache holds, the attention that runs. The server's /health reports it.

@@ -1,0 +1,96 @@
+"""--compile-decode-step: all-decode steps through one compiled graph give eager's tokens, never
+recompile while serving, and fall back to eager when compiling fails."""
+
+import logging
+
+import pytest
+import torch
+import torch._dynamo
+
+from minfer import LLM, EngineConfig, SamplingParams
+from minfer.engine.compiled_step import CompiledDecodeStep
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def prompts_with_a_shared_prefix(seed=1, num=20):
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, 300, (40,), generator=g).tolist()
+    return [shared + torch.randint(0, 300, (int(n),), generator=g).tolist() for n in torch.randint(1, 90, (num,))]
+
+
+def graph_of(llm: LLM) -> CompiledDecodeStep:
+    return llm.scheduler.runner.forward
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-tiny"])
+@pytest.mark.parametrize("attention", ["eager", "compiled"])
+def test_greedy_output_equals_eager(make_checkpoint, preset, attention):
+    """fp32: batching, chunked prefill, prefix hits and preemption, with and without the compiled step."""
+    path = make_checkpoint(preset)
+    prompts = prompts_with_a_shared_prefix()
+    settings = dict(num_kv_blocks=40, max_num_seqs=16, max_num_batched_tokens=64, attention_backend=attention)
+    compiled = LLM(path, compile_decode_step=True, **settings)
+    got = compiled.generate(prompts, GREEDY, use_tqdm=False)
+    got += compiled.generate(prompts[:1], GREEDY, use_tqdm=False)  # a lone sequence: its own graph
+    stats = compiled.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    step = graph_of(compiled)
+    assert step.off_because is None and step.compiled_batches == {True, False}  # both graphs served
+    eager = LLM(path, **settings)
+    want = eager.generate(prompts, GREEDY, use_tqdm=False) + eager.generate(prompts[:1], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_int8_activations_and_speculation_equal_eager(tiny_checkpoint):
+    """int8 x int8's activation rounding fuses into the graph, and n-gram verification rows (all-decode
+    steps of k + 1 rows a sequence) run through it: still eager's tokens."""
+    g = torch.Generator().manual_seed(3)
+    passages = [torch.randint(0, 400, (int(n),), generator=g).tolist() for n in (30, 55, 80)]
+    prompts = [p + p[:10] for p in passages]  # a passage, then its first tokens again
+    settings = dict(quantization="int8", quantize_activations=True, num_kv_blocks=64,
+                    speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3)
+    compiled = LLM(tiny_checkpoint, compile_decode_step=True, **settings)
+    got = compiled.generate(prompts, GREEDY, use_tqdm=False)
+    assert compiled.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert graph_of(compiled).off_because is None and graph_of(compiled).compiled_batches
+    want = LLM(tiny_checkpoint, **settings).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_no_recompile_after_both_graphs(tiny_checkpoint):
+    """dynamic=True: once a lone sequence and a batch have run, no batch size or context length recompiles."""
+    torch._dynamo.reset()
+    llm = LLM(tiny_checkpoint, compile_decode_step=True, attention_backend="compiled", num_kv_blocks=64,
+              max_num_seqs=8)
+    llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # see test_compiled_attention's twin
+        for n, length in [(1, 1), (2, 3), (5, 40), (1, 100), (8, 7), (3, 150), (2, 2)]:
+            prompts = [[(7 * i + j) % 500 for j in range(length + i)] for i in range(n)]
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert graph_of(llm).off_because is None  # a recompile would have turned it off
+
+
+def test_falls_back_to_eager_when_compiling_fails(tiny_checkpoint, monkeypatch, caplog):
+    llm = LLM(tiny_checkpoint, compile_decode_step=True, num_kv_blocks=32)
+    step = graph_of(llm)
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(step, "graph", broken)
+    with caplog.at_level(logging.WARNING, logger="minfer"):
+        got = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
+    assert "compiled decode step is off" in caplog.text and "no C++ compiler found" in caplog.text
+    assert step.off_because.startswith("RuntimeError")
+    assert got == LLM(tiny_checkpoint, num_kv_blocks=32).generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(compile_decode_step=True, enforce_eager=True), "--enforce-eager never does"),
+    (dict(compile_decode_step=True, device="cuda"), "for --device cpu for now"),
+])
+def test_refused_where_it_cannot_apply(settings, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="minfer-tiny", **settings)
