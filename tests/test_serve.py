@@ -487,6 +487,8 @@ def test_engine_failure_fails_requests_and_keeps_serving(small_server):
     assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"
     assert "boom" not in json.dumps(events)  # internals stay in the server log
     assert call(port, "GET", "/health", headers={})[2]["status"] == "ok"
+    # [DONE] can reach the client before its handler lets go of its slot (1 in-flight request allowed): wait.
+    assert small_server.manager.wait_released(5)
     status, _, out = call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 5})
     assert status == 200 and out["usage"]["completion_tokens"] >= 1
     stats = small_server.manager.stats()
