@@ -73,6 +73,12 @@ def paged_decode_attention(
     return per_block.sum(1).reshape(S, H, D).to(q.dtype)
 
 
+def failure_line(error: Exception) -> str:
+    """Why compiling failed, for one log line: "TypeName: the message's first line"."""
+    message = str(error).strip()
+    return f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
+
+
 def one_shape(group: DecodeGroup, null_block: int) -> DecodeGroup:
     """Dynamic shapes still specialise sizes of 1, so contexts that all fit in one block would compile
     a kernel of their own: they get a padding column (the zeroed null block, masked), a cached read.
@@ -162,7 +168,7 @@ class CompiledBackend(CPUTiledBackend):
                 with fx_config.patch(use_duck_shape=False):
                     result["error"] = self._check(num_heads, num_kv_heads, head_dim, block_size)
             except Exception as e:  # no C++ compiler, an Inductor error: all mean "use eager"
-                result["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                result["error"] = failure_line(e)
 
         start = time.perf_counter()
         thread = threading.Thread(target=run, name="minfer-compile", daemon=True)

@@ -24,6 +24,7 @@ from contextlib import nullcontext
 import torch
 import torch.fx.experimental._config as fx_config
 
+from ..attention.compiled import failure_line
 from ..attention.paged import PagedBatch, compiled_step
 
 log = logging.getLogger("minfer")
@@ -53,7 +54,7 @@ class CompiledDecodeStep:
             with compiled_step(paged), fx_config.patch(use_duck_shape=False) if compiling else nullcontext():
                 logits = self.graph(input_ids, paged)
         except Exception as e:  # no C++ compiler, an Inductor error: all mean "run eager"
-            self.off_because = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            self.off_because = failure_line(e)
             log.warning("minfer: the compiled decode step is off, running eager instead: %s", self.off_because)
             return self.model(input_ids, paged)  # rewrites the same K/V slots, if any were written
         self.compiled_batches.add(lone)
