@@ -120,13 +120,18 @@ def test_no_recompile_after_warm_up(tiny_checkpoint):
     From a clean slate: kernels compiled by earlier tests must not cover for the warm-up."""
     torch._dynamo.reset()
     llm = LLM(tiny_checkpoint, attention_backend="compiled", num_kv_blocks=64, max_num_seqs=8)
-    # Steps where every row decodes (q a strided view) and mixed ones (q a copy); 2 sequences (the
-    # cache's K/V axis is 2 too); contexts of 1 token and several blocks. (config.patch, not monkeypatch:
-    # Dynamo's config module does not take a setattr undone, and later compiles in the process fail.)
+    # config.patch, not monkeypatch: Dynamo's config module does not take a setattr undone, and later
+    # compiles in the process fail.
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for n, length in [(1, 1), (2, 3), (5, 40), (1, 100), (8, 7), (3, 150), (2, 2)]:
-            prompts = [[(7 * i + j) % 500 for j in range(length + i)] for i in range(n)]
-            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+        generate_varied_batches(llm)
+
+
+def generate_varied_batches(llm: LLM) -> None:
+    """Steps where every row decodes (q a strided view) and mixed ones (q a copy); 2 sequences (the
+    cache's K/V axis is 2 too); contexts of 1 token and several blocks."""
+    for n, length in [(1, 1), (2, 3), (5, 40), (1, 100), (8, 7), (3, 150), (2, 2)]:
+        prompts = [[(7 * i + j) % 500 for j in range(length + i)] for i in range(n)]
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
 
 
 def test_falls_back_to_eager_when_compiling_fails(tiny_checkpoint, monkeypatch, caplog):

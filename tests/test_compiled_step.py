@@ -6,6 +6,7 @@ import logging
 import pytest
 import torch
 import torch._dynamo
+from test_compiled_attention import generate_varied_batches
 
 from minfer import LLM, EngineConfig, SamplingParams
 from minfer.engine.compiled_step import CompiledDecodeStep
@@ -66,9 +67,7 @@ def test_no_recompile_after_both_graphs(tiny_checkpoint):
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     with torch._dynamo.config.patch(error_on_recompile=True):  # see test_compiled_attention's twin
-        for n, length in [(1, 1), (2, 3), (5, 40), (1, 100), (8, 7), (3, 150), (2, 2)]:
-            prompts = [[(7 * i + j) % 500 for j in range(length + i)] for i in range(n)]
-            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+        generate_varied_batches(llm)
     assert graph_of(llm).off_because is None  # a recompile would have turned it off
 
 
