@@ -64,4 +64,3 @@ def test_a_replay_that_differs_fails_only_where_replays_must_be_exact(monkeypatc
         tally.finished = [({"seed": 1}, "same"), ({"seed": 2}, "other")]
         assert replay(None, SoakConfig(replays=2, exact_replays=exact), tally) == 1
         assert len(tally.failures) == failures
-
