@@ -59,30 +59,34 @@ def test_int8_activations_and_speculation_equal_eager(tiny_checkpoint):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
-def test_no_recompile_after_both_graphs(tiny_checkpoint):
-    """dynamic=True: once a lone sequence and a batch have run, no batch size or context length recompiles."""
+def test_warm_up_compiles_both_graphs_and_serving_never_recompiles(tiny_checkpoint):
+    """The engine compiles a lone sequence's graph and a batch's before its first request; after that
+    (dynamic=True) no batch size or context length recompiles."""
     torch._dynamo.reset()
     llm = LLM(tiny_checkpoint, compile_decode_step=True, attention_backend="compiled", num_kv_blocks=64,
               max_num_seqs=8)
-    llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
-    llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    step = graph_of(llm)
+    assert step.compiled_batches == {True, False} and step.warm_up_seconds > 0  # before any request
+    assert llm.scheduler.engine_config.compile_decode_step is True
     with torch._dynamo.config.patch(error_on_recompile=True):  # see test_compiled_attention's twin
         generate_varied_batches(llm)
-    assert graph_of(llm).off_because is None  # a recompile would have turned it off
+    assert step.off_because is None  # a recompile would have turned it off
 
 
 def test_falls_back_to_eager_when_compiling_fails(tiny_checkpoint, monkeypatch, caplog):
-    llm = LLM(tiny_checkpoint, compile_decode_step=True, num_kv_blocks=32)
-    step = graph_of(llm)
+    """A compile that fails at start-up, or later, leaves the engine running eager, with one log line."""
 
     def broken(*args):
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(step, "graph", broken)
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: broken)
     with caplog.at_level(logging.WARNING, logger="minfer"):
-        got = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
+        llm = LLM(tiny_checkpoint, compile_decode_step=True, num_kv_blocks=32)
+    step = graph_of(llm)
     assert "compiled decode step is off" in caplog.text and "no C++ compiler found" in caplog.text
-    assert step.off_because.startswith("RuntimeError")
+    assert step.off_because.startswith("RuntimeError") and step.warm_up_seconds is None
+    assert llm.scheduler.engine_config.compile_decode_step is False  # what /health reports
+    got = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
     assert got == LLM(tiny_checkpoint, num_kv_blocks=32).generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
 
 

@@ -58,6 +58,17 @@ class ModelRunner:
         self.device = model.device
         self.draft = draft
 
+    @torch.inference_mode()  # as every step runs: Dynamo guards on it
+    def warm_up(self) -> None:
+        """Compile what compiles before the first request (compiled_step.py); nothing to do otherwise."""
+        if isinstance(self.forward, CompiledDecodeStep):
+            self.forward.warm_up(self.prepare, self.block_size)
+
+    @property
+    def compiles_decode_steps(self) -> bool:
+        """Whether all-decode steps run compiled: asked for, and not turned off by a failure."""
+        return isinstance(self.forward, CompiledDecodeStep) and self.forward.off_because is None
+
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
         """Run one step: a token for every sampler of every chunk (ScheduledChunk.samplers), in chunk

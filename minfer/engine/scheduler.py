@@ -97,11 +97,13 @@ class OnlineScheduler:
             model, self.kv_cache, block_size, attention_backend, self.draft, config.compile_decode_step
         )
         self.cpu_share = CpuShare(enabled=model.device.type == "cpu" and not threads_chosen(config.num_threads))
+        self.runner.warm_up()  # the compiled decode step's graphs, if asked for: before any request waits on them
         # What runs, every choice made: the dtype "auto" picked, the blocks the memory bought, the
         # longest request the cache holds, the attention that runs. The server's /health reports it.
         self.engine_config = replace(
             config,
             attention_backend="compiled" if attention_backend.name == "compiled" else "eager",
+            compile_decode_step=self.runner.compiles_decode_steps,  # False if its warm-up failed
             device=str(model.device),
             dtype=dtype_name(model.dtype),
             num_kv_blocks=num_kv_blocks,
