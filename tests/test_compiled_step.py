@@ -10,6 +10,7 @@ from test_compiled_attention import generate_varied_batches
 
 from minfer import LLM, EngineConfig, SamplingParams
 from minfer.engine.compiled_step import CompiledDecodeStep
+from minfer.server.banner import banner_lines
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
@@ -68,6 +69,7 @@ def test_warm_up_compiles_both_graphs_and_serving_never_recompiles(tiny_checkpoi
     step = graph_of(llm)
     assert step.compiled_batches == {True, False} and step.warm_up_seconds > 0  # before any request
     assert llm.scheduler.engine_config.compile_decode_step is True
+    assert "; decode steps compiled (warm-up compile " in "\n".join(banner_lines(llm.scheduler, "auto", "-", False))
     with torch._dynamo.config.patch(error_on_recompile=True):  # see test_compiled_attention's twin
         generate_varied_batches(llm)
     assert step.off_because is None  # a recompile would have turned it off
@@ -86,6 +88,8 @@ def test_falls_back_to_eager_when_compiling_fails(tiny_checkpoint, monkeypatch, 
     assert "compiled decode step is off" in caplog.text and "no C++ compiler found" in caplog.text
     assert step.off_because.startswith("RuntimeError") and step.warm_up_seconds is None
     assert llm.scheduler.engine_config.compile_decode_step is False  # what /health reports
+    banner = "\n".join(banner_lines(llm.scheduler, "auto", "-", False))
+    assert "; decode step eager (its compile failed: RuntimeError: no C++ compiler found)" in banner
     got = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
     assert got == LLM(tiny_checkpoint, num_kv_blocks=32).generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
 

@@ -38,6 +38,11 @@ def banner_lines(scheduler: OnlineScheduler, asked_dtype: str, address: str, api
     warm = getattr(scheduler.runner.attention_backend, "warm_up_seconds", None)
     if warm is not None:
         attention += f" (warm-up compile {warm:.1f} s)"
+    step = scheduler.runner.forward  # the model, or the compiled decode step wrapping it
+    if getattr(step, "off_because", None):
+        attention += f"; decode step eager (its compile failed: {step.off_because})"
+    elif getattr(step, "warm_up_seconds", None) is not None:
+        attention += f"; decode steps compiled (warm-up compile {step.warm_up_seconds:.1f} s)"
     blocks, block_size = ran.num_kv_blocks, ran.block_size
     kv_bytes = blocks * KVCache.bytes_per_block(model.config, block_size, model.dtype)
     return [
