@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Callable
 
 import torch
 import torch.fx.experimental._config as fx_config
