@@ -12,9 +12,10 @@ so their activation rounding fuses too.
 Only steps where every row decodes take the graph; prefill and mixed steps run eager, as vLLM keeps
 CUDA graphs to decode batches. `dynamic=True`, so batch sizes do not recompile (a lone sequence
 gets a graph of its own: dynamic shapes still specialise size 1). `warm_up` compiles both before
-the engine takes its first request: 8-60 s on two cores. A later start finds Inductor's code in its
-on-disk cache but still traces the model (Dynamo's part): 8 s for GPT-2, 30 s for Qwen3-0.6B. Anything that fails turns the graph off, with one log line, and the
-step runs eager. Bit-exact it is not: fused bf16 ops round differently.
+the engine takes its first request: 8 s for GPT-2, 61 s for Qwen3-0.6B (one thread). A later start
+finds Inductor's code in its on-disk cache but still traces the model (Dynamo's part): 8 s and 31 s.
+Anything that fails turns the graph off, with one log line, and the step runs eager. Bit-exact it
+is not: fused bf16 ops round differently.
 """
 
 from __future__ import annotations
