@@ -27,7 +27,10 @@ SUBCOMMANDS = {
     "bench": ("minfer.bench.cli", "benchmark TTFT, TPOT, ITL and throughput, offline or online"),
     "eval-ppl": ("minfer.bench.perplexity", "perplexity of a checkpoint on a text file (quality yardstick)"),
     "quantize": ("minfer.quantize", "write an int8/int4 weight-only quantized checkpoint"),
-    "train-tiny": ("minfer.checkpoints.train_tiny", "train a small GPT-2 on simple stories, on a CPU (minfer-tiny)"),
+    "train-tiny": (
+        "minfer.checkpoints.train_tiny",
+        "train a small GPT-2 (or Llama) on simple stories, on a CPU (minfer-tiny)",
+    ),
 }
 
 

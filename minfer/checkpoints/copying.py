@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer
+from torch import nn
 
-from ..models.gpt2 import GPT2
 from .tokenizer_training import EOS_TOKEN
 
 
@@ -25,7 +25,7 @@ def copy_prompt(first: str, second: str) -> str:
 
 
 @torch.inference_mode()
-def copy_accuracy(model: GPT2, tokenizer: Tokenizer, stories: list[str], num: int = 20) -> CopyScore:
+def copy_accuracy(model: nn.Module, tokenizer: Tokenizer, stories: list[str], num: int = 20) -> CopyScore:
     """Copy accuracy on stories[0:2], stories[2:4], ... (the first `num` prompts that fit in the context),
     scored on the rest of the first story and its <|endoftext|>. Plain forwards without a cache: the model
     is tiny. NaN if no prompt fits."""
@@ -36,7 +36,7 @@ def copy_accuracy(model: GPT2, tokenizer: Tokenizer, stories: list[str], num: in
         prompt = tokenizer.encode(copy_prompt(first, second)).ids
         full = tokenizer.encode(f"{first}{EOS_TOKEN}{second}{EOS_TOKEN}{first}{EOS_TOKEN}").ids
         assert full[: len(prompt)] == prompt, "the opening must end on a token boundary"
-        if len(full) > model.config.n_positions:
+        if len(full) > model.config.max_positions:
             continue
         if scored == num:
             break

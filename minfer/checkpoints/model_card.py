@@ -11,7 +11,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from ..models.gpt2 import GPT2
+from torch import nn
+
+from ..models.registry import load_model
+from .tiny_shapes import describe
 
 SAMPLE_PROMPTS = ["Once upon a time", "One day, Lily went to", "Tom said, \""]
 
@@ -28,12 +31,12 @@ def cpu_name() -> str:
 
 
 @torch.inference_mode()
-def greedy(model: GPT2, tokenizer: Tokenizer, prompt: str, max_tokens: int = 120) -> str:
+def greedy(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_tokens: int = 120) -> str:
     """Greedy continuation with the plain forward (no cache: the model is tiny), up to <|endoftext|>."""
     ids = tokenizer.encode(prompt).ids
     eos = model.config.vocab_size - 1
     for _ in range(max_tokens):
-        next_id = int(model(torch.tensor([ids[-model.config.n_positions :]]))[0, -1].argmax())
+        next_id = int(model(torch.tensor([ids[-model.config.max_positions :]]))[0, -1].argmax())
         if next_id == eos:
             break
         ids.append(next_id)
@@ -41,10 +44,14 @@ def greedy(model: GPT2, tokenizer: Tokenizer, prompt: str, max_tokens: int = 120
 
 
 def purpose(o: dict) -> str:
-    if o["tokenizer"]:  # trained with another model's tokenizer: a draft for it
-        return (f"The draft model for speculative decoding with the model in `{o['tokenizer']}`: the same training "
-                "text and tokenizer (`--tokenizer`), a few times fewer FLOPs per token, so it proposes tokens "
-                "cheaply for the larger model to verify.")
+    if o["copy_warmup_steps"] and not o["tokenizer"]:
+        return ("A model that copies from its context, which minfer-tiny (GPT-2, the same stories and tokenizer) "
+                "does not learn at this size: the model speculative decoding's figures are measured on, since "
+                "n-gram proposals (prompt lookup) pay only when the model repeats what it read.")
+    if o["tokenizer"]:  # trained with another model's tokenizer: a draft for the models that share it
+        return (f"A draft model for speculative decoding: the tokenizer of `{o['tokenizer']}` (`--tokenizer`) and "
+                "the same training text, in a smaller forward, so it proposes tokens cheaply for a larger model "
+                "with that tokenizer to verify (minfer-tiny's and minfer-tiny-llama's are the same).")
     return ("Output a person can read, offline, in a few megabytes: for the README's offline recipe, the "
             "tutorials without the Hub, and as a yardstick (held-out perplexity) for quantization and "
             "speculative decoding.")
@@ -60,7 +67,19 @@ def start(o: dict) -> str:
     if o["init"]:
         return (f"starting from the trained weights in `{o['init']}` (`--init`: the first command under "
                 "Reproducing it), not from scratch")
-    return "GPT-2's initialisation"
+    return "GPT-2's initialisation (tiny_shapes.py)"
+
+
+def warmup_text(w: dict | None) -> str:
+    """The copy warm-up's paragraph (copy_warmup.py), or nothing when there was none."""
+    if not w:
+        return ""
+    return (f"\n\nBefore the stories: a copy warm-up (`--copy-warmup-steps`, minfer/checkpoints/copy_warmup.py) of "
+            f"{w['steps']:,} steps on rows that tell a run of 8-30 random tokens twice, with the MLPs switched off, "
+            f"ending at a drill loss of {w['drill_loss']:.2f} nats (guessing: {w['guess_loss']:.2f}; copying "
+            f"perfectly: {w['copying_loss']:.2f}). It is there to form the heads that copy from the context, which the "
+            "stories alone never formed at this size (how much copying survives the stories is under Results); the "
+            "stories then start with a fresh optimizer.")
 
 
 def init_command(init: str, prog: str) -> str | None:
@@ -83,9 +102,10 @@ def card_text(r: dict, name: str, command: str, check: str, samples: list[str], 
     first = sum(r["losses"][:5]) / 5
     sample_lines = "\n".join(f"> {s}\n" for s in samples)
     threads = f"{o['threads']} thread" + ("s" if o["threads"] != 1 else "")
+    family, classes, mlp_width = describe(r["config"])
     return f"""# {name}
 
-A {r['parameters'] / 1e6:.2f}M-parameter GPT-2 trained from scratch on a CPU by minfer's own script, on simple
+A {r['parameters'] / 1e6:.2f}M-parameter {family} trained from scratch on a CPU by minfer's own script, on simple
 stories from a grammar minfer ships. {purpose(o)} It knows only its grammar's ~270 words: it is a toy, not a
 language model of English.
 
@@ -100,8 +120,8 @@ Licence: MIT, like minfer. The training text is generated, so nothing here comes
 
 | | |
 | --- | --- |
-| architecture | GPT2LMHeadModel (transformers' GPT-2; minfer's models/gpt2.py) |
-| layers, heads, channels | {o['n_layer']}, {o['n_head']}, {o['n_embd']} (MLP {4 * o['n_embd']}) |
+| architecture | {classes} |
+| layers, heads, channels | {o['n_layer']}, {o['n_head']}, {o['n_embd']} (MLP {mlp_width}) |
 | context | {o['n_positions']} tokens |
 | vocabulary | {r['vocab_size']}: byte-level BPE, `<|endoftext|>` last (id {r['vocab_size'] - 1}) |
 | parameters | {r['parameters']:,} (LM head tied to the token embedding) |
@@ -124,7 +144,7 @@ n-gram speculative decoding needs; how far this one did is under Results). With 
 {o['steps']:,} steps of AdamW (betas 0.9/0.95, weight decay {o['weight_decay']} on matrices), batches of
 {o['batch_size']} windows of {o['n_positions']} tokens at random offsets ({r['tokens_seen']:,} tokens,
 {r['tokens_seen'] / r['train_tokens']:.2f} passes over the data), learning rate {o['lr']} after {o['warmup_steps']} warm-up
-steps, cosine decay to a tenth; gradients clipped to norm 1; {start(o)}.
+steps, cosine decay to a tenth; gradients clipped to norm 1; {start(o)}.{warmup_text(r.get('copy_warmup'))}
 
 | step | train loss (last {o['eval_every']} steps) | held-out loss |
 | --- | --- | --- |
@@ -160,15 +180,15 @@ Training took {r['train_seconds'] / 60:.1f} minutes ({r['total_seconds'] / 60:.1
 Every random choice comes from `--seed`, so the same command with the same `--threads` on the same
 machine writes bit-identical weights (tests/test_trained_tiny.py checks that on a shortened run).
 A quick check that a machine follows the same path: `{check}`
-prints `step 5/5: train loss {first:.4f}`, the mean of this run's first five steps (the warm-up does
-not depend on `--steps`). Another CPU or thread count rounds matmuls differently and the weights
+prints `step 5/5: train loss {first:.4f}`, the mean of this run's first five steps (neither warm-up,
+of the learning rate or of copying, depends on `--steps`). Another CPU or thread count rounds matmuls differently and the weights
 drift apart; the losses should land close, but by how much has not been measured.
 """
 
 
 def write_card(out: Path, results: dict, prog: str, argv: list[str]) -> None:
     """README.md for the checkpoint at `out`, from train()'s results."""
-    model = GPT2.from_pretrained(out)
+    model = load_model(out)
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     samples = [greedy(model, tokenizer, p) for p in SAMPLE_PROMPTS]
     command = " ".join([prog, *map(shlex.quote, argv)])

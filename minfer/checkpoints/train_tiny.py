@@ -1,15 +1,18 @@
-"""Train minfer-tiny: a small GPT-2, from scratch, on the story grammar's text, on a CPU.
+"""Train minfer-tiny: a small GPT-2 (or Llama), from scratch, on the story grammar's text, on a CPU.
 
     python scripts/train_tiny.py OUT_DIR [--n-layer 4 --n-embd 128 ...] [--steps N] [--tokenizer DIR]
     (also `minfer train-tiny OUT_DIR ...`)
 
-The defaults are the shipped model's (minfer/checkpoints/minfer-tiny). Every choice comes from
-`--seed`: the stories (stories.py), the tokenizer trained on them, the initial weights and the
-order of the batches; with the same seed and thread count on the same machine, the weights come
-out bit for bit the same. `--tokenizer DIR` reuses a trained model's tokenizer (a draft model for
-speculative decoding must share its target's); `--init DIR` starts from a trained model's weights. The model is minfer's own GPT2 module, trained
-through its plain (B, T) forward; the result is an ordinary checkpoint directory that minfer and
-transformers both load, with its held-out text and a model card.
+The defaults are the shipped minfer-tiny's (minfer/models/builtin/minfer-tiny; the other shipped
+models' cards give their commands). Every choice comes from `--seed`: the stories (stories.py), the
+tokenizer trained on them, the initial weights and the order of the batches; with the same seed and
+thread count on the same machine, the weights come out bit for bit the same.
+- `--arch llama` trains minfer's Llama module instead of GPT2 (tiny_shapes.py), and
+  `--copy-warmup-steps N` first drills it to copy from its context (copy_warmup.py);
+- `--tokenizer DIR` reuses a trained model's tokenizer (a draft model for speculative decoding must
+  share its target's); `--init DIR` starts from a trained model's weights.
+The model is trained through its plain (B, T) forward; the result is an ordinary checkpoint
+directory that minfer and transformers both load, with its held-out text and a model card.
 """
 
 from __future__ import annotations
@@ -27,22 +30,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from ..models.config import GPT2Config
-from ..models.gpt2 import GPT2
 from ..models.perplexity import Perplexity, perplexity
+from .copy_warmup import copy_warmup
 from .copying import copy_accuracy
 from .files import save_safetensors
 from .model_card import write_card
-from .random_gpt2 import make_config
 from .stories import stories, with_retellings
+from .tiny_shapes import ARCHS, build_model, checkpoint_tensors, init_weights, tiny_config
 from .tokenizer_training import EOS_TOKEN, train_tokenizer
 
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
 class TrainOptions:
+    arch: str = "gpt2"  # or "llama" (tiny_shapes.py)
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
@@ -63,6 +65,7 @@ class TrainOptions:
     eval_every: int = 250
     tokenizer: str | None = None  # a checkpoint directory whose tokenizer.json to reuse
     init: str | None = None  # a checkpoint directory to start from (its weights and tokenizer), not from scratch
+    copy_warmup_steps: int = 0  # at most this many copy-drill steps before the stories (copy_warmup.py); 0: none
 
 
 def story_lines(texts: list[str]) -> list[str]:
@@ -76,21 +79,6 @@ def tokenize(tokenizer: Tokenizer, lines: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int32)
 
 
-def init_weights(model: GPT2, n_layer: int) -> None:
-    """GPT-2's initialisation (minfer's GPT2 leaves weights unset, for loading): N(0, 0.02), zero biases,
-    and the two projections into the residual stream scaled by 1/sqrt(2 n_layer), so its variance
-    does not grow with depth."""
-    for name, p in model.named_parameters():
-        if name.endswith("bias"):
-            nn.init.zeros_(p)
-        elif ".ln_" in name or name.startswith("ln_"):
-            nn.init.ones_(p)
-        elif name.endswith("c_proj.weight"):
-            nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
-        else:
-            nn.init.normal_(p, std=0.02)
-
-
 def lr_at(step: int, opts: TrainOptions) -> float:
     """Linear warm-up, then a cosine decay to a tenth of the peak."""
     if step < opts.warmup_steps:
@@ -99,7 +87,7 @@ def lr_at(step: int, opts: TrainOptions) -> float:
     return opts.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(model: GPT2, opts: TrainOptions) -> torch.optim.AdamW:
+def make_optimizer(model: nn.Module, opts: TrainOptions) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only (not on biases, norms)."""
     params = {id(p): p for p in model.parameters()}.values()  # the tied embedding once
     decay = [p for p in params if p.dim() >= 2]
@@ -108,32 +96,20 @@ def make_optimizer(model: GPT2, opts: TrainOptions) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95), foreach=True)
 
 
-def checkpoint_tensors(model: GPT2, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """minfer's state dict under GPT-2's checkpoint names: Conv1D weights back to [in, out], the tied
-    LM head left out (it is wte)."""
-    out = {}
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue
-        t = t.t() if name.endswith(CONV1D_WEIGHTS) else t
-        out[name] = t.detach().to(dtype).contiguous()
-    return out
-
-
-def write_checkpoint(model: GPT2, config: dict, tokenizer: Tokenizer, out: Path, dtype: torch.dtype) -> None:
+def write_checkpoint(model: nn.Module, config: dict, tokenizer: Tokenizer, out: Path, dtype: torch.dtype) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_safetensors(checkpoint_tensors(model, dtype), out / "model.safetensors")
     config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save(str(out / "tokenizer.json"))
-    eos = config["eos_token_id"]
-    tok_config = dict(tokenizer_class="GPT2Tokenizer", model_max_length=config["n_positions"],
+    eos, context = config["eos_token_id"], config.get("n_positions") or config["max_position_embeddings"]
+    tok_config = dict(tokenizer_class="GPT2Tokenizer", model_max_length=context,
                       bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, unk_token=EOS_TOKEN)
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(dict(bos_token_id=eos, eos_token_id=eos), indent=2) + "\n")
 
 
-def evaluate(model: GPT2, ids: torch.Tensor, window: int) -> Perplexity:
+def evaluate(model: nn.Module, ids: torch.Tensor, window: int) -> Perplexity:
     """Held-out loss by the method `minfer eval-ppl` uses (models/perplexity.py): windows of the
     context, stride half of it."""
     model.eval()
@@ -161,17 +137,20 @@ def train(opts: TrainOptions, out: Path, log=print) -> dict:
     log(f"data: {len(texts)} stories, {train_ids.numel()} tokens; held out: {len(heldout)} stories, "
         f"{heldout_ids.numel()} tokens; vocabulary {vocab_size} ({time.perf_counter() - start:.1f} s)")
 
-    config = make_config("tiny", vocab_size=vocab_size, n_positions=opts.n_positions, n_embd=opts.n_embd,
-                         n_layer=opts.n_layer, n_head=opts.n_head)
-    config["eos_token_id"] = config["bos_token_id"] = tokenizer.token_to_id(EOS_TOKEN)
-    model = GPT2(GPT2Config(vocab_size=vocab_size, n_positions=opts.n_positions, n_embd=opts.n_embd,
-                            n_layer=opts.n_layer, n_head=opts.n_head))
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    config = tiny_config(opts.arch, vocab_size, eos_id, opts.n_positions, opts.n_embd, opts.n_layer, opts.n_head)
+    model = build_model(config)
     init_weights(model, opts.n_layer)
     if opts.init:  # go on training a trained model (same shape), e.g. on text with retellings
-        model.load_state_dict(GPT2.from_pretrained(opts.init).state_dict())
+        model.load_state_dict(ARCHS[opts.arch].from_pretrained(opts.init).state_dict())
     num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    log(f"model: {opts.n_layer} layers, {opts.n_head} heads, {opts.n_embd} channels, context {opts.n_positions}: "
-        f"{num_params / 1e6:.2f}M parameters")
+    log(f"model: {opts.arch}, {opts.n_layer} layers, {opts.n_head} heads, {opts.n_embd} channels, "
+        f"context {opts.n_positions}: {num_params / 1e6:.2f}M parameters")
+
+    warmup = None
+    if opts.copy_warmup_steps:  # its own optimizer state and batches: the stories start as without it
+        warmup = copy_warmup(model, make_optimizer(model, opts), opts.copy_warmup_steps, opts.lr, opts.seed,
+                             vocab_size, eos_id, log)
 
     optimizer = make_optimizer(model, opts)
     batches = torch.Generator().manual_seed(opts.seed)
@@ -212,6 +191,7 @@ def train(opts: TrainOptions, out: Path, log=print) -> dict:
                 tokens_seen=opts.steps * B * T, heldout_tokens=heldout_ids.numel(),
                 train_loss=seen.loss, train_perplexity=seen.perplexity,
                 heldout_loss=held.loss, heldout_perplexity=held.perplexity, copy_accuracy=asdict(copied), curve=curve,
+                copy_warmup=warmup, config=config,
                 train_seconds=train_seconds, total_seconds=time.perf_counter() - start, losses=losses)
 
 
@@ -227,6 +207,8 @@ def parse_args(argv: list[str] | None, prog: str) -> tuple[Path, TrainOptions, b
     opts = TrainOptions(**{f.name: getattr(args, f.name) for f in fields(TrainOptions)})
     if opts.dtype not in DTYPES:
         parser.error(f"--dtype must be one of {sorted(DTYPES)}")
+    if opts.arch not in ARCHS:
+        parser.error(f"--arch must be one of {sorted(ARCHS)}")
     return Path(args.out_dir), opts, not args.no_card
 
 
