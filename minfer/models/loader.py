@@ -39,8 +39,13 @@ HUB_ALIASES = {
     "distilgpt2": "distilbert/distilgpt2",
 }
 # Models shipped inside the package (models/builtin/), found by name before anything else, with no network.
-# minfer-tiny-draft is minfer-tiny's draft model for speculative decoding (same tokenizer, a few times smaller).
-BUILTIN_MODELS = {name: Path(__file__).parent / "builtin" / name for name in ("minfer-tiny", "minfer-tiny-draft")}
+# minfer-tiny-draft is minfer-tiny's draft model for speculative decoding (same tokenizer, a few times smaller);
+# minfer-tiny-llama (and its draft) the same text and tokenizer in Llama's shape, which learns to copy from
+# its context: the model speculative decoding is measured on.
+BUILTIN_MODELS = {
+    name: Path(__file__).parent / "builtin" / name
+    for name in ("minfer-tiny", "minfer-tiny-draft", "minfer-tiny-llama", "minfer-tiny-llama-draft")
+}
 # Only these files are fetched from the Hub (a GPT-2 repo also holds TF, Flax, ONNX, ...).
 HUB_FILES = [
     "config.json",
