@@ -2,7 +2,7 @@
 side, alternating request by request, so a shared machine's changing load falls on all alike (separate
 bench.py runs one after the other caught a rising load on whichever ran second).
 
-    python scripts/spec_ab.py [--model minfer-tiny] [--rounds 3] [--num-threads 1] [--draft DIR] [--no-ngram]
+    python scripts/spec_ab.py [--model minfer-tiny-llama] [--rounds 3] [--num-threads 1] [--draft DIR] [--no-ngram]
 
 Workloads: copy (bench.py --workload copy: held-out stories, then the first one's opening), batch 1;
 free (random token prompts), batch 1; and 16 streams of random prompts at once. Prints tokens/s of each
@@ -42,7 +42,7 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, params: SamplingParams) 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="minfer-tiny")
+    p.add_argument("--model", default="minfer-tiny-llama", help="minfer-tiny-llama copies from its context")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--output-len", type=int, default=96)

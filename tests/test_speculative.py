@@ -128,15 +128,26 @@ def test_defaults_and_flags():
 
 @pytest.fixture(scope="module")
 def models(make_checkpoint):
-    return {"gpt2": make_checkpoint(), "qwen3": make_checkpoint("qwen3-tiny", seed=2)}
+    from minfer.models.loader import BUILTIN_MODELS
+
+    return {"gpt2": make_checkpoint(), "qwen3": make_checkpoint("qwen3-tiny", seed=2),
+            "minfer-tiny-llama": BUILTIN_MODELS["minfer-tiny-llama"]}
 
 
-@pytest.mark.parametrize("family", ["gpt2", "qwen3"])
+@pytest.mark.parametrize("family", ["gpt2", "qwen3", "minfer-tiny-llama"])
 def test_greedy_batch_of_32_equals_plain_and_alone(models, family):
+    """Random checkpoints on random prompts that repeat a stretch; the shipped model that copies on
+    bench's copy prompts (held-out stories, then the first one's opening again)."""
+    from minfer.bench.workload import copy_texts
+
     path = models[family]
-    prompts = copy_prompts(32, 512, seed=1)
+    plain_llm = LLM(path, block_size=8)
+    if family == "minfer-tiny-llama":
+        prompts = [plain_llm.tokenizer.encode_prompt(text) for text in copy_texts(path, 32)]
+    else:
+        prompts = copy_prompts(32, 512, seed=1)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    plain = LLM(path, block_size=8).generate(prompts, params, use_tqdm=False)
+    plain = plain_llm.generate(prompts, params, use_tqdm=False)
     # Chunked prefill (a small token budget), a small cache (preemptions), small blocks.
     spec = LLM(path, block_size=8, max_num_batched_tokens=64, num_kv_blocks=120, **SPEC)
     outs = run_stepwise(spec, prompts, half_seeded(params, len(prompts)))
@@ -165,22 +176,22 @@ def test_prefix_hits_on_speculated_blocks(models):
     assert_all_free(spec)
 
 
-def test_trained_tiny_copy_heavy_greedy_equals_plain():
-    heldout = (_tiny_dir() / "heldout.txt").read_text(encoding="utf-8")
-    prompt = heldout[:700] + "\n" + heldout[:50]
-    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
-    plain = LLM("minfer-tiny").generate([prompt], params, use_tqdm=False)[0]
-    spec = LLM("minfer-tiny", speculative_method="ngram")
-    got = spec.generate([prompt], params, use_tqdm=False)[0]
-    assert got.token_ids == plain.token_ids and got.text == plain.text
-    assert spec.scheduler.speculator.stats.num_accepted_tokens > 10
-    assert_all_free(spec)
-
-
-def _tiny_dir():
+@pytest.mark.parametrize("name, accepted", [("minfer-tiny", 10), ("minfer-tiny-llama", 50)])
+def test_trained_tiny_copy_heavy_greedy_equals_plain(name, accepted):
+    """The shipped trained models on bench's copy prompt: plain decoding's tokens. minfer-tiny-llama,
+    which copies, keeps most of 100 tokens' proposals; minfer-tiny only some."""
     from minfer.models.loader import BUILTIN_MODELS
 
-    return BUILTIN_MODELS["minfer-tiny"]
+    heldout = (BUILTIN_MODELS[name] / "heldout.txt").read_text(encoding="utf-8")
+    stories = heldout.split("<|endoftext|>")
+    prompt = f"{stories[0]}<|endoftext|>{stories[1]}<|endoftext|>{stories[0].split('. ')[0]}."
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    plain = LLM(name).generate([prompt], params, use_tqdm=False)[0]
+    spec = LLM(name, speculative_method="ngram")
+    got = spec.generate([prompt], params, use_tqdm=False)[0]
+    assert got.token_ids == plain.token_ids and got.text == plain.text
+    assert spec.scheduler.speculator.stats.num_accepted_tokens > accepted
+    assert_all_free(spec)
 
 
 # ---- sampling controls, stops and logprobs at every verified position ------------------------

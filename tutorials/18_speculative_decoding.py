@@ -5,7 +5,8 @@ It loads the model of the other stages and: times one forward over 1 row and ove
 sequence (printed, not asserted: timings are noisy), with the bytes and FLOPs each must move; checks
 on a six-token distribution that the acceptance rule samples exactly the target distribution; runs
 the engine with n-gram (prompt lookup) speculation on a text that repeats, beside plain decoding; and
-then with a draft model (the model itself, unless a trained draft ships beside it).
+then with a draft model (the model itself, unless a trained draft ships beside it). On minfer-tiny,
+which seldom copies, the last two run on minfer-tiny-llama, which does.
 
     python tutorials/18_speculative_decoding.py   # MINFER_MODEL=/path to choose the checkpoint
 """
@@ -61,8 +62,15 @@ assert (empirical - p).abs().max() < 0.01  # accept with p(d), else draw from p 
 section("3. n-gram proposals on a text that repeats")
 ngram = NgramProposer(2, 4)
 print("  [5, 6, 7, 8, 9, 6, 7] ->", ngram.propose([5, 6, 7, 8, 9, 6, 7], 3), "(what followed '6 7' before)")
+# Lookup pays only if the model repeats what it read. minfer-tiny (GPT-2) hardly does; minfer-tiny-llama,
+# the same stories and tokenizer in Llama's shape with a copy warm-up, does. It takes over from here.
+if Path(path).resolve() == BUILTIN_MODELS["minfer-tiny"].resolve():
+    path = str(BUILTIN_MODELS["minfer-tiny-llama"])
+    llm = LLM(path)
+    config = llm.model.config
+    print(f"  from here on: minfer-tiny-llama, which copies from its context ({path})")
 heldout = Path(path) / "heldout.txt"
-if heldout.is_file():  # minfer-tiny: two of its held-out stories, then the first one's opening again
+if heldout.is_file():  # the shipped models: two held-out stories, then the first one's opening again
     stories = [s for s in heldout.read_text(encoding="utf-8").split("<|endoftext|>") if s.strip()]
     text = stories[0] + "<|endoftext|>" + stories[1] + "<|endoftext|>" + stories[0].split(". ")[0] + "."
     ids = llm.tokenizer.encode_prompt(text)
@@ -89,9 +97,10 @@ section("5. n-gram vs a draft model")
 # where nothing repeats, at the cost of k small forwards per step. Its KV cache sits on the model's
 # blocks (engine/speculative/draft.py). With no trained draft at hand, the model is its own draft:
 # every proposal is accepted, and each step costs k forwards of the full model for k + 1 tokens.
-draft = BUILTIN_MODELS.get("minfer-tiny-draft")  # shipped beside minfer-tiny, when it is
-if draft is None or Path(path).resolve() != BUILTIN_MODELS["minfer-tiny"].resolve():
-    draft = path
+draft = path  # the model itself, unless a trained draft ships beside it
+for name in ("minfer-tiny", "minfer-tiny-llama"):
+    if Path(path).resolve() == BUILTIN_MODELS[name].resolve():
+        draft = str(BUILTIN_MODELS[name + "-draft"])
 drafted = LLM(path, speculative_method="draft", speculative_model=str(draft), num_speculative_tokens=4)
 for name, engine in (("ngram", LLM(path, speculative_method="ngram")), ("draft", drafted)):
     start = time.perf_counter()
