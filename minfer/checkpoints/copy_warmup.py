@@ -39,7 +39,8 @@ def drill_batch(generator: torch.Generator, vocab_size: int, eos_id: int) -> tup
 
 def losses_if(vocab_size: int) -> tuple[float, float]:
     """The drill's expected loss (nats per scored token) when guessing uniformly, and when copying
-    perfectly: a row of run n scores 2n - 1 tokens, of which only the first telling's n are new."""
+    perfectly: a row of run n scores 2n - 1 tokens, of which n cannot be foreseen (the first telling's
+    last n - 1, and the retelling's first: nothing says where the run ends)."""
     guess = math.log(vocab_size - 1)
     runs = range(MIN_RUN, MAX_RUN + 1)
     return guess, guess * sum(runs) / sum(2 * n - 1 for n in runs)
@@ -83,8 +84,8 @@ def copy_warmup(model: nn.Module, optimizer: torch.optim.Optimizer, max_steps: i
     steps = step + 1 if max_steps else 0
     final = sum(recent) / len(recent) if recent else float("nan")
     if max_steps and final >= goal:
-        log(f"copy warm-up: {steps} steps, the limit, ended above the goal (drill loss {final:.3f}, goal {goal:.2f}): "
-            "copying is partial at best, and may not survive the stories")
+        log(f"copy warm-up: {steps} steps, the limit, ended above the goal (drill loss {final:.3f}, "
+            f"goal {goal:.2f}): copying is partial at best, and may not survive the stories")
     else:
         log(f"copy warm-up: copying after {steps} steps (drill loss {final:.3f})")
     return dict(steps=steps, drill_loss=final, guess_loss=guess, copying_loss=copying)
