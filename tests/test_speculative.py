@@ -180,11 +180,10 @@ def test_prefix_hits_on_speculated_blocks(models):
 def test_trained_tiny_copy_heavy_greedy_equals_plain(name, accepted):
     """The shipped trained models on bench's copy prompt: plain decoding's tokens. minfer-tiny-llama,
     which copies, keeps most of 100 tokens' proposals; minfer-tiny only some."""
+    from minfer.bench.workload import copy_texts
     from minfer.models.loader import BUILTIN_MODELS
 
-    heldout = (BUILTIN_MODELS[name] / "heldout.txt").read_text(encoding="utf-8")
-    stories = heldout.split("<|endoftext|>")
-    prompt = f"{stories[0]}<|endoftext|>{stories[1]}<|endoftext|>{stories[0].split('. ')[0]}."
+    (prompt,) = copy_texts(BUILTIN_MODELS[name], 1)
     params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     plain = LLM(name).generate([prompt], params, use_tqdm=False)[0]
     spec = LLM(name, speculative_method="ngram")

@@ -79,7 +79,7 @@ def read_prompts(prompts: list[str] | None, prompts_file: str | None) -> list[st
 def copy_texts(model_dir: Path, num: int) -> list[str]:
     """The copy-heavy workload (`--workload copy`), where speculative decoding pays: two stories of the
     model's held-out text, then the first one's opening sentence again, so the answer tells a story like
-    those it just read (minfer-tiny retells its grammar's phrases; a larger model would copy verbatim).
+    those it just read (minfer-tiny retells its grammar's phrases; minfer-tiny-llama copies it verbatim).
     Read from the checkpoint's heldout.txt (minfer-tiny ships one), stories separated by <|endoftext|>."""
     path = Path(model_dir) / "heldout.txt"
     if not path.is_file():

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
-
 from torch import nn
 
 from ..models.registry import load_model

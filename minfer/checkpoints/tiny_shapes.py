@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from ..models.config import GPT2Config
 from ..models.gpt2 import GPT2
@@ -98,5 +98,5 @@ def describe(config: dict) -> tuple[str, str, int]:
     """(architecture, transformers/minfer classes, MLP width), for the model card."""
     if config["model_type"] == "gpt2":
         return "GPT-2", "GPT2LMHeadModel (transformers' GPT-2; minfer's models/gpt2.py)", 4 * config["n_embd"]
-    return ("Llama", "LlamaForCausalLM (transformers' Llama: rotary positions, RMSNorm, SwiGLU; minfer's "
-            "models/llama.py)", config["intermediate_size"])
+    classes = "LlamaForCausalLM (transformers' Llama: rotary positions, RMSNorm, SwiGLU; minfer's models/llama.py)"
+    return "Llama", classes, config["intermediate_size"]
