@@ -116,7 +116,8 @@ def test_speculative_decoding_with_the_compiled_backend_equals_eager(tiny_checkp
 
 
 def test_no_recompile_after_warm_up(tiny_checkpoint):
-    """dynamic=True: batch sizes and context lengths, one and two sequences and blocks included, never recompile.
+    """dynamic=True: batch sizes and context lengths, one and two sequences and blocks included, never
+    recompile; nor does a new thread count (compile_for_cpu drops that guard).
     From a clean slate: kernels compiled by earlier tests must not cover for the warm-up."""
     torch._dynamo.reset()
     llm = LLM(tiny_checkpoint, attention_backend="compiled", num_kv_blocks=64, max_num_seqs=8)
@@ -128,10 +129,16 @@ def test_no_recompile_after_warm_up(tiny_checkpoint):
 
 def generate_varied_batches(llm: LLM) -> None:
     """Steps where every row decodes (q a strided view) and mixed ones (q a copy); 2 sequences (the
-    cache's K/V axis is 2 too); contexts of 1 token and several blocks."""
-    for n, length in [(1, 1), (2, 3), (5, 40), (1, 100), (8, 7), (3, 150), (2, 2)]:
-        prompts = [[(7 * i + j) % 500 for j in range(length + i)] for i in range(n)]
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    cache's K/V axis is 2 too); contexts of 1 token and several blocks; one thread and two, as
+    CpuShare switches between them beside a busy process."""
+    threads = torch.get_num_threads()
+    try:
+        for i, (n, length) in enumerate([(1, 1), (2, 3), (5, 40), (1, 100), (8, 7), (3, 150), (2, 2)]):
+            torch.set_num_threads(1 + i % 2)
+            prompts = [[(7 * i + j) % 500 for j in range(length + i)] for i in range(n)]
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_falls_back_to_eager_when_compiling_fails(tiny_checkpoint, monkeypatch, caplog):

@@ -73,6 +73,20 @@ def paged_decode_attention(
     return per_block.sum(1).reshape(S, H, D).to(q.dtype)
 
 
+def compile_for_cpu(fn):
+    """torch.compile(fn) as minfer serves it: dynamic shapes (batch sizes and context lengths never
+    recompile), and free to run at any thread count. CpuShare (cpu_share.py) changes torch's thread
+    count while serving; the C++ loops ask OpenMP for it at run time (cpp.dynamic_threads) instead of
+    baking it in, so Dynamo's guard on the global state, which holds the thread count, is dropped:
+    otherwise each new count would compile every graph once more, mid-request. (The guards on grad
+    mode and the other settings, which are separate, stay.)"""
+    return torch.compile(fn, dynamic=True, options={"cpp.dynamic_threads": True, "guard_filter_fn": _not_global_state})
+
+
+def _not_global_state(guards) -> list[bool]:
+    return [guard.guard_type != "GLOBAL_STATE" for guard in guards]
+
+
 def failure_line(error: Exception) -> str:
     """Why compiling failed, for one log line: "TypeName: the message's first line"."""
     message = str(error).strip()
@@ -101,9 +115,7 @@ class CompiledBackend(CPUTiledBackend):
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype):
         super().__init__(device, dtype)
-        # dynamic_threads: the C++ loops ask OpenMP for the thread count at run time (cpu_share.py
-        # changes it), instead of baking in the count at compile time.
-        self.decode_kernel = torch.compile(paged_decode_attention, dynamic=True, options={"cpp.dynamic_threads": True})
+        self.decode_kernel = compile_for_cpu(paged_decode_attention)
         self.block_size = 16  # the engine's, from each step's layout
 
     def build_metadata(self, layout: StepLayout):
