@@ -1,4 +1,4 @@
-"""--compile-decode-step: all-decode steps through one compiled graph give eager's tokens, never
+"""--compile-decode-step: all-decode steps through the compiled block graph give eager's tokens, never
 recompile while serving, and fall back to eager when compiling fails."""
 
 import logging
@@ -68,6 +68,9 @@ def test_warm_up_compiles_both_graphs_and_serving_never_recompiles(tiny_checkpoi
               max_num_seqs=8)
     step = graph_of(llm)
     assert step.compiled_batches == {True, False} and step.warm_up_seconds > 0  # before any request
+    # Every layer shares the block's two graphs (a lone sequence's, a batch's): none per layer.
+    block_code = type(step.layers[0]).forward.__code__
+    assert len(step.layers) > 1 and len(torch._dynamo.eval_frame._debug_get_cache_entry_list(block_code)) == 2
     assert llm.scheduler.engine_config.compile_decode_step is True
     assert "; decode steps compiled (warm-up compile " in "\n".join(banner_lines(llm.scheduler, "auto", "-", False))
     with torch._dynamo.config.patch(error_on_recompile=True):  # see test_compiled_attention's twin
