@@ -218,6 +218,14 @@ def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
     return tied
 
 
+def retie(model: torch.nn.Module, tied: dict[str, str]) -> None:
+    """After load_state_dict(assign=True), which gives each name a parameter of its own: every alias in
+    `tied` ({alias: owner}, from tied_parameters) is its owner's parameter again."""
+    for alias, owner in tied.items():
+        module, _, name = alias.rpartition(".")
+        setattr(model.get_submodule(module), name, model.get_parameter(owner))
+
+
 def from_pretrained(
     model_class: Architecture,
     name_or_path: str | os.PathLike,
@@ -242,9 +250,7 @@ def from_pretrained(
         return load_quantized(model, model_dir, dtype, stored, quantization)
     tied = tied_parameters(model)
     model.load_state_dict(load_model_weights(model, model_dir, device, dtype), strict=True, assign=True)
-    for alias, owner in tied.items():  # assign=True made two parameters of one tensor: one again
-        module, _, name = alias.rpartition(".")
-        setattr(model.get_submodule(module), name, model.get_parameter(owner))
+    retie(model, tied)
     return model.to(device).eval()  # .to: buffers computed at construction (RoPE's) join the weights
 
 
@@ -260,7 +266,11 @@ def load_quantized(model, model_dir: Path, dtype: torch.dtype, stored, spec) -> 
             quantizer = StreamingQuantizer(model, spec)
             state = load_model_weights(model, model_dir, "cpu", dtype, quantizer)
             quantizer.install(model, state, dtype)
-    wanted = {n for n, p in model.named_parameters() if p.is_meta}
+    # A head kept in full precision may still be tied to the embedding: load the owner, then tie again.
+    tied = tied_parameters(model)
+    for alias in tied:
+        state.pop(alias, None)  # the owner's tensor, under a second name
+    wanted = {n for n, p in model.named_parameters() if p.is_meta}  # one name per shared parameter
     missing, unexpected = sorted(wanted - set(state)), sorted(set(state) - wanted)
     if missing or unexpected:
         what = f"lacks tensor {missing[0]!r}" if missing else f"holds unexpected tensor {unexpected[0]!r}"
@@ -270,4 +280,5 @@ def load_quantized(model, model_dir: Path, dtype: torch.dtype, stored, spec) -> 
             raise ValueError(f"tensor {name!r} in {model_dir} has shape {list(tensor.shape)}, expected "
                              f"{list(model.get_parameter(name).shape)}")
     model.load_state_dict(state, strict=False, assign=True)
+    retie(model, tied)
     return model.to("cpu").eval()
