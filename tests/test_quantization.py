@@ -88,6 +88,35 @@ def test_int4_linear_is_the_matmul_with_its_dequantized_weight(in_features, out_
     assert torch.equal(stored[0], nibbles) and torch.equal(stored[1], scales_and_zeros)
 
 
+def test_an_int8_weight_off_a_64_byte_boundary_runs():
+    """safetensors hands a checkpoint's tensors out at any 8-byte offset; _weight_int8pack_mm crashed
+    (a segfault) on a weight not on a 64-byte boundary, so Int8Linear copies such a weight."""
+    buffer = torch.zeros(192 * 64 + 40, dtype=torch.int8)
+    q = buffer[40:].view(192, 64)  # 40 bytes past an aligned start
+    q.copy_(torch.randint(-127, 128, (192, 64)))
+    layer = Int8Linear(q, torch.rand(192))
+    assert layer.qweight.data_ptr() % 64 == 0 and torch.equal(layer.qweight, q)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x.bfloat16()).float(), layer(x.bfloat16().float()), atol=0, rtol=0)
+
+
+def test_int8_scales_are_numbers_the_bf16_kernel_reads_unchanged():
+    """The kernel takes scales in bf16: scales bf16 holds exactly make its products q * scale the
+    dequantized weight itself, not a whole row scaled up to 0.4% off."""
+    torch.manual_seed(0)
+    w = torch.randn(500, 64) * torch.logspace(-4, 1, 500)[:, None]  # rows of very different sizes
+    q, scales = quantize_int8(w)
+    assert torch.equal(scales.bfloat16().float(), scales)
+    largest = w.abs().amax(dim=1) / 127
+    assert ((scales - largest).abs() <= largest * 2**-8).all()  # the nearest bf16: half a step of 8 bits
+    assert (q.abs().amax(dim=1) == 127).all()  # a row's largest weight still uses the full range
+    assert torch.equal(quantize_int8(q * scales[:, None])[1], scales)  # quantizing it again: the same
+    layer = Int8Linear(q, scales)
+    x = torch.randn(1, 64).bfloat16()
+    exact = (x.double() @ (q.double() * scales.double()[:, None]).t()).float()  # (1, 500)
+    assert torch.equal(layer(x), exact.bfloat16())  # only the output's own rounding
+
+
 @pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
 def test_quantizing_in_row_chunks_changes_nothing(monkeypatch, method):
     """Large matrices are quantized and packed a few rows at a time (bounded memory): same result."""
@@ -168,10 +197,21 @@ def test_quantized_model_computes_the_dequantized_float_model(make_checkpoint, p
             assert relative_error(got, want) < 3e-2  # layer (0.7-1.1% of the largest logit, measured)
 
 
-def test_keeping_the_head_full_precision_keeps_the_tied_embedding_too(tiny_checkpoint):
-    model = quantize_model(load_model(tiny_checkpoint), "int8", quantize_lm_head=False)
-    assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.wte.weight
-    assert isinstance(model.h[0].mlp.c_fc, Int8Linear)
+def test_keeping_the_head_full_precision_keeps_the_tied_embedding_too(tiny_checkpoint, tmp_path):
+    """After loading, while loading (`--quantization int8 --no-quantize-lm-head`, which once refused a
+    tied checkpoint: "holds unexpected tensor 'lm_head.weight'") and from a `minfer quantize` checkpoint."""
+    from minfer.quantization.checkpoint import save_quantized
+
+    after = quantize_model(load_model(tiny_checkpoint), "int8", quantize_lm_head=False)
+    spec = QuantizationSpec("int8", quantize_lm_head=False)
+    streamed = load_model(tiny_checkpoint, quantization=spec)
+    loaded = load_model(save_quantized(streamed, tiny_checkpoint, tmp_path / "q", spec))
+    ids = torch.randint(0, 500, (1, 7))
+    for model in (after, streamed, loaded):
+        assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.wte.weight
+        assert isinstance(model.h[0].mlp.c_fc, Int8Linear)
+        with torch.inference_mode():
+            torch.testing.assert_close(model(ids), after(ids), atol=0, rtol=0)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)

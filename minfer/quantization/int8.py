@@ -1,8 +1,13 @@
 """int8 weight-only: symmetric, one scale per output channel.
 
-w[n, k] ~= q[n, k] * scale[n], q in [-127, 127] and scale[n] = max_k |w[n, k]| / 127: a row's
-largest weight maps to 127 exactly, and zero stays zero. Half the bytes of bf16; the rounding
-error is at most scale / 2 per weight, about 0.2% of the row's largest weight.
+w[n, k] ~= q[n, k] * scale[n], q in [-127, 127] and scale[n] = max_k |w[n, k]| / 127, rounded to
+the nearest number bf16 holds (at most 0.4% away): a row's largest weight maps to 127 (its quotient
+is within 127 ± 0.5), and zero stays zero. Half the bytes of bf16; the rounding error is at most
+scale / 2 per weight, about 0.2% of the row's largest weight. Why bf16: the kernel takes the scales
+in the activations' dtype, bf16, so a scale bf16 cannot hold was rounded there, up to 0.4% off for
+a whole row at once, an error that does not average out over a dot product as the weights' own
+roundings do (int8 agreed with bf16's greedy tokens on 6 of 20 minfer-tiny prompts then, 7 now, and
+on 14 and 15 of minfer-tiny-llama's; docs/quantization.md).
 
 The kernel is torch.ops.aten._weight_int8pack_mm (CPU: AVX512/AVX2 paths for bf16 activations,
 a scalar loop for fp32 ones, so an fp32 model's rows reach it as bf16: linear.py). It needs the
@@ -42,6 +47,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for start in range(0, out_features, step):
         w = weight[start : start + step].detach().float()  # (rows, in)
         s = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (rows,): an all-zero row keeps a usable scale
+        s = s.bfloat16().float()  # what the kernel reads (module docstring); the largest quotient stays < 127.5
         q[start : start + step] = torch.round(w / s[:, None]).clamp(-127, 127)
         scales[start : start + step] = s
     return q, scales
@@ -71,7 +77,10 @@ class Int8Linear(QuantizedLinear):
         out_features, in_features = q.shape
         super().__init__(in_features, out_features, bias)
         self.padded_in = round_up(in_features, K_MULTIPLE)
-        self.qweight = nn.Parameter(pad_columns(q, self.padded_in).contiguous(), requires_grad=False)  # (out, in')
+        q = pad_columns(q, self.padded_in).contiguous()  # (out, in')
+        if q.data_ptr() % 64:  # the kernel reads it with aligned loads: elsewhere (a safetensors buffer) it crashes
+            q = q.clone()  # torch allocates on 64-byte boundaries
+        self.qweight = nn.Parameter(q, requires_grad=False)
         self.scales = nn.Parameter(scales.float().contiguous(), requires_grad=False)  # (out,)
         self._scales_as = {}  # the kernel wants scales in the activations' dtype: one small copy each
         self.quantize_activations = False  # True: every row count through dynamic_int8_mm (see above)
