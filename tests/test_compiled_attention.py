@@ -133,8 +133,8 @@ def generate_varied_batches(llm: LLM) -> None:
     CpuShare switches between them beside a busy process."""
     threads = torch.get_num_threads()
     try:
-        for i, (n, length) in enumerate([(1, 1), (2, 3), (5, 40), (1, 100), (8, 7), (3, 150), (2, 2)]):
-            torch.set_num_threads(1 + i % 2)
+        for turn, (n, length) in enumerate([(1, 1), (2, 3), (5, 40), (1, 100), (8, 7), (3, 150), (2, 2)]):
+            torch.set_num_threads(1 + turn % 2)
             prompts = [[(7 * i + j) % 500 for j in range(length + i)] for i in range(n)]
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     finally:

@@ -159,8 +159,8 @@ class EngineConfig:
     )
     enforce_eager: bool = setting(False, bool, BOOL, "never compile: eager PyTorch only (implies --attention-backend eager)")
     compile_decode_step: bool = setting(
-        False, bool, BOOL, "CPU only: in all-decode steps, run each transformer block through one torch.compile graph shared by "
-        "every layer, which fuses the small ops between the matmuls; compiled at start-up (a few seconds)",
+        False, bool, BOOL, "CPU only: in all-decode steps, run each transformer block through one torch.compile "
+        "graph shared by every layer, which fuses the small ops between the matmuls; compiled at start-up (seconds)",
     )
     num_threads: int | None = setting(
         None, int, POSITIVE, "CPU only: torch threads (default: every core this process may use)"
