@@ -156,3 +156,15 @@ def test_one_prompt_draws_no_progress_bar(tiny_checkpoint, capsys):
     assert "generate" not in capsys.readouterr().err
     llm.generate(["hi", "there"], SamplingParams(max_tokens=3))
     assert "generate" in capsys.readouterr().err  # two prompts: the bar counts requests
+
+
+def test_importing_minfer_leaves_the_compiler_unloaded():
+    """Importing Dynamo costs ~1.3 s, on every `minfer` command and `python -m minfer.serve --help`
+    alike: only compiling loads it (attention/compiled.py and engine/compiled_step.py import it late)."""
+    code = (
+        "import sys, minfer, minfer.serve, minfer.bench.cli\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor'))))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
 
 from ..attention.compiled import compile_for_cpu, failure_line
@@ -122,6 +121,8 @@ def _block_graph_settings() -> Iterator[None]:
     - no duck sizing: sizes that happen to be equal in this step (the layer count and a batch size,
       say) are not assumed equal ever after.
     Set and restored directly: `config.patch` around every step costs ~50 us, this ~10."""
+    import torch._dynamo.config as dynamo_config  # here: importing Dynamo adds 1.3 s to every `minfer` start
+
     saved = dynamo_config.allow_unspec_int_on_nn_module, fx_config.use_duck_shape
     dynamo_config.allow_unspec_int_on_nn_module, fx_config.use_duck_shape = True, False
     try:
