@@ -15,13 +15,12 @@ import torch
 from torch import nn
 
 from ..models.config import GPT2Config
-from ..models.gpt2 import GPT2
+from ..models.gpt2 import CONV1D_WEIGHTS, GPT2
 from ..models.llama import Llama
 from ..models.llama_config import LlamaConfig
 from .random_gpt2 import make_config
 
 ARCHS = {"gpt2": GPT2, "llama": Llama}
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 RESIDUAL_PROJECTIONS = ("c_proj.weight", "o_proj.weight", "down_proj.weight")  # what writes into the stream
 
 
