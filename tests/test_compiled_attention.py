@@ -9,6 +9,7 @@ import torch
 import torch._dynamo
 
 from minfer import LLM, SamplingParams
+from minfer.attention import selector
 from minfer.attention.compiled import CompiledBackend, paged_decode_attention
 from minfer.attention.cpu_tiled import CPUTiledBackend
 from minfer.attention.kv_cache import KVCache, slot_of, slots_to_blocks
@@ -166,11 +167,17 @@ def test_enforce_eager_and_the_eager_choice_never_compile(tiny_checkpoint, monke
     assert type(llm.scheduler.runner.attention_backend) is CPUTiledBackend
 
 
-def test_prepare_model_keeps_eager_off_cpu_choices():
-    """auto: compiled for a 16-bit cache on a CPU; an fp32 cache reads faster eagerly (no upcast)."""
+def test_prepare_model_keeps_eager_off_cpu_choices(monkeypatch):
+    """auto: compiled for a 16-bit cache on a CPU; an fp32 cache compiled only where the CPU has AMX
+    (elsewhere its eager read, with no upcast, was as fast)."""
     assert prepare.choose_attention_backend("cpu", torch.bfloat16, "auto").name == "compiled"
     assert prepare.choose_attention_backend("cpu", torch.float16, "auto").name == "compiled"
+    monkeypatch.setattr(selector, "cpu_has_amx", lambda: False)
     assert prepare.choose_attention_backend("cpu", torch.float32, "auto").name == "cpu_tiled"
+    monkeypatch.setattr(selector, "cpu_has_amx", lambda: True)
+    assert prepare.choose_attention_backend("cpu", torch.float32, "auto", kv_width=768).name == "compiled"
+    assert prepare.choose_attention_backend("cpu", torch.float32, "auto", kv_width=128).name == "cpu_tiled"
+    assert prepare.choose_attention_backend("cpu", torch.float64, "auto").name == "cpu_tiled"
     assert prepare.choose_attention_backend("cpu", torch.float32, "compiled").name == "compiled"
     assert prepare.choose_attention_backend("cpu", torch.float32, "eager").name == "cpu_tiled"
     # a narrow cache (minfer-tiny: 4 heads x 32) stays eager: the compiled call's fixed cost outweighs it

@@ -43,7 +43,7 @@ def test_the_flat_engine_forward_equals_the_plain_one(make_checkpoint, preset):
     model = load_model(make_checkpoint(preset))
     block_size, null = 4, 12
     cache = KVCache(model.config, num_blocks=null, block_size=block_size, device="cpu", dtype=torch.float32)
-    backend = choose_attention_backend("cpu", torch.float32)
+    backend = choose_attention_backend("cpu", torch.float32, "eager")  # the "slots" cache above
     tables = [[7, 2, 9, 4], [11, 0, 5]]  # sequence 0 grows to 13 tokens, sequence 1 to 10
     prompts = [
         torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in (13, 10)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.cpu_packing import cpu_has_amx
 from .compiled import CompiledBackend
 from .cpu_tiled import CPUTiledBackend
 from .paged import AttentionBackend
@@ -32,18 +33,21 @@ def backend_name(
     device: torch.device | str, dtype: torch.dtype, choice: str = "auto", kv_width: int | None = None
 ) -> str:
     """The backend a choice means on this device and cache dtype: "auto" is the compiled one on a CPU
-    when the cache holds 16-bit floats and is at least MIN_COMPILED_KV_WIDTH wide (the engine falls
-    back to eager if it cannot compile there), "eager" the device's eager one. An fp32 cache needs
-    no upcast: its eager read (a gather of whole rows, then sdpa) and the compiled one took the same
-    time in `bench.py --profile` decode steps on a Zen 4, where in bf16 the compiled steps were
-    1.4-1.6x faster (docs/performance.md). float64 (a reference precision) stays eager too."""
+    when the cache is at least MIN_COMPILED_KV_WIDTH wide and holds 16-bit floats, or fp32 on a CPU
+    with AMX (the engine falls back to eager if it cannot compile there); "eager" is the device's
+    eager one. An fp32 cache needs no upcast: on a Zen 4 its eager read (a gather of whole rows, then
+    sdpa) and the compiled one took the same time in `bench.py --profile` decode steps, so there the
+    compile would only add start-up time. On an Intel host with AMX the eager gather ran at half that
+    speed and compiled fp32 steps were 1.2-1.4x faster (docs/performance.md). float64 (a reference
+    precision) stays eager."""
     device = torch.device(device)
     if choice == "auto":
         if device.type != "cpu":
             return "torch"
         narrow = kv_width is not None and kv_width < MIN_COMPILED_KV_WIDTH
         sixteen_bit = dtype in (torch.bfloat16, torch.float16)
-        return "compiled" if sixteen_bit and not narrow else "cpu_tiled"
+        fp32_on_amx = dtype == torch.float32 and cpu_has_amx()
+        return "compiled" if (sixteen_bit or fp32_on_amx) and not narrow else "cpu_tiled"
     if choice == "eager":
         return "cpu_tiled" if device.type == "cpu" else "torch"
     return choice

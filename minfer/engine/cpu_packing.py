@@ -54,6 +54,12 @@ def cpu_has_native_bf16() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
+def cpu_has_amx() -> bool:
+    """Intel's AMX tiles (Sapphire Rapids and later). Its hosts also read memory differently: there the
+    eager fp32 context gather was the slow part of a decode step (attention/selector.py)."""
+    return "amx_tile" in cpu_flags()
+
+
 @lru_cache(maxsize=None)
 def packing_available(dtype: torch.dtype) -> bool:
     """Whether this torch build and CPU can prepack `dtype` weights: fp32 anywhere oneDNN runs, bf16
