@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.cpu_packing import cpu_has_amx
+from ..cpu_features import cpu_has_amx
 from .compiled import CompiledBackend
 from .cpu_tiled import CPUTiledBackend
 from .paged import AttentionBackend

@@ -35,29 +35,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.kv_cache import cdiv
+from ..cpu_features import cpu_has_native_bf16
 
 PACKING_BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows; good at 1 to 512 too
-
-
-@lru_cache(maxsize=None)
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.split(":", 1)[-1].split())
-
-
-def cpu_has_native_bf16() -> bool:
-    """AMX or AVX512-BF16 run bf16 matmuls in hardware; without them torch emulates bf16, slower than fp32."""
-    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
-
-
-def cpu_has_amx() -> bool:
-    """Intel's AMX tiles (Sapphire Rapids and later). Its hosts also read memory differently: there the
-    eager fp32 context gather was the slow part of a decode step (attention/selector.py)."""
-    return "amx_tile" in cpu_flags()
 
 
 @lru_cache(maxsize=None)

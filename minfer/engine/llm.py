@@ -18,7 +18,7 @@ from ..models.registry import load_model
 from ..quantization.checkpoint import QuantizationSpec
 from ..text.tokenizer import Tokenizer
 from .config import DTYPES, EngineConfig
-from .cpu_packing import cpu_has_native_bf16
+from ..cpu_features import cpu_has_native_bf16
 from .generation_defaults import sampling_defaults
 from .sampling import SamplingParams
 from .scheduler import OnlineScheduler

@@ -1,0 +1,27 @@
+"""What this CPU can do, from the flags Linux reports: the engine and the attention selector choose
+their paths from it (bf16 weights, packed linears, which attention backend)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+
+@lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.split(":", 1)[-1].split())
+
+
+def cpu_has_native_bf16() -> bool:
+    """AMX or AVX512-BF16 run bf16 matmuls in hardware; without them torch emulates bf16, slower than fp32."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
+def cpu_has_amx() -> bool:
+    """Intel's AMX tiles (Sapphire Rapids and later). Its hosts also read memory differently: there the
+    eager fp32 context gather was the slow part of a decode step (attention/selector.py)."""
+    return "amx_tile" in cpu_flags()
