@@ -13,12 +13,12 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
+from ..cpu_features import cpu_has_native_bf16
 from ..cpu_share import cpu_threads_wanted
 from ..models.registry import load_model
 from ..quantization.checkpoint import QuantizationSpec
 from ..text.tokenizer import Tokenizer
 from .config import DTYPES, EngineConfig
-from ..cpu_features import cpu_has_native_bf16
 from .generation_defaults import sampling_defaults
 from .sampling import SamplingParams
 from .scheduler import OnlineScheduler
