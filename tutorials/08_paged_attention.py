@@ -226,7 +226,7 @@ print(f"  compiled in {time.perf_counter() - start:.1f} s (a second run reads In
 check("compiled, read in place vs gather-everything", in_place, gather_all())
 # Timed in both dtypes beside the tiled read. In bf16 the tiled read must gather and then upcast
 # (two passes and a buffer); the compiled loop upcasts as it reads. In fp32 there is nothing to
-# upcast: in the engine's fp32 decode steps the two measured alike, so it compiles for bf16 only.
+# upcast: on a Zen 4 the engine's fp32 decode steps measured alike, so fp32 compiles only on AMX CPUs.
 kv16, blocks16, q16 = big_kv.bfloat16(), big_blocks.bfloat16(), q_dec.bfloat16()
 with torch.inference_mode():
     print(f"  {'':<30}{'fp32':>10}{'bf16':>10}")
@@ -238,4 +238,4 @@ with torch.inference_mode():
             ms.append(best_ms(lambda: compiled(q16, blocks16, blocks, lens, scale, BLOCK_SIZE)))  # compiles once more
         print(f"  {name:<30}{ms[0]:>7.2f} ms{ms[1]:>7.2f} ms")
 print("  (one layer, its cache warm from the last repeat; bench.py --profile times all layers in a real step)")
-print("  (the engine runs this backend on a CPU in bf16 when it compiles there: --attention-backend auto)")
+print("  (the engine runs this backend on a CPU in bf16, and in fp32 with AMX, if it compiles: attention_backend auto)")
