@@ -1,8 +1,10 @@
-"""What this CPU can do, from the flags Linux reports: the engine and the attention selector choose
-their paths from it (bf16 weights, packed linears, which attention backend)."""
+"""What this CPU is and can do, from what Linux reports: the engine and the attention selector choose
+their paths from its flags (bf16 weights, packed linears, which attention backend); bench.py and the
+model card name it."""
 
 from __future__ import annotations
 
+import platform
 from functools import lru_cache
 
 
@@ -25,3 +27,12 @@ def cpu_has_amx() -> bool:
     """Intel's AMX tiles (Sapphire Rapids and later). Its hosts also read memory differently: there the
     eager fp32 context gather was the slow part of a decode step (attention/selector.py)."""
     return "amx_tile" in cpu_flags()
+
+
+def cpu_name() -> str:
+    """The CPU's model name, as lscpu prints it (else what the platform module knows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()

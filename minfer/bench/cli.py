@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import shlex
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..cpu_features import cpu_name
 from ..cpu_share import threads_chosen
 from ..engine.config import EngineConfig
 from ..engine.llm import LLM, cpu_threads_wanted, resolve_dtype, set_cpu_threads
@@ -153,11 +153,7 @@ def machine(device: str) -> str:
     """What ran the benchmark, for the JSON: the GPU's name, else the CPU model."""
     if torch.device(device).type == "cuda":
         return torch.cuda.get_device_name(torch.device(device))
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+    return cpu_name()
 
 
 def run_summary(result: RunResult, **extra) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import re
 import shlex
 from pathlib import Path
@@ -12,21 +11,11 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
+from ..cpu_features import cpu_name
 from ..models.registry import load_model
 from .tiny_shapes import describe
 
 SAMPLE_PROMPTS = ["Once upon a time", "One day, Lily went to", "Tom said, \""]
-
-
-def cpu_name() -> str:
-    """The CPU's model name, as lscpu prints it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 @torch.inference_mode()
