@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from minfer.attention import cpu_tiled
 from minfer.attention.cpu_tiled import CPUTiledBackend
 from minfer.attention.kv_cache import slot_of
 from minfer.attention.paged import StepLayout, paged_attention
@@ -29,8 +30,11 @@ def test_the_backend_follows_the_device_and_the_config():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])  # plain and grouped-query attention
-def test_cpu_and_plain_backends_compute_the_same_step(dtype, heads, kv_heads):
+@pytest.mark.parametrize("amx", [False, True])  # prefill chunks by matmuls, or by sdpa as on an AMX CPU
+def test_cpu_and_plain_backends_compute_the_same_step(monkeypatch, dtype, heads, kv_heads, amx):
     """Padded decodes of two lengths, a fresh prompt and a continued one, through both backends."""
+    monkeypatch.setattr(cpu_tiled, "cpu_has_amx", lambda: amx)
+    assert CPUTiledBackend("cpu", dtype).flash_prefill == (amx and dtype != torch.float64)
     torch.manual_seed(0)
     block_size, num_blocks, D = 4, 24, 16
     tables = [[3, 17, 8, 1, 20], [5, 11], [0, 9, 14], [21, 2, 6, 13]]

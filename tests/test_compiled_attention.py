@@ -9,7 +9,7 @@ import torch
 import torch._dynamo
 
 from minfer import LLM, SamplingParams
-from minfer.attention import selector
+from minfer.attention import cpu_tiled, selector
 from minfer.attention.compiled import CompiledBackend, paged_decode_attention
 from minfer.attention.cpu_tiled import CPUTiledBackend
 from minfer.attention.kv_cache import KVCache, slot_of, slots_to_blocks
@@ -61,9 +61,11 @@ def test_the_plain_function_is_attention():
 
 
 @pytest.mark.parametrize("Hkv, D, B", [(2, 8, 4), (3, 16, 16)])
-def test_the_block_layout_stores_and_reads_what_the_slot_layout_does(Hkv, D, B):
+@pytest.mark.parametrize("amx", [False, True])  # prefill context for matmuls, or for sdpa (keys in rows)
+def test_the_block_layout_stores_and_reads_what_the_slot_layout_does(monkeypatch, Hkv, D, B, amx):
     """KV writes, prefill context reads and copy-on-write, in blocks (transposed keys) and in rows of
     slots: the same keys and values come back."""
+    monkeypatch.setattr(cpu_tiled, "cpu_has_amx", lambda: amx)
     config = SimpleNamespace(num_layers=2, num_kv_heads=Hkv, head_dim=D, max_positions=64)
     rows, blocks = (KVCache(config, 6, B, "cpu", torch.float32, layout) for layout in ("slots", "blocks"))
     assert blocks.k.shape == (2, 7, Hkv, D, B) and blocks.v.shape == (2, 7, Hkv, B, D)

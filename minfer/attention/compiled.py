@@ -12,9 +12,9 @@ context is never stored. The function is the lesson; the compiler does the fusio
   multiply-adds. Over rows of slots every position's score ended in a sum across one vector's
   lanes: the same function ran 1.6-2x slower (docs/performance.md).
 - Decode rows (one query per sequence) run here: they are bound by reading the context.
-- Prefill chunks keep the eager CPU path (gather, then two matmuls): a chunk of T queries does
-  T x L work per context position read, so it is bound by compute, which matmuls do best.
-  `chunk_context` gathers their blocks back into the rows that path reads.
+- Prefill chunks keep the eager CPU path (gather, then two matmuls, or sdpa on an AMX CPU): a chunk
+  of T queries does T x L work per context position read, so it is bound by compute, which matmul
+  kernels do best. `chunk_context` gathers their blocks back into the rows that path reads.
 - Compiled with dynamic=True, so batch size and context length never trigger a recompile
   while serving. Dynamo still guards on what else it sees: sizes of 1 (a lone sequence gets
   a kernel of its own, compiled by `warm_up`; `one_shape` pads a one-block context to 2),
@@ -108,7 +108,7 @@ def one_shape(group: DecodeGroup, null_block: int) -> DecodeGroup:
 class CompiledBackend(CPUTiledBackend):
     """The CPU backend whose decode attention is paged_decode_attention, compiled, on a cache laid out
     in blocks with transposed keys (kv_cache.py). Prefill chunks that read earlier context gather
-    their blocks back into rows and attend by matmuls, as the eager backend does."""
+    their blocks back into rows and attend as the eager backend does."""
 
     name = "compiled"
     cache_layout = "blocks"
@@ -150,20 +150,28 @@ class CompiledBackend(CPUTiledBackend):
         kv_cache[:, 1].view(-1, Hkv, B, D)[blocks, :, offsets] = v
 
     def chunk_context(self, kv_cache, slots) -> tuple[torch.Tensor, torch.Tensor]:
-        """A prefill chunk's context, slots (L,) of positions 0..L-1 -> keys and values (Hkv, L, D) each, in
-        fp32, for the eager prefill attention (cpu_tiled.py): the sequence's blocks gathered whole. The keys
-        stay transposed, as that attention's matmul wants them: (Hkv, D, L) in memory, a (Hkv, L, D) view."""
+        """A prefill chunk's context, slots (L,) of positions 0..L-1 -> keys and values (Hkv, L, D) each, for
+        the eager prefill attention (cpu_tiled.py): the sequence's blocks gathered whole. For its matmuls
+        they are upcast to fp32 and the keys stay transposed, as the matmul wants them: (Hkv, D, L) in
+        memory, a (Hkv, L, D) view. For sdpa (`flash_prefill`) they keep the cache's dtype, in rows of D."""
         B, L, (_, _, Hkv, DB) = self.block_size, slots.shape[0], kv_cache.shape
         table = slots[::B] // B  # (NB,): slot j * B starts the sequence's block j
         NB, D = table.shape[0], DB // B
+        dtype = kv_cache.dtype if self.flash_prefill else self.reader.dtype_read(kv_cache.dtype)
         size = Hkv * D * NB * B  # buffers the reader reuses: fresh ones would page-fault on first touch
         blocks = self.reader.buffer("blocks", kv_cache.dtype, kv_cache.device, 2 * size).view(NB, 2, Hkv, DB)
         torch.index_select(kv_cache, 0, table, out=blocks)  # (NB, 2, Hkv, D * B)
-        keys = self.reader.buffer("keys", torch.float32, blocks.device, size).view(Hkv, D, NB, B)
-        keys.copy_(blocks[:, 0].view(NB, Hkv, D, B).permute(1, 2, 0, 3))  # runs of B positions
-        values = self.reader.buffer("values", torch.float32, blocks.device, size).view(Hkv, NB, B, D)
+        block_keys = blocks[:, 0].view(NB, Hkv, D, B)
+        values = self.reader.buffer("values", dtype, blocks.device, size).view(Hkv, NB, B, D)
         values.copy_(blocks[:, 1].view(NB, Hkv, B, D).transpose(0, 1))  # runs of a block's rows
-        return keys.view(Hkv, D, NB * B)[:, :, :L].transpose(1, 2), values.view(Hkv, NB * B, D)[:, :L]
+        values = values.view(Hkv, NB * B, D)[:, :L]
+        if self.flash_prefill:
+            keys = self.reader.buffer("keys", dtype, blocks.device, size).view(Hkv, NB, B, D)
+            keys.copy_(block_keys.permute(1, 0, 3, 2))  # each block's keys back into rows
+            return keys.view(Hkv, NB * B, D)[:, :L], values
+        keys = self.reader.buffer("keys", dtype, blocks.device, size).view(Hkv, D, NB, B)
+        keys.copy_(block_keys.permute(1, 2, 0, 3))  # runs of B positions
+        return keys.view(Hkv, D, NB * B)[:, :, :L].transpose(1, 2), values
 
     def warm_up(
         self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int = 16, budget_s: float = WARM_UP_BUDGET_S

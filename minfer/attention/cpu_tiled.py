@@ -23,6 +23,9 @@ linears, live in engine/cpu_packing.py.)
    block of query rows at a time, compute the same attention: each block's scores stay
    within a tile (`tile_bytes`), and keys after a block's last query are never read.
    Measure it with `bench.py --profile` on long prompts ("attention" in prefill steps).
+   On a CPU with AMX it is the other way round (`prefill_by_flash_attention`): sdpa's
+   flash kernel runs its bf16 blocks on AMX tiles, and in bf16 it attends the cache's own
+   dtype, so nothing is upcast (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from functools import lru_cache
 
 import torch
 
+from ..cpu_features import cpu_has_amx
 from .torch_sdpa import TorchBackend
 
 
@@ -71,6 +75,14 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """What the CPU paths attend in: fp32 (bf16 is upcast; CPU sdpa with one query per sequence is slower
     in bf16 than in fp32), or float64 for a float64 model (a reference precision)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def prefill_by_flash_attention(dtype: torch.dtype) -> bool:
+    """Whether prefill chunks attend with torch's sdpa (its CPU flash-attention kernel) rather than by
+    matmuls (path 5). On an AMX host sdpa won at every chunk measured (16 to 512 queries, 512 to 1024
+    positions, GPT-2's and Qwen3's heads): 3-8x in bf16, whose blocks it multiplies on AMX tiles, and
+    1.1-2.3x in fp32. Elsewhere (Zen 3, Zen 4) the matmuls won. float64 keeps the matmuls."""
+    return cpu_has_amx() and dtype in (torch.bfloat16, torch.float32)
 
 
 def causal_attention_by_matmuls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -126,15 +138,16 @@ class ContextReader:
     def largest_buffer_bytes(self) -> int:
         return max((b.numel() * b.element_size() for b in self._buffers.values()), default=0)
 
-    def read(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """kv_cache (num_slots, 2, Hkv, D), slots (...) -> kv_cache[slots] (..., 2, Hkv, D) in dtype_read.
-        One gather reads keys and values: a slot's key and value sit side by side, one contiguous row
-        per slot. The result lives in a reused buffer: it is valid until the next read."""
+    def read(self, kv_cache: torch.Tensor, slots: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """kv_cache (num_slots, 2, Hkv, D), slots (...) -> kv_cache[slots] (..., 2, Hkv, D) in dtype_read
+        (in the cache's dtype if not `upcast`). One gather reads keys and values: a slot's key and value
+        sit side by side, one contiguous row per slot. The result lives in a reused buffer: it is valid
+        until the next read."""
         row, n = math.prod(kv_cache.shape[1:]), slots.numel()
         out = self.buffer("kv", kv_cache.dtype, kv_cache.device, n * row).view(n, row)
         torch.index_select(kv_cache.view(-1, row), 0, slots.view(-1), out=out)
         wide = self.dtype_read(out.dtype)
-        if out.dtype != wide:  # upcast while still in cache
+        if upcast and out.dtype != wide:  # upcast while still in cache
             out = self.buffer("kv32", wide, kv_cache.device, n * row).view(n, row).copy_(out)
         return out.view(*slots.shape, *kv_cache.shape[1:])
 
@@ -150,13 +163,15 @@ class ContextReader:
 
 class CPUTiledBackend(TorchBackend):
     """The plain backend (torch_sdpa.py) with the CPU's paths: tiled context reads (4) and prefill
-    attention by matmuls (5). One per engine: its reader's buffers are reused across layers and steps."""
+    attention by matmuls (5), or by sdpa where that is faster. One per engine: its reader's buffers
+    are reused across layers and steps."""
 
     name = "cpu_tiled"
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype):
         super().__init__(device, dtype)
         self.reader = ContextReader()
+        self.flash_prefill = prefill_by_flash_attention(dtype)
 
     def read_context(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         return self.reader.read(kv_cache, slots)  # (..., 2, Hkv, D) in fp32, valid until the next read
@@ -167,5 +182,12 @@ class CPUTiledBackend(TorchBackend):
     def context_dtype(self, kv_cache: torch.Tensor) -> torch.dtype:
         return self.reader.dtype_read(kv_cache.dtype)
 
+    def chunk_context(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """A prefill chunk's context (2, Hkv, L, D): upcast for the matmuls, in the cache's dtype for sdpa."""
+        kv = self.reader.read(kv_cache, slots, upcast=not self.flash_prefill)  # (L, 2, Hkv, D)
+        return kv.permute(1, 2, 0, 3)
+
     def prefill_attention(self, q, k, v, mask, scale: float) -> torch.Tensor:
+        if self.flash_prefill:
+            return super().prefill_attention(q, k, v, mask, scale)  # sdpa, in k's dtype
         return causal_attention_by_matmuls(q, k, v, scale)  # the mask is implied: the last T of L, causal
