@@ -9,6 +9,7 @@ import torch
 import torch._dynamo
 
 from minfer import LLM, SamplingParams
+from minfer.attention import compiled as compiled_module
 from minfer.attention import cpu_tiled, selector
 from minfer.attention.compiled import CompiledBackend, paged_decode_attention
 from minfer.attention.cpu_tiled import CPUTiledBackend
@@ -33,18 +34,26 @@ def random_case(S, H, Hkv, D, dtype, seed=0, block_size=16, num_blocks=64):
 
 @pytest.mark.parametrize("H, Hkv", [(4, 4), (8, 2), (3, 3)])  # GPT-2-like, grouped-query, odd heads
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
-def test_kernel_matches_eager(H, Hkv, dtype, tolerance):
+@pytest.mark.parametrize("amx", [False, True])  # on an AMX CPU a lone short sequence is read by gather + sdpa
+def test_kernel_matches_eager(monkeypatch, H, Hkv, dtype, tolerance, amx):
     """The same keys and values, the compiled backend's in blocks, the eager one's in rows of slots."""
+    monkeypatch.setattr(cpu_tiled, "cpu_has_amx", lambda: amx)
     compiled, eager = CompiledBackend("cpu", dtype), CPUTiledBackend("cpu", dtype)
+    assert (compiled.lone_eager_max_context > 0) == amx
+    # As the engine does: warm_up compiles with duck sizing off. Compiled on first call instead, in some
+    # orders of these cases (as pytest-xdist deals them), Inductor's kernel corrupted the heap.
+    assert compiled.warm_up(H, Hkv, 16) is None
     for S in (1, 2, 7):
         q, cache, layout = random_case(S, H, Hkv, 16, dtype, seed=S)
         blocks = slots_to_blocks(cache, layout.block_size)
         compiled.block_size = layout.block_size
         seqs = list(range(S))
         with torch.inference_mode():
-            got = compiled.decode_attention(q, blocks, compiled.decode_group(layout, seqs), 0.25)
+            group = compiled.decode_group(layout, seqs)
+            assert (group.slots is not None) == (amx and S == 1)  # gathered, not the compiled kernel
+            got = compiled.decode_attention(q, blocks, group, 0.25)
             want = eager.decode_attention(q, cache, eager.decode_group(layout, seqs), 0.25)
-        assert got.dtype == dtype
+        assert got.dtype == dtype and got.shape == q.shape
         torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
 
 
@@ -118,11 +127,12 @@ def test_speculative_decoding_with_the_compiled_backend_equals_eager(tiny_checkp
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
-def test_no_recompile_after_warm_up(tiny_checkpoint):
+def test_no_recompile_after_warm_up(tiny_checkpoint, monkeypatch):
     """dynamic=True: batch sizes and context lengths, one and two sequences and blocks included, never
     recompile; nor does a new thread count (compile_for_cpu drops that guard).
     From a clean slate: kernels compiled by earlier tests must not cover for the warm-up."""
     torch._dynamo.reset()
+    monkeypatch.setattr(compiled_module, "LONE_EAGER_MAX_CONTEXT", 0)  # lone sequences through the kernel on any CPU
     llm = LLM(tiny_checkpoint, attention_backend="compiled", num_kv_blocks=64, max_num_seqs=8)
     # config.patch, not monkeypatch: Dynamo's config module does not take a setattr undone, and later
     # compiles in the process fail.

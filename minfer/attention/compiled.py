@@ -23,7 +23,10 @@ context is never stored. The function is the lesson; the compiler does the fusio
   layer's cache and a later one's, and checks every result against the eager backend. If
   anything fails (no C++ compiler, a compile error, a mismatch, a compile slower than its
   time budget), the engine runs the eager backend instead and says why (engine/prepare.py).
-- On a CPU `auto` compiles for a bf16/fp16 cache only (selector.py).
+- On a CPU `auto` compiles for a bf16/fp16 cache, and for fp32 where the CPU has AMX (selector.py).
+- A lone sequence with a short context (`LONE_EAGER_MAX_CONTEXT`) is gathered and read by sdpa on a CPU
+  where prefill chunks use sdpa (AMX): there its compiled call, cold between a layer's matmuls, cost more
+  than the read it saves.
 """
 
 from __future__ import annotations
@@ -34,14 +37,19 @@ from dataclasses import replace
 
 import torch
 import torch.fx.experimental._config as fx_config
+import torch.nn.functional as F
 
 from ..step_parts import part
 from .cpu_tiled import CPUTiledBackend
-from .kv_cache import cdiv, slots_to_blocks
+from .kv_cache import cdiv, slot_of, slots_to_blocks
 from .paged import StepLayout
 from .torch_sdpa import DecodeGroup
 
 WARM_UP_BUDGET_S = 60.0  # longest the start-up compile may take before the engine gives up on it
+# A lone sequence with at most this much context decodes by gather + sdpa where prefill chunks use sdpa
+# (an AMX CPU): in the engine, between a layer's matmuls, the compiled call met its code and data cold
+# and cost ~170 us, about 60 more than the eager read, and slowed the matmuls after it (docs/performance.md).
+LONE_EAGER_MAX_CONTEXT = 256
 
 
 def paged_decode_attention(
@@ -117,6 +125,7 @@ class CompiledBackend(CPUTiledBackend):
         super().__init__(device, dtype)
         self.decode_kernel = compile_for_cpu(paged_decode_attention)
         self.block_size = 16  # the engine's, from each step's layout
+        self.lone_eager_max_context = LONE_EAGER_MAX_CONTEXT if self.flash_prefill else 0
 
     def build_metadata(self, layout: StepLayout):
         self.block_size = layout.block_size
@@ -124,9 +133,14 @@ class CompiledBackend(CPUTiledBackend):
 
     def decode_group(self, layout: StepLayout, seqs: list[int]) -> DecodeGroup:
         """Each sequence's block table, padded with the null block to the group's longest, and its length:
-        one compiled kernel serves every step (see `one_shape`)."""
+        one compiled kernel serves every step (see `one_shape`). A lone sequence with a short context is
+        read as a prefill chunk's is, where that path is sdpa: its group carries the context's slots."""
         rows = [layout.query_starts[i] for i in seqs]
         lens = [layout.context_lens[i] for i in seqs]
+        if len(seqs) == 1 and lens[0] <= self.lone_eager_max_context:
+            table = torch.tensor(layout.block_tables[seqs[0]][: cdiv(lens[0], layout.block_size)])
+            slots = slot_of(table, torch.arange(lens[0]), layout.block_size)  # (L,)
+            return DecodeGroup(rows=torch.tensor(rows), slots=slots, mask=None)
         num_blocks = cdiv(max(lens), layout.block_size)
         tables = [layout.block_tables[i][:num_blocks] for i in seqs]
         padded = [t + [layout.null_block] * (num_blocks - len(t)) for t in tables]
@@ -136,6 +150,15 @@ class CompiledBackend(CPUTiledBackend):
         return one_shape(group, layout.null_block)
 
     def decode_attention(self, q, kv_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
+        if group.slots is not None:  # a lone short sequence (decode_group): gathered, then sdpa
+            with part("context read"):
+                keys, values = self.chunk_context(kv_cache, group.slots)  # (Hkv, L, D) each, the cache's dtype
+            with part("attention"):
+                H, Hkv = q.shape[1], keys.shape[0]
+                y = F.scaled_dot_product_attention(  # (1, H, 1, D): one query, the last position, no mask
+                    q.transpose(0, 1)[None], keys[None], values[None], scale=scale, enable_gqa=H != Hkv
+                )
+                return y[0].transpose(0, 1)  # (1, H, D)
         with part("attention"):  # the context read is fused into it: no "context read" part here
             # q is a strided view of the step's q/k/v projection when every row decodes, a contiguous copy
             # otherwise: one layout, one compiled kernel (Dynamo guards on strides too).
@@ -182,6 +205,7 @@ class CompiledBackend(CPUTiledBackend):
         result: dict = {}
 
         def run():
+            lone_eager_max_context, self.lone_eager_max_context = self.lone_eager_max_context, 0  # compile all
             try:
                 # Duck sizing off while compiling: S, L and the cache's sizes are never assumed equal
                 # because they happened to be in a warm-up case. (Not around every call: 70 us each.)
@@ -189,6 +213,8 @@ class CompiledBackend(CPUTiledBackend):
                     result["error"] = self._check(num_heads, num_kv_heads, head_dim, block_size)
             except Exception as e:  # no C++ compiler, an Inductor error: all mean "use eager"
                 result["error"] = failure_line(e)
+            finally:
+                self.lone_eager_max_context = lone_eager_max_context
 
         start = time.perf_counter()
         thread = threading.Thread(target=run, name="minfer-compile", daemon=True)
