@@ -5,7 +5,7 @@ int4 weights and win by the bytes they save. With more rows the matmul becomes c
 these kernels (which re-read the weight every few rows) lose to a bf16 GEMM, several times at 64
 rows. So above `kernel_max_rows` rows the weight is dequantized to the activations' dtype and run
 through the ordinary matmul: one pass over the weight, amortised over every row of the batch.
-The crossover differs between formats and CPUs: `python -m minfer.quantization.crossover` measures it.
+The crossover differs between formats and CPUs: `python scripts/quant_crossover.py` measures it.
 """
 
 from __future__ import annotations
