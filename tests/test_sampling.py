@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from minfer.engine import sampling
-from minfer.engine.sampling import SamplingParams, apply_top_k_top_p, make_generator, sample
+from minfer.engine.sampling import SamplingParams, apply_top_k_top_p, greedy_tokens, make_generator, sample
 from minfer.errors import InvalidParameter
 
 SP = SamplingParams
@@ -334,3 +334,15 @@ def test_invalid_params_raise_naming_the_field(kwargs, field):
         SP(**kwargs)
     assert err.value.param == field and err.value.code == "invalid_value"
     assert str(err.value).startswith(field + " ")
+
+
+def test_greedy_tokens_are_argmax_on_ties_nan_and_bf16():
+    """greedy_tokens (max(dim).indices, the faster op) picks what argmax picks: the first of tied maxima,
+    a NaN's index; and on bf16 logits, which greedy rows no longer widen to fp32, the fp32 argmax."""
+    ties = torch.tensor([[0.0, 1.0, 0.0, 1.0], [5.0, 5.0, 5.0, 5.0], [0.0, 2.0, float("nan"), float("nan")]])
+    assert greedy_tokens(ties).tolist() == ties.argmax(dim=-1).tolist() == [1, 0, 2]
+    logits = torch.randn(16, 1003, generator=torch.Generator().manual_seed(0)).bfloat16()
+    logits[3, 7] = logits[3, 900] = 50.0  # a tie in bf16
+    assert torch.equal(greedy_tokens(logits), logits.float().argmax(dim=-1))
+    params = [SamplingParams(temperature=0)] * 16
+    assert torch.equal(sample(logits, params, [None] * 16), logits.float().argmax(dim=-1))

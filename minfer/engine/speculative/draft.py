@@ -44,6 +44,7 @@ from ...attention.kv_cache import KVCache, slot_of
 from ...attention.paged import PagedBatch, StepLayout
 from ...models.registry import load_model
 from ..prepare import prepare_model
+from ..sampling import greedy_tokens
 from ..sequence import ScheduledChunk, Sequence
 
 PENDING = -1  # a proposal the draft model fills in before the step runs
@@ -188,7 +189,7 @@ class _Rows:
 def _take_argmax(chunks: list[ScheduledChunk], j: int, logits: torch.Tensor) -> None:
     """Proposal j of each chunk: the argmax of its row of logits (len(chunks), V)."""
     if chunks:
-        for chunk, token in zip(chunks, _with_logit_bias(logits, chunks).argmax(dim=-1).tolist()):
+        for chunk, token in zip(chunks, greedy_tokens(_with_logit_bias(logits, chunks)).tolist()):
             chunk.draft[j] = token
 
 
