@@ -173,7 +173,7 @@ def test_head_path_draws_what_sorting_whole_rows_draws(monkeypatch):
     params = [SP(top_p=0.9, seed=1), SP(top_p=0.95, seed=2), SP(top_k=100, top_p=0.8, seed=3), SP(top_p=0.7, seed=4)]
     heads = []
     real_kept_head = sampling._kept_head
-    monkeypatch.setattr(sampling, "_kept_head", lambda *a: heads.append(a[-1]) or real_kept_head(*a))
+    monkeypatch.setattr(sampling, "_kept_head", lambda *a: heads.append(a[3]) or real_kept_head(*a))  # a[3]: K
 
     def draws(head_size):
         monkeypatch.setattr(sampling, "CPU_HEAD", head_size)

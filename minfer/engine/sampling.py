@@ -157,11 +157,12 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return logits.masked_fill(drop, float("-inf"))
 
 
-def _kept_head(logits, top_k, top_p, K: int):
+def _kept_head(logits, top_k, top_p, K: int, row_log_total: torch.Tensor | None = None):
     """Top-k and top-p on the K likeliest tokens of each row (its head), most likely first.
-    logits (R, V); top_k (R,) int, 0 = off; top_p (R,) float, 1 = off. Returns, each (R, K) but the last:
-    probs (renormalised over the top-k set; 0 where dropped), token_ids, kept (bool), and
-    within (R,): whether the row's kept set lies inside its head."""
+    logits (R, V); top_k (R,) int, 0 = off; top_p (R,) float, 1 = off; row_log_total (R, 1), if known:
+    logits.logsumexp(-1, keepdim=True). Returns, each (R, K) but the last: probs (renormalised over the
+    top-k set; 0 where dropped), token_ids, kept (bool), and within (R,): whether the row's kept set lies
+    inside its head."""
     if K == logits.shape[-1]:
         values, token_ids = logits.sort(dim=-1, descending=True)  # (R, V)
     else:
@@ -170,7 +171,9 @@ def _kept_head(logits, top_k, top_p, K: int):
     drop = (k > 0) & (torch.arange(K, device=logits.device) >= k)  # (R, K): past the k-th
     values = values.masked_fill(drop, float("-inf"))
     # Probabilities over the top-k set (inside the head: K >= k), or over the whole row when top-k is off.
-    log_total = torch.where(k > 0, values.logsumexp(-1, keepdim=True), logits.logsumexp(-1, keepdim=True))
+    if row_log_total is None:
+        row_log_total = logits.logsumexp(-1, keepdim=True)  # (R, 1): a pass over the whole row
+    log_total = torch.where(k > 0, values.logsumexp(-1, keepdim=True), row_log_total)
     probs = (values - log_total).exp()  # (R, K)
     mass_through = probs.cumsum(dim=-1)  # (R, K) mass of each token and those ranked above it
     # The tolerance lets a set summing to exactly p (0.5 + 0.3 for p=0.8) count as
@@ -207,14 +210,15 @@ def _draw_filtered(logits, u, top_k: list[int], top_p: list[float]) -> torch.Ten
     K = min(V, max(CPU_HEAD, *top_k)) if device.type == "cpu" else V
     tokens = torch.empty(R, dtype=torch.long, device=device)
     rows = torch.arange(R, device=device)  # the rows still to draw, and their inputs
-    x, k_rows, p_rows, u_rows = logits, k, p, u
+    log_total = logits.logsumexp(-1, keepdim=True)  # (R, 1) once: a row redone below keeps its own
+    x, k_rows, p_rows, u_rows, total_rows = logits, k, p, u, log_total
     while True:
-        probs, token_ids, _, within = _kept_head(x, k_rows, p_rows, K)  # (r, K)
+        probs, token_ids, _, within = _kept_head(x, k_rows, p_rows, K, total_rows)  # (r, K)
         tokens[rows] = token_ids.gather(1, draw_from(probs, u_rows)[:, None]).squeeze(1)
         if K == V or within.all():  # a CPU tensor: reading it costs nothing
             return tokens
         rows, K = rows[~within], min(V, 16 * K)
-        x, k_rows, p_rows, u_rows = logits[rows], k[rows], p[rows], u[rows]
+        x, k_rows, p_rows, u_rows, total_rows = logits[rows], k[rows], p[rows], u[rows], log_total[rows]
 
 
 def _uniforms(generators: Sequence[torch.Generator | None], params: Sequence[SamplingParams], device) -> torch.Tensor:
@@ -265,8 +269,10 @@ def sample_with(
     if controlled:
         assert histories is not None and len(histories) == B, "penalties and min_tokens need each row's tokens"
         logits = apply_logits_controls(logits, params, histories)
-    tokens = greedy_tokens(logits)  # (B,) for all rows; the sampled ones are overwritten below
-    if all(p.is_greedy for p in params):
+    greedy = [p.is_greedy for p in params]
+    # (B,): the greedy rows' tokens; the sampled ones are overwritten below
+    tokens = greedy_tokens(logits) if any(greedy) else torch.empty(B, dtype=torch.long, device=device)
+    if all(greedy):
         return tokens
 
     # Greedy rows get temperature 1 so they stay finite (their draw is discarded).
