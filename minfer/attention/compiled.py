@@ -37,7 +37,6 @@ from dataclasses import replace
 
 import torch
 import torch.fx.experimental._config as fx_config
-import torch.nn.functional as F
 
 from ..step_parts import part
 from .cpu_tiled import CPUTiledBackend
@@ -150,15 +149,11 @@ class CompiledBackend(CPUTiledBackend):
         return one_shape(group, layout.null_block)
 
     def decode_attention(self, q, kv_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
-        if group.slots is not None:  # a lone short sequence (decode_group): gathered, then sdpa
+        if group.slots is not None:  # a lone short sequence (decode_group): read as a one-token prefill chunk
             with part("context read"):
                 keys, values = self.chunk_context(kv_cache, group.slots)  # (Hkv, L, D) each, the cache's dtype
             with part("attention"):
-                H, Hkv = q.shape[1], keys.shape[0]
-                y = F.scaled_dot_product_attention(  # (1, H, 1, D): one query, the last position, no mask
-                    q.transpose(0, 1)[None], keys[None], values[None], scale=scale, enable_gqa=H != Hkv
-                )
-                return y[0].transpose(0, 1)  # (1, H, D)
+                return self.prefill_attention(q.transpose(0, 1), keys, values, None, scale).transpose(0, 1)  # (1, H, D)
         with part("attention"):  # the context read is fused into it: no "context read" part here
             # q is a strided view of the step's q/k/v projection when every row decodes, a contiguous copy
             # otherwise: one layout, one compiled kernel (Dynamo guards on strides too).

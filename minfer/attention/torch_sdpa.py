@@ -180,11 +180,13 @@ class TorchBackend:
 
     def prefill_attention(self, q, k, v, mask, scale: float) -> torch.Tensor:
         """Causal attention of a prefill chunk: q (H, T, D) are the last T of the L positions in k, v
-        (Hkv, L, D); mask (T, L) says the same, or is None when T == L. Returns (H, T, D) in q's dtype."""
+        (Hkv, L, D); mask (T, L) says the same, or is None when T == L or T == 1 (the last position sees
+        them all). Returns (H, T, D) in q's dtype."""
         gqa = q.shape[0] != k.shape[0]
+        causal = mask is None and q.shape[1] > 1
         # As a batch of one: sdpa takes its flash kernels for 4-d inputs only (3-d ran ~10x slower on a CPU).
         y = F.scaled_dot_product_attention(
-            q.to(k.dtype)[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+            q.to(k.dtype)[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
         )
         return y[0].to(q.dtype)
 

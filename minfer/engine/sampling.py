@@ -259,7 +259,8 @@ def sample_with(
     B = logits.shape[0]
     device = logits.device
     controlled = any(p.uses_logits_controls for p in params)
-    if not controlled and all(p.is_greedy for p in params):
+    greedy = [p.is_greedy for p in params]
+    if not controlled and all(greedy):
         # Widening to fp32 is exact, so the bf16 row's maximum is the fp32 one's: skip the copy (a fresh
         # (B, V) fp32 tensor, page-faulted in: 17 ms at 64 x 151,936 on a CPU).
         return greedy_tokens(logits)
@@ -269,7 +270,6 @@ def sample_with(
     if controlled:
         assert histories is not None and len(histories) == B, "penalties and min_tokens need each row's tokens"
         logits = apply_logits_controls(logits, params, histories)
-    greedy = [p.is_greedy for p in params]
     # (B,): the greedy rows' tokens; the sampled ones are overwritten below
     tokens = greedy_tokens(logits) if any(greedy) else torch.empty(B, dtype=torch.long, device=device)
     if all(greedy):
