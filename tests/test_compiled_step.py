@@ -1,5 +1,6 @@
-"""--compile-decode-step: all-decode steps through the compiled block graph give eager's tokens, never
-recompile while serving, and fall back to eager when compiling fails."""
+"""--compile-decode-step: all-decode steps through the compiled block graph (or, with --compile-model,
+most steps through the whole forward with frozen weights) give eager's tokens, never recompile while serving, and fall back
+to eager when compiling fails."""
 
 import logging
 
@@ -9,7 +10,9 @@ import torch._dynamo
 from test_compiled_attention import generate_varied_batches
 
 from minfer import LLM, EngineConfig, SamplingParams
-from minfer.engine.compiled_step import CompiledDecodeStep
+from minfer.engine.compiled_step import CompiledDecodeStep, _placeholder_sequence
+from minfer.engine.sequence import ScheduledChunk
+from minfer.quantization import QuantizedLinear, int4_kernel_available
 from minfer.server.banner import banner_lines
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -97,9 +100,63 @@ def test_falls_back_to_eager_when_compiling_fails(tiny_checkpoint, monkeypatch, 
     assert got == LLM(tiny_checkpoint, num_kv_blocks=32).generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
 
 
+def test_whole_graph_with_frozen_weights_equals_eager(make_checkpoint):
+    """--compile-model: the whole forward, its weights frozen in for Inductor's own GEMMs, serving decode,
+    prefill and mixed steps (a lone sequence's prefill runs eager). fp32 greedy tokens equal eager's under
+    batching, chunked prefill, prefix hits and preemption; no batch size, token count or context length
+    recompiles after warm-up; the linears stay plain, for Inductor to pack."""
+    path = make_checkpoint("qwen3-tiny")
+    prompts = prompts_with_a_shared_prefix(seed=2)
+    settings = dict(num_kv_blocks=40, max_num_seqs=16, max_num_batched_tokens=64, attention_backend="compiled")
+    torch._dynamo.reset()
+    compiled = LLM(path, compile_model=True, **settings)
+    step = graph_of(compiled)
+    assert step.whole and step.compiled_batches == {True, False} and step.warm_up_seconds > 0
+    ran = compiled.scheduler.engine_config
+    assert ran.compile_model is True and ran.compile_decode_step is False
+    assert "; steps compiled whole, weights frozen (warm-up" in "\n".join(banner_lines(compiled.scheduler, "auto", "-", False))
+    linears = [m for m in step.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is torch.nn.Linear for m in linears)  # none prepacked by oneDNN
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = [o.token_ids for o in compiled.generate(prompts, GREEDY, use_tqdm=False)]
+        generate_varied_batches(compiled)
+    assert step.off_because is None
+    stats = compiled.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    eager = LLM(path, **settings)
+    assert got == [o.token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_whole_graph_quantized_step_matches_eager(tiny_checkpoint, method):
+    """Quantized linears in the frozen graph: every row count goes through the kernel's op, which Inductor
+    lowers to a GEMM of its own (it rounds differently: bf16 rows, its own order), so a decode step's
+    logits match eager's within bf16's rounding rather than bit for bit; a lone sequence and a batch."""
+    if method == "int4" and not int4_kernel_available():
+        pytest.skip("this torch has no CPU int4 kernel")
+    llm = LLM(tiny_checkpoint, compile_model=True, quantization=method, num_kv_blocks=32)
+    step, runner = graph_of(llm), llm.scheduler.runner
+    assert step.off_because is None and step.compiled_batches == {True, False}
+    quantized = [m for m in step.model.modules() if isinstance(m, QuantizedLinear)]
+    assert quantized and all(m.kernel_when_compiled for m in quantized)
+    runner.kv_cache.kv.zero_()  # the placeholders' contexts all lie in block 0, read before most is written
+    for contexts in ((5,), (5, 9, 17, 33) * 5):  # 20 rows: above int8's kernel_max_rows, eager dequantizes
+        chunks = [ScheduledChunk(_placeholder_sequence(n, runner.block_size), n - 1, 1) for n in contexts]
+        with torch.inference_mode():
+            input_ids, batch, _ = runner.prepare(chunks)
+            want = runner.model(input_ids, batch)  # (S, V)
+            got = step(input_ids, batch)
+        assert step.off_because is None and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(compile_decode_step=True, enforce_eager=True), "--enforce-eager never does"),
     (dict(compile_decode_step=True, device="cuda"), "for --device cpu for now"),
+    (dict(compile_model=True, enforce_eager=True), "--enforce-eager never does"),
+    (dict(compile_model=True, device="cuda"), "for --device cpu for now"),
+    (dict(compile_model=True, compile_decode_step=True), "give one"),
 ])
 def test_refused_where_it_cannot_apply(settings, message):
     with pytest.raises(ValueError, match=message):

@@ -253,6 +253,7 @@ def test_in_process_server_reports_its_engine_in_health(tiny_checkpoint):
         "attention_backend": "eager",  # what runs: the tests' default (conftest.py)
         "enforce_eager": False,
         "compile_decode_step": False,
+        "compile_model": False,
         "num_threads": None,
         "generation_config": "auto",
         "quantization": None,

@@ -80,14 +80,15 @@ def paged_decode_attention(
     return per_block.sum(1).reshape(S, H, D).to(q.dtype)
 
 
-def compile_for_cpu(fn):
+def compile_for_cpu(fn, **inductor_options):
     """torch.compile(fn) as minfer serves it: dynamic shapes (batch sizes and context lengths never
     recompile), and free to run at any thread count. CpuShare (cpu_share.py) changes torch's thread
     count while serving; the C++ loops ask OpenMP for it at run time (cpp.dynamic_threads) instead of
     baking it in, so Dynamo's guard on the global state, which holds the thread count, is dropped:
     otherwise each new count would compile every graph once more, mid-request. (The guards on grad
     mode and the other settings, which are separate, stay.)"""
-    return torch.compile(fn, dynamic=True, options={"cpp.dynamic_threads": True, "guard_filter_fn": _not_global_state})
+    options = {"cpp.dynamic_threads": True, "guard_filter_fn": _not_global_state, **inductor_options}
+    return torch.compile(fn, dynamic=True, options=options)
 
 
 def _not_global_state(guards) -> list[bool]:

@@ -1,4 +1,5 @@
-"""CompiledDecodeStep: a decode step's transformer blocks run through one torch.compile graph (--compile-decode-step).
+"""CompiledDecodeStep: a decode step's transformer blocks run through one torch.compile graph (--compile-decode-step),
+or most steps through one graph of the whole forward with frozen weights (--compile-model).
 
 At batch 1 a CPU decode step spends a third of its time outside the weight matmuls: layer norms,
 residual adds, activations, RoPE, int8 activation rounding, each a separate eager op with its own
@@ -15,7 +16,18 @@ Inductor's on-disk cache notwithstanding; one block takes a few seconds). The pr
 call cost once per layer, tens of microseconds, instead of once per step. The embedding, the final
 norm and the LM head stay eager: nothing around them to fuse.
 
-Only steps where every row decodes take the graph; prefill and mixed steps run eager, as vLLM keeps
+`--compile-model` compiles the whole forward instead, one graph per step, with the weights
+frozen into it as constants (Inductor's `freezing`) and `max_autotune` on. Then Inductor packs each
+weight for GEMM kernels it generates itself (its C++ templates, AMX tiles where the CPU has them),
+which neither shared block graphs (whose weights are inputs) nor eager oneDNN get: on an AMX host
+GPT-2's 48 linears at one bf16 row took 4.9 ms against 8.4 for the prepacked oneDNN ones, and int8
+weight-only linears beat bf16 at every row count (docs/performance.md, "Frozen weights"). The price:
+a slower first start (Dynamo traces every layer, Inductor autotunes each weight shape), and each of
+the two graphs holds its own packed copy of the weights, beside the model's plain ones that eager
+steps use. That graph serves prefill and mixed steps too (the templates are fast at every row count,
+and quantized models have no fast eager path for many rows), all but a lone sequence's prefill.
+
+Only steps where every row decodes take the block graph; prefill and mixed steps run eager, as vLLM keeps
 CUDA graphs to decode batches. `dynamic=True`, so batch sizes do not recompile (a lone sequence
 gets a graph of its own: dynamic shapes still specialise size 1). `warm_up` compiles both before
 the engine takes its first request. Anything that fails turns the graph off, with one log line, and
@@ -45,26 +57,33 @@ log = logging.getLogger("minfer")
 class CompiledDecodeStep:
     """Called as the model is, (input_ids (N,), paged) -> logits (S, V); runs all-decode steps' blocks compiled."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, whole: bool = False):
         self.model = model
+        self.whole = whole  # the whole forward with frozen weights (--compile-model), else the block graph
         self.off_because: str | None = None  # why the graph stopped serving, once it has
+        self.layers = []
         try:
-            self.layers = decoder_layers(model)
+            self.layers = [] if whole else decoder_layers(model)
         except ValueError as e:  # a model of another shape: it runs eager
-            self.layers, self.off_because = [], str(e)
+            self.off_because = str(e)
             log.warning("minfer: the compiled decode step is off, running eager instead: %s", e)
-        # The class's forward, called with each block as `self`: one graph for every layer.
-        self.graph = compile_for_cpu(type(self.layers[0]).forward) if self.layers else None
+        if whole:
+            self.graph = compile_for_cpu(model, **FROZEN_WEIGHTS)
+        else:  # the class's forward, called with each block as `self`: one graph for every layer
+            self.graph = compile_for_cpu(type(self.layers[0]).forward) if self.layers else None
         self.compiled_batches: set[bool] = set()  # which graphs have run: one sequence, several
         self.warm_up_seconds: float | None = None
 
     def warm_up(self, prepare: Callable[[list[ScheduledChunk]], tuple], block_size: int) -> None:
         """Compile both graphs before the first request, so that none waits on the compiler: a decode
-        step of one sequence, then one of two. `prepare` is the runner's, so the inputs are laid out
+        step of one sequence, then one of eight. `prepare` is the runner's, so the inputs are laid out
         exactly as a served step's (Dynamo guards on their layout). The steps write K/V into block 0,
         which is free at start-up and is written again before any sequence reads it."""
         start = time.perf_counter()
-        for contexts in ((3,), (4, 4)):  # equal lengths: one decode group in every backend
+        # Equal lengths: one decode group in every backend. The batch has 8 rows because the frozen graph's
+        # GEMMs are autotuned at the rows it is traced with: at 2, torch's int8 kernel beats Inductor's
+        # template on a 50,257-row LM head, and is then 10x slower at 64 rows.
+        for contexts in ((3,), (4,) * 8):
             chunks = [ScheduledChunk(_placeholder_sequence(n, block_size), n - 1, 1) for n in contexts]
             input_ids, batch, _ = prepare(chunks)
             self(input_ids, batch)
@@ -75,20 +94,35 @@ class CompiledDecodeStep:
 
     def __call__(self, input_ids: torch.Tensor, paged: PagedBatch) -> torch.Tensor:
         meta = paged.attention
-        if self.off_because or not getattr(meta, "all_decode", False):
+        num_sampled = paged.sample_rows.shape[0]
+        if self.off_because or not self.serves(getattr(meta, "all_decode", False), num_sampled, input_ids.shape[0]):
             return self.model(input_ids, paged)
-        lone = paged.sample_rows.shape[0] == 1
+        lone = num_sampled == 1
         if lone not in self.compiled_batches:
             log.info("minfer: compiling the decode step for %s (once)", "one sequence" if lone else "batches")
         try:
-            with compiled_step(paged), _block_graph_settings(), self._blocks_compiled():
-                logits = self.model(input_ids, paged)
+            if self.whole:
+                with compiled_step(paged), _graph_settings(whole=True):
+                    logits = self.graph(input_ids, paged)
+            else:
+                with compiled_step(paged), _graph_settings(whole=False), self._blocks_compiled():
+                    logits = self.model(input_ids, paged)
         except Exception as e:  # no C++ compiler, an Inductor error: all mean "run eager"
             self.off_because = failure_line(e)
             log.warning("minfer: the compiled decode step is off, running eager instead: %s", self.off_because)
             return self.model(input_ids, paged)  # rewrites the same K/V slots, if any were written
         self.compiled_batches.add(lone)
         return logits
+
+    def serves(self, all_decode: bool, num_sampled: int, num_tokens: int) -> bool:
+        """Whether a step runs through the graph. The block graph: steps where every row decodes. The whole
+        forward: a lone sequence's decode (its graph), and steps that sample two rows or more (the other).
+        Sizes of 1 and 0 are specialised, so a step sampling one row of several tokens (a prefill chunk
+        that ends a prompt) or none (chunks mid-prompt) would compile a third graph, with a third copy of
+        the frozen weights: they run eager."""
+        if not self.whole:
+            return all_decode
+        return num_sampled >= 2 or (num_sampled == 1 and num_tokens == 1)
 
     @contextmanager
     def _blocks_compiled(self) -> Iterator[None]:
@@ -113,22 +147,39 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
+# Inductor's settings for the whole-forward graph: weights frozen in as constants, and its own GEMM
+# templates (C++; "ATEN" where a template does not apply) chosen by timing them at the traced rows,
+# without printing each timing table.
+FROZEN_WEIGHTS = {
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "autotune_num_choices_displayed": 0,
+    "max_autotune_report_choices_stats": False,
+}
+
+
 @contextmanager
-def _block_graph_settings() -> Iterator[None]:
-    """Dynamo's settings for a step through the block graph (any call may compile):
-    - an int on a module (a block's layer index) is an input of the graph, not a constant to guard
-      on, so every layer runs the same graph;
+def _graph_settings(whole: bool) -> Iterator[None]:
+    """Dynamo's settings for a step through a graph (any call may compile):
+    - for the block graph, an int on a module (a block's layer index) is an input of the graph, not
+      a constant to guard on, so every layer runs the same graph. Not for the whole forward: its
+      head counts would become inputs too, and Inductor's GEMM templates want the weights' widths;
+    - for the whole forward, Inductor's `freezing`, which Dynamo reads too (as it traces, to take
+      the parameters as constants): FROZEN_WEIGHTS, passed to torch.compile, reach Inductor only;
     - no duck sizing: sizes that happen to be equal in this step (the layer count and a batch size,
       say) are not assumed equal ever after.
     Set and restored directly: `config.patch` around every step costs ~50 us, this ~10."""
     import torch._dynamo.config as dynamo_config  # here: importing Dynamo adds 1.3 s to every `minfer` start
+    import torch._inductor.config as inductor_config
 
-    saved = dynamo_config.allow_unspec_int_on_nn_module, fx_config.use_duck_shape
-    dynamo_config.allow_unspec_int_on_nn_module, fx_config.use_duck_shape = True, False
+    saved = dynamo_config.allow_unspec_int_on_nn_module, fx_config.use_duck_shape, inductor_config.freezing
+    dynamo_config.allow_unspec_int_on_nn_module, fx_config.use_duck_shape = not whole, False
+    inductor_config.freezing = whole
     try:
         yield
     finally:
-        dynamo_config.allow_unspec_int_on_nn_module, fx_config.use_duck_shape = saved
+        dynamo_config.allow_unspec_int_on_nn_module, fx_config.use_duck_shape, inductor_config.freezing = saved
 
 
 def _placeholder_sequence(num_tokens: int, block_size: int) -> Sequence:

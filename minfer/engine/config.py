@@ -162,6 +162,11 @@ class EngineConfig:
         False, bool, BOOL, "CPU only: in all-decode steps, run each transformer block through one torch.compile "
         "graph shared by every layer, which fuses the small ops between the matmuls; compiled at start-up (seconds)",
     )
+    compile_model: bool = setting(
+        False, bool, BOOL, "CPU only: run steps through one torch.compile graph of the whole forward, its weights "
+        "frozen in, so Inductor packs them for its own GEMM kernels: faster linears at every batch size, quantized "
+        "ones most; a slower first start (a minute or more), and two more copies of the weights in memory",
+    )
     num_threads: int | None = setting(
         None, int, POSITIVE, "CPU only: torch threads (default: every core this process may use)"
     )
@@ -243,6 +248,12 @@ class EngineConfig:
             raise ValueError(f"--compile-decode-step is for --device cpu for now, not {self.device}")
         if self.compile_decode_step and self.enforce_eager:
             raise ValueError("--compile-decode-step compiles, --enforce-eager never does: give one")
+        if self.compile_model and device != "cpu":
+            raise ValueError(f"--compile-model is for --device cpu for now, not {self.device}")
+        if self.compile_model and self.enforce_eager:
+            raise ValueError("--compile-model compiles, --enforce-eager never does: give one")
+        if self.compile_model and self.compile_decode_step:
+            raise ValueError("--compile-model and --compile-decode-step each compile the steps: give one")
         if self.num_threads is not None and device != "cpu":
             raise ValueError(f"--num-threads sets CPU threads: it applies to --device cpu, not {self.device}")
         if self.quantization is None and self.quantization_group_size is not None:

@@ -119,11 +119,14 @@ class Bf16StorageLinear(nn.Linear):
         return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
 
 
-def optimize_for_cpu(model: nn.Module) -> None:
+def optimize_for_cpu(model: nn.Module, pack: bool = True) -> None:
     """Swap every nn.Linear of `model` for its fast CPU equivalent, in place; `model.lm_head`, if it
-    has one, becomes an LMHead. Calling it again changes nothing."""
+    has one, becomes an LMHead. Calling it again changes nothing. `pack=False` leaves the linears
+    that would be prepacked plain: for a graph with frozen weights, which Inductor packs itself."""
     dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype  # a model says: its first tensor may be int8
     if packing_available(dtype):
+        if not pack:
+            return
         make = PackedLinear
     elif dtype == torch.bfloat16:
         make = _as_bf16_storage

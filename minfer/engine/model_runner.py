@@ -49,9 +49,10 @@ class ModelRunner:
         attention_backend: AttentionBackend,
         draft: DraftProposer | None = None,  # speculative decoding's draft model, on the same blocks
         compile_decode_step: bool = False,  # all-decode steps through one compiled graph (compiled_step.py)
+        whole_graph: bool = False,  # that graph the whole forward, weights frozen in, for most steps (--compile-model)
     ):
         self.model = model  # as prepare_model left it: the runner never changes it
-        self.forward = CompiledDecodeStep(model) if compile_decode_step else model
+        self.forward = CompiledDecodeStep(model, whole_graph) if compile_decode_step else model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.attention_backend = attention_backend  # builds each step's attention metadata, and runs it

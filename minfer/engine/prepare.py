@@ -25,7 +25,7 @@ import torch
 
 from ..attention.paged import AttentionBackend
 from ..attention.selector import choose_attention_backend
-from ..quantization import quantize_model
+from ..quantization import QuantizedLinear, quantize_model
 from .config import EngineConfig
 from .cpu_packing import optimize_for_cpu
 
@@ -43,7 +43,14 @@ def prepare_model(model: torch.nn.Module, config=None) -> tuple[torch.nn.Module,
             getattr(config, "quantize_activations", False),
         )
     if model.device.type == "cpu":
-        optimize_for_cpu(model)  # swaps nn.Linear for faster equivalents; a prepared model has none left
+        # Swaps nn.Linear for faster equivalents; a prepared model has none left. A whole-forward graph
+        # (--compile-model) packs its frozen weights for Inductor's own GEMMs: they stay plain for it.
+        whole_graph = getattr(config, "compile_model", False)
+        optimize_for_cpu(model, pack=not whole_graph)
+        if whole_graph:
+            for linear in model.modules():
+                if isinstance(linear, QuantizedLinear):
+                    linear.kernel_when_compiled = True  # Inductor's template serves every row count
     choice = "eager" if getattr(config, "enforce_eager", False) else getattr(config, "attention_backend", None)
     choice = choice or EngineConfig.attention_backend
     c = model.config

@@ -94,7 +94,8 @@ class OnlineScheduler:
             self.speculator.propose if self.speculator else None,
         )
         self.runner = ModelRunner(
-            model, self.kv_cache, block_size, attention_backend, self.draft, config.compile_decode_step
+            model, self.kv_cache, block_size, attention_backend, self.draft,
+            config.compile_decode_step or config.compile_model, whole_graph=config.compile_model,
         )
         self.cpu_share = CpuShare(enabled=model.device.type == "cpu" and not threads_chosen(config.num_threads))
         self.runner.warm_up()  # the compiled decode step's graphs, if asked for: before any request waits on them
@@ -103,7 +104,8 @@ class OnlineScheduler:
         self.engine_config = replace(
             config,
             attention_backend="compiled" if attention_backend.name == "compiled" else "eager",
-            compile_decode_step=self.runner.compiles_decode_steps,  # False if its warm-up failed
+            compile_decode_step=config.compile_decode_step and self.runner.compiles_decode_steps,  # False if its
+            compile_model=config.compile_model and self.runner.compiles_decode_steps,  # warm-up failed
             device=str(model.device),
             dtype=dtype_name(model.dtype),
             num_kv_blocks=num_kv_blocks,

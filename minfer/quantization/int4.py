@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .int8 import CHUNK_ELEMENTS
-from .linear import QuantizedLinear, kernel_rows, pad_columns, round_up
+from .linear import KERNEL_ACTIVATIONS, QuantizedLinear, kernel_rows, pad_columns, round_up
 
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 64  # see docs/quantization.md: the perplexity and speed of each size on minfer-tiny
@@ -133,21 +133,17 @@ class Int4Linear(QuantizedLinear):
         ])
         self.qweight = nn.Parameter(packed, requires_grad=False)  # the kernel's layout
         self.scales_and_zeros = nn.Parameter(sz.contiguous(), requires_grad=False)  # (K'/G, N', 2)
+        # The kernel takes them in its rows' dtype: a small copy, a buffer so that it moves with the model.
+        self.register_buffer("kernel_sz", self.scales_and_zeros.to(KERNEL_ACTIVATIONS), persistent=False)
         self._sz_as = {}
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE) -> Int4Linear:
         return cls(*quantize_int4(linear.weight, group_size), linear.in_features, linear.bias)
 
-    def sz_in(self, dtype: torch.dtype) -> torch.Tensor:
-        sz = self._sz_as.get(dtype)
-        if sz is None or sz.device != self.scales_and_zeros.device:
-            sz = self._sz_as[dtype] = self.scales_and_zeros.to(dtype)
-        return sz
-
     def kernel(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
         fast = kernel_rows(pad_columns(rows, self.padded_in)).contiguous()  # fp32 rows as bf16: see linear.py
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(fast, self.qweight, self.group_size, self.sz_in(fast.dtype))
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(fast, self.qweight, self.group_size, self.kernel_sz)
         return (y[:, : self.out_features] if self.padded_out != self.out_features else y).to(rows.dtype)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # (out, in)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .linear import QuantizedLinear, kernel_rows, pad_columns, round_up
+from .linear import KERNEL_ACTIVATIONS, QuantizedLinear, kernel_rows, pad_columns, round_up
 
 K_MULTIPLE = 16  # _weight_int8pack_mm's bf16 path reads the inner dimension 16 at a time
 
@@ -82,18 +82,13 @@ class Int8Linear(QuantizedLinear):
             q = q.clone()  # torch allocates on 64-byte boundaries
         self.qweight = nn.Parameter(q, requires_grad=False)
         self.scales = nn.Parameter(scales.float().contiguous(), requires_grad=False)  # (out,)
-        self._scales_as = {}  # the kernel wants scales in the activations' dtype: one small copy each
+        # The kernel takes scales in its rows' dtype: a small copy, a buffer so that it moves with the model.
+        self.register_buffer("kernel_scales", self.scales.to(KERNEL_ACTIVATIONS), persistent=False)  # (out,)
         self.quantize_activations = False  # True: every row count through dynamic_int8_mm (see above)
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> Int8Linear:
         return cls(*quantize_int8(linear.weight), linear.bias)
-
-    def scales_in(self, dtype: torch.dtype) -> torch.Tensor:
-        scales = self._scales_as.get(dtype)
-        if scales is None or scales.device != self.scales.device:
-            scales = self._scales_as[dtype] = self.scales.to(dtype)
-        return scales
 
     def uses_kernel(self, num_rows: int) -> bool:
         return self.quantize_activations or num_rows <= self.kernel_max_rows
@@ -103,7 +98,7 @@ class Int8Linear(QuantizedLinear):
         if self.quantize_activations:
             return dynamic_int8_mm(rows, self.qweight, self.scales)
         fast = kernel_rows(rows).contiguous()  # fp32 rows as bf16: see linear.py
-        return torch.ops.aten._weight_int8pack_mm(fast, self.qweight, self.scales_in(fast.dtype)).to(rows.dtype)
+        return torch.ops.aten._weight_int8pack_mm(fast, self.qweight, self.kernel_scales).to(rows.dtype)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # (out, in)
         return dequantize_int8(self.qweight[:, : self.in_features], self.scales, dtype)

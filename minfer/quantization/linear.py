@@ -35,13 +35,17 @@ class QuantizedLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # (out, in)
         raise NotImplementedError
 
+    # In a graph whose weights are frozen in (compiled_step.py, --compile-model), Inductor lowers the
+    # kernel's op to a GEMM of its own that widens the weights in registers: fast at every row count.
+    kernel_when_compiled = False
+
     def uses_kernel(self, num_rows: int) -> bool:
         """Whether `num_rows` rows go through `kernel` (else: dequantize + GEMM)."""
         return num_rows <= self.kernel_max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         rows = x.reshape(-1, self.in_features)  # (M, in)
-        if self.uses_kernel(rows.shape[0]):
+        if (self.kernel_when_compiled and torch.compiler.is_compiling()) or self.uses_kernel(rows.shape[0]):
             y = self.kernel(rows)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)

@@ -42,7 +42,8 @@ def banner_lines(scheduler: OnlineScheduler, asked_dtype: str, address: str, api
     if getattr(step, "off_because", None):
         attention += f"; decode step eager (its compile failed: {step.off_because})"
     elif getattr(step, "warm_up_seconds", None) is not None:
-        attention += f"; decode steps compiled (warm-up compile {step.warm_up_seconds:.1f} s)"
+        what = "steps compiled whole, weights frozen" if step.whole else "decode steps compiled"
+        attention += f"; {what} (warm-up compile {step.warm_up_seconds:.1f} s)"
     blocks, block_size = ran.num_kv_blocks, ran.block_size
     kv_bytes = blocks * KVCache.bytes_per_block(model.config, block_size, model.dtype)
     return [
