@@ -81,19 +81,22 @@ def test_warm_up_compiles_both_graphs_and_serving_never_recompiles(tiny_checkpoi
     assert step.off_because is None  # a recompile would have turned it off
 
 
-def test_falls_back_to_eager_when_compiling_fails(tiny_checkpoint, monkeypatch, caplog):
-    """A compile that fails at start-up, or later, leaves the engine running eager, with one log line."""
+@pytest.mark.parametrize("flag", ["compile_decode_step", "compile_model"])
+def test_falls_back_to_eager_when_compiling_fails(tiny_checkpoint, monkeypatch, caplog, flag):
+    """A compile that fails at start-up, or later, leaves the engine running eager, with one log line
+    (under --compile-model, on the plain linears it kept for the graph)."""
 
     def broken(*args):
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(torch, "compile", lambda fn, **options: broken)
     with caplog.at_level(logging.WARNING, logger="minfer"):
-        llm = LLM(tiny_checkpoint, compile_decode_step=True, num_kv_blocks=32)
+        llm = LLM(tiny_checkpoint, num_kv_blocks=32, **{flag: True})
     step = graph_of(llm)
     assert "compiled decode step is off" in caplog.text and "no C++ compiler found" in caplog.text
     assert step.off_because.startswith("RuntimeError") and step.warm_up_seconds is None
-    assert llm.scheduler.engine_config.compile_decode_step is False  # what /health reports
+    ran = llm.scheduler.engine_config  # what /health reports
+    assert ran.compile_decode_step is False and ran.compile_model is False
     banner = "\n".join(banner_lines(llm.scheduler, "auto", "-", False))
     assert "; decode step eager (its compile failed: RuntimeError: no C++ compiler found)" in banner
     got = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
