@@ -55,21 +55,23 @@ log = logging.getLogger("minfer")
 
 
 class CompiledDecodeStep:
-    """Called as the model is, (input_ids (N,), paged) -> logits (S, V); runs all-decode steps' blocks compiled."""
+    """Called as the model is, (input_ids (N,), paged) -> logits (S, V); runs all-decode steps' blocks
+    compiled, or (`whole`) the steps `serves` names through the frozen whole-forward graph."""
 
     def __init__(self, model: torch.nn.Module, whole: bool = False):
         self.model = model
         self.whole = whole  # the whole forward with frozen weights (--compile-model), else the block graph
         self.off_because: str | None = None  # why the graph stopped serving, once it has
-        self.layers = []
-        try:
-            self.layers = [] if whole else decoder_layers(model)
-        except ValueError as e:  # a model of another shape: it runs eager
-            self.off_because = str(e)
-            log.warning("minfer: the compiled decode step is off, running eager instead: %s", e)
+        self.layers: list[torch.nn.Module] = []  # the blocks the block graph runs (none for the whole forward)
         if whole:
             self.graph = compile_for_cpu(model, **FROZEN_WEIGHTS)
-        else:  # the class's forward, called with each block as `self`: one graph for every layer
+        else:
+            try:
+                self.layers = decoder_layers(model)
+            except ValueError as e:  # a model of another shape: it runs eager
+                self.off_because = str(e)
+                log.warning("minfer: the compiled decode step is off, running eager instead: %s", e)
+            # The class's forward, called with each block as `self`: one graph for every layer.
             self.graph = compile_for_cpu(type(self.layers[0]).forward) if self.layers else None
         self.compiled_batches: set[bool] = set()  # which graphs have run: one sequence, several
         self.warm_up_seconds: float | None = None
