@@ -126,6 +126,10 @@ class CompiledBackend(CPUTiledBackend):
         self.decode_kernel = compile_for_cpu(paged_decode_attention)
         self.block_size = 16  # the engine's, from each step's layout
         self.lone_eager_max_context = LONE_EAGER_MAX_CONTEXT if self.flash_prefill else 0
+        # Set by the engine under --compile-model: a lone sequence's decode attention is traced into the
+        # frozen whole-forward graph (`traced_lone_decode`) rather than called there as one opaque op, whose
+        # Python (~20 small eager ops) cost 200-280 us a layer, a quarter of an int8 GPT-2 step.
+        self.lone_decode_in_graph = False
 
     def build_metadata(self, layout: StepLayout):
         self.block_size = layout.block_size
@@ -134,19 +138,20 @@ class CompiledBackend(CPUTiledBackend):
     def decode_group(self, layout: StepLayout, seqs: list[int]) -> DecodeGroup:
         """Each sequence's block table, padded with the null block to the group's longest, and its length:
         one compiled kernel serves every step (see `one_shape`). A lone sequence with a short context is
-        read as a prefill chunk's is, where that path is sdpa: its group carries the context's slots."""
+        read eagerly as a prefill chunk's is, where that path is sdpa: its group carries the context's
+        slots too (and its table, for `traced_lone_decode`)."""
         rows = [layout.query_starts[i] for i in seqs]
         lens = [layout.context_lens[i] for i in seqs]
-        if len(seqs) == 1 and lens[0] <= self.lone_eager_max_context:
-            table = torch.tensor(layout.block_tables[seqs[0]][: cdiv(lens[0], layout.block_size)])
-            slots = slot_of(table, torch.arange(lens[0]), layout.block_size)  # (L,)
-            return DecodeGroup(rows=torch.tensor(rows), slots=slots, mask=None)
         num_blocks = cdiv(max(lens), layout.block_size)
         tables = [layout.block_tables[i][:num_blocks] for i in seqs]
         padded = [t + [layout.null_block] * (num_blocks - len(t)) for t in tables]
         ints = torch.tensor([rows, lens]).to(self.device, non_blocking=True)  # (2, S)
         tables_t = torch.tensor(padded).to(self.device, non_blocking=True)  # (S, NB)
-        group = DecodeGroup(rows=ints[0], slots=None, mask=None, lens=ints[1], tables=tables_t)
+        slots = None
+        if len(seqs) == 1 and lens[0] <= self.lone_eager_max_context:
+            table = torch.tensor(layout.block_tables[seqs[0]][: cdiv(lens[0], layout.block_size)])
+            slots = slot_of(table, torch.arange(lens[0]), layout.block_size)  # (L,)
+        group = DecodeGroup(rows=ints[0], slots=slots, mask=None, lens=ints[1], tables=tables_t)
         return one_shape(group, layout.null_block)
 
     def decode_attention(self, q, kv_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
@@ -160,13 +165,15 @@ class CompiledBackend(CPUTiledBackend):
             # otherwise: one layout, one compiled kernel (Dynamo guards on strides too).
             return self.decode_kernel(q.contiguous(), kv_cache, group.tables, group.lens, scale, self.block_size)
 
+    def traced_lone_decode(self, q, k, v, kv_cache, meta, scale: float) -> torch.Tensor:
+        """A lone sequence's decode step, traced into the whole-forward graph (`lone_decode_in_graph`): the
+        K/V write, then paged_decode_attention, which Inductor fuses with the ops around it."""
+        group = meta.decode_groups[0]
+        store_kv(kv_cache, meta.slot_mapping, k, v, self.block_size)
+        return paged_decode_attention(q, kv_cache, group.tables, group.lens, scale, self.block_size)  # (1, H, D)
+
     def write_kv(self, kv_cache, slots, k, v) -> None:
-        """Store k and v (N, Hkv, D) at their slots (N,) of kv_cache (num_blocks, 2, Hkv, D * B): slot s is
-        position s % B of block s // B, a column of the block's transposed keys and a row of its values."""
-        B, (_, Hkv, D) = self.block_size, k.shape
-        blocks, offsets = slots // B, slots % B  # (N,), (N,)
-        kv_cache[:, 0].view(-1, Hkv, D, B)[blocks, :, :, offsets] = k  # indexes (N, Hkv, D)
-        kv_cache[:, 1].view(-1, Hkv, B, D)[blocks, :, offsets] = v
+        store_kv(kv_cache, slots, k, v, self.block_size)
 
     def chunk_context(self, kv_cache, slots) -> tuple[torch.Tensor, torch.Tensor]:
         """A prefill chunk's context, slots (L,) of positions 0..L-1 -> keys and values (Hkv, L, D) each, for
@@ -258,3 +265,16 @@ class CompiledBackend(CPUTiledBackend):
             if not error <= tolerance:
                 return f"its results differ from the eager backend's by {error:.2g} (contexts {lens})"
         return None
+
+
+@torch.library.custom_op("minfer::store_kv", mutates_args=("kv_cache",))
+def store_kv(kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int) -> None:
+    """Store k and v (N, Hkv, D) at their slots (N,) of kv_cache (num_blocks, 2, Hkv, D * B): slot s is
+    position s % B of block s // B, a column of the block's transposed keys and a row of its values.
+
+    An op, its mutation declared, so that in a graph it writes the cache in place: written as plain
+    indexing there, the compiler kept the graph functional by copying each layer's whole cache."""
+    B, (_, Hkv, D) = block_size, k.shape
+    blocks, offsets = slots // B, slots % B  # (N,), (N,)
+    kv_cache[:, 0].view(-1, Hkv, D, B)[blocks, :, :, offsets] = k  # indexes (N, Hkv, D)
+    kv_cache[:, 1].view(-1, Hkv, B, D)[blocks, :, offsets] = v

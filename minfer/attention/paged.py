@@ -106,15 +106,20 @@ def paged_attention(
 ) -> torch.Tensor:  # (N, H, D)
     """Store this step's keys and values in the cache, then attend: each row over its own sequence's
     context (cached tokens and this step's, causally). The backend that built `meta` does the work."""
-    if torch.compiler.is_compiling():  # inside a compiled step (engine/compiled_step.py): one opaque op
-        return torch.ops.minfer.paged_attention(q, k, v, kv_cache, scale)
+    if torch.compiler.is_compiling():  # inside a compiled step (engine/compiled_step.py)
+        if q.shape[0] == 1 and getattr(meta.backend, "lone_decode_in_graph", False):
+            return meta.backend.traced_lone_decode(q, k, v, kv_cache, meta, scale)  # traced: see below
+        return torch.ops.minfer.paged_attention(q, k, v, kv_cache, scale)  # one opaque op: the backend's Python
     return meta.backend.forward(q, k, v, kv_cache, meta, scale)
 
 
 # ---- paged attention inside a compiled step ----------------------------------------------------
 # A compiled step (engine/compiled_step.py) traces the whole model forward, but a backend's Python
 # (per-step metadata, its own compiled kernel) is not for Inductor to trace. So there attention is
-# one opaque op, and the step's batch reaches it here, as vLLM's forward context does.
+# one opaque op, and the step's batch reaches it here, as vLLM's forward context does. One exception:
+# in the whole-forward graph (--compile-model), a lone sequence's decode is plain torch, traced in and
+# fused there, where the backend offers it (compiled.py, `lone_decode_in_graph`): at batch 1 the op's
+# Python cost more than the attention itself.
 _step = threading.local()
 
 

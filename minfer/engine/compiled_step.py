@@ -25,7 +25,9 @@ weight-only linears beat bf16 at every row count (docs/performance.md, "Frozen w
 a slower first start (Dynamo traces every layer, Inductor autotunes each weight shape), and each of
 the two graphs holds its own packed copy of the weights, beside the model's plain ones that eager
 steps use. That graph serves prefill and mixed steps too (the templates are fast at every row count,
-and quantized models have no fast eager path for many rows), all but a lone sequence's prefill.
+and quantized models have no fast eager path for many rows), all but a lone sequence's prefill. A lone
+sequence's decode gets a graph of its own, and there attention is traced in too (attention/compiled.py,
+`lone_decode_in_graph`): at batch 1 the attention op's Python was a quarter of an int8 GPT-2 step.
 
 Only steps where every row decodes take the block graph; prefill and mixed steps run eager, as vLLM keeps
 CUDA graphs to decode batches. `dynamic=True`, so batch sizes do not recompile (a lone sequence
@@ -88,6 +90,8 @@ class CompiledDecodeStep:
         for contexts in ((3,), (4,) * 8):
             chunks = [ScheduledChunk(_placeholder_sequence(n, block_size), n - 1, 1) for n in contexts]
             input_ids, batch, _ = prepare(chunks)
+            if self.whole:  # the cache's sizes never change. Symbolic, the views of it that a graph hands
+                torch._dynamo.mark_static(batch.kv_cache.kv)  # to store_kv all lost their offsets (torch 2.13)
             self(input_ids, batch)
             if self.off_because:
                 return
@@ -118,13 +122,14 @@ class CompiledDecodeStep:
 
     def serves(self, all_decode: bool, num_sampled: int, num_tokens: int) -> bool:
         """Whether a step runs through the graph. The block graph: steps where every row decodes. The whole
-        forward: a lone sequence's decode (its graph), and steps that sample two rows or more (the other).
-        Sizes of 1 and 0 are specialised, so a step sampling one row of several tokens (a prefill chunk
-        that ends a prompt) or none (chunks mid-prompt) would compile a third graph, with a third copy of
-        the frozen weights: they run eager."""
+        forward: a lone sequence's decode (its graph), and steps of two rows or more that sample two or
+        more (the other). Sizes of 1 and 0 are specialised, so a step sampling one row of several tokens (a
+        prefill chunk that ends a prompt), none (chunks mid-prompt), or several of one row (n completions
+        forking from a lone prompt) would compile a third graph, with a third copy of the frozen weights:
+        they run eager."""
         if not self.whole:
             return all_decode
-        return num_sampled >= 2 or (num_sampled == 1 and num_tokens == 1)
+        return (num_sampled >= 2 and num_tokens >= 2) or (num_sampled == 1 and num_tokens == 1)
 
     @contextmanager
     def _blocks_compiled(self) -> Iterator[None]:
