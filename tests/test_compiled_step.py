@@ -146,3 +146,39 @@ def test_whole_graph_with_frozen_weights_equals_eager(make_checkpoint):
         assert calls[:layers] == [1] * layers and len(forks) == 2  # the prompt eager; then two rows, in the op
     assert step.off_because is None
     assert got == eager.generate([prompts[0][:14]], lone, use_tqdm=False)[0].token_ids
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_whole_graph_quantized_step_matches_eager(tiny_checkpoint, method):
+    """Quantized linears in the frozen graph: every row count goes through the kernel's op, which Inductor
+    lowers to a GEMM of its own (it rounds differently: bf16 rows, its own order), so a decode step's
+    logits match eager's within bf16's rounding rather than bit for bit; a lone sequence and a batch."""
+    if method == "int4" and not int4_kernel_available():
+        pytest.skip("this torch has no CPU int4 kernel")
+    llm = LLM(tiny_checkpoint, compile_model=True, quantization=method, num_kv_blocks=32)
+    step, runner = graph_of(llm), llm.scheduler.runner
+    assert step.off_because is None and step.compiled_batches == {True, False}
+    quantized = [m for m in step.model.modules() if isinstance(m, QuantizedLinear)]
+    assert quantized and all(m.kernel_when_compiled for m in quantized)
+    runner.kv_cache.kv.zero_()  # the placeholders' contexts all lie in block 0, read before most is written
+    for contexts in ((5,), (5, 9, 17, 33) * 5):  # 20 rows: above int8's kernel_max_rows, eager dequantizes
+        chunks = [ScheduledChunk(_placeholder_sequence(n, runner.block_size), n - 1, 1) for n in contexts]
+        with torch.inference_mode():
+            input_ids, batch, _ = runner.prepare(chunks)
+            want = runner.model(input_ids, batch)  # (S, V)
+            got = step(input_ids, batch)
+        assert step.off_because is None and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(compile_decode_step=True, enforce_eager=True), "--enforce-eager never does"),
+    (dict(compile_decode_step=True, device="cuda"), "for --device cpu for now"),
+    (dict(compile_model=True, enforce_eager=True), "--enforce-eager never does"),
+    (dict(compile_model=True, device="cuda"), "for --device cpu for now"),
+    (dict(compile_model=True, compile_decode_step=True), "give one"),
+])
+def test_refused_where_it_cannot_apply(settings, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="minfer-tiny", **settings)
