@@ -129,21 +129,24 @@ def test_whole_graph_with_frozen_weights_equals_eager(make_checkpoint):
     eager = LLM(path, **settings)
     assert got == [o.token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
 
-    # A lone sequence's decode: its attention is traced into the graph, so the backend's own forward runs for
-    # its prompt only (eager), never for its decode steps, as contexts grow across blocks (14 + 40 tokens).
-    # Two completions forking from a one-token prompt (one row, two sampled) run eager: no third graph.
+    # A lone sequence: its prompt goes through the batch graph (its sampled row padded to two), and its
+    # decode's attention is traced into the lone graph, so the backend's own forward runs for the prompt's
+    # layers only, never for a decode step, as contexts grow across blocks (14 + 40 tokens). Two completions
+    # forking from a one-token prompt (one row, two sampled) run eager: no third graph.
     backend = compiled.scheduler.runner.attention_backend
     assert backend.lone_decode_in_graph and not eager.scheduler.runner.attention_backend.lone_decode_in_graph
     calls = []  # the rows of each layer's call of the backend's forward
     backend.forward = lambda *args: calls.append(args[0].shape[0]) or type(backend).forward(backend, *args)
     lone = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     layers = step.model.config.num_layers
+    eager_steps = step.num_eager_steps
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = compiled.generate([prompts[0][:14]], lone, use_tqdm=False)[0].token_ids
-        assert calls == [14] * layers
+        assert calls == [14] * layers and step.num_eager_steps == eager_steps
         calls.clear()
         forks = compiled.generate([prompts[1][:1]], SamplingParams(n=2, max_tokens=3, seed=3), use_tqdm=False)
         assert calls[:layers] == [1] * layers and len(forks) == 2  # the prompt eager; then two rows, in the op
+        assert step.num_eager_steps == eager_steps + 1
     assert step.off_because is None
     assert got == eager.generate([prompts[0][:14]], lone, use_tqdm=False)[0].token_ids
 

@@ -43,6 +43,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -76,18 +77,17 @@ class CompiledDecodeStep:
             # The class's forward, called with each block as `self`: one graph for every layer.
             self.graph = compile_for_cpu(type(self.layers[0]).forward) if self.layers else None
         self.compiled_batches: set[bool] = set()  # which graphs have run: one sequence, several
+        self.num_eager_steps = 0  # steps the graphs did not serve
         self.warm_up_seconds: float | None = None
 
     def warm_up(self, prepare: Callable[[list[ScheduledChunk]], tuple], block_size: int) -> None:
         """Compile both graphs before the first request, so that none waits on the compiler: a decode
-        step of one sequence, then one of eight. `prepare` is the runner's, so the inputs are laid out
-        exactly as a served step's (Dynamo guards on their layout). The steps write K/V into block 0,
+        step of one sequence, then one of BATCH_WARM_UP_ROWS. `prepare` is the runner's, so the inputs are
+        laid out exactly as a served step's (Dynamo guards on their layout). The steps write K/V into block 0,
         which is free at start-up and is written again before any sequence reads it."""
         start = time.perf_counter()
-        # Equal lengths: one decode group in every backend. The batch has 8 rows because the frozen graph's
-        # GEMMs are autotuned at the rows it is traced with: at 2, torch's int8 kernel beats Inductor's
-        # template on a 50,257-row LM head, and is then 10x slower at 64 rows.
-        for contexts in ((3,), (4,) * 8):
+        # Equal lengths: one decode group in every backend. The batch's rows: see BATCH_WARM_UP_ROWS.
+        for contexts in ((3,), (4,) * BATCH_WARM_UP_ROWS):
             chunks = [ScheduledChunk(_placeholder_sequence(n, block_size), n - 1, 1) for n in contexts]
             input_ids, batch, _ = prepare(chunks)
             if self.whole:  # the cache's sizes never change. Symbolic, the views of it that a graph hands
@@ -100,8 +100,11 @@ class CompiledDecodeStep:
 
     def __call__(self, input_ids: torch.Tensor, paged: PagedBatch) -> torch.Tensor:
         meta = paged.attention
-        num_sampled = paged.sample_rows.shape[0]
-        if self.off_because or not self.serves(getattr(meta, "all_decode", False), num_sampled, input_ids.shape[0]):
+        num_sampled, num_tokens = paged.sample_rows.shape[0], input_ids.shape[0]
+        if self.whole and not self.off_because and num_tokens >= 2 and num_sampled < 2:
+            return self._with_two_sampled_rows(input_ids, paged)
+        if self.off_because or not self.serves(getattr(meta, "all_decode", False), num_sampled, num_tokens):
+            self.num_eager_steps += 1
             return self.model(input_ids, paged)
         lone = num_sampled == 1
         if lone not in self.compiled_batches:
@@ -120,13 +123,23 @@ class CompiledDecodeStep:
         self.compiled_batches.add(lone)
         return logits
 
+    def _with_two_sampled_rows(self, input_ids: torch.Tensor, paged: PagedBatch) -> torch.Tensor:
+        """A lone prompt's chunk, sampling its last row (the prompt's end) or none (mid-prompt), through the
+        batch graph: its sampled rows padded to two with copies of the last row, the extra logits dropped.
+        The LM head reads a row or two more; eager, a quantized model's prefill was up to 3x slower."""
+        num_sampled, sampled = paged.sample_rows.shape[0], paged.sample_rows
+        last = sampled[-1:] if num_sampled else sampled.new_full((1,), input_ids.shape[0] - 1)
+        # A view at storage offset 2, as the runner's are views at 3N of its one host->device copy: the
+        # graph guards on the offset being at least 2 (sizes 0 and 1 specialise), and 0 would recompile.
+        rows = torch.cat([sampled.new_empty(2), sampled, last.expand(2 - num_sampled)])[2:]  # (2,)
+        return self(input_ids, replace(paged, sample_rows=rows))[:num_sampled]  # (S, V)
+
     def serves(self, all_decode: bool, num_sampled: int, num_tokens: int) -> bool:
         """Whether a step runs through the graph. The block graph: steps where every row decodes. The whole
         forward: a lone sequence's decode (its graph), and steps of two rows or more that sample two or
-        more (the other). Sizes of 1 and 0 are specialised, so a step sampling one row of several tokens (a
-        prefill chunk that ends a prompt), none (chunks mid-prompt), or several of one row (n completions
-        forking from a lone prompt) would compile a third graph, with a third copy of the frozen weights:
-        they run eager."""
+        more (the other; `__call__` pads a chunk that samples fewer). Sizes of 1 and 0 are specialised, so
+        a step sampling several rows of one (n completions forking from a one-token prompt) would compile a
+        third graph, with a third copy of the frozen weights: it runs eager."""
         if not self.whole:
             return all_decode
         return (num_sampled >= 2 and num_tokens >= 2) or (num_sampled == 1 and num_tokens == 1)
@@ -157,6 +170,13 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 # Inductor's settings for the whole-forward graph: weights frozen in as constants, and its own GEMM
 # templates (C++; "ATEN" where a template does not apply) chosen by timing them at the traced rows,
 # without printing each timing table.
+# The rows the frozen graph's batch variant is traced with. Its GEMMs are autotuned and blocked for them:
+# at 2, torch's int8 kernel beat Inductor's template on a 50,257-row LM head, then was 10x slower at 64 rows;
+# at 8, the bf16 templates re-read their weights for every few rows of a prompt, and a 512-token bf16 prefill
+# took 698 ms against 432 at 64 (GPT-2, AMX host, one process), 64 requests 322 tok/s against 449. int8 was
+# as fast or faster at 64 too, at 4, 16 and 64 requests.
+BATCH_WARM_UP_ROWS = 64
+
 FROZEN_WEIGHTS = {
     "freezing": True,
     "max_autotune": True,
