@@ -167,9 +167,6 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-# Inductor's settings for the whole-forward graph: weights frozen in as constants, and its own GEMM
-# templates (C++; "ATEN" where a template does not apply) chosen by timing them at the traced rows,
-# without printing each timing table.
 # The rows the frozen graph's batch variant is traced with. Its GEMMs are autotuned and blocked for them:
 # at 2, torch's int8 kernel beat Inductor's template on a 50,257-row LM head, then was 10x slower at 64 rows;
 # at 8, the bf16 templates re-read their weights for every few rows of a prompt, and a 512-token bf16 prefill
@@ -177,6 +174,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 # as fast or faster at 64 too, at 4, 16 and 64 requests.
 BATCH_WARM_UP_ROWS = 64
 
+# Inductor's settings for the whole-forward graph: weights frozen in as constants, and its own GEMM
+# templates (C++; "ATEN" where a template does not apply) chosen by timing them at the traced rows,
+# without printing each timing table.
 FROZEN_WEIGHTS = {
     "freezing": True,
     "max_autotune": True,
