@@ -139,18 +139,20 @@ class CompiledBackend(CPUTiledBackend):
         """Each sequence's block table, padded with the null block to the group's longest, and its length:
         one compiled kernel serves every step (see `one_shape`). A lone sequence with a short context is
         read eagerly as a prefill chunk's is, where that path is sdpa: its group carries the context's
-        slots too (and its table, for `traced_lone_decode`)."""
+        slots (and, under `lone_decode_in_graph`, its table too, for `traced_lone_decode`)."""
         rows = [layout.query_starts[i] for i in seqs]
         lens = [layout.context_lens[i] for i in seqs]
+        slots = None
+        if len(seqs) == 1 and lens[0] <= self.lone_eager_max_context:
+            table = torch.tensor(layout.block_tables[seqs[0]][: cdiv(lens[0], layout.block_size)])
+            slots = slot_of(table, torch.arange(lens[0]), layout.block_size)  # (L,)
+            if not self.lone_decode_in_graph:  # read eagerly only: no table needed
+                return DecodeGroup(rows=torch.tensor(rows), slots=slots, mask=None)
         num_blocks = cdiv(max(lens), layout.block_size)
         tables = [layout.block_tables[i][:num_blocks] for i in seqs]
         padded = [t + [layout.null_block] * (num_blocks - len(t)) for t in tables]
         ints = torch.tensor([rows, lens]).to(self.device, non_blocking=True)  # (2, S)
         tables_t = torch.tensor(padded).to(self.device, non_blocking=True)  # (S, NB)
-        slots = None
-        if len(seqs) == 1 and lens[0] <= self.lone_eager_max_context:
-            table = torch.tensor(layout.block_tables[seqs[0]][: cdiv(lens[0], layout.block_size)])
-            slots = slot_of(table, torch.arange(lens[0]), layout.block_size)  # (L,)
         group = DecodeGroup(rows=ints[0], slots=slots, mask=None, lens=ints[1], tables=tables_t)
         return one_shape(group, layout.null_block)
 
