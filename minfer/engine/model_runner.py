@@ -53,8 +53,6 @@ class ModelRunner:
     ):
         self.model = model  # as prepare_model left it: the runner never changes it
         self.forward = CompiledDecodeStep(model, whole_graph) if compile_decode_step else model
-        if compile_decode_step and whole_graph and hasattr(attention_backend, "lone_decode_in_graph"):
-            attention_backend.lone_decode_in_graph = True  # its attention traced into the lone graph (compiled.py)
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.attention_backend = attention_backend  # builds each step's attention metadata, and runs it

@@ -62,4 +62,6 @@ def prepare_model(model: torch.nn.Module, config=None) -> tuple[torch.nn.Module,
         if why_not:
             log.warning("minfer: compiled attention is off, running eager attention instead: %s", why_not)
             backend = choose_attention_backend(model.device, model.dtype, "eager")
+    if getattr(config, "compile_model", False) and hasattr(backend, "lone_decode_in_graph"):
+        backend.lone_decode_in_graph = True  # a lone sequence's decode attention traced into its graph (compiled.py)
     return model, backend
