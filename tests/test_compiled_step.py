@@ -10,7 +10,8 @@ import torch._dynamo
 from test_compiled_attention import generate_varied_batches
 
 from minfer import LLM, EngineConfig, SamplingParams
-from minfer.engine.compiled_step import CompiledDecodeStep, _placeholder_sequence
+from minfer.engine import compiled_step
+from minfer.engine.compiled_step import CompiledDecodeStep, _placeholder_sequence, frozen_gemm_backends
 from minfer.engine.sequence import ScheduledChunk
 from minfer.quantization import QuantizedLinear, int4_kernel_available
 from minfer.server.banner import banner_lines
@@ -175,12 +176,28 @@ def test_whole_graph_quantized_step_matches_eager(tiny_checkpoint, method):
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
+@pytest.mark.parametrize("amx, dtype, quantize, want", [
+    (True, torch.bfloat16, False, "CPP"),
+    (True, torch.float32, True, "CPP"),  # no float GEMM left: every linear and the head are quantized
+    (True, torch.float32, False, "CPP,ATEN"),  # oneDNN's fp32 GEMM won at 16 rows
+    (False, torch.bfloat16, False, "CPP,ATEN"),  # templates alone: measured on AMX only
+])
+def test_frozen_graph_gemm_choices_follow_the_cpu_and_the_weights(monkeypatch, amx, dtype, quantize, want):
+    from minfer.quantization.transform import quantized_linear
+
+    monkeypatch.setattr(compiled_step, "cpu_has_amx", lambda: amx)
+    linears = [torch.nn.Linear(64, 32, dtype=dtype), torch.nn.Linear(32, 16, dtype=dtype)]
+    model = torch.nn.Sequential(*(quantized_linear(m, "int8") if quantize else m for m in linears))
+    assert frozen_gemm_backends(model) == want
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(compile_decode_step=True, enforce_eager=True), "--enforce-eager never does"),
     (dict(compile_decode_step=True, device="cuda"), "for --device cpu for now"),
     (dict(compile_model=True, enforce_eager=True), "--enforce-eager never does"),
     (dict(compile_model=True, device="cuda"), "for --device cpu for now"),
     (dict(compile_model=True, compile_decode_step=True), "give one"),
+    (dict(compile_model=True, quantization="int8", quantize_activations=True), "does not compile under --compile-model"),
 ])
 def test_refused_where_it_cannot_apply(settings, message):
     with pytest.raises(ValueError, match=message):

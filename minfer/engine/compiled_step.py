@@ -51,6 +51,7 @@ import torch.fx.experimental._config as fx_config
 from ..attention.compiled import compile_for_cpu, failure_line
 from ..attention.kv_cache import cdiv
 from ..attention.paged import PagedBatch, compiled_step
+from ..cpu_features import cpu_has_amx
 from .sampling import SamplingParams
 from .sequence import ScheduledChunk, Sequence
 
@@ -67,7 +68,7 @@ class CompiledDecodeStep:
         self.off_because: str | None = None  # why the graph stopped serving, once it has
         self.layers: list[torch.nn.Module] = []  # the blocks the block graph runs (none for the whole forward)
         if whole:
-            self.graph = compile_for_cpu(model, **FROZEN_WEIGHTS)
+            self.graph = compile_for_cpu(model, **FROZEN_WEIGHTS, max_autotune_gemm_backends=frozen_gemm_backends(model))
         else:
             try:
                 self.layers = decoder_layers(model)
@@ -175,15 +176,26 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 BATCH_WARM_UP_ROWS = 64
 
 # Inductor's settings for the whole-forward graph: weights frozen in as constants, and its own GEMM
-# templates (C++; "ATEN" where a template does not apply) chosen by timing them at the traced rows,
+# templates (C++) chosen by timing them at the traced rows (against torch's kernels: frozen_gemm_backends),
 # without printing each timing table.
 FROZEN_WEIGHTS = {
     "freezing": True,
     "max_autotune": True,
-    "max_autotune_gemm_backends": "CPP,ATEN",
     "autotune_num_choices_displayed": 0,
     "max_autotune_report_choices_stats": False,
 }
+
+
+def frozen_gemm_backends(model: torch.nn.Module) -> str:
+    """Which GEMM kernels Inductor may choose from for the frozen graph. On a CPU with AMX, for bf16/fp16 and
+    quantized weights, its C++ templates alone: there, against "CPP,ATEN", the steps ran as fast (GPT-2 at 1
+    and 16 rows, one after the other: bf16, int8, int4), and a first start took a fifth less (bf16 79 s against
+    103, int8 88 against 113, int4 92 against 116), each GEMM no longer compiled and timed twice over. And with
+    both, int4 once ran a lone sequence at 9.9 ms/token against 5.7: timing on a busy host can choose badly.
+    fp32 weights keep torch's (oneDNN's) kernels as candidates: without them 16 rows ran 30% slower. Elsewhere,
+    unmeasured, both. (Templates alone, a GEMM none of them runs fails the compile: the steps then run eager.)"""
+    float_weights = {m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    return "CPP" if cpu_has_amx() and float_weights <= {torch.bfloat16, torch.float16} else "CPP,ATEN"
 
 
 @contextmanager

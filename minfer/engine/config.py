@@ -261,6 +261,11 @@ class EngineConfig:
         check_quantization(self.quantization, self.quantization_group_size)  # int4 without its kernels, say
         if self.quantize_activations and self.quantization != "int8":
             raise ValueError("--quantize-activations applies to --quantization int8 only")
+        if self.quantize_activations and self.compile_model:  # it would compile, fail, then run eager
+            raise ValueError(
+                "--quantize-activations does not compile under --compile-model (Inductor's int8 x int8 GEMM fails "
+                "to lower in this torch): give one, or --compile-decode-step, which compiles it"
+            )
         self._check_speculative()
         sizes = [flag(f) for f in fields(self) if f.name in KV_CACHE_SIZES and getattr(self, f.name) is not None]
         if len(sizes) > 1:
