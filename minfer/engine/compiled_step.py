@@ -191,7 +191,7 @@ def frozen_gemm_backends(model: torch.nn.Module) -> str:
     quantized weights, its C++ templates alone. There, against "CPP,ATEN", the steps ran as fast (GPT-2 at 1
     and 16 rows, bf16, int8, int4), and a first start took a fifth less, each GEMM no longer compiled and
     timed twice over: GPT-2 bf16 79 s against 103, int8 88 against 113 (alternating, 83 and 87 against 107
-    and 113), int4 92 against 116; Qwen3-0.6B bf16 223 against 218, no gain within the host's noise. And with
+    and 113), int4 92 against 116; Qwen3-0.6B bf16 211 against 238 s (56 ms/token at batch 1 both). And with
     both, int4 once ran a lone sequence at 9.9 ms/token against 5.7: timing on a busy host can choose badly.
     fp32 weights keep torch's (oneDNN's) kernels as candidates: without them 16 rows ran 30% slower. Elsewhere,
     unmeasured, both. (Templates alone, a GEMM none of them runs fails the compile: the steps then run eager.)"""
