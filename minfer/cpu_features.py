@@ -29,6 +29,11 @@ def cpu_has_amx() -> bool:
     return "amx_tile" in cpu_flags()
 
 
+def cpu_has_int8_dot() -> bool:
+    """int8 dot products in hardware (AVX512-VNNI, AVX-VNNI or AMX), which torch._int_mm's kernels use."""
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
+
+
 def cpu_name() -> str:
     """The CPU's model name, as lscpu prints it (else what the platform module knows)."""
     try:

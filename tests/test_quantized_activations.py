@@ -11,7 +11,7 @@ from minfer import LLM, SamplingParams
 from minfer.engine.config import EngineConfig
 from minfer.models.registry import load_model
 from minfer.quantization import Int8Linear, quantize_int8, quantize_model
-from minfer.quantization.int8 import dequantize_int8, dynamic_int8_mm
+from minfer.quantization.int8 import dequantize_int8, dynamic_int8_mm, split_int8_mm
 
 ROWS = [1, 3, 16, 17, 65]  # both sides of the weight-only path's bucket boundary (16)
 SHAPES = [(70, 100), (72, 803), (128, 64), (24, 40)]  # inner widths no multiple of 16, a vocabulary of 803
@@ -87,3 +87,49 @@ def test_int8_activations_without_int8_weights_are_refused():
     with pytest.raises(ValueError, match="--quantize-activations applies to --quantization int8"):
         EngineConfig(quantization="int4", quantize_activations=True)
     assert EngineConfig(quantization="int8", quantize_activations=True).quantize_activations
+
+
+@pytest.mark.parametrize("int8_dot", [True, False])
+def test_int8_rows_take_the_path_their_count_and_the_cpu_choose(monkeypatch, int8_dot):
+    """On a CPU with int8 dot products: up to 4 rows the weight-only kernel, 5 to 32 split into two int8
+    halves, more dequantize + GEMM. Without: the kernel up to 16 rows, then dequantize + GEMM
+    (quantization/int8.py). --quantize-activations: every row count rounded to int8 once."""
+    monkeypatch.setattr(Int8Linear, "rounds_batches", int8_dot)
+    torch.manual_seed(0)
+    layer = Int8Linear.from_float(nn.Linear(40, 24))  # 40: no multiple of 16, so the rows get padded
+    bias = layer.bias
+    for rows in (1, 4, 5, 16, 17, 32, 33):  # fp32 rows: each path rounds them its own way, so none coincide
+        x = torch.randn(rows, 40)
+        padded = torch.nn.functional.pad(x, (0, 8))
+        paths = {
+            "kernel": layer.kernel(x) + bias,
+            "split": split_int8_mm(padded, layer.qweight, layer.scales) + bias,
+            "rounded": dynamic_int8_mm(padded, layer.qweight, layer.scales) + bias,
+            "gemm": layer.gemm(x),
+        }
+        if int8_dot:
+            want = "kernel" if rows <= 4 else "split" if rows <= 32 else "gemm"
+        else:
+            want = "kernel" if rows <= 16 else "gemm"
+        assert [name for name, out in paths.items() if torch.equal(layer(x), out)] == [want], rows
+        layer.quantize_activations = True
+        assert [name for name, out in paths.items() if torch.equal(layer(x), out)] == ["rounded"], rows
+        layer.quantize_activations = False
+
+
+def test_rows_split_into_two_int8_halves_are_as_exact_as_bf16_rows():
+    """split_int8_mm holds each row to ~1.6e-5 of its largest value: its result is as close to the float
+    matmul as the weight-only kernel's (bf16 rows), where rounding the rows once is ~3x further off; and
+    a row's result does not depend on the rows beside it."""
+    torch.manual_seed(0)
+    linear = nn.Linear(768, 256, bias=False)
+    layer = Int8Linear.from_float(linear)
+    x = torch.randn(16, 768) * torch.rand(16, 1) * 10  # rows of different sizes
+    exact = x @ layer.dequantized(torch.float32).t()  # (16, 256)
+    split = relative_error(split_int8_mm(x, layer.qweight, layer.scales), exact)
+    assert split < 1e-4
+    assert split < relative_error(dynamic_int8_mm(x, layer.qweight, layer.scales), exact) / 10
+    y = split_int8_mm(x.bfloat16(), layer.qweight, layer.scales)
+    assert relative_error(y, exact) < 2 * relative_error(layer.kernel(x.bfloat16()), exact)
+    for i in (0, 7, 15):
+        assert torch.equal(split_int8_mm(x[i : i + 1].bfloat16(), layer.qweight, layer.scales)[0], y[i])

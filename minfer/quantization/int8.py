@@ -29,12 +29,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .linear import KERNEL_ACTIVATIONS, QuantizedLinear, kernel_rows, pad_columns, round_up
+from ..cpu_features import cpu_has_int8_dot
+from .linear import KERNEL_ACTIVATIONS, QuantizedLinear, kernel_rows, pad_columns, round_up, widening_buffer
 
 K_MULTIPLE = 16  # _weight_int8pack_mm's bf16 path reads the inner dimension 16 at a time
 
 
 CHUNK_ELEMENTS = 1 << 22  # quantize this many weights at a time: fp32 temporaries stay ~16 MB each
+GEMM_TILE_ELEMENTS = 1 << 22  # a batch's matmul widens this many weights at a time (8 MiB in bf16)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +65,25 @@ def dynamic_int8_mm(rows: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -
     return acc.float().mul_(scales).mul_(row_scales).to(rows.dtype)
 
 
+def split_int8_mm(rows: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """rows (M, K) float @ (q (N, K) int8 * scales (N,))^T -> (M, N) in rows' dtype, each row taken as
+    s * (hi + lo / 254): hi rounded to int8 at the row's own scale s, lo the remainder at s / 254, so a
+    row is held to ~1.6e-5 of its largest value (bf16 holds each value to 2^-9 of itself). Both halves go
+    through one int8 matmul of 2M rows, which reads the weight once."""
+    M = rows.shape[0]
+    x = rows.float()  # (M, K)
+    s = x.abs().amax(dim=1, keepdim=True).div_(127).clamp_(min=1e-12)  # (M, 1)
+    hi = torch.round(x / s)  # (M, K) in [-127, 127]
+    lo = torch.round((x - hi * s).mul_(254 / s))  # the remainder, at most s / 2: in [-127, 127]
+    acc = torch._int_mm(torch.cat([hi, lo]).to(torch.int8), q.t()).float()  # (2M, N): exact sums
+    return acc[:M].add_(acc[M:], alpha=1 / 254).mul_(scales).mul_(s).to(rows.dtype)
+
+
+def widened(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q (t, in) int8 as `dtype`, exactly, in the reused buffer (valid until the next call)."""
+    return widening_buffer(dtype, q.device, q.numel()).view(q.shape).copy_(q)
+
+
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float matrix (out, in) that (q, scales) stand for."""
     return (q.to(dtype) * scales.to(dtype)[:, None]).to(dtype)
@@ -71,7 +92,14 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 class Int8Linear(QuantizedLinear):
     """A linear with an int8 per-channel weight: `Int8Linear.from_float(linear)`, or from (q, scales)."""
 
-    kernel_max_rows = 16  # measured on an AVX512-BF16 Zen 4 (scripts/quant_crossover.py): see linear.py
+    # Rows per path (scripts/quant_crossover.py, docs/quantization.md). The weight-only kernel converts
+    # every weight again for every few rows. On a CPU with int8 dot products (`rounds_batches`) it runs up
+    # to 4 rows, then rows up to 128 are rounded to int8 too (dynamic_int8_mm), and more go through
+    # dequantize + GEMM: a GPT-2 block at 16 rows on an AMX Xeon took 1.45 ms in the kernel, 0.72 rounded
+    # and 1.45 dequantized, bf16 0.63. Elsewhere the kernel runs up to 16 rows, then dequantize + GEMM.
+    kernel_max_rows = 16
+    rounds_batches = cpu_has_int8_dot()
+    ROUNDED_ROWS = (4, 32)  # (above, up to): the rows rounded to int8 where `rounds_batches`
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         out_features, in_features = q.shape
@@ -90,15 +118,43 @@ class Int8Linear(QuantizedLinear):
     def from_float(cls, linear: nn.Linear) -> Int8Linear:
         return cls(*quantize_int8(linear.weight), linear.bias)
 
-    def uses_kernel(self, num_rows: int) -> bool:
-        return self.quantize_activations or num_rows <= self.kernel_max_rows
+    def rounds_rows(self, num_rows: int) -> bool:
+        """Whether this many rows are rounded to int8 too: every row count with --quantize-activations,
+        else the middle bucket where the CPU has int8 dot products."""
+        above, up_to = self.ROUNDED_ROWS
+        return self.quantize_activations or (self.rounds_batches and above < num_rows <= up_to)
 
-    def kernel(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
-        rows = pad_columns(rows, self.padded_in)
-        if self.quantize_activations:
-            return dynamic_int8_mm(rows, self.qweight, self.scales)
-        fast = kernel_rows(rows).contiguous()  # fp32 rows as bf16: see linear.py
+    def uses_kernel(self, num_rows: int) -> bool:  # a quantized kernel, int8 x int8 or weight-only
+        return self.rounds_rows(num_rows) or num_rows <= self.kernel_max_rows
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out), bias included
+        if self.rounds_rows(rows.shape[0]):
+            mm = dynamic_int8_mm if self.quantize_activations else split_int8_mm
+            return self.with_bias(mm(pad_columns(rows, self.padded_in), self.qweight, self.scales))
+        return super().matmul(rows)
+
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out): weight-only
+        fast = kernel_rows(pad_columns(rows, self.padded_in)).contiguous()  # fp32 rows as bf16: see linear.py
         return torch.ops.aten._weight_int8pack_mm(fast, self.qweight, self.kernel_scales).to(rows.dtype)
+
+    def gemm(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out), bias included
+        """Many rows: the integers widened to the rows' dtype (exactly: |q| <= 127) and multiplied as they
+        are, the scales applied to the output (M, out) rather than to the weight (out, in). One pass over
+        the weight, where scaling it cost three (a broadcast multiply in bf16 ran ~9x slower than the
+        widening): one GPT-2 block at 64 rows, 3.2 -> 1.8 ms (docs/quantization.md). Tile by tile through
+        one reused buffer. fp16 keeps the scaled weight: its range cannot hold the unscaled sums."""
+        if rows.dtype not in (torch.bfloat16, torch.float32):
+            return super().gemm(rows)
+        dtype, q = rows.dtype, self.qweight[:, : self.in_features]  # (out, in) int8
+        step = max(1, GEMM_TILE_ELEMENTS // self.in_features)
+        if step >= self.out_features:
+            y = rows @ widened(q, dtype).t()  # (M, out)
+        else:
+            y = torch.empty(rows.shape[0], self.out_features, dtype=dtype, device=rows.device)
+            for start in range(0, self.out_features, step):
+                y[:, start : start + step] = rows @ widened(q[start : start + step], dtype).t()
+        y.mul_(self.kernel_scales if dtype == self.kernel_scales.dtype else self.scales)
+        return y if self.bias is None else y.add_(self.bias.to(dtype))
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # (out, in)
         return dequantize_int8(self.qweight[:, : self.in_features], self.scales, dtype)

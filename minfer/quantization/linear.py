@@ -6,9 +6,12 @@ these kernels (which re-read the weight every few rows) lose to a bf16 GEMM, sev
 rows. So above `kernel_max_rows` rows the weight is dequantized to the activations' dtype and run
 through the ordinary matmul: one pass over the weight, amortised over every row of the batch.
 The crossover differs between formats and CPUs: `python scripts/quant_crossover.py` measures it.
+A format may add a path between the two (`matmul`): int8 does (int8.py).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -45,14 +48,23 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         rows = x.reshape(-1, self.in_features)  # (M, in)
-        if (self.kernel_when_compiled and torch.compiler.is_compiling()) or self.uses_kernel(rows.shape[0]):
-            y = self.kernel(rows)
-            if self.bias is not None:
-                y = y + self.bias.to(y.dtype)
+        if self.kernel_when_compiled and torch.compiler.is_compiling():
+            y = self.with_bias(self.kernel(rows))
         else:
-            bias = None if self.bias is None else self.bias.to(x.dtype)
-            y = F.linear(rows, self.dequantized(x.dtype), bias)
+            y = self.matmul(rows)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out), bias included
+        """The path for this many rows: the kernel, or dequantize + GEMM."""
+        return self.with_bias(self.kernel(rows)) if self.uses_kernel(rows.shape[0]) else self.gemm(rows)
+
+    def with_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def gemm(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out), bias included
+        """Many rows: the weight dequantized to the rows' dtype, then one ordinary matmul."""
+        bias = None if self.bias is None else self.bias.to(rows.dtype)
+        return F.linear(rows, self.dequantized(rows.dtype), bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -78,3 +90,17 @@ def round_up(n: int, multiple: int) -> int:
 def pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
     """x (..., k) with zero columns appended up to `width` (a kernel's multiple); x itself if k == width."""
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+_buffers = threading.local()  # one per thread: two engines in two threads never share one
+
+
+def widening_buffer(dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+    """A reused (numel,) buffer for a tile of weights widened to `dtype`: a fresh tensor of a large
+    weight's size would be new pages from the OS on every step, each faulted in on first touch."""
+    key = (dtype, torch.device(device))
+    buffers = _buffers.__dict__.setdefault("by_kind", {})
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel]
