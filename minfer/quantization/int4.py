@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .int8 import CHUNK_ELEMENTS
-from .linear import KERNEL_ACTIVATIONS, QuantizedLinear, kernel_rows, pad_columns, round_up
+from .int8 import CHUNK_ELEMENTS, GEMM_TILE_ELEMENTS
+from .linear import KERNEL_ACTIVATIONS, QuantizedLinear, kernel_rows, pad_columns, round_up, widening_buffer
 
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 64  # see docs/quantization.md: the perplexity and speed of each size on minfer-tiny
@@ -105,7 +105,7 @@ class Int4Linear(QuantizedLinear):
     """A linear with an int4 group-wise weight: `Int4Linear.from_float(linear, group_size)`, or from the
     stored (nibbles, scales_and_zeros). The weight is kept only in the kernel's packed layout."""
 
-    kernel_max_rows = 64  # the int4 dequantize is slow (unpacking nibbles): the kernel wins up to ~64 rows here
+    kernel_max_rows = 48  # unpacking nibbles costs a block ~3.5 ms at any row count: the kernel wins below ~56 rows
 
     def __init__(
         self,
@@ -145,6 +145,39 @@ class Int4Linear(QuantizedLinear):
         fast = kernel_rows(pad_columns(rows, self.padded_in)).contiguous()  # fp32 rows as bf16: see linear.py
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(fast, self.qweight, self.group_size, self.kernel_sz)
         return (y[:, : self.out_features] if self.padded_out != self.out_features else y).to(rows.dtype)
+
+    def gemm(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out), bias included
+        """Many rows: the weight unpacked tile by tile straight into the matmul's (in, out) layout, a tile
+        of 64-row blocks at a time through one reused buffer. There a group's scale and offset broadcast
+        along each row of out channels, which torch's elementwise kernels run fast; in (out, in) order they
+        broadcast along the last axis, and `dequantized` took 9 ms for one GPT-2 block's weights against
+        ~1 here (docs/quantization.md). fp16 keeps `dequantized`."""
+        if rows.dtype not in (torch.bfloat16, torch.float32):
+            return super().gemm(rows)
+        dtype, x, K = rows.dtype, pad_columns(rows, self.padded_in), self.padded_in  # x (M, K')
+        scale, offset = self.affine_by_column(dtype)  # (K'/G, 1, N') each
+        blocks = self.qweight.view(-1, K, BLOCK_N // 2)  # (N'/64, K', 32): a block's row j in the low nibbles
+        per_tile = max(1, GEMM_TILE_ELEMENTS // (K * BLOCK_N))  # of column j, row j + 32 in the high ones
+        y = torch.empty(x.shape[0], self.padded_out, dtype=dtype, device=x.device)  # (M, N')
+        for first in range(0, blocks.shape[0], per_tile):
+            tile = blocks[first : first + per_tile]  # (n, K', 32)
+            n, cols = tile.shape[0], slice(first * BLOCK_N, (first + per_tile) * BLOCK_N)
+            w = widening_buffer(dtype, x.device, K * n * BLOCK_N).view(K, n, BLOCK_N)  # (K', n, 64)
+            w[:, :, : BLOCK_N // 2].copy_((tile & 15).transpose(0, 1))
+            w[:, :, BLOCK_N // 2 :].copy_((tile >> 4).transpose(0, 1))
+            grouped = w.view(-1, self.group_size, n * BLOCK_N)  # (K'/G, G, n * 64)
+            torch.addcmul(offset[:, :, cols], grouped, scale[:, :, cols], out=grouped)  # q * scale + offset
+            y[:, cols] = x @ w.view(K, n * BLOCK_N)
+        y = y[:, : self.out_features]
+        return y if self.bias is None else y.add_(self.bias.to(dtype))
+
+    def affine_by_column(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`affine_in` laid out for the (in, out) weight: (K'/G, 1, N') each."""
+        key = ("by column", dtype)
+        if key not in self._sz_as:
+            scale, offset = self.affine_in(dtype)  # (N', K'/G, 1)
+            self._sz_as[key] = tuple(t.permute(1, 2, 0).contiguous() for t in (scale, offset))
+        return self._sz_as[key]
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # (out, in)
         scale, offset = self.affine_in(dtype)  # (N', K'/G, 1) each
