@@ -151,8 +151,10 @@ class Int4Linear(QuantizedLinear):
         of 64-row blocks at a time through one reused buffer. There a group's scale and offset broadcast
         along each row of out channels, which torch's elementwise kernels run fast; in (out, in) order they
         broadcast along the last axis, and `dequantized` took 9 ms for one GPT-2 block's weights against
-        ~1 here (docs/quantization.md). fp16 keeps `dequantized`."""
-        if rows.dtype not in (torch.bfloat16, torch.float32):
+        ~1 here (docs/quantization.md). fp16 keeps `dequantized`, and so does a compiled graph
+        (--compile-decode-step), where Inductor fuses it into one loop and this path's strided copies ran
+        2.3x slower (GPT-2 int4, 64 requests)."""
+        if rows.dtype not in (torch.bfloat16, torch.float32) or torch.compiler.is_compiling():
             return super().gemm(rows)
         dtype, x, K = rows.dtype, pad_columns(rows, self.padded_in), self.padded_in  # x (M, K')
         scale, offset = self.affine_by_column(dtype)  # (K'/G, 1, N') each
