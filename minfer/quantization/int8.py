@@ -22,6 +22,10 @@ which converts every weight to float before multiplying, is compute-bound at 0.7
 batches it stays ahead of bf16 (0.75-0.8x at 64 to 256 rows) where that kernel is 2.5x behind.
 The price is a second rounding (each activation to 1/254 of its row's largest): see
 docs/quantization.md for what it does to perplexity.
+
+Without it, a few rows go through the weight-only kernel, many through the integers widened to the
+rows' dtype and one matmul, and in between (on a CPU with int8 dot products) each row is split into
+two int8 halves so that int8 x int8 keeps the kernel's exactness (`split_int8_mm`, Int8Linear).
 """
 
 from __future__ import annotations
