@@ -13,7 +13,6 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
 from minfer.engine.cpu_packing import PackedLinear
 from minfer.models.registry import load_model

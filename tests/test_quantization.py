@@ -373,3 +373,20 @@ def test_a_quantizing_load_holds_mallocs_mmap_threshold_low_and_releases_it(monk
     assert calls == [(malloc.M_MMAP_THRESHOLD, 128 << 10), (malloc.M_MMAP_THRESHOLD, 32 << 20),
                      (malloc.M_TRIM_THRESHOLD, 64 << 20)]
     assert quantization_of(model) == "int8"
+
+
+@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
+def test_the_gemm_path_in_tiles_is_the_matmul_with_the_dequantized_weight(monkeypatch, method):
+    """A large weight (an LM head) is widened a tile of output channels at a time through one reused buffer
+    (linear.tiled_matmul): here tiles of 64 channels, the last one short, in fp32."""
+    from minfer.quantization import int4 as int4_module
+    from minfer.quantization import int8 as int8_module
+
+    for module in (int8_module, int4_module):
+        monkeypatch.setattr(module, "GEMM_TILE_ELEMENTS", 64 * 96)  # 64 channels of 96 inputs (int4: whole blocks)
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 300)  # 300: no multiple of a tile
+    layer = Int8Linear.from_float(linear) if method == "int8" else Int4Linear.from_float(linear, 32)
+    x = torch.randn(70, 96)
+    want = x @ layer.dequantized(torch.float32).t() + linear.bias
+    assert relative_error(layer.gemm(x), want) < 1e-5

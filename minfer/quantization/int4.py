@@ -22,7 +22,15 @@ import torch
 from torch import nn
 
 from .int8 import CHUNK_ELEMENTS, GEMM_TILE_ELEMENTS
-from .linear import KERNEL_ACTIVATIONS, QuantizedLinear, kernel_rows, pad_columns, round_up, widening_buffer
+from .linear import (
+    KERNEL_ACTIVATIONS,
+    QuantizedLinear,
+    kernel_rows,
+    pad_columns,
+    round_up,
+    tiled_matmul,
+    widening_buffer,
+)
 
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 64  # see docs/quantization.md: the perplexity and speed of each size on minfer-tiny
@@ -159,18 +167,20 @@ class Int4Linear(QuantizedLinear):
         dtype, x, K = rows.dtype, pad_columns(rows, self.padded_in), self.padded_in  # x (M, K')
         scale, offset = self.affine_by_column(dtype)  # (K'/G, 1, N') each
         blocks = self.qweight.view(-1, K, BLOCK_N // 2)  # (N'/64, K', 32): a block's row j in the low nibbles
-        per_tile = max(1, GEMM_TILE_ELEMENTS // (K * BLOCK_N))  # of column j, row j + 32 in the high ones
-        y = torch.empty(x.shape[0], self.padded_out, dtype=dtype, device=x.device)  # (M, N')
-        for first in range(0, blocks.shape[0], per_tile):
-            tile = blocks[first : first + per_tile]  # (n, K', 32)
-            n, cols = tile.shape[0], slice(first * BLOCK_N, (first + per_tile) * BLOCK_N)
+        # of column j, row j + 32 in the high ones
+
+        def weight_columns(start: int, stop: int) -> torch.Tensor:  # out channels start:stop -> (K', stop - start)
+            tile = blocks[start // BLOCK_N : stop // BLOCK_N]  # (n, K', 32)
+            n = tile.shape[0]
             w = widening_buffer(dtype, x.device, K * n * BLOCK_N).view(K, n, BLOCK_N)  # (K', n, 64)
             w[:, :, : BLOCK_N // 2].copy_((tile & 15).transpose(0, 1))
             w[:, :, BLOCK_N // 2 :].copy_((tile >> 4).transpose(0, 1))
             grouped = w.view(-1, self.group_size, n * BLOCK_N)  # (K'/G, G, n * 64)
-            torch.addcmul(offset[:, :, cols], grouped, scale[:, :, cols], out=grouped)  # q * scale + offset
-            y[:, cols] = x @ w.view(K, n * BLOCK_N)
-        y = y[:, : self.out_features]
+            torch.addcmul(offset[..., start:stop], grouped, scale[..., start:stop], out=grouped)  # q * scale + offset
+            return w.view(K, n * BLOCK_N)
+
+        step = max(1, GEMM_TILE_ELEMENTS // (K * BLOCK_N)) * BLOCK_N  # whole blocks of 64 out channels a tile
+        y = tiled_matmul(x, self.padded_out, step, weight_columns)[:, : self.out_features]  # (M, out)
         return y if self.bias is None else y.add_(self.bias.to(dtype))
 
     def affine_by_column(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

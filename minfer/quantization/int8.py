@@ -34,7 +34,15 @@ import torch
 from torch import nn
 
 from ..cpu_features import cpu_has_int8_dot
-from .linear import KERNEL_ACTIVATIONS, QuantizedLinear, kernel_rows, pad_columns, round_up, widening_buffer
+from .linear import (
+    KERNEL_ACTIVATIONS,
+    QuantizedLinear,
+    kernel_rows,
+    pad_columns,
+    round_up,
+    tiled_matmul,
+    widening_buffer,
+)
 
 K_MULTIPLE = 16  # _weight_int8pack_mm's bf16 path reads the inner dimension 16 at a time
 
@@ -98,9 +106,9 @@ class Int8Linear(QuantizedLinear):
 
     # Rows per path (scripts/quant_crossover.py, docs/quantization.md). The weight-only kernel converts
     # every weight again for every few rows. On a CPU with int8 dot products (`rounds_batches`) it runs up
-    # to 4 rows, then rows up to 128 are rounded to int8 too (dynamic_int8_mm), and more go through
-    # dequantize + GEMM: a GPT-2 block at 16 rows on an AMX Xeon took 1.45 ms in the kernel, 0.72 rounded
-    # and 1.45 dequantized, bf16 0.63. Elsewhere the kernel runs up to 16 rows, then dequantize + GEMM.
+    # to 4 rows, then rows up to 32 are split into two int8 halves (split_int8_mm), and more go through
+    # dequantize + GEMM: a GPT-2 block at 16 rows on an AMX Xeon took 1.45 ms in the kernel, 1.13 split
+    # and 1.47 dequantized, bf16 0.63. Elsewhere the kernel runs up to 16 rows, then dequantize + GEMM.
     kernel_max_rows = 16
     rounds_batches = cpu_has_int8_dot()
     ROUNDED_ROWS = (4, 32)  # (above, up to): the rows rounded to int8 where `rounds_batches`
@@ -145,18 +153,13 @@ class Int8Linear(QuantizedLinear):
         """Many rows: the integers widened to the rows' dtype (exactly: |q| <= 127) and multiplied as they
         are, the scales applied to the output (M, out) rather than to the weight (out, in). One pass over
         the weight, where scaling it cost three (a broadcast multiply in bf16 ran ~9x slower than the
-        widening): one GPT-2 block at 64 rows, 3.2 -> 1.8 ms (docs/quantization.md). Tile by tile through
+        widening): one GPT-2 block at 64 rows, 3.2 -> 2.1 ms (docs/quantization.md). Tile by tile through
         one reused buffer. fp16 keeps the scaled weight: its range cannot hold the unscaled sums."""
         if rows.dtype not in (torch.bfloat16, torch.float32):
             return super().gemm(rows)
         dtype, q = rows.dtype, self.qweight[:, : self.in_features]  # (out, in) int8
         step = max(1, GEMM_TILE_ELEMENTS // self.in_features)
-        if step >= self.out_features:
-            y = rows @ widened(q, dtype).t()  # (M, out)
-        else:
-            y = torch.empty(rows.shape[0], self.out_features, dtype=dtype, device=rows.device)
-            for start in range(0, self.out_features, step):
-                y[:, start : start + step] = rows @ widened(q[start : start + step], dtype).t()
+        y = tiled_matmul(rows, self.out_features, step, lambda start, stop: widened(q[start:stop], dtype).t())
         y.mul_(self.kernel_scales if dtype == self.kernel_scales.dtype else self.scales)
         return y if self.bias is None else y.add_(self.bias.to(dtype))
 

@@ -92,6 +92,19 @@ def pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
+def tiled_matmul(rows: torch.Tensor, out_features: int, step: int, weight_columns) -> torch.Tensor:
+    """rows (M, in) @ W (in, out_features), W built `step` output columns at a time by
+    weight_columns(start, stop) -> (in, stop - start): a quantized weight widened tile by tile into the
+    reused buffer (`widening_buffer`), each tile used before the next overwrites it."""
+    if step >= out_features:
+        return rows @ weight_columns(0, out_features)  # (M, out)
+    y = torch.empty(rows.shape[0], out_features, dtype=rows.dtype, device=rows.device)
+    for start in range(0, out_features, step):
+        stop = min(start + step, out_features)
+        y[:, start:stop] = rows @ weight_columns(start, stop)
+    return y
+
+
 _buffers = threading.local()  # one per thread: two engines in two threads never share one
 
 
