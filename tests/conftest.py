@@ -13,6 +13,11 @@ os.environ.setdefault("MINFER_ATTENTION_BACKEND", "eager")
 # busy with the tutorials too, where a waiting OpenMP thread spins on a core another process needs.
 os.environ.setdefault("MINFER_NUM_THREADS", "1")
 
+# The device the engine, model and sampling tests run on: MINFER_DEVICE=cuda runs them on a GPU
+# (EngineConfig reads it too, so every LLM() there follows). scripts/gpu_check.sh names the tests meant
+# for it; the server, browser and lm-eval tests need packages a GPU machine may lack.
+TEST_DEVICE = os.environ.get("MINFER_DEVICE", "cpu")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -40,3 +45,14 @@ def make_checkpoint(tmp_path_factory):
 def tiny_checkpoint(make_checkpoint):
     """The default test model: 2 layers, 4 heads, 64 channels, vocab 512, context 512."""
     return make_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where tests that build a model themselves put it: $MINFER_DEVICE, else the CPU."""
+    return torch.device(TEST_DEVICE)
+
+
+def only_on_cpu(reason: str):
+    """Marks a test about the CPU's own paths (weight packing, threads): skipped on another device."""
+    return pytest.mark.skipif(torch.device(TEST_DEVICE).type != "cpu", reason=f"a CPU path: {reason}")

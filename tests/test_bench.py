@@ -259,6 +259,21 @@ def test_baseline_hf_and_roofline(tiny_checkpoint, tmp_path, capsys):
     assert roof["matmul_floor_ms"] > 0  # the weight matmuls alone, timed
 
 
+def test_baseline_on_the_first_requests_only(tiny_checkpoint, tmp_path, capsys):
+    """--hf-num-requests: a slow baseline runs a subset of a big workload (issue 33's GPU runs)."""
+    pytest.importorskip("transformers")
+    args = ("--model", tiny_checkpoint, *WORKLOAD, "--baseline", "hf", "--hf-batch-size", "2")
+    out = run_bench(capsys, *args, "--hf-num-requests", "3", "--json", tmp_path / "b.json")
+    assert "transformers generate, batch 2, its first 3 requests" in out
+    report = json.loads((tmp_path / "b.json").read_text())
+    base = report["baseline"]
+    assert base["num_requests"] == 3 and len(base["requests"]) == 3 < len(report["requests"])
+    assert [r["output_len"] for r in base["requests"]] == [r["output_len"] for r in report["requests"][:3]]
+    with pytest.raises(SystemExit):
+        run_bench(capsys, *args, "--hf-num-requests", "0")
+    assert "--hf-num-requests must be >= 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_profile_splits_a_step_into_parts(tiny_checkpoint, tmp_path, capsys, dtype):
     out = run_bench(

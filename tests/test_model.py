@@ -13,29 +13,32 @@ SHAPES = {
 }
 
 
-def load_pair(make_checkpoint, shape, layout):
+def load_pair(make_checkpoint, shape, layout, device):
+    """Ours on the test device (conftest.py), transformers' on the CPU."""
     path = make_checkpoint("tiny", layout, seed=1, **SHAPES[shape])
-    ours = GPT2.from_pretrained(path)
+    ours = GPT2.from_pretrained(path, device=device)
     ref = transformers.GPT2LMHeadModel.from_pretrained(path, torch_dtype=torch.float32).eval()
     return ours, ref
 
 
 def greedy_without_cache(model, ids, n):
-    """The simplest generation loop: rerun the whole sequence, take the argmax of the last position."""
+    """The simplest generation loop: rerun the whole sequence, take the argmax of the last position.
+    On the model's device; ids (B, T) come back on the CPU."""
+    ids = ids.to(model.device)
     for _ in range(n):
         next_id = model(ids)[:, -1].argmax(-1, keepdim=True)
         ids = torch.cat([ids, next_id], dim=1)
-    return ids
+    return ids.cpu()
 
 
 @pytest.mark.parametrize("layout", ["hub", "transformers"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @torch.inference_mode()
-def test_logits_match_transformers(make_checkpoint, shape, layout):
-    ours, ref = load_pair(make_checkpoint, shape, layout)
+def test_logits_match_transformers(make_checkpoint, shape, layout, device):
+    ours, ref = load_pair(make_checkpoint, shape, layout, device)
     vocab = ours.config.vocab_size
     ids = torch.randint(0, vocab, (3, 50), generator=torch.Generator().manual_seed(0))
-    logits = ours(ids)
+    logits = ours(ids.to(device)).cpu()
     expected = ref(ids).logits
     assert logits.shape == (3, 50, vocab)
     assert logits.std() > 0.05  # random weights, but not a degenerate all-equal output
@@ -45,8 +48,8 @@ def test_logits_match_transformers(make_checkpoint, shape, layout):
 @pytest.mark.parametrize("layout", ["hub", "transformers"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @torch.inference_mode()
-def test_greedy_continuation_matches_transformers(make_checkpoint, shape, layout):
-    ours, ref = load_pair(make_checkpoint, shape, layout)
+def test_greedy_continuation_matches_transformers(make_checkpoint, shape, layout, device):
+    ours, ref = load_pair(make_checkpoint, shape, layout, device)
     prompt = torch.randint(0, ours.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
     got = greedy_without_cache(ours, prompt, 32)
     expected = ref.generate(
@@ -71,12 +74,12 @@ def test_config_drives_the_shape(make_checkpoint):
     assert n_params == V * C + P * C + L * (12 * C * C + 13 * C) + 2 * C
 
 
-def test_lm_head_is_tied_to_embedding(tiny_checkpoint):
-    model = GPT2.from_pretrained(tiny_checkpoint)
-    ids = torch.tensor([[1, 2, 3]])
+def test_lm_head_is_tied_to_embedding(tiny_checkpoint, device):
+    model = GPT2.from_pretrained(tiny_checkpoint, device=device)
+    ids = torch.tensor([[1, 2, 3]], device=device)
     with torch.inference_mode():
         logits = model(ids)
-        x = model.wte(ids) + model.wpe(torch.arange(3))
+        x = model.wte(ids) + model.wpe(torch.arange(3, device=device))
         for block in model.h:
             x = block(x)
         manual = model.ln_f(x) @ model.wte.weight.T
@@ -85,17 +88,17 @@ def test_lm_head_is_tied_to_embedding(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_loads_and_runs(tiny_checkpoint, dtype):
-    model = GPT2.from_pretrained(tiny_checkpoint, dtype=dtype)
-    ref = GPT2.from_pretrained(tiny_checkpoint)
+def test_half_precision_loads_and_runs(tiny_checkpoint, dtype, device):
+    model = GPT2.from_pretrained(tiny_checkpoint, device=device, dtype=dtype)
+    ref = GPT2.from_pretrained(tiny_checkpoint, device=device)
     assert model.dtype == dtype and all(p.dtype == dtype for p in model.parameters())
-    ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.inference_mode():
         low, full = model(ids).float(), ref(ids)
     assert (low - full).abs().max() < 0.1
 
 
-def test_too_long_input_is_refused(tiny_checkpoint):
-    model = GPT2.from_pretrained(tiny_checkpoint)
+def test_too_long_input_is_refused(tiny_checkpoint, device):
+    model = GPT2.from_pretrained(tiny_checkpoint, device=device)
     with pytest.raises(ValueError, match="exceeds the model's context of 512"):
-        model(torch.zeros(1, 513, dtype=torch.long))
+        model(torch.zeros(1, 513, dtype=torch.long, device=device))

@@ -99,6 +99,12 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
     x = p.add_argument_group("comparisons")
     x.add_argument("--baseline", choices=["hf"], help="also run the workload through transformers' generate")
     x.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf baseline")
+    x.add_argument(
+        "--hf-num-requests",
+        type=int,
+        help="the baseline runs only the workload's first N requests (a slow baseline on a big workload; "
+        "throughputs compare, latencies less so) (default: all)",
+    )
     x.add_argument("--roofline", action="store_true", help="batch-1 TPOT beside the weights/bandwidth floor")
     x.add_argument(
         "--profile",
@@ -109,7 +115,7 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
     args = p.parse_args(argv)
     if args.base_url:
         args.mode = "online"
-    for name in ("repeat_runs", "max_concurrency", "hf_batch_size", "num_requests", "n"):
+    for name in ("repeat_runs", "max_concurrency", "hf_batch_size", "hf_num_requests", "num_requests", "n"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup_runs < 0:
@@ -221,8 +227,10 @@ def online_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResul
 
 
 def baseline_hf(args, model_dir, tokenizer: Tokenizer, workload, minfer_summary: dict, dtype: torch.dtype) -> dict:
-    """The first run's workload through transformers' generate, with the same threads and dtype."""
+    """The first run's workload (its first --hf-num-requests) through transformers' generate, with the same
+    threads and dtype."""
     set_threads(args)
+    workload = workload[: args.hf_num_requests]
     progress("loading the checkpoint into transformers for the baseline ...")
     model = load_hf_model(model_dir, args.device, dtype, progress=not args.disable_tqdm)
     prompts = [r.prompt_token_ids or tokenizer.encode_prompt(r.prompt) for r in workload]  # tokenized up front
@@ -241,6 +249,7 @@ def baseline_hf(args, model_dir, tokenizer: Tokenizer, workload, minfer_summary:
     return {
         "name": "hf",
         "batch_size": args.hf_batch_size,
+        "num_requests": len(workload),
         "summary": summary,
         "minfer_over_hf": ratios,
         "requests": records,
@@ -335,7 +344,8 @@ def run(args) -> int:
     report = {"config": settings, "summary": summary, "runs": summaries, "requests": records}
     if args.baseline:
         report["baseline"] = base = baseline_hf(args, model_dir, tokenizer, workloads[0], summaries[0], dtype)
-        print(format_summary(base["summary"], f"transformers generate, batch {args.hf_batch_size}"))
+        subset = "" if base["num_requests"] == len(workloads[0]) else f", its first {base['num_requests']} requests"
+        print(format_summary(base["summary"], f"transformers generate, batch {args.hf_batch_size}{subset}"))
         print(format_comparison(summaries[0], base["summary"], args.hf_batch_size))
     if (args.roofline or args.profile) and scheduler is None:  # online: the server is gone; load minfer here
         scheduler = LLM(str(model_dir), config=engine).scheduler

@@ -104,11 +104,13 @@ class EngineConfig:
         "local checkpoint directory or Hub repo id",
         convert=lambda v: os.fspath(v) if isinstance(v, os.PathLike) else v,
     )
+    # $MINFER_DEVICE may change the default, as $MINFER_ATTENTION_BACKEND does below: the tests' way to
+    # run on a GPU (tests/conftest.py).
     device: str = setting(
-        "cpu",
+        os.environ.get("MINFER_DEVICE", "cpu"),
         str,
         Check(lambda v: isinstance(v, str), "a torch device such as cpu or cuda:0"),  # convert refuses the rest
-        "cpu, cuda, cuda:1, ...",
+        "cpu, cuda, cuda:1, ... (default: $MINFER_DEVICE, else cpu)",
         convert=lambda v: str(torch.device(v)),
     )
     dtype: str = setting(

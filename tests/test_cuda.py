@@ -1,0 +1,79 @@
+"""What only a GPU can show: one host sync per engine step, and GPU memory that stays put.
+
+These run where the tests' device is a GPU (`MINFER_DEVICE=cuda`, tests/conftest.py;
+scripts/gpu_check.sh runs them with the rest of the GPU-ready tests). On a CPU there is no
+sync to count (a CPU tensor's `.tolist()` only reads memory), so they are skipped there.
+"""
+
+import warnings
+
+import pytest
+import torch
+from conftest import TEST_DEVICE
+from test_engine import assert_all_free, random_prompts
+
+from minfer import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    torch.device(TEST_DEVICE).type != "cuda", reason="needs a CUDA device: run with MINFER_DEVICE=cuda"
+)
+
+
+def syncs_per_step(llm: LLM) -> list[int]:
+    """Step the engine until it is idle, counting each step's synchronizing CUDA calls: what
+    torch.cuda.set_sync_debug_mode("warn") warns about (a device-to-host copy, .item(), a
+    boolean mask's nonzero, ...)."""
+    counts = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        while llm.scheduler.has_unfinished():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                llm.scheduler.step()
+            counts.append(sum("synchronizing" in str(w.message) for w in caught))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return counts
+
+
+def test_every_step_syncs_with_the_host_exactly_once(tiny_checkpoint):
+    """Prefill chunks, decodes, greedy and seeded sampling, top-k/top-p, penalties and logprobs in one
+    batch: the step's single .tolist() is its only sync."""
+    llm = LLM(tiny_checkpoint, num_kv_blocks=64, max_num_batched_tokens=64)
+    prompts = random_prompts(7, 512, seed=2, max_len=90)
+    params = [
+        SamplingParams(max_tokens=12, temperature=0),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=3),
+        SamplingParams(max_tokens=12, top_k=5, top_p=0.9, seed=4),
+        SamplingParams(max_tokens=12, temperature=0.7, presence_penalty=0.5, repetition_penalty=1.1),
+        SamplingParams(max_tokens=12, temperature=0, logprobs=3, prompt_logprobs=2),
+        SamplingParams(max_tokens=12, temperature=1.0, min_p=0.1),
+        SamplingParams(max_tokens=12, n=2, seed=7, logit_bias={5: 2.0}, min_tokens=4),
+    ]
+    for prompt, p in zip(prompts, params):
+        llm.scheduler.add_request(prompt_token_ids=prompt, sampling_params=p)
+    counts = syncs_per_step(llm)
+    # A step of prompt chunks that completes no prompt draws nothing, and its empty .tolist() may not sync.
+    assert max(counts) == 1 and counts.count(1) >= 12, counts
+    assert_all_free(llm)
+
+
+def test_gpu_memory_does_not_grow_over_a_run(tiny_checkpoint):
+    """The KV cache takes its share when the engine starts; a run allocates nothing that outlives it."""
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    llm = LLM(tiny_checkpoint, gpu_memory_utilization=0.02)
+    cache = llm.scheduler.kv_cache
+    cache_bytes = cache.kv.numel() * cache.kv.element_size()
+    loaded = torch.cuda.memory_allocated()
+    assert loaded - before >= cache_bytes
+    prompts = random_prompts(24, 512, seed=5, max_len=200)
+    params = SamplingParams(max_tokens=48, temperature=0.8, seed=1, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    first_peak = torch.cuda.max_memory_allocated()
+    assert torch.cuda.memory_allocated() == loaded  # every step's temporaries freed
+    torch.cuda.reset_peak_memory_stats()
+    llm.generate(prompts, params, use_tqdm=False)
+    assert torch.cuda.memory_allocated() == loaded
+    assert torch.cuda.max_memory_allocated() <= first_peak  # the same work needs no more the second time
+    assert_all_free(llm)
