@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from minfer.attention import cpu_tiled
 from minfer.attention.cpu_tiled import CPUTiledBackend
+from minfer.attention.flex import FlexBackend
 from minfer.attention.kv_cache import slot_of
 from minfer.attention.paged import StepLayout, paged_attention
 from minfer.attention.selector import choose_attention_backend
@@ -20,7 +21,10 @@ from minfer.models.gpt2 import GPT2
 def test_the_backend_follows_the_device_and_the_config():
     assert type(choose_attention_backend("cpu", torch.float32, "eager")) is CPUTiledBackend
     assert type(choose_attention_backend("cpu", torch.float32, "torch")) is TorchBackend
-    assert type(choose_attention_backend("cuda", torch.bfloat16)) is TorchBackend  # built, not run: no GPU needed
+    # built, not run: no GPU needed. FlexAttention on a GPU unless told "eager".
+    assert type(choose_attention_backend("cuda", torch.bfloat16)) is FlexBackend
+    assert type(choose_attention_backend("cuda", torch.bfloat16, "compiled")) is FlexBackend
+    assert type(choose_attention_backend("cuda", torch.bfloat16, "eager")) is TorchBackend
     assert type(choose_attention_backend("cpu", torch.float64, kv_width=768)) is CPUTiledBackend  # auto: 16-bit only
     with pytest.raises(ValueError, match="attention_backend must be one of auto, compiled, eager"):
         choose_attention_backend("cpu", torch.float32, "flash")

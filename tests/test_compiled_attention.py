@@ -196,8 +196,10 @@ def test_prepare_model_keeps_eager_off_cpu_choices(monkeypatch):
     assert prepare.choose_attention_backend("cpu", torch.bfloat16, "auto", kv_width=128).name == "cpu_tiled"
     assert prepare.choose_attention_backend("cpu", torch.bfloat16, "auto", kv_width=768).name == "compiled"
     assert prepare.choose_attention_backend("cpu", torch.bfloat16, "compiled", kv_width=128).name == "compiled"
+    # off a CPU "compiled" is FlexAttention (flex.py), and the CPU's own backends are refused
+    assert prepare.choose_attention_backend("meta", torch.float32, "compiled").name == "flex"
     with pytest.raises(ValueError, match="runs on cpu only"):
-        prepare.choose_attention_backend("meta", torch.float32, "compiled")
+        prepare.choose_attention_backend("meta", torch.float32, "cpu_tiled")
 
 
 def test_the_kv_cache_is_a_normal_tensor_whoever_builds_it(tiny_checkpoint):

@@ -63,11 +63,14 @@ class KVCache:
     Block `num_blocks` is an extra, never-allocated *null block*, kept zeroed: padded
     positions of a batched gather read it. Everything else starts uninitialised
     (torch.empty): a slot is always written before attention reads it unmasked, and
-    untouched memory costs no RAM until used. Masked reads must still be finite
+    untouched memory costs no RAM until used (`zeroed`: all of it zeroed, for a backend that
+    reads unwritten slots of a sequence's last block and masks them by weight). Masked reads must still be finite
     (0 * NaN = NaN in the attention sum), hence the zeroed null block.
     """
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device, dtype, layout: str = "slots"):
+    def __init__(
+        self, config: ModelConfig, num_blocks: int, block_size: int, device, dtype, layout: str = "slots", zeroed=False
+    ):
         if layout not in LAYOUTS:
             raise ValueError(f"the KV cache layout must be one of {LAYOUTS}, got {layout!r}")
         L, Hkv, D = config.num_layers, config.num_kv_heads, config.head_dim
@@ -77,7 +80,7 @@ class KVCache:
         else:
             shape = (L, num_blocks + 1, 2, Hkv, D * block_size)
         with torch.inference_mode(False):  # a normal tensor whoever builds it: compiled kernels guard on the kind
-            self.kv = torch.empty(shape, device=device, dtype=dtype)
+            self.kv = (torch.zeros if zeroed else torch.empty)(shape, device=device, dtype=dtype)
         if layout == "slots":
             self.kv[:, num_blocks * block_size :].zero_()
             self.k, self.v = self.kv[:, :, 0], self.kv[:, :, 1]  # (num_layers, num_slots, Hkv, D)
@@ -85,6 +88,13 @@ class KVCache:
             self.kv[:, num_blocks:].zero_()
             self.k = self.kv[:, :, 0].view(L, num_blocks + 1, Hkv, D, block_size)  # a block's keys, transposed
             self.v = self.kv[:, :, 1].view(L, num_blocks + 1, Hkv, block_size, D)
+
+    @classmethod
+    def for_backend(cls, config: ModelConfig, num_blocks: int, block_size: int, device, dtype, backend) -> KVCache:
+        """The cache an attention backend reads: in its layout, and zeroed where it may multiply unwritten
+        slots by a zero weight (flex.py: 0 x NaN is NaN)."""
+        zeroed = getattr(backend, "zeroed_cache", False)
+        return cls(config, num_blocks, block_size, device, dtype, backend.cache_layout, zeroed)
 
     def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int) -> None:
         """Copy each (src, dst) block's keys and values, every layer: copy-on-write of a shared block. A dst

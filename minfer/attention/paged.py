@@ -19,8 +19,10 @@ business of an *attention backend*, an object with two methods:
 
 The engine picks one backend per model at load time (selector.py, from the device and the
 config). Models only call `paged_attention`; they never know which backend runs.
-Backends: torch_sdpa.py (any device: gather each sequence's context, then sdpa) and
-cpu_tiled.py (the CPU's: gathered a tile at a time, prefill chunks by matmuls).
+Backends: torch_sdpa.py (any device: gather each sequence's context, then sdpa),
+cpu_tiled.py (the CPU's: gathered a tile at a time, prefill chunks by matmuls), compiled.py
+(the CPU's, decode read in place by a compiled kernel) and flex.py (FlexAttention over the
+block tables: a GPU's).
 """
 
 from __future__ import annotations

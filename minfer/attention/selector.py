@@ -1,8 +1,7 @@
 """Which attention backend runs a model: chosen once, at load time, from the device and the config.
 
-A new backend (FlexAttention, a Triton kernel with CUDA graphs) is one more entry in
-ATTENTION_BACKENDS and, if it should be the default somewhere, one more line in
-`backend_name`. Nothing in the models or the engine changes.
+A new backend is one more entry in ATTENTION_BACKENDS and, if it should be the default
+somewhere, one more line in `backend_name`. Nothing in the models or the engine changes.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ import torch
 from ..cpu_features import cpu_has_amx
 from .compiled import CompiledBackend
 from .cpu_tiled import CPUTiledBackend
+from .flex import FlexBackend
 from .paged import AttentionBackend
 from .torch_sdpa import TorchBackend
 
@@ -19,6 +19,7 @@ from .torch_sdpa import TorchBackend
 ATTENTION_BACKENDS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "compiled": (CompiledBackend, ("cpu",)),
     "cpu_tiled": (CPUTiledBackend, ("cpu",)),
+    "flex": (FlexBackend, None),  # any device; chosen by name on a CPU (the tests), by default on a GPU
     "torch": (TorchBackend, None),
 }
 CHOICES = ("auto", "compiled", "eager")  # what users choose from (--attention-backend)
@@ -39,11 +40,12 @@ def backend_name(
     sdpa) and the compiled one took the same time in `bench.py --profile` decode steps, so there the
     compile would only add start-up time. On an Intel host with AMX the eager gather ran at half that
     speed and compiled fp32 steps were 1.2-1.4x faster (docs/performance.md). float64 (a reference
-    precision) stays eager."""
+    precision) stays eager. On a GPU "auto" and "compiled" are FlexAttention over the block tables
+    (flex.py), "eager" the plain backend."""
     device = torch.device(device)
+    if device.type != "cpu" and choice in ("auto", "compiled"):
+        return "flex"
     if choice == "auto":
-        if device.type != "cpu":
-            return "torch"
         narrow = kv_width is not None and kv_width < MIN_COMPILED_KV_WIDTH
         sixteen_bit = dtype in (torch.bfloat16, torch.float16)
         fp32_on_amx = dtype == torch.float32 and cpu_has_amx()

@@ -79,8 +79,10 @@ class OnlineScheduler:
         )
         self.allocator = BlockAllocator(num_kv_blocks, block_size, config.enable_prefix_caching)
         model, attention_backend = prepare_model(model, config)  # once, before the first step; idempotent
-        layout = attention_backend.cache_layout  # the cache is laid out as the attention backend reads it
-        self.kv_cache = KVCache(model.config, num_kv_blocks, block_size, model.device, model.dtype, layout)
+        # the cache is laid out as the attention backend reads it
+        self.kv_cache = KVCache.for_backend(
+            model.config, num_kv_blocks, block_size, model.device, model.dtype, attention_backend
+        )
         self.speculator = None  # speculative decoding (speculative/), when asked for
         self.draft = draft and DraftProposer(draft, num_kv_blocks, block_size, config, model.config)
         if config.speculative_method is not None:

@@ -82,8 +82,8 @@ class DraftProposer:
         )
         model, self.attention_backend = prepare_model(model, attention)
         self.model = model
-        self.kv_cache = KVCache(
-            model.config, num_blocks, block_size, model.device, model.dtype, self.attention_backend.cache_layout
+        self.kv_cache = KVCache.for_backend(
+            model.config, num_blocks, block_size, model.device, model.dtype, self.attention_backend
         )
         self.block_size = block_size
         self.device = model.device
