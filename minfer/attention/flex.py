@@ -26,23 +26,34 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..step_parts import part
 from .kv_cache import cdiv
 from .paged import AttentionMetadata, StepLayout
 from .torch_sdpa import TorchBackend
 
+if TYPE_CHECKING:  # flex_attention loads the compiler: imported where first used (importing minfer stays light)
+    from torch.nn.attention.flex_attention import BlockMask
+
 QUERY_TILE = 128  # query rows per tile of a BlockMask (FlexAttention's own default)
 WARM_UP_BUDGET_S = 120.0  # longest the start-up compile may take before the engine gives up on it
 # Compiled once for every engine in the process: with dynamic shapes for a GPU's Triton kernels. On a CPU, where
 # flex is the tests' (selector.py), torch 2.13's C++ template failed to build with dynamic sizes and this mask,
 # so there each new shape compiles anew, and past Dynamo's recompile limit runs unfused: slow, still exact.
-_flex_compiled = {
-    "dynamic": torch.compile(flex_attention, dynamic=True),
-    "static": torch.compile(flex_attention, dynamic=False),
-}
+_flex_compiled: dict = {}  # "dynamic" or "static" -> the compiled flex_attention, made on first use
+
+
+def compiled_flex_attention(dynamic: bool):
+    """torch.compile(flex_attention), with dynamic shapes or not: one of each per process."""
+    key = "dynamic" if dynamic else "static"
+    if key not in _flex_compiled:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _flex_compiled[key] = torch.compile(flex_attention, dynamic=dynamic)
+    return _flex_compiled[key]
 
 
 @dataclass
@@ -65,6 +76,7 @@ def paged_block_mask(
     pad_columns: int | None = None,  # the CPU's lowering wants a column per cache block
 ) -> BlockMask:
     """The BlockMask of S sequences of T queries each, reading their blocks of the paged cache."""
+    from torch.nn.attention.flex_attention import BlockMask
     S, W = tables.shape
     T = query_positions.shape[1]
     tiles = cdiv(T, QUERY_TILE)
@@ -111,24 +123,19 @@ class FlexBackend(TorchBackend):
     # ---- once per step ----------------------------------------------------------------------
 
     def build_metadata(self, layout: StepLayout) -> FlexMetadata:
-        B = layout.block_size
-        num_slots = (layout.null_block + 1) * B
-        if self.block_index is None or self.block_index.shape[0] != layout.null_block + 1:
-            self.block_index = torch.zeros(layout.null_block + 1, dtype=torch.long, device=self.device)
-        pad = layout.null_block + 1 if self.device.type == "cpu" else None
+        B, null = layout.block_size, layout.null_block
         meta = FlexMetadata(layout.slot_mapping, self)
         decodes = [i for i, n in enumerate(layout.query_lens) if n == 1]
         reading = decodes + [i for i, n in enumerate(layout.query_lens) if n > 1 and layout.context_lens[i] > n]
-        tables = self._index_blocks(layout, reading)  # (R, W) on the device
+        tables = self._tables(layout, reading)  # (R, W) on the device
+        self._index_blocks(tables, null)
         if decodes:
             lens = [layout.context_lens[i] for i in decodes]
-            ints = torch.tensor([[layout.query_starts[i] for i in decodes], lens]).to(self.device, non_blocking=True)
-            rows, lens_t = ints  # (S,), (S,)
-            blocks = (lens_t + B - 1) // B
-            meta.decode_rows = rows
-            meta.decode_mask = paged_block_mask(
-                tables[: len(decodes)], blocks, (lens_t - 1)[:, None], self.block_index, B, num_slots, pad
+            rows, lens_t = torch.tensor([[layout.query_starts[i] for i in decodes], lens]).to(
+                self.device, non_blocking=True
             )
+            meta.decode_rows = rows  # (S,)
+            meta.decode_mask = self._decode_mask(tables[: len(decodes)], lens_t, B, null)
         meta.all_decode = len(decodes) == len(layout.query_lens)
         row = len(decodes)
         for i, num in enumerate(layout.query_lens):
@@ -140,22 +147,43 @@ class FlexBackend(TorchBackend):
                 continue
             positions = torch.arange(context - num, context, device=self.device)[None]  # (1, T)
             blocks = torch.full((1,), cdiv(context, B), device=self.device)
-            mask = paged_block_mask(tables[row : row + 1], blocks, positions, self.block_index, B, num_slots, pad)
+            mask = paged_block_mask(tables[row : row + 1], blocks, positions, self.block_index, B, *self._kv(B, null))
             meta.chunks.append((start, end, mask))
             row += 1
         return meta
 
-    def _index_blocks(self, layout: StepLayout, seqs: list[int]) -> torch.Tensor:
-        """The block tables of `seqs` as one (R, W) device tensor, padded with the null block, and each
-        listed block's position in its sequence recorded in self.block_index."""
+    def graph_metadata(self, slot_mapping, tables, context_lens, block_size: int, null_block: int) -> FlexMetadata:
+        """An all-decode step's metadata from fixed buffers, by device ops alone, so a CUDA graph records
+        it (engine/cuda_graphs.py): slot_mapping (S,), tables (S, W) padded with the null block, context
+        lengths (S,)."""
+        self._index_blocks(tables, null_block)
+        mask = self._decode_mask(tables, context_lens, block_size, null_block)
+        return FlexMetadata(slot_mapping, self, decode_mask=mask, all_decode=True)
+
+    def _decode_mask(self, tables, lens, block_size: int, null_block: int) -> BlockMask:
+        """S sequences of one query each, at their last position: tables (S, W), lens (S,)."""
+        blocks = (lens + block_size - 1) // block_size  # (S,)
+        last = (lens - 1)[:, None]  # (S, 1) each query's position
+        return paged_block_mask(tables, blocks, last, self.block_index, block_size, *self._kv(block_size, null_block))
+
+    def _kv(self, block_size: int, null_block: int) -> tuple[int, int | None]:
+        """paged_block_mask's last two arguments: the cache's slots, and the columns a CPU wants."""
+        return (null_block + 1) * block_size, (null_block + 1 if self.device.type == "cpu" else None)
+
+    def _tables(self, layout: StepLayout, seqs: list[int]) -> torch.Tensor:
+        """The block tables of `seqs` as one (R, W) device tensor, padded with the null block."""
         B, null = layout.block_size, layout.null_block
         tables = [layout.block_tables[i][: cdiv(layout.context_lens[i], B)] for i in seqs]
         width = max((len(t) for t in tables), default=1)
         padded = [t + [null] * (width - len(t)) for t in tables]
-        tables_t = torch.tensor(padded or [[null]], dtype=torch.long).to(self.device, non_blocking=True)  # (R, W)
+        return torch.tensor(padded or [[null]], dtype=torch.long).to(self.device, non_blocking=True)  # (R, W)
+
+    def _index_blocks(self, tables: torch.Tensor, null_block: int) -> None:
+        """Record each listed block's place in its sequence's table in self.block_index: tables (R, W)."""
+        if self.block_index is None or self.block_index.shape[0] != null_block + 1:
+            self.block_index = torch.zeros(null_block + 1, dtype=torch.long, device=self.device)
         # Padding names the null block at every column: whichever write wins, no sequence reads it.
-        self.block_index[tables_t] = torch.arange(width, device=self.device).expand_as(tables_t)
-        return tables_t
+        self.block_index[tables] = torch.arange(tables.shape[1], device=self.device).expand_as(tables)
 
     # ---- once per layer ---------------------------------------------------------------------
 
@@ -186,7 +214,7 @@ class FlexBackend(TorchBackend):
     @staticmethod
     def _attend(q, keys, values, mask: BlockMask, scale: float, gqa: bool) -> torch.Tensor:
         """q (S, H, T, D) over keys and values (1, Hkv, num_slots, D), through the mask -> (S, H, T, D)."""
-        compiled = _flex_compiled["static" if q.device.type == "cpu" else "dynamic"]
+        compiled = compiled_flex_attention(dynamic=q.device.type != "cpu")
         return compiled(q, keys, values, block_mask=mask, scale=scale, enable_gqa=gqa)
 
     # ---- before the engine starts -----------------------------------------------------------

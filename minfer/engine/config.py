@@ -159,7 +159,9 @@ class EngineConfig:
         "auto: compiled where it compiles and matches eager (a CPU, bf16/fp16), else eager (default: "
         "$MINFER_ATTENTION_BACKEND, else auto)",
     )
-    enforce_eager: bool = setting(False, bool, BOOL, "never compile: eager PyTorch only (implies --attention-backend eager)")
+    enforce_eager: bool = setting(
+        False, bool, BOOL, "never compile, no CUDA graphs: eager PyTorch only (implies --attention-backend eager)"
+    )
     compile_decode_step: bool = setting(
         False, bool, BOOL, "CPU only: in all-decode steps, run each transformer block through one torch.compile "
         "graph shared by every layer, which fuses the small ops between the matmuls; compiled at start-up (seconds)",

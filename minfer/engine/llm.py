@@ -118,3 +118,8 @@ class LLM:
 
     def stats(self) -> dict:
         return self.scheduler.stats()
+
+    def close(self) -> None:
+        """Release the engine's CUDA graphs and their memory (vLLM frees them at shutdown). The model and its
+        cache go with the last reference to this LLM, as any tensor does."""
+        self.scheduler.close()

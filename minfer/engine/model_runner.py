@@ -19,6 +19,7 @@ from ..attention.kv_cache import KVCache, slot_of
 from ..attention.paged import AttentionBackend, PagedBatch, StepLayout
 from ..step_parts import part
 from .compiled_step import CompiledDecodeStep
+from .cuda_graphs import DecodeGraphs, DecodeGraphStep
 from .logprobs import StepLogprobs, TokenLogprob
 from .sampling import sample
 from .sequence import ScheduledChunk
@@ -50,6 +51,7 @@ class ModelRunner:
         draft: DraftProposer | None = None,  # speculative decoding's draft model, on the same blocks
         compile_decode_step: bool = False,  # all-decode steps through one compiled graph (compiled_step.py)
         whole_graph: bool = False,  # that graph the whole forward, weights frozen in, for most steps (--compile-model)
+        decode_graphs: DecodeGraphs | None = None,  # all-decode steps replayed from CUDA graphs (cuda_graphs.py)
     ):
         self.model = model  # as prepare_model left it: the runner never changes it
         self.forward = CompiledDecodeStep(model, whole_graph) if compile_decode_step else model
@@ -58,12 +60,21 @@ class ModelRunner:
         self.attention_backend = attention_backend  # builds each step's attention metadata, and runs it
         self.device = model.device
         self.draft = draft
+        self.decode_graphs = decode_graphs
 
     @torch.inference_mode()  # as every step runs: Dynamo guards on it
     def warm_up(self) -> None:
-        """Compile what compiles before the first request (compiled_step.py); nothing to do otherwise."""
+        """Compile and capture what does before the first request (compiled_step.py, cuda_graphs.py)."""
         if isinstance(self.forward, CompiledDecodeStep):
             self.forward.warm_up(self.prepare, self.block_size)
+        if self.decode_graphs is not None:
+            self.decode_graphs.capture_all()
+
+    def close(self) -> None:
+        """Free what the runner holds beside the model and the cache: CUDA graphs and their memory."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
+            self.decode_graphs = None
 
     @property
     def compiles_decode_steps(self) -> bool:
@@ -79,7 +90,10 @@ class ModelRunner:
                 self.draft.run(chunks)  # its K/V of the step's rows, and the proposals prepare() lays out
         with part("host: prepare"):
             input_ids, batch, wanted = self.prepare(chunks)
-        logits = self.forward(input_ids, batch)  # (S + Q, V): one forward over the N tokens of every sequence
+        if isinstance(batch, DecodeGraphStep):  # replayed from a CUDA graph
+            logits = self.decode_graphs.run(input_ids, batch.layout, batch.positions)  # (S, V)
+        else:
+            logits = self.forward(input_ids, batch)  # (S + Q, V): one forward over the N tokens of every sequence
         with part("sampling"):
             S = sum(len(c.row_samplers) for c in chunks)
             if not wanted.empty:
@@ -179,6 +193,8 @@ class ModelRunner:
         flat = torch.tensor(input_ids + positions + slots + sample_rows).to(self.device, non_blocking=True)
         ids_t, pos_t, slots_t, sample_t = flat.split([N, N, N, S])
         layout = StepLayout(slots_t, starts, lens, context_lens, tables, block_size, self.kv_cache.null_block)
+        if self.decode_graphs is not None and self.decode_graphs.serves(layout, S):
+            return ids_t, DecodeGraphStep(layout, pos_t), wanted  # its metadata is built inside the graph
         batch = PagedBatch(pos_t, self.kv_cache, self.attention_backend.build_metadata(layout), sample_t)
         return ids_t, batch, wanted
 

@@ -35,6 +35,7 @@ from .block_allocator import BlockAllocator
 from .config import EngineConfig, dtype_name
 from .continuous_batcher import ContinuousBatcher
 from .logprobs import keep_top, max_logprob_rows
+from .cuda_graphs import decode_graphs_for
 from .model_runner import ModelRunner, StepOutput
 from .prepare import prepare_model
 from .request_state import Choice, Request
@@ -95,9 +96,11 @@ class OnlineScheduler:
             max_logprob_rows(model.config.vocab_size),
             self.speculator.propose if self.speculator else None,
         )
+        longest = min(self.context_len, num_kv_blocks * block_size)
         self.runner = ModelRunner(
             model, self.kv_cache, block_size, attention_backend, self.draft,
             config.compile_decode_step or config.compile_model, whole_graph=config.compile_model,
+            decode_graphs=decode_graphs_for(model, attention_backend, self.kv_cache, config, longest),
         )
         self.cpu_share = CpuShare(enabled=model.device.type == "cpu" and not threads_chosen(config.num_threads))
         self.runner.warm_up()  # the compiled decode step's graphs, if asked for: before any request waits on them
@@ -105,7 +108,7 @@ class OnlineScheduler:
         # longest request the cache holds, the attention that runs. The server's /health reports it.
         self.engine_config = replace(
             config,
-            attention_backend="compiled" if attention_backend.name == "compiled" else "eager",
+            attention_backend="compiled" if attention_backend.name in ("compiled", "flex") else "eager",
             compile_decode_step=config.compile_decode_step and self.runner.compiles_decode_steps,  # False if its
             compile_model=config.compile_model and self.runner.compiles_decode_steps,  # warm-up failed
             device=str(model.device),
@@ -113,7 +116,7 @@ class OnlineScheduler:
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory=None,
             gpu_memory_utilization=None,
-            max_model_len=min(self.context_len, num_kv_blocks * block_size),
+            max_model_len=longest,
             quantization=quantization_of(model),  # a quantized checkpoint is quantized without the flag
         )
         self.requests: dict[str, Request] = {}  # every request not yet popped or discarded
@@ -307,6 +310,10 @@ class OnlineScheduler:
         self.last_chunks = chunks
         kv_blocks_used = self.allocator.num_blocks - self.allocator.num_free_blocks
         self.last_step = StepStats.of(chunks, start, end, num_preemptions, kv_blocks_used)
+
+    def close(self) -> None:
+        """Release what the engine holds beside its tensors (CUDA graphs). Requests still in it stay as they are."""
+        self.runner.close()
 
     def has_unfinished(self) -> bool:
         return self.batcher.has_unfinished()

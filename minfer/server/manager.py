@@ -151,6 +151,7 @@ class SchedulerManager:
                 self._fail_all(503, message)
                 self._stats = self.scheduler.stats()
                 self.events.close()
+                self.scheduler.close()  # CUDA graphs and their memory, by the thread that ran them
 
     def _drain_inbox(self, refuse: str | None = None) -> bool:
         """Admit new requests (or refuse them with a 503 `refuse` message) and carry out discards.
