@@ -9,8 +9,10 @@
 # is a short summary. Stages:
 #   tests: the engine, model, sampling, KV-cache and loader tests on CUDA (MINFER_DEVICE=cuda,
 #          tests/conftest.py), fp32 against transformers, plus tests/test_cuda.py (one host sync
-#          per step, GPU memory that does not grow). The server, browser and lm-eval tests need
-#          packages that machine lacks, so they are not run there.
+#          per step, GPU memory that does not grow, CUDA graphs against --enforce-eager). First with
+#          what a GPU runs by default (FlexAttention, CUDA graphs), then the engine tests once more
+#          on the plain backend. The server, browser and lm-eval tests need packages that machine
+#          lacks, so they are not run there.
 #   bench: issue 33's workloads on the Qwen3-0.6B shape in bf16: nano-vllm's (256 requests,
 #          100-1024 tokens in and out) beside transformers' generate on its first requests, and
 #          batch-1 TPOT beside the HBM bandwidth floor (--roofline).
@@ -30,15 +32,19 @@ if [[ $stage == tests || $stage == all ]]; then
     tests=(tests/test_cuda.py tests/test_model.py tests/test_llama.py tests/test_engine.py tests/test_kv_cache.py
         tests/test_loader.py tests/test_layers.py tests/test_model_contract.py tests/test_sampling.py
         tests/test_sampling_controls.py tests/test_parallel_sampling.py tests/test_logprobs.py
-        tests/test_speculative_draft.py)
-    MINFER_DEVICE=cuda timeout 420 $PY -m pytest -q -p no:cacheprovider -rs "${tests[@]}" 2>&1 | tee "$OUT/tests.log"
-    summary+=("tests: $(tail -n 1 "$OUT/tests.log")")
+        tests/test_speculative_draft.py tests/test_flex_attention.py tests/test_decode_graphs.py)
+    MINFER_DEVICE=cuda MINFER_ATTENTION_BACKEND=auto timeout 360 $PY -m pytest -q -p no:cacheprovider -rs -x \
+        "${tests[@]}" 2>&1 | tee "$OUT/tests.log"
+    summary+=("tests (flex, graphs): $(tail -n 1 "$OUT/tests.log")")
+    MINFER_DEVICE=cuda MINFER_ATTENTION_BACKEND=eager timeout 180 $PY -m pytest -q -p no:cacheprovider -rs \
+        tests/test_engine.py tests/test_cuda.py 2>&1 | tee "$OUT/tests_eager.log"
+    summary+=("tests (plain backend): $(tail -n 1 "$OUT/tests_eager.log")")
 fi
 
 if [[ $stage == bench || $stage == all ]]; then
     model=/tmp/qwen3-0.6b
     [[ -d $model ]] || $PY -m minfer.random_model "$model" --config qwen3-0.6b >/dev/null || exit 1
-    common=(--model "$model" --device cuda --dtype bfloat16 --disable-tqdm)
+    common=(--model "$model" --device cuda --dtype bfloat16 --disable-tqdm --max-num-batched-tokens 8192)
     # nano-vllm's workload: every request at once, lengths drawn from 100-1024, ignore_eos (bench.py's default).
     timeout 420 $PY bench.py "${common[@]}" --num-requests 256 --input-len 100:1024 --output-len 100:1024 \
         --max-num-seqs 256 --baseline hf --hf-batch-size 32 --hf-num-requests 32 \

@@ -22,6 +22,7 @@ against the plain backend; if anything fails, the engine runs the plain backend 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -77,6 +78,7 @@ def paged_block_mask(
 ) -> BlockMask:
     """The BlockMask of S sequences of T queries each, reading their blocks of the paged cache."""
     from torch.nn.attention.flex_attention import BlockMask
+
     S, W = tables.shape
     T = query_positions.shape[1]
     tiles = cdiv(T, QUERY_TILE)
@@ -214,8 +216,15 @@ class FlexBackend(TorchBackend):
     @staticmethod
     def _attend(q, keys, values, mask: BlockMask, scale: float, gqa: bool) -> torch.Tensor:
         """q (S, H, T, D) over keys and values (1, Hkv, num_slots, D), through the mask -> (S, H, T, D)."""
-        compiled = compiled_flex_attention(dynamic=q.device.type != "cpu")
-        return compiled(q, keys, values, block_mask=mask, scale=scale, enable_gqa=gqa)
+        if q.device.type == "cpu":
+            return compiled_flex_attention(dynamic=False)(q, keys, values, block_mask=mask, scale=scale, enable_gqa=gqa)
+        # Triton's tiles: a key tile must divide a block (torch refuses otherwise; its defaults are 64 and up,
+        # minfer's blocks 16), and a decode query needs no 128-row tile.
+        options = {"BLOCK_N": math.gcd(mask.BLOCK_SIZE[1], 64)}
+        if q.shape[2] <= 16:
+            options["BLOCK_M"] = 16
+        compiled = compiled_flex_attention(dynamic=True)
+        return compiled(q, keys, values, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=options)
 
     # ---- before the engine starts -----------------------------------------------------------
 
