@@ -13,9 +13,10 @@
 #          what a GPU runs by default (FlexAttention, CUDA graphs), then the engine tests once more
 #          on the plain backend. The server, browser and lm-eval tests need packages that machine
 #          lacks, so they are not run there.
-#   bench: issue 33's workloads on the Qwen3-0.6B shape in bf16: nano-vllm's (256 requests,
-#          100-1024 tokens in and out) beside transformers' generate on its first requests, and
-#          batch-1 TPOT beside the HBM bandwidth floor (--roofline).
+#   bench: decode attention alone (scripts/attention_ab.py: gather + sdpa against FlexAttention), then
+#          issue 33's workloads on the Qwen3-0.6B shape in bf16: nano-vllm's (256 requests, 100-1024
+#          tokens in and out) beside transformers' generate on its first requests, and batch-1 TPOT
+#          beside the HBM bandwidth floor (--roofline), with CUDA graphs and with --enforce-eager.
 set -uo pipefail
 stage=${1:-all}
 OUT=${OUT:-/tmp/gpu_check}
@@ -42,6 +43,12 @@ if [[ $stage == tests || $stage == all ]]; then
 fi
 
 if [[ $stage == bench || $stage == all ]]; then
+    for shape in "256 1024" "64 4096" "1 4096"; do  # decode attention alone, one layer: gather + sdpa vs flex
+        set -- $shape
+        timeout 180 $PY scripts/attention_ab.py --device cuda --seqs "$1" --context "$2" --backends torch,flex \
+            2>&1 | tee -a "$OUT/attention.log"
+    done
+    summary+=("$(grep -E '^  (torch|flex)' "$OUT/attention.log" | tr -s ' ' | paste -sd ';')")
     model=/tmp/qwen3-0.6b
     [[ -d $model ]] || $PY -m minfer.random_model "$model" --config qwen3-0.6b >/dev/null || exit 1
     common=(--model "$model" --device cuda --dtype bfloat16 --disable-tqdm --max-num-batched-tokens 8192)

@@ -1,6 +1,7 @@
 """Attention backends are chosen once, agree with each other, and prepare_model leaves a prepared model alone."""
 
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,3 +95,18 @@ def test_prepare_model_without_a_config_takes_the_environments_backend(tiny_chec
     monkeypatch.setattr(EngineConfig, "attention_backend", "torch")
     _, backend = prepare_model(GPT2.from_pretrained(tiny_checkpoint))
     assert type(backend) is TorchBackend
+
+
+def test_the_attention_ab_script_times_each_backend(monkeypatch, capsys):
+    """scripts/attention_ab.py (gpu_check.sh runs it on a GPU): each backend checked against the first, then timed."""
+    import runpy
+    import sys
+
+    argv = ["attention_ab.py", "--seqs", "3", "--context", "40", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--dtype", "float32", "--backends", "torch,cpu_tiled", "--repeats", "2"])
+    runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "attention_ab.py"), run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "3 sequences x 40 tokens, 4/2 heads of 16, float32, cpu:"
+    for name, line in zip(("torch", "cpu_tiled"), lines[2:]):
+        words = line.split()
+        assert words[0] == name and float(words[1]) > 0 and words[2] == "ms" and float(words[-1].rstrip(")")) < 1e-5
