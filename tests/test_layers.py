@@ -13,7 +13,8 @@ PACKAGE = ROOT / "minfer"
 
 # Bottom up. A module's layer is the first entry that its dotted name starts with.
 LAYERS = [
-    ("base", 0, ("minfer.cpu_features", "minfer.cpu_share", "minfer.errors", "minfer.openmp_waiting", "minfer.step_parts", "minfer.version")),
+    ("base", 0, ("minfer.cpu_features", "minfer.cpu_share", "minfer.errors", "minfer.host_to_device", "minfer.openmp_waiting",
+                 "minfer.step_parts", "minfer.version")),
     ("attention", 1, ("minfer.attention",)),
     ("text", 1, ("minfer.text",)),
     ("quantization", 2, ("minfer.quantization",)),

@@ -38,6 +38,7 @@ from dataclasses import replace
 import torch
 import torch.fx.experimental._config as fx_config
 
+from ..host_to_device import to_device
 from ..step_parts import part
 from .cpu_tiled import CPUTiledBackend
 from .kv_cache import cdiv, slot_of, slots_to_blocks
@@ -151,8 +152,8 @@ class CompiledBackend(CPUTiledBackend):
         num_blocks = cdiv(max(lens), layout.block_size)
         tables = [layout.block_tables[i][:num_blocks] for i in seqs]
         padded = [t + [layout.null_block] * (num_blocks - len(t)) for t in tables]
-        ints = torch.tensor([rows, lens]).to(self.device, non_blocking=True)  # (2, S)
-        tables_t = torch.tensor(padded).to(self.device, non_blocking=True)  # (S, NB)
+        ints = to_device([rows, lens], self.device)  # (2, S)
+        tables_t = to_device(padded, self.device)  # (S, NB)
         group = DecodeGroup(rows=ints[0], slots=slots, mask=None, lens=ints[1], tables=tables_t)
         return one_shape(group, layout.null_block)
 

@@ -26,11 +26,11 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..host_to_device import to_device
 from ..step_parts import part
 from .kv_cache import cdiv
 from .paged import AttentionMetadata, StepLayout
@@ -133,9 +133,7 @@ class FlexBackend(TorchBackend):
         self._index_blocks(tables, null)
         if decodes:
             lens = [layout.context_lens[i] for i in decodes]
-            rows, lens_t = torch.tensor([[layout.query_starts[i] for i in decodes], lens]).to(
-                self.device, non_blocking=True
-            )
+            rows, lens_t = to_device([[layout.query_starts[i] for i in decodes], lens], self.device)
             meta.decode_rows = rows  # (S,)
             meta.decode_mask = self._decode_mask(tables[: len(decodes)], lens_t, B, null)
         meta.all_decode = len(decodes) == len(layout.query_lens)
@@ -178,7 +176,7 @@ class FlexBackend(TorchBackend):
         tables = [layout.block_tables[i][: cdiv(layout.context_lens[i], B)] for i in seqs]
         width = max((len(t) for t in tables), default=1)
         padded = [t + [null] * (width - len(t)) for t in tables]
-        return torch.tensor(padded or [[null]], dtype=torch.long).to(self.device, non_blocking=True)  # (R, W)
+        return to_device(padded or [[null]], self.device, torch.long)  # (R, W)
 
     def _index_blocks(self, tables: torch.Tensor, null_block: int) -> None:
         """Record each listed block's place in its sequence's table in self.block_index: tables (R, W)."""

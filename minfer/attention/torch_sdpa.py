@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..host_to_device import to_device
 from ..step_parts import part
 from .kv_cache import cdiv, slot_of
 from .paged import AttentionMetadata, StepLayout
@@ -97,8 +98,8 @@ class TorchBackend:
         max_blocks = cdiv(max_len, block_size)
         tables = [layout.block_tables[i] for i in seqs]
         padded = [t[:max_blocks] + [null] * (max_blocks - min(len(t), max_blocks)) for t in tables]
-        ints = torch.tensor([rows, lens]).to(self.device, non_blocking=True)  # (2, S)
-        tables_t = torch.tensor(padded).to(self.device, non_blocking=True)  # (S, max_blocks)
+        ints = to_device([rows, lens], self.device)  # (2, S)
+        tables_t = to_device(padded, self.device)  # (S, max_blocks)
         pos = torch.arange(max_len, device=self.device)  # (L,)
         slots = slot_of(tables_t, pos, block_size)  # (S, L)
         if min(lens) == max_len:  # nothing padded: no mask at all (sdpa is faster without one)

@@ -25,6 +25,7 @@ import torch
 
 from ..attention.kv_cache import KVCache, cdiv
 from ..attention.paged import PagedBatch, StepLayout
+from ..host_to_device import to_device
 
 log = logging.getLogger("minfer")
 
@@ -105,8 +106,7 @@ class DecodeGraphs:
         self.num_steps += 1
         width = max(cdiv(n, B) for n in layout.context_lens)
         tables = [t[:width] + [self.null_block] * (width - len(t[:width])) for t in layout.block_tables]
-        host = torch.tensor([row + [n] for row, n in zip(tables, layout.context_lens)])  # (S, width + 1)
-        ints = host.to(self.model.device, non_blocking=True)
+        ints = to_device([row + [n] for row, n in zip(tables, layout.context_lens)], self.model.device)  # (S, W + 1)
         self.input_ids[:S].copy_(input_ids)
         self.positions[:S].copy_(positions)
         self.slot_mapping[:S].copy_(layout.slot_mapping)

@@ -23,6 +23,8 @@ from typing import Protocol
 
 import torch
 
+from ..host_to_device import to_device
+
 
 class TokenHistory(Protocol):
     """What the controls read of a row's sequence (engine/sequence.py's Sequence has it)."""
@@ -39,7 +41,7 @@ def apply_logits_controls(logits: torch.Tensor, params: Sequence, histories: Seq
     if not rows:
         return logits
     device, V = logits.device, logits.shape[1]
-    index = torch.tensor(rows, device=device)
+    index = to_device(rows, device)
     x = logits[index]  # (R, V): a copy, written back below
     row_params = [params[i] for i in rows]
     row_histories = [histories[i] for i in rows]
@@ -49,7 +51,7 @@ def apply_logits_controls(logits: torch.Tensor, params: Sequence, histories: Seq
         r for r, p in enumerate(row_params) if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
     ]
     if penalised:
-        sub = torch.tensor(penalised, device=device)
+        sub = to_device(penalised, device)
         x[sub] = apply_penalties(x[sub], [row_params[r] for r in penalised], [row_histories[r] for r in penalised], V)
     logits[index] = x
     return logits
@@ -63,8 +65,8 @@ def _add_logit_bias(x: torch.Tensor, params: Sequence) -> None:
             tokens.append(token)
             biases.append(bias)
     if rows:
-        idx = (torch.tensor(rows, device=x.device), torch.tensor(tokens, device=x.device))
-        x.index_put_(idx, torch.tensor(biases, device=x.device), accumulate=True)
+        idx = (to_device(rows, x.device), to_device(tokens, x.device))
+        x.index_put_(idx, to_device(biases, x.device, x.dtype), accumulate=True)
 
 
 def _mask_min_tokens(x: torch.Tensor, params: Sequence, histories: Sequence[TokenHistory]) -> None:
@@ -74,7 +76,7 @@ def _mask_min_tokens(x: torch.Tensor, params: Sequence, histories: Sequence[Toke
             rows += [r] * len(h.min_tokens_stop_ids)
             tokens += h.min_tokens_stop_ids
     if rows:
-        x[torch.tensor(rows, device=x.device), torch.tensor(tokens, device=x.device)] = float("-inf")
+        x[to_device(rows, x.device), to_device(tokens, x.device)] = float("-inf")
 
 
 def token_counts(histories: Sequence[TokenHistory], V: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,16 +88,24 @@ def token_counts(histories: Sequence[TokenHistory], V: int, device) -> tuple[tor
         base, n = r * V, h.num_prompt_tokens
         prompt_flat += [base + t for t in h.token_ids[:n]]
         out_flat += [base + t for t in h.token_ids[n:]]
-    output_counts = torch.tensor(out_flat, dtype=torch.long, device=device).bincount(minlength=R * V)
-    in_prompt = torch.tensor(prompt_flat, dtype=torch.long, device=device).bincount(minlength=R * V) > 0
+    output_counts = _count(out_flat, R * V, device)
+    in_prompt = _count(prompt_flat, R * V, device) > 0
     return output_counts.view(R, V), in_prompt.view(R, V)
+
+
+def _count(flat: list[int], size: int, device) -> torch.Tensor:
+    """How often each of `size` indices occurs in `flat`: a bincount without bincount's host sync on a GPU
+    (it reads the largest index to size its output)."""
+    index = to_device(flat, device, torch.long)
+    return torch.zeros(size, dtype=torch.long, device=device).index_add_(0, index, torch.ones_like(index))
 
 
 def apply_penalties(x: torch.Tensor, params: Sequence, histories: Sequence[TokenHistory], V: int) -> torch.Tensor:
     """Repetition (prompt and output), frequency and presence (output only) penalties. x: (R, V)."""
     output_counts, in_prompt = token_counts(histories, V, x.device)  # (R, V) each
+
     def column(values: list[float]) -> torch.Tensor:  # (R, 1)
-        return torch.tensor(values, dtype=x.dtype, device=x.device)[:, None]
+        return to_device(values, x.device, x.dtype)[:, None]
 
     repetition = column([p.repetition_penalty for p in params])
     seen = in_prompt | (output_counts > 0)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import InvalidParameter, is_int
+from ..host_to_device import to_device
 
 MAX_LOGPROBS = 20  # the most top tokens a request may ask for per position (OpenAI's limit)
 LOGIT_ELEMENTS_PER_STEP = 2**24  # prompt-logprob rows x vocab one step may hold (64 MiB in fp32)
@@ -83,7 +84,7 @@ class StepLogprobs:
         if self.sample_rows:
             asking = logits[:S]  # (S, V); a copy of just the rows that ask only when some do not
             if len(self.sample_rows) < S:
-                asking = asking[torch.tensor(self.sample_rows, device=device)]  # (R, V)
+                asking = asking[to_device(self.sample_rows, device)]  # (R, V)
             self._sample_logprobs = torch.log_softmax(asking, dim=-1, dtype=torch.float32)  # (R, V)
         if self.prompt_targets:
             self._prompt_logprobs = torch.log_softmax(logits[S:], dim=-1, dtype=torch.float32)  # (Q, V)
@@ -95,10 +96,10 @@ class StepLogprobs:
         device, S = tokens.device, self.num_sampled
         parts = [tokens.float()]  # (S,): token ids < 2**24 are exact in fp32
         if self._sample_logprobs is not None:
-            chosen_tokens = tokens[torch.tensor(self.sample_rows, device=device)]
+            chosen_tokens = tokens[to_device(self.sample_rows, device)]
             parts += _gathered(self._sample_logprobs, chosen_tokens, self.sample_k)
         if self._prompt_logprobs is not None:
-            targets = torch.tensor(self.prompt_targets, device=device)
+            targets = to_device(self.prompt_targets, device)
             parts += _gathered(self._prompt_logprobs, targets, self.prompt_k)
         num_extra = 0 if extra is None else extra.shape[0]
         if num_extra:

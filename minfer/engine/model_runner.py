@@ -17,6 +17,7 @@ import torch
 
 from ..attention.kv_cache import KVCache, slot_of
 from ..attention.paged import AttentionBackend, PagedBatch, StepLayout
+from ..host_to_device import to_device
 from ..step_parts import part
 from .compiled_step import CompiledDecodeStep
 from .cuda_graphs import DecodeGraphs, DecodeGraphStep
@@ -122,7 +123,7 @@ class ModelRunner:
             with part("speculation: verify"):
                 tokens, accepted = verify(logits, rows)
             return tokens, accepted.long()
-        is_verify = torch.tensor([bool(c.draft) for c in chunks for _ in c.row_samplers], device=logits.device)
+        is_verify = to_device([bool(c.draft) for c in chunks for _ in c.row_samplers], logits.device)
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)  # (S,)
         tokens[~is_verify] = sample(logits[~is_verify], [s.params for s in plain], [s.generator for s in plain], plain)
         with part("speculation: verify"):
@@ -190,7 +191,7 @@ class ModelRunner:
 
         # One host->device copy for all the flat per-token integers.
         N, S = len(input_ids), len(sample_rows)
-        flat = torch.tensor(input_ids + positions + slots + sample_rows).to(self.device, non_blocking=True)
+        flat = to_device(input_ids + positions + slots + sample_rows, self.device)
         ids_t, pos_t, slots_t, sample_t = flat.split([N, N, N, S])
         layout = StepLayout(slots_t, starts, lens, context_lens, tables, block_size, self.kv_cache.null_block)
         if self.decode_graphs is not None and self.decode_graphs.serves(layout, S):

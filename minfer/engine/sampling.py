@@ -14,8 +14,9 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import InvalidParameter, is_int
-from .logprobs import check_num_logprobs
+from ..host_to_device import to_device
 from .logits_processors import TokenHistory, apply_logits_controls, apply_min_p
+from .logprobs import check_num_logprobs
 
 
 def _is_number(x) -> bool:
@@ -205,8 +206,8 @@ def _draw_filtered(logits, u, top_k: list[int], top_p: list[float]) -> torch.Ten
     CPU, but it would stall a GPU's queue, so a GPU sorts whole rows, which it does fast."""
     R, V = logits.shape
     device = logits.device
-    k = torch.tensor(top_k, device=device)
-    p = torch.tensor(top_p, device=device)
+    k = to_device(top_k, device)
+    p = to_device(top_p, device)
     K = min(V, max(CPU_HEAD, *top_k)) if device.type == "cpu" else V
     tokens = torch.empty(R, dtype=torch.long, device=device)
     rows = torch.arange(R, device=device)  # the rows still to draw, and their inputs
@@ -276,12 +277,12 @@ def sample_with(
         return tokens
 
     # Greedy rows get temperature 1 so they stay finite (their draw is discarded).
-    temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
+    temps = to_device([1.0 if p.is_greedy else p.temperature for p in params], device)
     scaled = logits.div_(temps[:, None])  # (B, V)
     with_min_p = [i for i, p in enumerate(params) if not p.is_greedy and p.min_p > 0]
     if with_min_p:
         index = _index(with_min_p, device)
-        min_p = torch.tensor([params[i].min_p for i in with_min_p], device=device)
+        min_p = to_device([params[i].min_p for i in with_min_p], device)
         scaled[index] = apply_min_p(scaled[index], min_p)
     u = uniforms()  # (B,)
     plain = [i for i, p in enumerate(params) if not p.is_greedy and p.top_k == 0 and p.top_p == 1]
@@ -304,7 +305,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _index(rows: list[int], device) -> torch.Tensor:
-    return torch.tensor(rows, device=device)
+    return to_device(rows, device)
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -34,8 +34,8 @@ from ..text.tokenizer import Tokenizer
 from .block_allocator import BlockAllocator
 from .config import EngineConfig, dtype_name
 from .continuous_batcher import ContinuousBatcher
-from .logprobs import keep_top, max_logprob_rows
 from .cuda_graphs import decode_graphs_for
+from .logprobs import keep_top, max_logprob_rows
 from .model_runner import ModelRunner, StepOutput
 from .prepare import prepare_model
 from .request_state import Choice, Request

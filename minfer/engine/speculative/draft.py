@@ -42,6 +42,7 @@ import torch
 
 from ...attention.kv_cache import KVCache, slot_of
 from ...attention.paged import PagedBatch, StepLayout
+from ...host_to_device import to_device
 from ...models.registry import load_model
 from ..prepare import prepare_model
 from ..sampling import greedy_tokens
@@ -200,5 +201,5 @@ def _with_logit_bias(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torc
     if not entries:
         return logits
     rows, tokens, biases = zip(*entries)
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-    return logits.float().index_put(index, torch.tensor(biases, device=logits.device), accumulate=True)
+    index = (to_device(rows, logits.device), to_device(tokens, logits.device))
+    return logits.float().index_put(index, to_device(biases, logits.device, torch.float32), accumulate=True)

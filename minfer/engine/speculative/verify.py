@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...host_to_device import to_device
 from ..sampling import SamplingParams, sample_with
 
 
@@ -68,7 +69,7 @@ def verify(logits: torch.Tensor, rows: VerifyRows) -> tuple[torch.Tensor, torch.
     uniform per token it emitted, as one token at a time would have (see _Uniforms)."""
     uniforms = _Uniforms(rows, logits.device)
     tokens = sample_with(logits, rows.params, uniforms.draw, rows.histories)  # (R,)
-    drafts = torch.tensor(rows.drafts, device=logits.device)  # (R,)
+    drafts = to_device(rows.drafts, logits.device)  # (R,)
     accepted = (drafts >= 0) & (tokens == drafts)
     uniforms.give_back_unused(accepted.tolist())
     return tokens, accepted
