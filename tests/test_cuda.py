@@ -59,23 +59,21 @@ def test_every_step_syncs_with_the_host_exactly_once(tiny_checkpoint):
 
 
 def test_gpu_memory_does_not_grow_over_a_run(tiny_checkpoint):
-    """The KV cache takes its share when the engine starts; a run allocates nothing that outlives it."""
+    """The KV cache takes its share when the engine starts; after a first run (whatever compiles lazily),
+    a second run of the same work leaves GPU memory where it was and peaks no higher."""
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     llm = LLM(tiny_checkpoint, gpu_memory_utilization=0.02)
     cache = llm.scheduler.kv_cache
-    cache_bytes = cache.kv.numel() * cache.kv.element_size()
-    loaded = torch.cuda.memory_allocated()
-    assert loaded - before >= cache_bytes
+    assert torch.cuda.memory_allocated() - before >= cache.kv.numel() * cache.kv.element_size()
     prompts = random_prompts(24, 512, seed=5, max_len=200)
     params = SamplingParams(max_tokens=48, temperature=0.8, seed=1, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
-    first_peak = torch.cuda.max_memory_allocated()
-    assert torch.cuda.memory_allocated() == loaded  # every step's temporaries freed
+    settled = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     llm.generate(prompts, params, use_tqdm=False)
-    assert torch.cuda.memory_allocated() == loaded
-    assert torch.cuda.max_memory_allocated() <= first_peak  # the same work needs no more the second time
+    assert torch.cuda.memory_allocated() == settled
+    assert torch.cuda.max_memory_allocated() - settled < 64 * 2**20  # a step's temporaries, not a second cache
     assert_all_free(llm)
 
 
