@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from ..host_to_device import to_device
+
 
 class ModelConfig(Protocol):
     """What the cache needs of a model's config (every models/ config has it)."""
@@ -102,8 +104,8 @@ class KVCache:
         if not pairs:
             return
         last = {dst: src for src, dst in pairs}  # dst -> its last src
-        src = torch.tensor(list(last.values()), device=self.kv.device)  # (P,) blocks
-        dst = torch.tensor(list(last.keys()), device=self.kv.device)
+        src = to_device(list(last.values()), self.kv.device)  # (P,) blocks
+        dst = to_device(list(last.keys()), self.kv.device)
         if self.layout == "slots":  # a block is block_size slots
             offsets = torch.arange(block_size, device=self.kv.device)  # (block_size,)
             src, dst = (src[:, None] * block_size + offsets).flatten(), (dst[:, None] * block_size + offsets).flatten()

@@ -82,7 +82,7 @@ class TorchBackend:
         start = end - num
         if start == 0:  # a fresh prompt needs no cache reads
             return PrefillChunk(row, row + num, None, None)
-        table_t = torch.tensor(layout.block_tables[i][: cdiv(end, layout.block_size)], device=self.device)
+        table_t = to_device(layout.block_tables[i][: cdiv(end, layout.block_size)], self.device)
         pos = torch.arange(end, device=self.device)  # (L,) context positions
         context_slots = slot_of(table_t, pos, layout.block_size)  # (L,)
         query_pos = torch.arange(start, end, device=self.device)  # (T,)

@@ -143,7 +143,7 @@ class DraftProposer:
         """The draft over `rows` (writing their K/V) -> (S, V) logits of their sampled rows."""
         n, s = len(rows.ids), len(rows.sample_rows)
         slots = [slot_of(t, p, self.block_size) for t, p in zip(rows.row_tables, rows.positions)]
-        flat = torch.tensor(rows.ids + rows.positions + slots + rows.sample_rows).to(self.device)
+        flat = to_device(rows.ids + rows.positions + slots + rows.sample_rows, self.device)
         ids_t, pos_t, slots_t, sample_t = flat.split([n, n, n, s])
         layout = StepLayout(
             slots_t, rows.starts, rows.lens, rows.context_lens, rows.tables, self.block_size, self.kv_cache.null_block
