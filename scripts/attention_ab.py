@@ -12,29 +12,13 @@ once; over the time that is the bandwidth the read reached (its floor: the devic
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from minfer.attention.kv_cache import KVCache, cdiv, slots_to_blocks
 from minfer.attention.paged import StepLayout
 from minfer.attention.selector import ATTENTION_BACKENDS
-
-
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of fn() over `repeats` runs, after two warm-ups."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+from minfer.bench.roofline import best_time
 
 
 def main() -> None:
@@ -93,7 +77,7 @@ def main() -> None:
                 out = step()
                 reference = out.float() if reference is None else reference
                 error = (out.float() - reference).abs().max().item()
-                seconds = timed(step, device, args.repeats)
+                seconds = best_time(step, device, args.repeats)
         except Exception as e:  # a compile error at this shape (a CPU's flex template has some): say so, go on
             print(f"  {name:<10} failed: {type(e).__name__}: {str(e).strip().splitlines()[0]}")
             continue

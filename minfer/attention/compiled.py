@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -100,6 +101,27 @@ def failure_line(error: Exception) -> str:
     """Why compiling failed, for one log line: "TypeName: the message's first line"."""
     message = str(error).strip()
     return f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
+
+
+def check_within(check: Callable[[], str | None], budget_s: float) -> tuple[str | None, float | None]:
+    """Run a backend's compile-and-check in a thread, so that a compile slower than `budget_s` cannot hold
+    the start-up longer than that: (None, or why the backend may not serve; seconds taken, or None). An
+    exception (no C++ compiler, an Inductor error) is a reason, in one line."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["why_not"] = check()
+        except Exception as e:
+            result["why_not"] = failure_line(e)
+
+    start = time.perf_counter()
+    thread = threading.Thread(target=run, name="minfer-compile", daemon=True)
+    thread.start()
+    thread.join(budget_s)
+    if thread.is_alive():
+        return f"compiling took longer than its {budget_s:.0f} s budget", None
+    return result["why_not"], time.perf_counter() - start
 
 
 def one_shape(group: DecodeGroup, null_block: int) -> DecodeGroup:
@@ -208,28 +230,19 @@ class CompiledBackend(CPUTiledBackend):
         """Compile for these head shapes and check against the eager backend. Returns None when the
         compiled kernel may serve, else a sentence saying why not. Runs in a thread so a compile
         slower than `budget_s` cannot hold the start-up longer than that."""
-        result: dict = {}
 
-        def run():
+        def check():
             lone_eager_max_context, self.lone_eager_max_context = self.lone_eager_max_context, 0  # compile all
             try:
                 # Duck sizing off while compiling: S, L and the cache's sizes are never assumed equal
                 # because they happened to be in a warm-up case. (Not around every call: 70 us each.)
                 with fx_config.patch(use_duck_shape=False):
-                    result["error"] = self._check(num_heads, num_kv_heads, head_dim, block_size)
-            except Exception as e:  # no C++ compiler, an Inductor error: all mean "use eager"
-                result["error"] = failure_line(e)
+                    return self._check(num_heads, num_kv_heads, head_dim, block_size)
             finally:
                 self.lone_eager_max_context = lone_eager_max_context
 
-        start = time.perf_counter()
-        thread = threading.Thread(target=run, name="minfer-compile", daemon=True)
-        thread.start()
-        thread.join(budget_s)
-        if thread.is_alive():
-            return f"compiling took longer than its {budget_s:.0f} s budget"
-        self.warm_up_seconds = time.perf_counter() - start
-        return result["error"]
+        why_not, self.warm_up_seconds = check_within(check, budget_s)
+        return why_not
 
     @torch.inference_mode()  # as the engine runs it: Dynamo guards on it
     def _check(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> str | None:

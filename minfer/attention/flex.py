@@ -23,8 +23,6 @@ against the plain backend; if anything fails, the engine runs the plain backend 
 from __future__ import annotations
 
 import math
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,6 +30,7 @@ import torch
 
 from ..host_to_device import to_device
 from ..step_parts import part
+from .compiled import check_within
 from .kv_cache import cdiv
 from .paged import AttentionMetadata, StepLayout
 from .torch_sdpa import TorchBackend
@@ -233,28 +232,15 @@ class FlexBackend(TorchBackend):
         else why not (the engine then runs the plain backend)."""
         if block_size < 16:
             return f"FlexAttention reads blocks of at least 16 tokens, not {block_size}"
-        result: dict = {}
-
-        def run():
-            try:
-                result["error"] = self._check(num_heads, num_kv_heads, head_dim, block_size)
-            except Exception as e:  # no compiler, a lowering error: all mean "use the plain backend"
-                message = str(e).strip()
-                result["error"] = f"{type(e).__name__}: {message.splitlines()[0] if message else ''}"
-
-        start = time.perf_counter()
-        thread = threading.Thread(target=run, name="minfer-compile", daemon=True)
-        thread.start()
-        thread.join(budget_s)
-        if thread.is_alive():
-            return f"compiling took longer than its {budget_s:.0f} s budget"
-        self.warm_up_seconds = time.perf_counter() - start
-        return result["error"]
+        why_not, self.warm_up_seconds = check_within(
+            lambda: self._check(num_heads, num_kv_heads, head_dim, block_size), budget_s
+        )
+        return why_not
 
     @torch.inference_mode()
     def _check(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> str | None:
         """Decode batches (one sequence and several) and a prefill chunk over earlier context, against
-        TorchBackend on the same cache, whose unwritten slots hold NaN."""
+        TorchBackend on the same cache, whose unwritten slots hold large garbage."""
         plain = TorchBackend(self.device, self.dtype)
         gen = torch.Generator().manual_seed(0)
         num_blocks, B = 12, block_size

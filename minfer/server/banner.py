@@ -35,6 +35,8 @@ def banner_lines(scheduler: OnlineScheduler, asked_dtype: str, address: str, api
         adapts = " (fewer while other processes use these cores)" if scheduler.cpu_share.enabled else ""
         threads = f", {torch.get_num_threads()} threads{adapts}"
     attention = ran.attention_backend
+    if scheduler.runner.attention_backend.name == "flex":
+        attention += ", FlexAttention over the block tables"
     warm = getattr(scheduler.runner.attention_backend, "warm_up_seconds", None)
     if warm is not None:
         attention += f" (warm-up compile {warm:.1f} s)"
@@ -44,6 +46,9 @@ def banner_lines(scheduler: OnlineScheduler, asked_dtype: str, address: str, api
     elif getattr(step, "warm_up_seconds", None) is not None:
         what = "steps compiled whole, weights frozen" if step.whole else "decode steps compiled"
         attention += f"; {what} (warm-up compile {step.warm_up_seconds:.1f} s)"
+    graphs = scheduler.runner.decode_graphs
+    if graphs is not None and graphs.capture:
+        attention += f"; decode steps replay CUDA graphs, {len(graphs.sizes)} batch sizes (captured in {graphs.capture_seconds:.1f} s)"
     blocks, block_size = ran.num_kv_blocks, ran.block_size
     kv_bytes = blocks * KVCache.bytes_per_block(model.config, block_size, model.dtype)
     return [
