@@ -1,5 +1,6 @@
-"""The FlexAttention backend (attention/flex.py), GPUs' default, checked here on the CPU: flex_attention
-compiles there too (C++ loops rather than Triton), and the block mask it reads is the same."""
+"""The FlexAttention backend (attention/flex.py), GPUs' default, checked here on the CPU: its results
+through flex_attention's unfused path (the mask_mod alone), and the block lists a fused kernel reads.
+The fused kernels themselves (Triton) run on a GPU: scripts/gpu_check.sh runs this file there."""
 
 import pytest
 import torch
@@ -9,26 +10,48 @@ from torch.nn.attention.flex_attention import flex_attention
 from minfer import LLM, SamplingParams
 from minfer.attention import flex, selector
 from minfer.attention.flex import FlexBackend
+from minfer.attention.paged import StepLayout
 
 
-@pytest.mark.parametrize("dtype, heads, kv_heads", [(torch.bfloat16, 8, 2)])  # as on a GPU: bf16, grouped-query
-def test_flex_computes_what_the_plain_backend_does(dtype, heads, kv_heads):
+@pytest.fixture
+def unfused(monkeypatch):
+    """flex_attention as it runs uncompiled: every key of the cache scored, the mask_mod deciding alone. On a
+    CPU each new shape would otherwise compile C++ anew (flex.py), tens of seconds the suite can't spare."""
+    monkeypatch.setitem(flex._flex_compiled, "static", flex_attention)
+
+
+@pytest.mark.parametrize("dtype, heads, kv_heads", [(torch.float32, 4, 4), (torch.bfloat16, 8, 2)])
+def test_flex_computes_what_the_plain_backend_does(unfused, dtype, heads, kv_heads):
     """warm_up's own check: decode batches, a chunk over earlier context and a step of all three kinds,
     on a cache whose unwritten slots hold large garbage, against TorchBackend."""
     backend = FlexBackend("cpu", dtype)
     assert backend.warm_up(heads, kv_heads, 16, block_size=16) is None
 
 
+def test_block_masks_list_each_sequences_own_blocks():
+    """What the fused kernels read (the unfused path above ignores it): each tile of queries visits the
+    blocks of its own sequence's table, as far as its context reaches, and no others."""
+    B, null = 16, 20
+    tables = [[3, 7, 1], [5], [9, 2, 11, 4]]
+    lens, news = [40, 16, 60], [1, 1, 9]  # two decodes, then a chunk of 9 after 51 cached tokens
+    layout = StepLayout(torch.zeros(11, dtype=torch.long), [0, 1, 2], news, lens, tables, B, null)
+    meta = FlexBackend("cpu", torch.float32).build_metadata(layout)
+    dense = meta.decode_mask.to_dense()  # (S, 1, query tiles, key blocks)
+    assert dense.shape == (2, 1, 1, null + 1)
+    assert [row.nonzero().flatten().tolist() for row in dense[:, 0, 0]] == [[1, 3, 7], [5]]
+    ((start, end, chunk_mask),) = meta.chunks
+    assert (start, end) == (2, 11) and chunk_mask.to_dense()[0, 0, 0].nonzero().flatten().tolist() == [2, 4, 9, 11]
+    assert meta.decode_rows.tolist() == [0, 1] and not meta.all_decode
+
+
 def test_flex_refuses_blocks_too_small_for_it():
     assert "at least 16 tokens, not 8" in FlexBackend("cpu", torch.float32).warm_up(4, 4, 16, block_size=8)
 
 
-def test_engine_on_flex_equals_the_plain_backend(tiny_checkpoint, monkeypatch):
+def test_engine_on_flex_equals_the_plain_backend(tiny_checkpoint, monkeypatch, unfused):
     """Chunked prefill, prefix hits and preemption with every step's attention through FlexAttention:
-    the same greedy tokens as the eager engine. Unfused here (a CPU compiles each new shape; the tests
-    above check the compiled kernel), which reads every block of the cache: the mask alone must keep
-    each sequence to its own."""
-    monkeypatch.setitem(flex._flex_compiled, "static", flex_attention)
+    the same greedy tokens as the eager engine. Unfused (see `unfused`), which reads every block of the
+    cache: the mask alone must keep each sequence to its own."""
     prompts = random_prompts(12, 512, seed=6, max_len=150)
     greedy = SamplingParams(max_tokens=24, temperature=0)
     eager = LLM(tiny_checkpoint, num_kv_blocks=64, attention_backend="eager")
