@@ -42,7 +42,7 @@ import torch.fx.experimental._config as fx_config
 from ..host_to_device import to_device
 from ..step_parts import part
 from .cpu_tiled import CPUTiledBackend
-from .kv_cache import cdiv, slot_of, slots_to_blocks
+from .kv_cache import cdiv, padded_tables, slot_of, slots_to_blocks
 from .paged import StepLayout
 from .torch_sdpa import DecodeGroup
 
@@ -172,8 +172,7 @@ class CompiledBackend(CPUTiledBackend):
             if not self.lone_decode_in_graph:  # read eagerly only: no table needed
                 return DecodeGroup(rows=torch.tensor(rows), slots=slots, mask=None)
         num_blocks = cdiv(max(lens), layout.block_size)
-        tables = [layout.block_tables[i][:num_blocks] for i in seqs]
-        padded = [t + [layout.null_block] * (num_blocks - len(t)) for t in tables]
+        padded = padded_tables([layout.block_tables[i] for i in seqs], num_blocks, layout.null_block)
         ints = to_device([rows, lens], self.device)  # (2, S)
         tables_t = to_device(padded, self.device)  # (S, NB)
         group = DecodeGroup(rows=ints[0], slots=slots, mask=None, lens=ints[1], tables=tables_t)

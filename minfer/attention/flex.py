@@ -31,7 +31,7 @@ import torch
 from ..host_to_device import to_device
 from ..step_parts import part
 from .compiled import check_within
-from .kv_cache import cdiv
+from .kv_cache import cdiv, padded_tables
 from .paged import AttentionMetadata, StepLayout
 from .torch_sdpa import TorchBackend
 
@@ -174,8 +174,7 @@ class FlexBackend(TorchBackend):
         B, null = layout.block_size, layout.null_block
         tables = [layout.block_tables[i][: cdiv(layout.context_lens[i], B)] for i in seqs]
         width = max((len(t) for t in tables), default=1)
-        padded = [t + [null] * (width - len(t)) for t in tables]
-        return to_device(padded or [[null]], self.device, torch.long)  # (R, W)
+        return to_device(padded_tables(tables, width, null) or [[null]], self.device, torch.long)  # (R, W)
 
     def _index_blocks(self, tables: torch.Tensor, null_block: int) -> None:
         """Record each listed block's place in its sequence's table in self.block_index: tables (R, W)."""

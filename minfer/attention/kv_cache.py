@@ -43,6 +43,11 @@ def slot_of(block_table, position, block_size: int):
     return block * block_size + position % block_size
 
 
+def padded_tables(tables: list[list[int]], width: int, null_block: int) -> list[list[int]]:
+    """Block tables cut or padded with the null block to `width` blocks each: one rectangle, for a tensor."""
+    return [t[:width] + [null_block] * (width - len(t[:width])) for t in tables]
+
+
 LAYOUTS = ("slots", "blocks")  # how a layer's keys and values lie in memory: see KVCache
 
 

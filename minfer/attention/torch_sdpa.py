@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..host_to_device import to_device
 from ..step_parts import part
-from .kv_cache import cdiv, slot_of
+from .kv_cache import cdiv, padded_tables, slot_of
 from .paged import AttentionMetadata, StepLayout
 
 
@@ -96,8 +96,7 @@ class TorchBackend:
         lens = [layout.context_lens[i] for i in seqs]
         max_len = max(lens)
         max_blocks = cdiv(max_len, block_size)
-        tables = [layout.block_tables[i] for i in seqs]
-        padded = [t[:max_blocks] + [null] * (max_blocks - min(len(t), max_blocks)) for t in tables]
+        padded = padded_tables([layout.block_tables[i] for i in seqs], max_blocks, null)
         ints = to_device([rows, lens], self.device)  # (2, S)
         tables_t = to_device(padded, self.device)  # (S, max_blocks)
         pos = torch.arange(max_len, device=self.device)  # (L,)

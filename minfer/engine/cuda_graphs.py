@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.kv_cache import KVCache, cdiv
+from ..attention.kv_cache import KVCache, cdiv, padded_tables
 from ..attention.paged import PagedBatch, StepLayout
 from ..host_to_device import to_device
 
@@ -105,7 +105,7 @@ class DecodeGraphs:
         size = next(n for n in self.sizes if n >= S)
         self.num_steps += 1
         width = max(cdiv(n, B) for n in layout.context_lens)
-        tables = [t[:width] + [self.null_block] * (width - len(t[:width])) for t in layout.block_tables]
+        tables = padded_tables(layout.block_tables, width, self.null_block)
         ints = to_device([row + [n] for row, n in zip(tables, layout.context_lens)], self.model.device)  # (S, W + 1)
         self.input_ids[:S].copy_(input_ids)
         self.positions[:S].copy_(positions)
