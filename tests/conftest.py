@@ -56,3 +56,22 @@ def device() -> torch.device:
 def only_on_cpu(reason: str):
     """Marks a test about the CPU's own paths (weight packing, threads): skipped on another device."""
     return pytest.mark.skipif(torch.device(TEST_DEVICE).type != "cpu", reason=f"a CPU path: {reason}")
+
+
+@pytest.fixture
+def flex_as_on_a_gpu(monkeypatch):
+    """Engines built in the test choose their attention as on a GPU: "auto" and "compiled" are FlexBackend
+    (attention/flex.py); "eager" stays the CPU's eager backend. flex_attention runs unfused: on a CPU each new shape would compile
+    C++ anew, tens of seconds the suite can't spare. Unfused, every key of the cache is scored and the
+    mask_mod decides alone; the fused kernels run on a GPU (scripts/gpu_check.sh)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from minfer.attention import flex, selector
+
+    monkeypatch.setitem(flex._flex_compiled, "static", flex_attention)
+    choose = selector.backend_name
+
+    def as_on_a_gpu(device, dtype, choice="auto", kv_width=None):
+        return "flex" if choice in ("auto", "compiled") else choose(device, dtype, choice, kv_width)
+
+    monkeypatch.setattr(selector, "backend_name", as_on_a_gpu)

@@ -4,10 +4,8 @@ everything but the recording. tests/test_cuda.py and scripts/gpu_check.sh run th
 
 import pytest
 from test_engine import assert_all_free, random_prompts
-from torch.nn.attention.flex_attention import flex_attention
 
 from minfer import LLM, SamplingParams
-from minfer.attention import flex, selector
 from minfer.engine import cuda_graphs
 from minfer.engine.cuda_graphs import graph_batch_sizes
 
@@ -20,12 +18,15 @@ def test_batch_sizes_cover_every_batch_up_to_the_largest():
 
 
 @pytest.fixture
-def graphed(monkeypatch, tiny_checkpoint):
-    """An engine on FlexAttention (unfused on a CPU, see test_flex_attention.py) with decode graphs."""
-    monkeypatch.setitem(flex._flex_compiled, "static", flex_attention)
-    monkeypatch.setattr(selector, "backend_name", lambda *args, **kwargs: "flex")
-    monkeypatch.setattr(cuda_graphs, "wants_decode_graphs", lambda *args: True)
-    return lambda **settings: LLM(tiny_checkpoint, **settings)
+def graphed(flex_as_on_a_gpu, monkeypatch, tiny_checkpoint):
+    """An engine on FlexAttention (conftest.py's flex_as_on_a_gpu) with decode graphs, as on a GPU: where the
+    backend can build its metadata in a graph and eager was not asked for."""
+    monkeypatch.setattr(
+        cuda_graphs,
+        "wants_decode_graphs",
+        lambda device, eager, backend: not eager and hasattr(backend, "graph_metadata"),
+    )
+    return lambda **settings: LLM(tiny_checkpoint, attention_backend="auto", **settings)
 
 
 def test_padded_decode_steps_equal_eager_steps(graphed, tiny_checkpoint):
@@ -34,6 +35,7 @@ def test_padded_decode_steps_equal_eager_steps(graphed, tiny_checkpoint):
     prompts = random_prompts(11, 512, seed=8, max_len=120)
     params = [SamplingParams(max_tokens=16 + i, temperature=0, logprobs=2) for i in range(len(prompts))]
     eager = LLM(tiny_checkpoint, num_kv_blocks=64, attention_backend="eager")
+    assert eager.scheduler.runner.decode_graphs is None and eager.scheduler.runner.attention_backend.name == "cpu_tiled"
     expected = eager.generate(prompts, params, use_tqdm=False)
     llm = graphed(num_kv_blocks=40, max_num_seqs=11, max_num_batched_tokens=64)
     graphs = llm.scheduler.runner.decode_graphs

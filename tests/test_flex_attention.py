@@ -5,23 +5,14 @@ The fused kernels themselves (Triton) run on a GPU: scripts/gpu_check.sh runs th
 import pytest
 import torch
 from test_engine import assert_all_free, random_prompts
-from torch.nn.attention.flex_attention import flex_attention
 
 from minfer import LLM, SamplingParams
-from minfer.attention import flex, selector
 from minfer.attention.flex import FlexBackend
 from minfer.attention.paged import StepLayout
 
 
-@pytest.fixture
-def unfused(monkeypatch):
-    """flex_attention as it runs uncompiled: every key of the cache scored, the mask_mod deciding alone. On a
-    CPU each new shape would otherwise compile C++ anew (flex.py), tens of seconds the suite can't spare."""
-    monkeypatch.setitem(flex._flex_compiled, "static", flex_attention)
-
-
 @pytest.mark.parametrize("dtype, heads, kv_heads", [(torch.float32, 4, 4), (torch.bfloat16, 8, 2)])
-def test_flex_computes_what_the_plain_backend_does(unfused, dtype, heads, kv_heads):
+def test_flex_computes_what_the_plain_backend_does(flex_as_on_a_gpu, dtype, heads, kv_heads):
     """warm_up's own check: decode batches, a chunk over earlier context and a step of all three kinds,
     on a cache whose unwritten slots hold large garbage, against TorchBackend."""
     backend = FlexBackend("cpu", dtype)
@@ -48,16 +39,15 @@ def test_flex_refuses_blocks_too_small_for_it():
     assert "at least 16 tokens, not 8" in FlexBackend("cpu", torch.float32).warm_up(4, 4, 16, block_size=8)
 
 
-def test_engine_on_flex_equals_the_plain_backend(tiny_checkpoint, monkeypatch, unfused):
+def test_engine_on_flex_equals_the_plain_backend(tiny_checkpoint, flex_as_on_a_gpu):
     """Chunked prefill, prefix hits and preemption with every step's attention through FlexAttention:
-    the same greedy tokens as the eager engine. Unfused (see `unfused`), which reads every block of the
-    cache: the mask alone must keep each sequence to its own."""
+    the same greedy tokens as the eager engine. Unfused (conftest.py's flex_as_on_a_gpu), which reads every
+    block of the cache: the mask alone must keep each sequence to its own."""
     prompts = random_prompts(12, 512, seed=6, max_len=150)
     greedy = SamplingParams(max_tokens=24, temperature=0)
     eager = LLM(tiny_checkpoint, num_kv_blocks=64, attention_backend="eager")
     expected = [o.token_ids for o in eager.generate(prompts, greedy, use_tqdm=False)]
-    monkeypatch.setattr(selector, "backend_name", lambda *args, **kwargs: "flex")
-    llm = LLM(tiny_checkpoint, num_kv_blocks=40, max_num_seqs=12, max_num_batched_tokens=64)
+    llm = LLM(tiny_checkpoint, num_kv_blocks=40, max_num_seqs=12, max_num_batched_tokens=64, attention_backend="auto")
     assert isinstance(llm.scheduler.runner.attention_backend, FlexBackend)
     assert llm.scheduler.kv_cache.layout == "slots" and not llm.scheduler.kv_cache.kv.isnan().any()  # zeroed
     outs = llm.generate(prompts, greedy, use_tqdm=False)
