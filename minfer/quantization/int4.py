@@ -18,6 +18,8 @@ lookup and the dequantize-then-GEMM path of batches.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 from torch import nn
 
@@ -34,7 +36,19 @@ from .linear import (
 
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 64  # see docs/quantization.md: the perplexity and speed of each size on minfer-tiny
-BLOCK_N = 64  # the int4pack layout interleaves output channels 64 at a time (16 in a tail block: avoided)
+BLOCK_N = 64  # out channels are padded to a multiple of 64, whole interleaved blocks on every CPU
+
+
+@lru_cache(maxsize=None)
+def interleave_width() -> int:
+    """How many output channels torch's int4pack interleaves per block on this CPU: 64 where its kernels
+    use AVX512, 32 with AVX2. Read off a probe matrix packed here, not assumed."""
+    probe = (torch.arange(128 * 64) % 16).reshape(128, 64)  # (N, K) values in [0, 15]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe.to(torch.int32), 1)
+    for width in (64, 32, 16):
+        if torch.equal(_unpack(packed, width).long(), probe):
+            return width
+    raise RuntimeError("torch's int4pack layout is none this module knows (blocks of 16, 32 or 64 channels)")
 
 
 def int4_kernel_available() -> bool:
@@ -82,16 +96,21 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (n,) of the values in [0, 15] that int4pack's `packed` (N', K'/2) holds, as (n, K') uint8."""
-    blocks = packed.view(-1, packed.shape[1] * 2, BLOCK_N // 2)  # (N'/64, K', 32)
-    column = blocks[ids // BLOCK_N, :, ids % (BLOCK_N // 2)]  # (n, K'): each row's byte column
-    high = (ids % BLOCK_N >= BLOCK_N // 2).to(torch.uint8)[:, None] * 4  # (n, 1): shift 4 for the upper half
+    width = interleave_width()  # W channels a block: row j in the low nibbles of byte column j, j + W/2 in the high
+    blocks = packed.view(-1, packed.shape[1] * 2, width // 2)  # (N'/W, K', W/2)
+    column = blocks[ids // width, :, ids % (width // 2)]  # (n, K'): each row's byte column
+    high = (ids % width >= width // 2).to(torch.uint8)[:, None] * 4  # (n, 1): shift 4 for the upper half
     return (column >> high) & 15
 
 
 def unpack_int4pack(packed: torch.Tensor) -> torch.Tensor:
     """int4pack's `packed` (N', K'/2) -> every value, (N', K') uint8 in [0, 15]."""
-    blocks = packed.view(-1, packed.shape[1] * 2, BLOCK_N // 2)  # (N'/64, K', 32)
-    both = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # (N'/64, K', 64): row j of the block at [:, j]
+    return _unpack(packed, interleave_width())
+
+
+def _unpack(packed: torch.Tensor, width: int) -> torch.Tensor:
+    blocks = packed.view(-1, packed.shape[1] * 2, width // 2)  # (N'/W, K', W/2)
+    both = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # (N'/W, K', W): row j of the block at [:, j]
     return both.transpose(1, 2).reshape(-1, packed.shape[1] * 2)
 
 
@@ -166,18 +185,19 @@ class Int4Linear(QuantizedLinear):
             return super().gemm(rows)
         dtype, x, K = rows.dtype, pad_columns(rows, self.padded_in), self.padded_in  # x (M, K')
         scale, offset = self.affine_by_column(dtype)  # (K'/G, 1, N') each
-        blocks = self.qweight.view(-1, K, BLOCK_N // 2)  # (N'/64, K', 32): a block's row j in the low nibbles
-        # of column j, row j + 32 in the high ones
+        W = interleave_width()
+        blocks = self.qweight.view(-1, K, W // 2)  # (N'/W, K', W/2): a block's row j in the low nibbles
+        # of column j, row j + W/2 in the high ones
 
         def weight_columns(start: int, stop: int) -> torch.Tensor:  # out channels start:stop -> (K', stop - start)
-            tile = blocks[start // BLOCK_N : stop // BLOCK_N]  # (n, K', 32)
+            tile = blocks[start // W : stop // W]  # (n, K', W/2)
             n = tile.shape[0]
-            w = widening_buffer(dtype, x.device, K * n * BLOCK_N).view(K, n, BLOCK_N)  # (K', n, 64)
-            w[:, :, : BLOCK_N // 2].copy_((tile & 15).transpose(0, 1))
-            w[:, :, BLOCK_N // 2 :].copy_((tile >> 4).transpose(0, 1))
-            grouped = w.view(-1, self.group_size, n * BLOCK_N)  # (K'/G, G, n * 64)
+            w = widening_buffer(dtype, x.device, K * n * W).view(K, n, W)  # (K', n, W)
+            w[:, :, : W // 2].copy_((tile & 15).transpose(0, 1))
+            w[:, :, W // 2 :].copy_((tile >> 4).transpose(0, 1))
+            grouped = w.view(-1, self.group_size, n * W)  # (K'/G, G, n * W)
             torch.addcmul(offset[..., start:stop], grouped, scale[..., start:stop], out=grouped)  # q * scale + offset
-            return w.view(K, n * BLOCK_N)
+            return w.view(K, n * W)
 
         step = max(1, GEMM_TILE_ELEMENTS // (K * BLOCK_N)) * BLOCK_N  # whole blocks of 64 out channels a tile
         y = tiled_matmul(x, self.padded_out, step, weight_columns)[:, : self.out_features]  # (M, out)
