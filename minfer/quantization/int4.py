@@ -94,9 +94,10 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
-def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` (n,) of the values in [0, 15] that int4pack's `packed` (N', K'/2) holds, as (n, K') uint8."""
-    width = interleave_width()  # W channels a block: row j in the low nibbles of byte column j, j + W/2 in the high
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows `ids` (n,) of the values in [0, 15] that int4pack's `packed` (N', K'/2) holds, as (n, K') uint8.
+    `width`: interleave_width(), read once outside any compiled graph."""
+    # W channels a block: row j in the low nibbles of byte column j, row j + W/2 in the high ones
     blocks = packed.view(-1, packed.shape[1] * 2, width // 2)  # (N'/W, K', W/2)
     column = blocks[ids // width, :, ids % (width // 2)]  # (n, K'): each row's byte column
     high = (ids % width >= width // 2).to(torch.uint8)[:, None] * 4  # (n, 1): shift 4 for the upper half
@@ -146,6 +147,7 @@ class Int4Linear(QuantizedLinear):
         self.padded_in = nibbles.shape[1] * 2
         self.group_size = self.padded_in // groups
         self.padded_out = round_up(out_features, BLOCK_N)
+        self.interleave = interleave_width()  # read here, once: a compiled graph would trace the probe
         sz = scales_and_zeros.float()
         if self.padded_out != out_features:  # zero rows: nibbles 8 with zero scale and offset dequantize to 0
             pad = torch.full((self.padded_out - out_features, nibbles.shape[1]), 0x88, dtype=torch.uint8)
@@ -185,7 +187,7 @@ class Int4Linear(QuantizedLinear):
             return super().gemm(rows)
         dtype, x, K = rows.dtype, pad_columns(rows, self.padded_in), self.padded_in  # x (M, K')
         scale, offset = self.affine_by_column(dtype)  # (K'/G, 1, N') each
-        W = interleave_width()
+        W = self.interleave
         blocks = self.qweight.view(-1, K, W // 2)  # (N'/W, K', W/2): a block's row j in the low nibbles
         # of column j, row j + W/2 in the high ones
 
@@ -229,7 +231,7 @@ class Int4Linear(QuantizedLinear):
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # (n,) -> (n, in)
         """Dequantized rows `ids` of the weight only: a tied embedding's lookup."""
         scale, offset = self.affine_in(dtype)  # (N', K'/G, 1) each
-        q = packed_rows(self.qweight, ids).view(len(ids), scale.shape[1], -1)  # (n, K'/G, G)
+        q = packed_rows(self.qweight, ids, self.interleave).view(len(ids), scale.shape[1], -1)  # (n, K'/G, G)
         return torch.addcmul(offset[ids], q, scale[ids]).view(len(ids), -1)[:, : self.in_features]
 
     def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
