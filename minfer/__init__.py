@@ -6,7 +6,7 @@ users import: `from minfer import LLM, SamplingParams` (and `EngineConfig`).
 """
 
 from .engine.config import EngineConfig
-from .engine.llm import LLM
+from .assembly.llm import LLM
 from .engine.sampling import SamplingParams
 from .engine.scheduler import OnlineScheduler
 from .engine.sequence import RequestOutput

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from .engine.config import EngineConfig
-from .engine.llm import LLM
+from .assembly.llm import LLM
 from .engine.sampling import SamplingParams
 
 

@@ -17,7 +17,7 @@ import torch
 
 from minfer.attention.kv_cache import KVCache, cdiv, slots_to_blocks
 from minfer.attention.paged import StepLayout
-from minfer.attention.selector import ATTENTION_BACKENDS
+from minfer.assembly.selector import ATTENTION_BACKENDS
 from minfer.bench.roofline import best_time
 
 

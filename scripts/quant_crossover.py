@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from minfer.engine.cpu_packing import PackedLinear
+from minfer.cpu.packing import PackedLinear
 from minfer.models.registry import load_model
 from minfer.quantization import Int4Linear, Int8Linear
 from minfer.quantization.int8 import dynamic_int8_mm, split_int8_mm

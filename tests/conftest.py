@@ -6,7 +6,7 @@ import os
 # Tests run the eager attention backend unless they ask for the compiled one (test_compiled_attention.py):
 # compiling costs each new process (a served model, a tutorial) a few seconds. Set before minfer is imported.
 os.environ.setdefault("MINFER_ATTENTION_BACKEND", "eager")
-# And a fixed thread count: CpuShare (minfer/cpu_share.py) would follow the machine's load (CI runs
+# And a fixed thread count: CpuShare (minfer/cpu/thread_share.py) would follow the machine's load (CI runs
 # the tutorials beside the suite), and fp32 results change in their last bits with the thread count.
 # tests/test_cpu_share.py tests the adaptation itself. One thread: the test models are small, so a
 # second thread saves no time (measured: the same wall time, 30% more CPU time), and CI's cores are
@@ -66,7 +66,8 @@ def flex_as_on_a_gpu(monkeypatch):
     mask_mod decides alone; the fused kernels run on a GPU (scripts/gpu_check.sh)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from minfer.attention import flex, selector
+    from minfer.assembly import selector
+    from minfer.compiled import flex
 
     monkeypatch.setitem(flex._flex_compiled, "static", flex_attention)
     choose = selector.backend_name

@@ -7,15 +7,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from minfer.attention import cpu_tiled
-from minfer.attention.cpu_tiled import CPUTiledBackend
-from minfer.attention.flex import FlexBackend
+from minfer.cpu import tiled_attention as cpu_tiled
+from minfer.cpu.tiled_attention import CPUTiledBackend
+from minfer.compiled.flex import FlexBackend
 from minfer.attention.kv_cache import slot_of
 from minfer.attention.paged import StepLayout, paged_attention
-from minfer.attention.selector import choose_attention_backend
+from minfer.assembly.selector import choose_attention_backend
 from minfer.attention.torch_sdpa import TorchBackend
-from minfer.engine.cpu_packing import packing_available
-from minfer.engine.prepare import prepare_model
+from minfer.cpu.packing import packing_available
+from minfer.assembly.prepare import prepare_model
 from minfer.models.gpt2 import GPT2
 
 

@@ -386,7 +386,7 @@ def test_comparison_reads_in_one_direction():
 
 def test_logprobs_flag_asks_every_request_for_logprobs(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     """--logprobs k: offline, and online against a server in this process, every step computes them."""
-    from minfer.engine.logprobs import StepLogprobs
+    from minfer.scoring.logprobs import StepLogprobs
 
     fetched = []
     real_fetch = StepLogprobs.fetch

@@ -9,13 +9,14 @@ import torch
 import torch._dynamo
 
 from minfer import LLM, SamplingParams
-from minfer.attention import compiled as compiled_module
-from minfer.attention import cpu_tiled, selector
-from minfer.attention.compiled import CompiledBackend, paged_decode_attention
-from minfer.attention.cpu_tiled import CPUTiledBackend
+from minfer.compiled import attention as compiled_module
+from minfer.assembly import selector
+from minfer.cpu import tiled_attention as cpu_tiled
+from minfer.compiled.attention import CompiledBackend, paged_decode_attention
+from minfer.cpu.tiled_attention import CPUTiledBackend
 from minfer.attention.kv_cache import KVCache, slot_of, slots_to_blocks
 from minfer.attention.paged import StepLayout
-from minfer.engine import prepare
+from minfer.assembly import prepare
 from minfer.models.registry import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)

@@ -10,8 +10,8 @@ import torch._dynamo
 from test_compiled_attention import generate_varied_batches
 
 from minfer import LLM, EngineConfig, SamplingParams
-from minfer.engine import compiled_step
-from minfer.engine.compiled_step import CompiledDecodeStep, _placeholder_sequence, frozen_gemm_backends
+from minfer.compiled import step as compiled_step
+from minfer.compiled.step import CompiledDecodeStep, _placeholder_sequence, frozen_gemm_backends
 from minfer.engine.sequence import ScheduledChunk
 from minfer.quantization import QuantizedLinear, int4_kernel_available
 from minfer.server.banner import banner_lines

@@ -5,10 +5,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minfer.attention import cpu_tiled
-from minfer.attention.cpu_tiled import ContextReader
-from minfer.engine import cpu_packing
-from minfer.engine.cpu_packing import LMHead, PackedLinear, optimize_for_cpu, padded_rows
+from minfer.cpu import tiled_attention as cpu_tiled
+from minfer.cpu.tiled_attention import ContextReader
+from minfer.cpu import packing as cpu_packing
+from minfer.cpu.packing import LMHead, PackedLinear, optimize_for_cpu, padded_rows
 
 needs_packing = pytest.mark.skipif(
     not cpu_packing.packing_available(torch.float32),

@@ -1,11 +1,11 @@
-"""CpuShare: torch's thread count follows the cores other processes leave free (minfer/cpu_share.py)."""
+"""CpuShare: torch's thread count follows the cores other processes leave free (minfer/cpu/thread_share.py)."""
 
 import os
 
 import pytest
 import torch
 
-from minfer import cpu_share
+from minfer.cpu import thread_share as cpu_share
 
 
 class FakeMachine:

@@ -6,8 +6,8 @@ import pytest
 from test_engine import assert_all_free, random_prompts
 
 from minfer import LLM, SamplingParams
-from minfer.engine import cuda_graphs
-from minfer.engine.cuda_graphs import graph_batch_sizes
+from minfer.compiled import cuda_graphs
+from minfer.compiled.cuda_graphs import graph_batch_sizes
 
 
 def test_batch_sizes_cover_every_batch_up_to_the_largest():

@@ -6,8 +6,8 @@ import torch
 from conftest import only_on_cpu
 
 from minfer import LLM, SamplingParams
-from minfer.engine import cpu_packing
-from minfer.engine.cpu_packing import Bf16StorageLinear
+from minfer.cpu import packing as cpu_packing
+from minfer.cpu.packing import Bf16StorageLinear
 from minfer.models.gpt2 import GPT2
 
 transformers = pytest.importorskip("transformers")
@@ -349,7 +349,7 @@ def test_generate_cli_streams_the_engine_output(tiny_checkpoint):
 
 
 def test_auto_dtype_follows_the_hardware(monkeypatch):
-    from minfer.engine import llm as engine
+    from minfer.assembly import llm as engine
 
     monkeypatch.setattr(engine, "cpu_has_native_bf16", lambda: True)
     assert engine.resolve_dtype("auto") == torch.bfloat16

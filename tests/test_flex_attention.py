@@ -7,7 +7,7 @@ import torch
 from test_engine import assert_all_free, random_prompts
 
 from minfer import LLM, SamplingParams
-from minfer.attention.flex import FlexBackend
+from minfer.compiled.flex import FlexBackend
 from minfer.attention.paged import StepLayout
 
 

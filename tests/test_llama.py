@@ -12,7 +12,7 @@ from test_model import greedy_without_cache
 
 from minfer import LLM, SamplingParams
 from minfer.attention.kv_cache import KVCache
-from minfer.engine.cpu_packing import LMHead, packing_available
+from minfer.cpu.packing import LMHead, packing_available
 from minfer.models.llama import Llama
 from minfer.models.registry import load_model, read_config
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minfer import LLM, SamplingParams
-from minfer.engine.logprobs import MAX_LOGPROBS, max_logprob_rows
+from minfer.scoring.logprobs import MAX_LOGPROBS, max_logprob_rows
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,7 +5,7 @@ import torch
 
 from minfer.attention.kv_cache import KVCache, slot_of
 from minfer.attention.paged import PagedBatch, StepLayout
-from minfer.attention.selector import choose_attention_backend
+from minfer.assembly.selector import choose_attention_backend
 from minfer.models.contract import Architecture, CausalLM
 from minfer.models.gpt2 import GPT2
 from minfer.models.llama import Llama

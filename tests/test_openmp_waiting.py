@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-PROBE = "import os, minfer.openmp_waiting as w; print(os.environ.get('GOMP_SPINCOUNT'), '|', w.wait_policy())"
+PROBE = "import os, minfer.cpu.openmp as w; print(os.environ.get('GOMP_SPINCOUNT'), '|', w.wait_policy())"
 
 
 def probe(env_extra: dict) -> tuple[str, str]:

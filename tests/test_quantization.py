@@ -363,7 +363,7 @@ def test_a_quantizing_load_holds_mallocs_mmap_threshold_low_and_releases_it(monk
     after, both thresholds sit where glibc's own rule would put them, so steps reuse the heap (a trim
     threshold left at 128 KiB gave memory back, and faulted it in again, every step); a plain load
     leaves malloc alone."""
-    from minfer.models import malloc
+    from minfer.cpu import malloc
 
     calls = []
     monkeypatch.setattr(malloc, "glibc_mallopt", lambda: lambda param, value: calls.append((param, value)))

@@ -4,7 +4,7 @@ stops speculating for a cool-down that doubles, and a draft model's cost raises 
 from dataclasses import dataclass, field
 
 from minfer import SamplingParams
-from minfer.engine.speculative.speculator import FAIL_SHARE, FIRST_COOLDOWN, Speculator
+from minfer.speculative.speculator import FAIL_SHARE, FIRST_COOLDOWN, Speculator
 
 
 @dataclass(eq=False)  # eq=False: hashable by identity, as the weak dictionaries need

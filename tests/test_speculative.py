@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minfer import LLM, EngineConfig, SamplingParams
-from minfer.engine.speculative.ngram import NgramProposer
+from minfer.speculative.ngram import NgramProposer
 
 SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 4, "ngram_min": 1, "ngram_max": 3}
 
@@ -398,7 +398,7 @@ def test_bench_copy_workload_reports_acceptance(capsys, tmp_path, mode):
 
 
 def test_unseeded_requests_speculate_only_in_small_batches(models):
-    from minfer.engine.speculative.speculator import MAX_BATCH
+    from minfer.speculative.speculator import MAX_BATCH
 
     spec = LLM(models["gpt2"], **SPEC)
     sched = spec.scheduler

@@ -201,7 +201,7 @@ def test_draft_cache_holds_what_the_draft_alone_computes(models):
 def test_sequences_that_do_not_speculate_cost_the_draft_nothing(models):
     """Unseeded requests in a batch of more than MAX_BATCH do not speculate: the draft does not run at
     all. When the batch shrinks they speculate, the draft catching up on their whole sequence first."""
-    from minfer.engine.speculative.speculator import MAX_BATCH
+    from minfer.speculative.speculator import MAX_BATCH
 
     target, _ = models["gpt2"]
     spec = LLM(target, **draft_settings(target))

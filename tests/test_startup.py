@@ -127,7 +127,7 @@ def test_a_missing_tokenizer_is_one_line_before_the_weights_load(tiny_checkpoint
 def test_thread_count_from_flag_then_environment(monkeypatch, env, flag, expected):
     import torch
 
-    from minfer.engine.llm import set_cpu_threads
+    from minfer.assembly.llm import set_cpu_threads
 
     before = torch.get_num_threads()
     for name in ("MINFER_NUM_THREADS", "OMP_NUM_THREADS"):
@@ -141,7 +141,7 @@ def test_thread_count_from_flag_then_environment(monkeypatch, env, flag, expecte
 
 
 def test_a_bad_thread_variable_is_refused(monkeypatch):
-    from minfer.engine.llm import set_cpu_threads
+    from minfer.assembly.llm import set_cpu_threads
 
     monkeypatch.setenv("MINFER_NUM_THREADS", "lots")
     with pytest.raises(ValueError, match="MINFER_NUM_THREADS must be a positive integer, got 'lots'"):

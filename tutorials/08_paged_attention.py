@@ -26,7 +26,7 @@ from _common import model_path, section
 
 from minfer.attention.kv_cache import cdiv, slot_of
 from minfer.attention.paged import StepLayout, paged_attention
-from minfer.attention.selector import choose_attention_backend
+from minfer.assembly.selector import choose_attention_backend
 from minfer.attention.torch_sdpa import DecodeGroup, GatheredMetadata, PrefillChunk
 from minfer.models.gpt2 import GPT2
 
@@ -146,7 +146,7 @@ BLOCK_SIZE = 16
 # A decode step of many sequences: gather every context at once, then attend, and the gathered
 # keys/values (tens of MB) go out to DRAM and come back. Gather a few sequences at a time and
 # each tile is still in cache when sdpa reads it. Same result; only the memory traffic differs.
-from minfer.attention.cpu_tiled import tile_bytes  # noqa: E402
+from minfer.cpu.tiled_attention import tile_bytes  # noqa: E402
 
 L = min(cfg.n_positions, 192) // BLOCK_SIZE * BLOCK_SIZE  # context length of each sequence
 S = max(32, cdiv(4 * tile_bytes(), 2 * L * H * D * 4))  # sequences: keys+values of 4 tiles at least
@@ -213,7 +213,7 @@ section("part 3: reading the cache in place, compiled (attention/compiled.py)")
 # a block's positions side by side the compiler scores BLOCK_SIZE positions at once, as plain vector
 # multiply-adds. Over rows of slots, each position's score would end in a sum across one vector's
 # lanes, the slow kind; that version ran about half as fast on a Zen 4.
-from minfer.attention.compiled import paged_decode_attention  # noqa: E402
+from minfer.compiled.attention import paged_decode_attention  # noqa: E402
 from minfer.attention.kv_cache import slots_to_blocks  # noqa: E402
 
 lens = torch.full((S,), L)  # (S,): every sequence's context length (all L here: nothing padded)

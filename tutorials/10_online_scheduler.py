@@ -26,7 +26,7 @@ from minfer.attention.kv_cache import KVCache, cdiv
 from minfer.attention.torch_sdpa import group_by_length
 from minfer.engine.block_allocator import BlockAllocator
 from minfer.engine.model_runner import ModelRunner
-from minfer.engine.prepare import prepare_model
+from minfer.assembly.prepare import prepare_model
 from minfer.engine.sequence import ScheduledChunk, Sequence, Status
 from minfer.models.gpt2 import GPT2
 from minfer.text.tokenizer import Tokenizer

@@ -19,8 +19,8 @@ from _common import model_path, section
 
 from minfer import LLM, SamplingParams
 from minfer.engine.sequence import ScheduledChunk
-from minfer.engine.speculative.ngram import NgramProposer
-from minfer.engine.speculative.verify import VerifyRows, verify
+from minfer.speculative.ngram import NgramProposer
+from minfer.speculative.verify import VerifyRows, verify
 from minfer.models.loader import BUILTIN_MODELS
 
 torch.manual_seed(0)

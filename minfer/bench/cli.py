@@ -24,15 +24,15 @@ from pathlib import Path
 
 import torch
 
-from ..cpu_features import cpu_name
-from ..cpu_share import threads_chosen
+from ..cpu.features import cpu_name
+from ..cpu.thread_share import threads_chosen
 from ..engine.config import EngineConfig
-from ..engine.llm import LLM, cpu_threads_wanted, resolve_dtype, set_cpu_threads
-from ..engine.logprobs import MAX_LOGPROBS
+from ..assembly.llm import LLM, cpu_threads_wanted, resolve_dtype, set_cpu_threads
+from ..scoring.logprobs import MAX_LOGPROBS
 from ..engine.scheduler import OnlineScheduler
 from ..models.loader import ModelNotFoundError, resolve_model_dir
 from ..models.registry import read_config
-from ..openmp_waiting import wait_policy
+from ..cpu.openmp import wait_policy
 from ..text.tokenizer import Tokenizer
 from .hf_baseline import compare, format_comparison, generate_batch, load_hf_model, run_hf
 from .metrics import RunResult, format_summary, median_summary, summarize

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..engine.config import DTYPES
-from ..engine.llm import resolve_dtype, set_cpu_threads
+from ..assembly.llm import resolve_dtype, set_cpu_threads
 from ..models.perplexity import Perplexity, perplexity
 from ..models.registry import load_model
 from ..quantization import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization, quantize_model

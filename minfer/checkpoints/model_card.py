@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from ..cpu_features import cpu_name
+from ..cpu.features import cpu_name
 from ..models.registry import load_model
 from .tiny_shapes import describe
 

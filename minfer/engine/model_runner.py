@@ -19,13 +19,13 @@ from ..attention.kv_cache import KVCache, slot_of
 from ..attention.paged import AttentionBackend, PagedBatch, StepLayout
 from ..host_to_device import to_device
 from ..step_parts import part
-from .compiled_step import CompiledDecodeStep
-from .cuda_graphs import DecodeGraphs, DecodeGraphStep
-from .logprobs import StepLogprobs, TokenLogprob
+from ..compiled.step import CompiledDecodeStep
+from ..compiled.cuda_graphs import DecodeGraphs, DecodeGraphStep
+from ..scoring.logprobs import StepLogprobs, TokenLogprob
 from .sampling import sample
 from .sequence import ScheduledChunk
-from .speculative.draft import DraftProposer
-from .speculative.verify import VerifyRows, verify
+from ..speculative.draft import DraftProposer
+from ..speculative.verify import VerifyRows, verify
 
 
 @dataclass

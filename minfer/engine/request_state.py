@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..text.text_stream import TextStream
-from .logprobs import TokenLogprob
+from ..scoring.logprobs import TokenLogprob
 from .sequence import CompletionDelta, RequestOutput, Sequence
 
 

@@ -16,7 +16,7 @@ import torch
 from ..errors import InvalidParameter, is_int
 from ..host_to_device import to_device
 from .logits_processors import TokenHistory, apply_logits_controls, apply_min_p
-from .logprobs import check_num_logprobs
+from ..scoring.logprobs import check_num_logprobs
 
 
 def _is_number(x) -> bool:

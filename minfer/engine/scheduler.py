@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 
 from ..attention.kv_cache import KVCache, cdiv, choose_num_blocks
-from ..cpu_share import CpuShare, threads_chosen
+from ..cpu.thread_share import CpuShare, threads_chosen
 from ..errors import InvalidParameter, is_int
 from ..quantization import quantization_of
 from ..step_parts import part
@@ -34,15 +34,15 @@ from ..text.tokenizer import Tokenizer
 from .block_allocator import BlockAllocator
 from .config import EngineConfig, dtype_name
 from .continuous_batcher import ContinuousBatcher
-from .cuda_graphs import decode_graphs_for
-from .logprobs import keep_top, max_logprob_rows
+from ..compiled.cuda_graphs import decode_graphs_for
+from ..scoring.logprobs import keep_top, max_logprob_rows
 from .model_runner import ModelRunner, StepOutput
-from .prepare import prepare_model
+from ..assembly.prepare import prepare_model
 from .request_state import Choice, Request
 from .sampling import SamplingParams, make_generator
 from .sequence import CompletionDelta, RequestOutput, ScheduledChunk, Sequence, Status
-from .speculative import Speculator
-from .speculative.draft import DraftProposer, load_draft_model
+from ..speculative import Speculator
+from ..speculative.draft import DraftProposer, load_draft_model
 from .step_stats import StepStats
 
 

@@ -20,7 +20,7 @@ from typing import Iterable
 
 import torch
 
-from .logprobs import TokenLogprob
+from ..scoring.logprobs import TokenLogprob
 from .sampling import SamplingParams
 
 

@@ -25,7 +25,7 @@ from ..quantization.checkpoint import (
     spec_from_config,
 )
 from .config import read_config_json
-from .malloc import freed_memory_returned
+from ..cpu.malloc import freed_memory_returned
 
 if TYPE_CHECKING:
     from .contract import Architecture, CausalLM

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cpu_features import cpu_has_int8_dot
+from ..cpu.features import cpu_has_int8_dot
 from .linear import (
     KERNEL_ACTIVATIONS,
     QuantizedLinear,

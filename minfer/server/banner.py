@@ -11,7 +11,7 @@ import torch
 from ..attention.kv_cache import KVCache
 from ..engine.config import dtype_name
 from ..engine.scheduler import OnlineScheduler
-from ..openmp_waiting import wait_policy
+from ..cpu.openmp import wait_policy
 
 
 def dtype_reason(asked: str, dtype: torch.dtype, device: torch.device) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from ..engine.logprobs import TokenLogprob
+from ..scoring.logprobs import TokenLogprob
 from ..text.tokenizer import Tokenizer
 
 NO_PROBABILITY = -9999.0  # stands in for -inf, which JSON cannot carry

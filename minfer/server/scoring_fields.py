@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.logprobs import MAX_LOGPROBS
+from ..scoring.logprobs import MAX_LOGPROBS
 from ..errors import invalid, is_int
 from ..text.tokenizer import Tokenizer
 

@@ -11,7 +11,7 @@ final chunk. With `echo`, a choice's first chunk is its prompt (and the prompt's
 
 from __future__ import annotations
 
-from ..engine.logprobs import TokenLogprob, keep_top
+from ..scoring.logprobs import TokenLogprob, keep_top
 from ..engine.sequence import CompletionDelta, RequestOutput
 from ..text.tokenizer import Tokenizer
 from .logprobs_format import LogprobFormatter

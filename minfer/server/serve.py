@@ -39,7 +39,7 @@ from dataclasses import asdict, replace
 import torch
 
 from ..engine.config import EngineConfig
-from ..engine.llm import check_device, quantization_spec, resolve_dtype, set_cpu_threads
+from ..assembly.llm import check_device, quantization_spec, resolve_dtype, set_cpu_threads
 from ..engine.scheduler import OnlineScheduler
 from ..models.loader import resolve_model_dir
 from ..models.registry import load_model, read_config

@@ -7,7 +7,7 @@ import json
 import sys
 from urllib.parse import urlsplit
 
-from ..stress import __doc__ as DOC
+from . import __doc__ as DOC
 from .clients import Tally, Target
 from .soak import ServerDidNotStart, SoakConfig, run_spawned, soak
 

@@ -35,8 +35,8 @@ from functools import lru_cache
 
 import torch
 
-from ..cpu_features import cpu_has_amx
-from .torch_sdpa import TorchBackend
+from .features import cpu_has_amx
+from ..attention.torch_sdpa import TorchBackend
 
 
 @lru_cache(maxsize=None)

@@ -30,10 +30,10 @@ import torch
 
 from ..host_to_device import to_device
 from ..step_parts import part
-from .compiled import check_within
-from .kv_cache import cdiv, padded_tables
-from .paged import AttentionMetadata, StepLayout
-from .torch_sdpa import TorchBackend
+from .attention import check_within
+from ..attention.kv_cache import cdiv, padded_tables
+from ..attention.paged import AttentionMetadata, StepLayout
+from ..attention.torch_sdpa import TorchBackend
 
 if TYPE_CHECKING:  # flex_attention loads the compiler: imported where first used (importing minfer stays light)
     from torch.nn.attention.flex_attention import BlockMask

@@ -24,10 +24,10 @@ import logging
 import torch
 
 from ..attention.paged import AttentionBackend
-from ..attention.selector import choose_attention_backend
+from .selector import choose_attention_backend
 from ..quantization import QuantizedLinear, quantize_model
-from .config import EngineConfig
-from .cpu_packing import optimize_for_cpu
+from ..engine.config import EngineConfig
+from ..cpu.packing import optimize_for_cpu
 
 log = logging.getLogger("minfer")
 

@@ -48,12 +48,12 @@ from dataclasses import replace
 import torch
 import torch.fx.experimental._config as fx_config
 
-from ..attention.compiled import compile_for_cpu, failure_line
+from .attention import compile_for_cpu, failure_line
 from ..attention.kv_cache import cdiv
 from ..attention.paged import PagedBatch, compiled_step
-from ..cpu_features import cpu_has_amx
-from .sampling import SamplingParams
-from .sequence import ScheduledChunk, Sequence
+from ..cpu.features import cpu_has_amx
+from ..engine.sampling import SamplingParams
+from ..engine.sequence import ScheduledChunk, Sequence
 
 log = logging.getLogger("minfer")
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...host_to_device import to_device
-from ..sampling import SamplingParams, sample_with
+from ..host_to_device import to_device
+from ..engine.sampling import SamplingParams, sample_with
 
 
 @dataclass

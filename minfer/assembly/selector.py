@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from ..cpu_features import cpu_has_amx
-from .compiled import CompiledBackend
-from .cpu_tiled import CPUTiledBackend
-from .flex import FlexBackend
-from .paged import AttentionBackend
-from .torch_sdpa import TorchBackend
+from ..cpu.features import cpu_has_amx
+from ..compiled.attention import CompiledBackend
+from ..cpu.tiled_attention import CPUTiledBackend
+from ..compiled.flex import FlexBackend
+from ..attention.paged import AttentionBackend
+from ..attention.torch_sdpa import TorchBackend
 
 # name -> (backend class, the device types it runs on; None: any)
 ATTENTION_BACKENDS: dict[str, tuple[type, tuple[str, ...] | None]] = {

@@ -40,13 +40,13 @@ from types import SimpleNamespace
 
 import torch
 
-from ...attention.kv_cache import KVCache, slot_of
-from ...attention.paged import PagedBatch, StepLayout
-from ...host_to_device import to_device
-from ...models.registry import load_model
-from ..prepare import prepare_model
-from ..sampling import greedy_tokens
-from ..sequence import ScheduledChunk, Sequence
+from ..attention.kv_cache import KVCache, slot_of
+from ..attention.paged import PagedBatch, StepLayout
+from ..host_to_device import to_device
+from ..models.registry import load_model
+from ..assembly.prepare import prepare_model
+from ..engine.sampling import greedy_tokens
+from ..engine.sequence import ScheduledChunk, Sequence
 
 PENDING = -1  # a proposal the draft model fills in before the step runs
 

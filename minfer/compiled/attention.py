@@ -41,10 +41,10 @@ import torch.fx.experimental._config as fx_config
 
 from ..host_to_device import to_device
 from ..step_parts import part
-from .cpu_tiled import CPUTiledBackend
-from .kv_cache import cdiv, padded_tables, slot_of, slots_to_blocks
-from .paged import StepLayout
-from .torch_sdpa import DecodeGroup
+from ..cpu.tiled_attention import CPUTiledBackend
+from ..attention.kv_cache import cdiv, padded_tables, slot_of, slots_to_blocks
+from ..attention.paged import StepLayout
+from ..attention.torch_sdpa import DecodeGroup
 
 WARM_UP_BUDGET_S = 60.0  # longest the start-up compile may take before the engine gives up on it
 # A lone sequence with at most this much context decodes by gather + sdpa where prefill chunks use sdpa

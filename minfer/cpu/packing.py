@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.kv_cache import cdiv
-from ..cpu_features import cpu_has_native_bf16
+from .features import cpu_has_native_bf16
 
 PACKING_BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows; good at 1 to 512 too
 

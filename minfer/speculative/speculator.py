@@ -25,7 +25,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
-from ..sequence import Sequence
+from ..engine.sequence import Sequence
 from .ngram import NgramProposer
 
 AVERAGE_WEIGHT = 0.3  # weight of the newest step in the moving average of the accepted share

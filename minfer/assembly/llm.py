@@ -13,16 +13,16 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
-from ..cpu_features import cpu_has_native_bf16
-from ..cpu_share import cpu_threads_wanted
+from ..cpu.features import cpu_has_native_bf16
+from ..cpu.thread_share import cpu_threads_wanted
 from ..models.registry import load_model
 from ..quantization.checkpoint import QuantizationSpec
 from ..text.tokenizer import Tokenizer
-from .config import DTYPES, EngineConfig
-from .generation_defaults import sampling_defaults
-from .sampling import SamplingParams
-from .scheduler import OnlineScheduler
-from .sequence import RequestOutput
+from ..engine.config import DTYPES, EngineConfig
+from ..engine.generation_defaults import sampling_defaults
+from ..engine.sampling import SamplingParams
+from ..engine.scheduler import OnlineScheduler
+from ..engine.sequence import RequestOutput
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device = torch.device("cpu")) -> torch.dtype:
