@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.generate")
     scheduler = llm.scheduler
     sys.stdout.write(args.prompt)
     for _ in scheduler.steps():
-        sys.stdout.write(scheduler.get_new_text(request_id))
+        sys.stdout.write(scheduler.get_new_output(request_id).text)
         sys.stdout.flush()
-    sys.stdout.write(scheduler.get_new_text(request_id) + "\n")
+    sys.stdout.write(scheduler.get_new_output(request_id).text + "\n")
     scheduler.pop_response(request_id)
     return 0
 

@@ -17,7 +17,7 @@ import torch
 from .engine.config import DTYPES
 from .models.registry import load_model
 from .quantization import GROUP_SIZES, QUANTIZATION_METHODS
-from .quantization.checkpoint import QuantizationSpec, save_quantized
+from .quantization.checkpoint import QuantizationSpec, QuantizedWeights, save_quantized
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.quantize") -> int:
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.quantize")
     try:
         spec = QuantizationSpec(args.quantization, args.quantization_group_size, args.quantize_lm_head)
         start = time.perf_counter()
-        model = load_model(args.src, dtype=DTYPES[args.dtype], quantization=spec)
+        model = load_model(args.src, dtype=DTYPES[args.dtype], weights=QuantizedWeights(spec))
         out = save_quantized(model, model.model_dir, args.dst, spec)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -15,7 +15,8 @@ import argparse
 
 import torch
 
-from minfer.attention.kv_cache import KVCache, cdiv, slots_to_blocks
+from minfer.attention.kv_cache import cdiv
+from minfer.compiled.attention import BlockedKVCache, slots_to_blocks
 from minfer.attention.paged import StepLayout
 from minfer.assembly.selector import ATTENTION_BACKENDS
 from minfer.bench.roofline import best_time
@@ -58,15 +59,15 @@ def main() -> None:
     reference = None
     for name in args.backends.split(","):
         backend = ATTENTION_BACKENDS[name][0](device, dtype)
-        warm_up = getattr(backend, "warm_up", None)
-        if warm_up is not None and (why := warm_up(args.heads, args.kv_heads, args.head_dim, B)):
+        if why := backend.warm_up(args.heads, args.kv_heads, args.head_dim, B):
             print(f"  {name:<10} off: {why}")
             continue
-        cache = KVCache(config, num_blocks, B, device, dtype, backend.cache_layout, zeroed=True)
-        if backend.cache_layout == "slots":
-            cache.kv[0, : num_blocks * B] = rows
-        else:
+        cache = backend.new_cache(config, num_blocks, B, device, dtype)
+        cache.kv.zero_()
+        if isinstance(cache, BlockedKVCache):  # a block a row, keys transposed
             cache.kv[0, :num_blocks] = slots_to_blocks(rows, B)
+        else:
+            cache.kv[0, : num_blocks * B] = rows
         meta = backend.build_metadata(layout)
 
         def step(backend=backend, layer=cache.kv[0], meta=meta):

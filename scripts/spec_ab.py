@@ -94,7 +94,7 @@ def main() -> None:
 
 
 def _counts(llm: LLM) -> tuple[int, int, int]:
-    stats = llm.scheduler.speculator.stats
+    stats = llm.scheduler.features.speculation.speculator.stats
     return stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
 
 

@@ -16,6 +16,7 @@ from minfer.assembly.selector import choose_attention_backend
 from minfer.attention.torch_sdpa import TorchBackend
 from minfer.cpu.packing import packing_available
 from minfer.assembly.prepare import prepare_model
+from minfer.engine.config import EngineConfig
 from minfer.models.gpt2 import GPT2
 
 
@@ -72,29 +73,28 @@ def test_cpu_and_plain_backends_compute_the_same_step(monkeypatch, dtype, heads,
 
 def test_prepare_model_is_idempotent_and_picks_the_configured_backend(tiny_checkpoint):
     model = GPT2.from_pretrained(tiny_checkpoint)
-    prepared, backend = prepare_model(model, types.SimpleNamespace(attention_backend="eager"))
+    prepared, backend = prepare_model(model, EngineConfig(attention_backend="eager"))
     assert prepared is model and type(backend) is CPUTiledBackend
     if packing_available(torch.float32):
         assert not any(type(m) is nn.Linear for m in model.modules())  # every linear packed
     modules = [(name, type(m)) for name, m in model.named_modules()]
     params = [id(p) for p in model.parameters()]
-    again, other = prepare_model(model, types.SimpleNamespace(attention_backend="torch"))
-    assert again is model and type(other) is TorchBackend and other is not backend
+    again, other = prepare_model(model, EngineConfig(attention_backend="auto", enforce_eager=True))
+    assert again is model and type(other) is CPUTiledBackend and other is not backend  # eager: a fresh one
     assert [(name, type(m)) for name, m in model.named_modules()] == modules  # nothing swapped twice
     assert [id(p) for p in model.parameters()] == params
 
 
 def test_prepare_model_without_a_config_takes_the_environments_backend(tiny_checkpoint, monkeypatch):
-    """No config: EngineConfig's default, which $MINFER_ATTENTION_BACKEND sets (eager in tests, by
-    conftest), not a hard-coded "auto" that would compile."""
-    from minfer.engine.config import EngineConfig
-
-    monkeypatch.setattr(EngineConfig, "attention_backend", "eager")
+    """No config: EngineConfig's default, which $MINFER_ATTENTION_BACKEND sets when a config is made (eager
+    in tests, by conftest), not a hard-coded "auto" that would compile."""
+    monkeypatch.setenv("MINFER_ATTENTION_BACKEND", "eager")
     _, backend = prepare_model(GPT2.from_pretrained(tiny_checkpoint))
     assert type(backend) is CPUTiledBackend
-    monkeypatch.setattr(EngineConfig, "attention_backend", "torch")
-    _, backend = prepare_model(GPT2.from_pretrained(tiny_checkpoint))
-    assert type(backend) is TorchBackend
+    monkeypatch.setenv("MINFER_ATTENTION_BACKEND", "compiled")
+    assert EngineConfig().attention_backend == "compiled"
+    monkeypatch.delenv("MINFER_ATTENTION_BACKEND")
+    assert EngineConfig().attention_backend == "auto"
 
 
 def test_the_attention_ab_script_times_each_backend(monkeypatch, capsys):

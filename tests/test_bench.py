@@ -389,9 +389,9 @@ def test_logprobs_flag_asks_every_request_for_logprobs(tiny_checkpoint, tmp_path
     from minfer.scoring.logprobs import StepLogprobs
 
     fetched = []
-    real_fetch = StepLogprobs.fetch
+    real_packed = StepLogprobs.packed
     monkeypatch.setattr(
-        StepLogprobs, "fetch", lambda self, *a: fetched.append(self.sample_k) or real_fetch(self, *a)
+        StepLogprobs, "packed", lambda self, *a: fetched.append(self.sample_k) or real_packed(self, *a)
     )
     run_bench(capsys, "--model", tiny_checkpoint, *WORKLOAD, "--logprobs", "3", "--json", tmp_path / "b.json")
     assert fetched and set(fetched) == {3}

@@ -14,7 +14,8 @@ from minfer.assembly import selector
 from minfer.cpu import tiled_attention as cpu_tiled
 from minfer.compiled.attention import CompiledBackend, paged_decode_attention
 from minfer.cpu.tiled_attention import CPUTiledBackend
-from minfer.attention.kv_cache import KVCache, slot_of, slots_to_blocks
+from minfer.attention.kv_cache import KVCache, slot_of
+from minfer.compiled.attention import BlockedKVCache, slots_to_blocks
 from minfer.attention.paged import StepLayout
 from minfer.assembly import prepare
 from minfer.models.registry import load_model
@@ -77,7 +78,7 @@ def test_the_block_layout_stores_and_reads_what_the_slot_layout_does(monkeypatch
     slots: the same keys and values come back."""
     monkeypatch.setattr(cpu_tiled, "cpu_has_amx", lambda: amx)
     config = SimpleNamespace(num_layers=2, num_kv_heads=Hkv, head_dim=D, max_positions=64)
-    rows, blocks = (KVCache(config, 6, B, "cpu", torch.float32, layout) for layout in ("slots", "blocks"))
+    rows, blocks = KVCache(config, 6, B, "cpu", torch.float32), BlockedKVCache(config, 6, B, "cpu", torch.float32)
     assert blocks.k.shape == (2, 7, Hkv, D, B) and blocks.v.shape == (2, 7, Hkv, B, D)
     assert not blocks.kv[:, 6].any()  # the null block is zeroed
     eager, compiled = CPUTiledBackend("cpu", torch.float32), CompiledBackend("cpu", torch.float32)
@@ -93,7 +94,7 @@ def test_the_block_layout_stores_and_reads_what_the_slot_layout_does(monkeypatch
     for got, want in zip(compiled.chunk_context(blocks.kv[1], context), eager.chunk_context(rows.kv[1], context)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)  # keys, then values: (Hkv, L, D) each
     for cache in (rows, blocks):
-        cache.copy_blocks([(4, 0), (1, 2)], B)
+        cache.copy_blocks([(4, 0), (1, 2)])
     torch.testing.assert_close(slots_to_blocks(rows.kv, B), blocks.kv, rtol=0, atol=0)
 
 
@@ -177,7 +178,7 @@ def test_enforce_eager_and_the_eager_choice_never_compile(tiny_checkpoint, monke
     monkeypatch.setattr(CompiledBackend, "warm_up", lambda *a: pytest.fail("compiled under enforce_eager"))
     assert LLM(tiny_checkpoint, enforce_eager=True, num_kv_blocks=32).scheduler.engine_config.attention_backend == "eager"
     llm = LLM(tiny_checkpoint, attention_backend="eager", num_kv_blocks=32)
-    assert type(llm.scheduler.runner.attention_backend) is CPUTiledBackend
+    assert type(llm.scheduler.runner.attention) is CPUTiledBackend
 
 
 def test_prepare_model_keeps_eager_off_cpu_choices(monkeypatch):

@@ -26,7 +26,7 @@ def prompts_with_a_shared_prefix(seed=1, num=20):
 
 
 def graph_of(llm: LLM) -> CompiledDecodeStep:
-    return llm.scheduler.runner.forward
+    return llm.scheduler.runner.compiled.step
 
 
 @pytest.mark.parametrize("preset, attention", [("tiny", "eager"), ("qwen3-tiny", "compiled")])  # each model, each backend
@@ -134,8 +134,8 @@ def test_whole_graph_with_frozen_weights_equals_eager(make_checkpoint):
     # decode's attention is traced into the lone graph, so the backend's own forward runs for the prompt's
     # layers only, never for a decode step, as contexts grow across blocks (14 + 40 tokens). Two completions
     # forking from a one-token prompt (one row, two sampled) run eager: no third graph.
-    backend = compiled.scheduler.runner.attention_backend
-    assert backend.lone_decode_in_graph and not eager.scheduler.runner.attention_backend.lone_decode_in_graph
+    backend = compiled.scheduler.runner.attention
+    assert backend.lone_decode_in_graph and not eager.scheduler.runner.attention.lone_decode_in_graph
     calls = []  # the rows of each layer's call of the backend's forward
     backend.forward = lambda *args: calls.append(args[0].shape[0]) or type(backend).forward(backend, *args)
     lone = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -168,7 +168,8 @@ def test_whole_graph_quantized_step_matches_eager(tiny_checkpoint, method):
     for contexts in ((5,), (5, 9, 17, 33) * 5):  # 20 rows: above int8's kernel_max_rows, eager dequantizes
         chunks = [ScheduledChunk(_placeholder_sequence(n, runner.block_size), n - 1, 1) for n in contexts]
         with torch.inference_mode():
-            input_ids, batch, _ = runner.prepare(chunks)
+            rows = runner.prepare(chunks)
+            input_ids, batch = rows.input_ids, runner.batch(rows)
             want = runner.model(input_ids, batch)  # (S, V)
             got = step(input_ids, batch)
         assert step.off_because is None and got.shape == want.shape

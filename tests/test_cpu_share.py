@@ -69,8 +69,8 @@ def test_it_measures_at_most_twice_a_second(monkeypatch, restore_threads):
 
 
 def test_a_thread_count_the_user_chose_is_left_alone(monkeypatch, restore_threads):
-    for name in cpu_share.THREAD_ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
+    for var in cpu_share.THREAD_ENV_VARS:
+        monkeypatch.delenv(var.name, raising=False)
     assert not cpu_share.threads_chosen(None)
     assert cpu_share.threads_chosen(2)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
@@ -96,7 +96,8 @@ def test_the_real_proc_files_give_a_sane_share(restore_threads):
 def test_the_engine_adapts_only_when_threads_were_not_chosen(tiny_checkpoint, monkeypatch, restore_threads):
     from minfer import LLM
 
-    for name in cpu_share.THREAD_ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    assert LLM(tiny_checkpoint, num_kv_blocks=16).scheduler.cpu_share.enabled == (len(cpu_share._cores()) > 1)
-    assert not LLM(tiny_checkpoint, num_kv_blocks=16, num_threads=1).scheduler.cpu_share.enabled
+    for var in cpu_share.THREAD_ENV_VARS:
+        monkeypatch.delenv(var.name, raising=False)
+    threads = LLM(tiny_checkpoint, num_kv_blocks=16).scheduler.features.threads
+    assert threads is not None and threads.enabled == (len(cpu_share._cores()) > 1)
+    assert LLM(tiny_checkpoint, num_kv_blocks=16, num_threads=1).scheduler.features.threads is None

@@ -83,10 +83,10 @@ def test_cuda_graphs_replay_what_eager_steps_compute(tiny_checkpoint):
     prompts = random_prompts(11, 512, seed=9, max_len=120)
     params = [SamplingParams(max_tokens=12 + i, temperature=0) for i in range(len(prompts))]
     eager = LLM(tiny_checkpoint, num_kv_blocks=64, enforce_eager=True)
-    assert eager.scheduler.runner.decode_graphs is None
+    assert eager.scheduler.runner.compiled is None
     expected = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     llm = LLM(tiny_checkpoint, num_kv_blocks=64, max_num_seqs=11)
-    graphs = llm.scheduler.runner.decode_graphs
+    graphs = llm.scheduler.runner.compiled.graphs
     assert graphs is not None and all(graph is not None for graph, _ in graphs.graphs.values())
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     assert graphs.num_steps > 20

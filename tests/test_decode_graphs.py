@@ -24,7 +24,7 @@ def graphed(flex_as_on_a_gpu, monkeypatch, tiny_checkpoint):
     monkeypatch.setattr(
         cuda_graphs,
         "wants_decode_graphs",
-        lambda device, eager, backend: not eager and hasattr(backend, "graph_metadata"),
+        lambda device, eager, backend: not eager and backend.captures_in_graphs,
     )
     return lambda **settings: LLM(tiny_checkpoint, attention_backend="auto", **settings)
 
@@ -35,10 +35,10 @@ def test_padded_decode_steps_equal_eager_steps(graphed, tiny_checkpoint):
     prompts = random_prompts(11, 512, seed=8, max_len=120)
     params = [SamplingParams(max_tokens=16 + i, temperature=0, logprobs=2) for i in range(len(prompts))]
     eager = LLM(tiny_checkpoint, num_kv_blocks=64, attention_backend="eager")
-    assert eager.scheduler.runner.decode_graphs is None and eager.scheduler.runner.attention_backend.name == "cpu_tiled"
+    assert eager.scheduler.runner.compiled is None and eager.scheduler.runner.attention.name == "cpu_tiled"
     expected = eager.generate(prompts, params, use_tqdm=False)
     llm = graphed(num_kv_blocks=40, max_num_seqs=11, max_num_batched_tokens=64)
-    graphs = llm.scheduler.runner.decode_graphs
+    graphs = llm.scheduler.runner.compiled.graphs
     assert graphs.sizes == [1, 2, 4, 8, 11] and sorted(graphs.graphs) == graphs.sizes  # all "captured" at start
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.stats()["num_preemptions"] > 0 and llm.stats()["prefix_cache_hit_tokens"] > 0
@@ -56,11 +56,11 @@ def test_forks_replay_and_close_releases(graphed):
     """n = 2: the prompt's step samples its last row twice (eager), then the two forks decode side by side
     (replayed). close() frees the graphs; the engine still serves, eager."""
     llm = graphed(num_kv_blocks=40, max_num_seqs=4, max_model_len=64)
-    graphs = llm.scheduler.runner.decode_graphs
+    graphs = llm.scheduler.runner.compiled.graphs
     assert graphs.max_blocks == 4  # the static tables: max_model_len / block_size columns
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=6, n=2, seed=1), use_tqdm=False)
     assert len(out) == 2 and out[0].token_ids != out[1].token_ids and graphs.num_steps == 5
     llm.close()
-    assert llm.scheduler.runner.decode_graphs is None and not graphs.graphs
+    assert llm.scheduler.runner.compiled.graphs is None and not graphs.graphs
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids) == 3
     assert graphs.num_steps == 5

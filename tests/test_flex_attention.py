@@ -7,6 +7,7 @@ import torch
 from test_engine import assert_all_free, random_prompts
 
 from minfer import LLM, SamplingParams
+from minfer.attention.kv_cache import KVCache
 from minfer.compiled.flex import FlexBackend
 from minfer.attention.paged import StepLayout
 
@@ -48,8 +49,8 @@ def test_engine_on_flex_equals_the_plain_backend(tiny_checkpoint, flex_as_on_a_g
     eager = LLM(tiny_checkpoint, num_kv_blocks=64, attention_backend="eager")
     expected = [o.token_ids for o in eager.generate(prompts, greedy, use_tqdm=False)]
     llm = LLM(tiny_checkpoint, num_kv_blocks=40, max_num_seqs=12, max_num_batched_tokens=64, attention_backend="auto")
-    assert isinstance(llm.scheduler.runner.attention_backend, FlexBackend)
-    assert llm.scheduler.kv_cache.layout == "slots" and not llm.scheduler.kv_cache.kv.isnan().any()  # zeroed
+    assert isinstance(llm.scheduler.runner.attention, FlexBackend)
+    assert type(llm.scheduler.kv_cache) is KVCache and not llm.scheduler.kv_cache.kv.isnan().any()  # plain, zeroed
     outs = llm.generate(prompts, greedy, use_tqdm=False)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0

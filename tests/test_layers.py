@@ -1,8 +1,10 @@
-"""The floor plan holds: every import in minfer/ runs down the layers that docs/architecture.md draws.
+"""The floor plan holds: every import in minfer/ runs down the layers that docs/architecture.md draws,
+and the plain core imports no feature room.
 
 Imports are read from the source with ast, all of them: module level, inside functions and
 under TYPE_CHECKING. A module may import its own package and any layer below its own; a
-layer's peers (attention and text; bench and stress) do not import each other.
+layer's peers (attention and text; the feature rooms; bench and stress) do not import each
+other, but for the exceptions listed, each with its reason.
 """
 
 import ast
@@ -13,21 +15,39 @@ PACKAGE = ROOT / "minfer"
 
 # Bottom up. A module's layer is the first entry that its dotted name starts with.
 LAYERS = [
-    ("base", 0, ("minfer.errors", "minfer.host_to_device", "minfer.step_parts", "minfer.version")),
+    ("base", 0, ("minfer.errors", "minfer.host_to_device", "minfer.settings", "minfer.step_parts", "minfer.version")),
     ("attention", 1, ("minfer.attention",)),
     ("text", 1, ("minfer.text",)),
-    ("cpu", 2, ("minfer.cpu",)),
-    ("quantization", 3, ("minfer.quantization",)),
-    ("models", 4, ("minfer.models",)),
+    ("models", 2, ("minfer.models",)),
+    ("engine", 3, ("minfer.engine",)),
+    # The feature rooms: each imports the core (the layers above) and no other room.
+    ("cpu", 4, ("minfer.cpu",)),
+    ("compiled", 4, ("minfer.compiled",)),
+    ("quantization", 4, ("minfer.quantization",)),
+    ("scoring", 4, ("minfer.scoring",)),
+    ("parallel_sampling", 4, ("minfer.parallel_sampling",)),
+    ("speculative", 4, ("minfer.speculative",)),
+    ("assembly", 5, ("minfer.assembly",)),
     ("checkpoints", 5, ("minfer.checkpoints",)),
-    ("engine", 6, ("minfer.engine", "minfer.scoring", "minfer.speculative", "minfer.compiled", "minfer.assembly")),
-    ("server", 7, ("minfer.server",)),
-    ("bench", 8, ("minfer.bench",)),
-    ("stress", 8, ("minfer.stress",)),
+    ("server", 6, ("minfer.server",)),
+    ("bench", 7, ("minfer.bench",)),
+    ("stress", 7, ("minfer.stress",)),
     # What users run: the package's names, the `minfer` command and the old `python -m` entry points.
-    ("entry", 9, ("minfer.__init__", "minfer.__main__", "minfer.cli", "minfer.serve", "minfer.generate", "minfer.quantize",
+    ("entry", 8, ("minfer.__init__", "minfer.__main__", "minfer.cli", "minfer.serve", "minfer.generate", "minfer.quantize",
                   "minfer.random_model")),
 ]
+# Imports between peers that the plan allows, each with its reason: (importing layer, imported module).
+ALLOWED_PEER_IMPORTS = {
+    ("compiled", "minfer.cpu.features"): "which GEMMs a frozen graph may use depends on AMX",
+    ("quantization", "minfer.cpu.features"): "int8's row paths follow the CPU's int8 dot products",
+    ("quantization", "minfer.cpu.malloc"): "a quantizing load returns its temporaries to the OS",
+    ("compiled", "minfer.cpu.tiled_attention"): "the compiled CPU backend is the tiled one with a compiled decode",
+}
+# The plain core: what tutorial stages 01-13 teach. None of it imports a feature room, in any form.
+CORE = ("minfer.errors", "minfer.host_to_device", "minfer.settings", "minfer.step_parts", "minfer.version",
+        "minfer.attention", "minfer.text", "minfer.models", "minfer.engine")
+ROOMS = ("minfer.cpu", "minfer.compiled", "minfer.quantization", "minfer.scoring", "minfer.parallel_sampling",
+         "minfer.speculative")
 MAX_LINES = 400
 
 
@@ -43,6 +63,10 @@ def layer_of(module: str) -> tuple[str, int]:
         if any(module == p or module.startswith(p + ".") for p in prefixes):
             return name, rank
     raise AssertionError(f"{module} is in no layer: add it to LAYERS and docs/architecture.md")
+
+
+def within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
 
 
 def imported_modules(source: str, own: str, is_package: bool, modules: set[str]) -> list[tuple[int, str]]:
@@ -89,9 +113,35 @@ def test_imports_run_down_the_layers():
                 wrong.append(f"{path.relative_to(ROOT)}:{line}: imports the minfer package itself")
                 continue
             target_name, target_rank = layer_of(target)
-            if target_name != name and target_rank >= rank:
+            if target_name != name and target_rank >= rank and (name, target) not in ALLOWED_PEER_IMPORTS:
                 wrong.append(f"{path.relative_to(ROOT)}:{line}: {name} imports {target} ({target_name})")
     assert not wrong, "imports against the layers' directions:\n" + "\n".join(wrong)
+
+
+def test_the_core_imports_no_feature_room():
+    """The modules tutorials 01-13 teach never import a feature room: not at module level, not inside a
+    function, not under TYPE_CHECKING. A feature attaches where the core shows it (engine/features.py)."""
+    modules = all_modules()
+    core = sorted(m for m in modules if within(m, CORE))
+    assert "minfer.engine.scheduler" in core and "minfer.attention.paged" in core
+    wrong = [
+        f"{modules[m].relative_to(ROOT)}:{line}: imports {target}"
+        for m in core
+        for line, target in imports_of(modules[m], set(modules))
+        if within(target, ROOMS) or within(target, ("minfer.assembly",))
+    ]
+    assert not wrong, "the core reaches into a feature room:\n" + "\n".join(wrong)
+
+
+def test_every_allowed_exception_is_still_needed():
+    modules = all_modules()
+    used = {
+        (layer_of(m)[0], target)
+        for m, path in modules.items()
+        for _, target in imports_of(path, set(modules))
+    }
+    stale = [f"{layer} -> {target}" for layer, target in ALLOWED_PEER_IMPORTS if (layer, target) not in used]
+    assert not stale, "listed exceptions nothing uses any more: drop them\n" + "\n".join(stale)
 
 
 def test_no_module_is_too_long():

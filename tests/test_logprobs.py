@@ -121,8 +121,8 @@ def test_mixed_k_in_one_batch(tiny_checkpoint, gpt2_hf):
 def test_prompt_rows_per_step_are_capped(tiny_checkpoint, gpt2_hf):
     """A long prompt is scored a capped number of positions per step, never all at once."""
     llm = LLM(tiny_checkpoint, max_num_batched_tokens=256)
-    assert llm.scheduler.batcher.max_logprob_rows == max_logprob_rows(512) == 2**24 // 512
-    llm.scheduler.batcher.max_logprob_rows = 20
+    assert llm.scheduler.features.scoring.max_rows == max_logprob_rows(512) == 2**24 // 512
+    llm.scheduler.features.scoring.max_rows = 20
     rows_seen = []
     model = llm.scheduler.runner.model
     original = model.forward

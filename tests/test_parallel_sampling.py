@@ -70,19 +70,24 @@ def test_a_cache_too_small_for_eight_copies_serves_n8_without_preempting(long_ch
     assert_all_free(small)
 
 
-def test_last_partial_block_is_copied_on_write(llm):
+def test_last_partial_block_is_copied_for_each_fork(llm):
     sched = llm.scheduler
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=11, n=3, ignore_eos=True)
     rid = sched.add_request(prompt_token_ids=prompt_of(21, seed=2), sampling_params=params)  # 16 + 5 tokens
+    forks = sched.features.forks
+    copies_before = forks.num_copies
     step_until_forked(sched, 3)
-    full, partial = sched.running[0].block_table
-    assert all(seq.block_table == [full, partial] for seq in sched.running)  # forked: nothing copied yet
+    first = sched.requests[rid].seq
+    full, partial = first.block_table
+    others = [seq for seq in sched.running if seq is not first]
+    assert all(seq.block_table[0] == full for seq in sched.running)  # the full prompt block: shared, not copied
+    assert forks.num_copies - copies_before == 2, "two of three copy; the first writes in place"
+    copies = [seq.block_table[1] for seq in others]
+    assert len(set(copies + [partial])) == 3  # each fork its own copy of the partial block
+    for copy in copies:  # holding the prompt's keys and values, as the original does
+        torch.testing.assert_close(sched.kv_cache.kv[:, copy * 16 : copy * 16 + 5], sched.kv_cache.kv[:, partial * 16 : partial * 16 + 5], rtol=0, atol=0)
     sched.step()
-    copies = sched.batcher.copies
-    assert len(copies) == 2 and all(src == partial for src, _ in copies), "two of three copy; the last writes in place"
-    lasts = [seq.block_table[1] for seq in sched.running]
-    assert sorted(lasts) == sorted([partial] + [dst for _, dst in copies])
-    assert all(seq.block_table[0] == full for seq in sched.running)
+    assert [seq.block_table[1] for seq in sched.running] == [partial, *copies]  # each writes its own
     while not sched.is_finished(rid):
         sched.step()
     forked = sched.pop_responses(rid)
@@ -92,6 +97,19 @@ def test_last_partial_block_is_copied_on_write(llm):
         alone = SamplingParams(max_tokens=6, temperature=1.0, seed=11 + out.index, ignore_eos=True)
         assert out.token_ids == llm.generate([prompt_of(21, seed=2)], alone, use_tqdm=False)[0].token_ids
     assert_all_free(llm)
+
+
+def test_a_fork_without_a_free_block_computes_the_partial_block_again(long_checkpoint, llm):
+    """No block free for a copy: the fork shares the full blocks only and computes the partial one's tokens
+    again. The choices draw what they draw with room to spare."""
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=21, n=2, ignore_eos=True)
+    prompt = prompt_of(21, seed=5)  # 16 + 5 tokens: a full block and a partial one
+    tight = LLM(long_checkpoint, num_kv_blocks=2, max_model_len=32)
+    copies = tight.scheduler.features.forks.num_copies
+    outs = tight.generate([prompt], params, use_tqdm=False)
+    assert tight.scheduler.features.forks.num_copies == copies  # nothing was free to copy into
+    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate([prompt], params, use_tqdm=False)]
+    assert_all_free(tight)
 
 
 def test_seeded_choices_replay_whatever_runs_beside_them(long_checkpoint, llm):
@@ -158,6 +176,6 @@ def test_n_takes_its_slots_and_more_than_the_batch_is_refused(long_checkpoint):
     ids = [sched.add_request(prompt_token_ids=prompt_of(20, seed=i), sampling_params=params) for i in range(3)]
     while sched.has_unfinished():
         sched.step()
-        assert len(sched.running) + sum(len(s.forks) for s in sched.running) <= 4
+        assert sum(s.seats for s in sched.running) <= 4  # a prompt holds its forks' seats until they start
     assert all(len(sched.pop_responses(i)) == 3 for i in ids)
     assert_all_free(llm)

@@ -22,7 +22,7 @@ from minfer.quantization import (
     quantize_model,
 )
 from minfer.quantization import int4 as int4_module
-from minfer.quantization.checkpoint import QuantizationSpec
+from minfer.quantization.checkpoint import QuantizationSpec, QuantizedWeights
 from minfer.quantization.int4 import dequantize_int4
 from minfer.quantization.int8 import dequantize_int8
 
@@ -210,8 +210,8 @@ def test_keeping_the_head_full_precision_keeps_the_tied_embedding_too(tiny_check
 
     after = quantize_model(load_model(tiny_checkpoint), "int8", quantize_lm_head=False)
     spec = QuantizationSpec("int8", quantize_lm_head=False)
-    streamed = load_model(tiny_checkpoint, quantization=spec)
-    loaded = load_model(save_quantized(streamed, tiny_checkpoint, tmp_path / "q", spec))
+    streamed = load_model(tiny_checkpoint, weights=QuantizedWeights(spec))
+    loaded = load_model(save_quantized(streamed, tiny_checkpoint, tmp_path / "q", spec), weights=QuantizedWeights())
     ids = torch.randint(0, 500, (1, 7))
     with torch.inference_mode():
         want = after(ids)
@@ -287,10 +287,10 @@ def test_quantized_checkpoint_round_trip(make_checkpoint, tmp_path, preset, meth
 
     source = make_checkpoint(preset)
     spec = QuantizationSpec(method)
-    streamed = load_model(source, quantization=spec)
+    streamed = load_model(source, weights=QuantizedWeights(spec))
     after = quantize_model(load_model(source), method)
     out = save_quantized(streamed, source, tmp_path / "q", spec)
-    loaded = load_model(out)
+    loaded = load_model(out, weights=QuantizedWeights())
     assert isinstance(loaded.lm_head, QuantizedLinear)
     ids = torch.randint(0, 500, (1, 7))
     with torch.inference_mode():
@@ -318,16 +318,16 @@ def test_a_corrupt_or_incomplete_quantized_checkpoint_is_refused(make_checkpoint
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])  # truncated
     with pytest.raises(ValueError, match="not a readable safetensors file"):
-        load_model(out)
+        load_model(out, weights=QuantizedWeights())
     weights.write_bytes(data)
     tensors = load_file(str(weights))
     save_file({k: v for k, v in tensors.items() if k != "h.1.mlp.c_fc.scales"}, str(weights))
     with pytest.raises(ValueError, match="lacks h.1.mlp.c_fc.scales"):
-        load_model(out)
+        load_model(out, weights=QuantizedWeights())
     tensors["h.0.ln_1.weight"] = torch.ones(3)
     save_file(tensors, str(weights))
     with pytest.raises(ValueError, match="h.0.ln_1.weight"):
-        load_model(out)
+        load_model(out, weights=QuantizedWeights())
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
@@ -341,7 +341,7 @@ def test_checkpoints_quantized_by_other_tools_are_refused_saying_what_runs(make_
     config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128}
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=rf"quantized as '{method}'.*--quantization int8 or int4.*minfer quantize"):
-        load_model(out)
+        load_model(out, weights=QuantizedWeights())
 
 
 def test_roofline_and_profile_count_quantized_bytes(make_checkpoint):
@@ -369,7 +369,7 @@ def test_a_quantizing_load_holds_mallocs_mmap_threshold_low_and_releases_it(monk
     monkeypatch.setattr(malloc, "glibc_mallopt", lambda: lambda param, value: calls.append((param, value)))
     load_model(tiny_checkpoint)
     assert calls == []
-    model = load_model(tiny_checkpoint, quantization=QuantizationSpec("int8", None, True))
+    model = load_model(tiny_checkpoint, weights=QuantizedWeights(QuantizationSpec("int8", None, True)))
     assert calls == [(malloc.M_MMAP_THRESHOLD, 128 << 10), (malloc.M_MMAP_THRESHOLD, 32 << 20),
                      (malloc.M_TRIM_THRESHOLD, 64 << 20)]
     assert quantization_of(model) == "int8"

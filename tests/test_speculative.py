@@ -152,7 +152,7 @@ def test_greedy_batch_of_32_equals_plain_and_alone(models, family):
     spec = LLM(path, block_size=8, max_num_batched_tokens=64, num_kv_blocks=120, **SPEC)
     outs = run_stepwise(spec, prompts, half_seeded(params, len(prompts)))
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    stats = spec.scheduler.speculator.stats
+    stats = spec.scheduler.features.speculation.speculator.stats
     assert stats.num_accepted_tokens > 50 and stats.num_draft_tokens > stats.num_accepted_tokens  # both ways
     assert spec.scheduler.num_preemptions > 0 and spec.scheduler.prefix_cache_hit_tokens > 0  # recomputes hit
     assert_all_free(spec)
@@ -189,7 +189,7 @@ def test_trained_tiny_copy_heavy_greedy_equals_plain(name, accepted):
     spec = LLM(name, speculative_method="ngram")
     got = spec.generate([prompt], params, use_tqdm=False)[0]
     assert got.token_ids == plain.token_ids and got.text == plain.text
-    assert spec.scheduler.speculator.stats.num_accepted_tokens > accepted
+    assert spec.scheduler.features.speculation.speculator.stats.num_accepted_tokens > accepted
     assert_all_free(spec)
 
 
@@ -224,7 +224,7 @@ def test_controls_stops_and_logprobs_apply_at_every_verified_position(models):
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
     assert got[4].finish_reason == "stop" and len(got[5].token_ids) == 7
-    assert spec.scheduler.speculator.stats.num_accepted_tokens > 0
+    assert spec.scheduler.features.speculation.speculator.stats.num_accepted_tokens > 0
     assert_all_free(spec)
 
 
@@ -245,7 +245,7 @@ def assert_seeded_ignores_batch_neighbours(spec):
     together = spec.generate(prompts, [params, *others], use_tqdm=False)
     assert [o.token_ids for o in together[:3]] == [o.token_ids for o in alone]
     assert len({tuple(o.token_ids) for o in alone}) == 3  # three different completions
-    assert spec.scheduler.speculator.stats.num_drafts > 0
+    assert spec.scheduler.features.speculation.speculator.stats.num_drafts > 0
     assert_all_free(spec)
 
 
@@ -256,7 +256,7 @@ def test_greedy_n_above_one(models):
     want = plain.generate(prompts, params, use_tqdm=False)
     got = spec.generate(prompts, half_seeded(params, 3), use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert spec.scheduler.speculator.stats.num_accepted_tokens > 0
+    assert spec.scheduler.features.speculation.speculator.stats.num_accepted_tokens > 0
     assert_all_free(spec)
 
 
@@ -300,7 +300,7 @@ def assert_speculative_samples_match_exact(path, spec_options):
     bias = dict.fromkeys(range(V), 100.0)
     params = [SamplingParams(max_tokens=4, temperature=1.0, seed=i, logit_bias=bias, ignore_eos=True) for i in range(N)]
     outs = spec.generate([prompt] * N, params, use_tqdm=False)
-    stats = spec.scheduler.speculator.stats
+    stats = spec.scheduler.features.speculation.speculator.stats
     assert stats.num_draft_tokens > N and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     for position in range(4):
         counts = torch.bincount(torch.tensor([o.token_ids[position] for o in outs]), minlength=V).double()
@@ -325,7 +325,7 @@ def cancel_half_and_finish_the_rest(spec):
     for _ in range(12):
         sched.step()
         sched.check_invariants()
-    assert sched.speculator.stats.num_drafts > 0
+    assert sched.features.speculation.speculator.stats.num_drafts > 0
     for i in ids[::2]:
         assert sched.discard_request(i)
     while sched.has_unfinished():
@@ -375,8 +375,8 @@ def test_engine_feed_reports_each_steps_proposals(models):
     while sched.has_unfinished():
         sampled = sched.step()
         events.append(recorder.step(len(sampled), []))
-    assert sum(e["num_draft_tokens"] for e in events) == sched.speculator.stats.num_draft_tokens > 0
-    assert sum(e["num_accepted_tokens"] for e in events) == sched.speculator.stats.num_accepted_tokens
+    assert sum(e["num_draft_tokens"] for e in events) == sched.features.speculation.speculator.stats.num_draft_tokens > 0
+    assert sum(e["num_accepted_tokens"] for e in events) == sched.features.speculation.speculator.stats.num_accepted_tokens
 
 
 @pytest.mark.parametrize("mode", ["offline", "online"])

@@ -61,7 +61,7 @@ def test_a_draft_that_cannot_serve_is_refused_naming_why(models, make_checkpoint
     short = make_checkpoint("tiny", n_positions=128)
     with pytest.raises(ValueError, match="context of 128 tokens, shorter than the model's 512"):
         LLM(target, **draft_settings(short))
-    assert LLM(target, max_model_len=128, **draft_settings(short)).scheduler.draft is not None
+    assert LLM(target, max_model_len=128, **draft_settings(short)).scheduler.features.speculation.draft is not None
 
 
 def test_the_kv_budget_pays_for_both_caches(models):
@@ -70,10 +70,10 @@ def test_the_kv_budget_pays_for_both_caches(models):
     plain = LLM(target, kv_cache_memory=budget, block_size=16)
     spec = LLM(target, kv_cache_memory=budget, block_size=16, **draft_settings(draft))
     per_block = KVCache.bytes_per_block(plain.model.config, 16, torch.float32)
-    draft_per_block = KVCache.bytes_per_block(spec.scheduler.draft.model.config, 16, torch.float32)
+    draft_per_block = KVCache.bytes_per_block(spec.scheduler.features.speculation.draft.model.config, 16, torch.float32)
     assert plain.scheduler.allocator.num_blocks == budget // per_block
     assert spec.scheduler.allocator.num_blocks == budget // (per_block + draft_per_block)
-    assert spec.scheduler.draft.kv_cache.kv.shape[1] == spec.scheduler.kv_cache.kv.shape[1]  # the same slots
+    assert spec.scheduler.features.speculation.draft.kv_cache.kv.shape[1] == spec.scheduler.kv_cache.kv.shape[1]  # the same slots
 
 
 # ---- greedy: token for token what plain decoding gives -------------------------------------
@@ -93,7 +93,7 @@ def test_greedy_batch_of_32_equals_plain(models, family, self_draft):
     spec = LLM(target, block_size=8, max_num_batched_tokens=64, num_kv_blocks=120, **draft_settings(draft))
     outs = run_stepwise(spec, prompts, half_seeded(params, len(prompts)))
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    stats = spec.scheduler.speculator.stats
+    stats = spec.scheduler.features.speculation.speculator.stats
     assert spec.scheduler.num_preemptions > 0 and spec.scheduler.prefix_cache_hit_tokens > 0
     if self_draft:
         assert stats.num_draft_tokens > 500 and stats.acceptance_rate > 0.99
@@ -118,7 +118,7 @@ def test_prefix_hits_reuse_both_caches(models):
     assert spec.scheduler.prefix_cache_hit_tokens > 100
     want = LLM(target, block_size=4).generate(again, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert spec.scheduler.speculator.stats.acceptance_rate > 0.99
+    assert spec.scheduler.features.speculation.speculator.stats.acceptance_rate > 0.99
     assert_all_free(spec)
 
 
@@ -132,7 +132,7 @@ def test_forks_copy_both_caches_on_write(models):
     want = LLM(target, block_size=8).generate(prompts, params, use_tqdm=False)
     got = spec.generate(prompts, half_seeded(params, 3), use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    stats = spec.scheduler.speculator.stats
+    stats = spec.scheduler.features.speculation.speculator.stats
     assert stats.num_draft_tokens > 100 and stats.acceptance_rate > 0.99
     assert_all_free(spec)
 
@@ -155,7 +155,7 @@ def test_trained_tiny_greedy_equals_plain(make_checkpoint, target, draft):
     got = [spec.generate([p], params, use_tqdm=False)[0] for p in prompts]
     assert [o.token_ids for o in got] == [o.token_ids for o in plain]
     assert [o.text for o in got] == [o.text for o in plain]
-    stats = spec.scheduler.speculator.stats
+    stats = spec.scheduler.features.speculation.speculator.stats
     if draft == target:
         assert stats.acceptance_rate > 0.99
     elif draft == "minfer-tiny-llama-draft":  # trained on the same stories: right more often than not
@@ -178,19 +178,19 @@ def test_draft_cache_holds_what_the_draft_alone_computes(models):
         sched.add_request(prompt_token_ids=prompt, sampling_params=params)
     for _ in range(15):
         sched.step()
-    stats = sched.speculator.stats
+    stats = sched.features.speculation.speculator.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # accepts and rejects behind us
     reference = LLM(draft, block_size=4, enable_prefix_caching=False)
     checked = 0
     for seq in sched.running:
-        n = sched.draft.num_valid(seq)
+        n = sched.features.speculation.draft.num_valid(seq)
         if n == 0:
             continue  # paused since its prefill (the truncated draft is often wrong)
         ref_sched = reference.scheduler
         ref_id = ref_sched.add_request(prompt_token_ids=seq.token_ids[:n], sampling_params=SamplingParams(max_tokens=2))
         ref_sched.step()  # the whole prompt, one chunk
         (ref_seq,) = ref_sched.running
-        got = sched.draft.kv_cache.kv[:, [slot_of(seq.block_table, p, 4) for p in range(n)]]
+        got = sched.features.speculation.draft.kv_cache.kv[:, [slot_of(seq.block_table, p, 4) for p in range(n)]]
         want = ref_sched.kv_cache.kv[:, [slot_of(ref_seq.block_table, p, 4) for p in range(n)]]
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         ref_sched.discard_request(ref_id)
@@ -207,8 +207,8 @@ def test_sequences_that_do_not_speculate_cost_the_draft_nothing(models):
     spec = LLM(target, **draft_settings(target))
     sched = spec.scheduler
     calls = []
-    forward = sched.draft._forward
-    sched.draft._forward = lambda rows: calls.append(len(rows.ids)) or forward(rows)
+    forward = sched.features.speculation.draft._forward
+    sched.features.speculation.draft._forward = lambda rows: calls.append(len(rows.ids)) or forward(rows)
     prompts = copy_prompts(MAX_BATCH + 4, 512, seed=12)
     params = [SamplingParams(max_tokens=8 if i % 2 else 40, temperature=0, ignore_eos=True) for i in range(len(prompts))]
     ids = [sched.add_request(prompt_token_ids=p, sampling_params=s) for p, s in zip(prompts, params)]
@@ -220,7 +220,7 @@ def test_sequences_that_do_not_speculate_cost_the_draft_nothing(models):
     assert max(calls) > 20  # a catch-up over a whole sequence
     got = [sched.pop_response(i).token_ids for i in ids]
     assert got == [o.token_ids for o in LLM(target).generate(prompts, params, use_tqdm=False)]
-    assert sched.speculator.stats.acceptance_rate > 0.99
+    assert sched.features.speculation.speculator.stats.acceptance_rate > 0.99
     assert_all_free(spec)
 
 

@@ -110,10 +110,10 @@ def test_a_missing_tokenizer_is_one_line_before_the_weights_load(tiny_checkpoint
     assert done.stderr.strip().splitlines() == [
         f"error: no tokenizer found in {no_tokenizer}: looked for tokenizer.json, or vocab.json with merges.txt."
     ]
-    import minfer.server.serve as serve_module
+    import minfer.assembly.build as build_module
 
     loaded = []
-    monkeypatch.setattr(serve_module, "load_model", lambda *a, **k: loaded.append(a) or pytest.fail("loaded"))
+    monkeypatch.setattr(build_module, "load_model", lambda *a, **k: loaded.append(a) or pytest.fail("loaded"))
     with pytest.raises(FileNotFoundError, match="no tokenizer found"):
         create_server(EngineConfig(str(no_tokenizer)), port=0)
     assert loaded == []  # the weights were never read
@@ -127,7 +127,7 @@ def test_a_missing_tokenizer_is_one_line_before_the_weights_load(tiny_checkpoint
 def test_thread_count_from_flag_then_environment(monkeypatch, env, flag, expected):
     import torch
 
-    from minfer.assembly.llm import set_cpu_threads
+    from minfer.assembly.build import set_cpu_threads
 
     before = torch.get_num_threads()
     for name in ("MINFER_NUM_THREADS", "OMP_NUM_THREADS"):
@@ -141,7 +141,7 @@ def test_thread_count_from_flag_then_environment(monkeypatch, env, flag, expecte
 
 
 def test_a_bad_thread_variable_is_refused(monkeypatch):
-    from minfer.assembly.llm import set_cpu_threads
+    from minfer.assembly.build import set_cpu_threads
 
     monkeypatch.setenv("MINFER_NUM_THREADS", "lots")
     with pytest.raises(ValueError, match="MINFER_NUM_THREADS must be a positive integer, got 'lots'"):

@@ -57,7 +57,7 @@ tokens: dict[str, list[int]] = {}  # request -> its token ids (made up: 100 + po
 
 def append_tokens(name: str, n: int) -> None:
     """Add n tokens to a sequence, taking a new block whenever its last one is full
-    (the same arithmetic as ContinuousBatcher._grow in minfer/engine/continuous_batcher.py)."""
+    (the same arithmetic as ContinuousBatcher.grow in minfer/engine/continuous_batcher.py)."""
     table, toks = tables.setdefault(name, []), tokens.setdefault(name, [])
     base = {"A": 100, "B": 200, "C": 300}[name]
     toks += [base + len(toks) + i for i in range(n)]

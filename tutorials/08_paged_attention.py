@@ -214,7 +214,7 @@ section("part 3: reading the cache in place, compiled (attention/compiled.py)")
 # multiply-adds. Over rows of slots, each position's score would end in a sum across one vector's
 # lanes, the slow kind; that version ran about half as fast on a Zen 4.
 from minfer.compiled.attention import paged_decode_attention  # noqa: E402
-from minfer.attention.kv_cache import slots_to_blocks  # noqa: E402
+from minfer.compiled.attention import slots_to_blocks  # noqa: E402
 
 lens = torch.full((S,), L)  # (S,): every sequence's context length (all L here: nothing padded)
 big_blocks = slots_to_blocks(big_kv, BLOCK_SIZE)  # the same keys and values: (num_blocks, 2, H, D * BLOCK_SIZE)

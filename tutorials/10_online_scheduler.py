@@ -23,10 +23,10 @@ from _common import model_path, section
 
 from minfer import OnlineScheduler, SamplingParams
 from minfer.attention.kv_cache import KVCache, cdiv
-from minfer.attention.torch_sdpa import group_by_length
+from minfer.attention.torch_sdpa import TorchBackend, group_by_length
 from minfer.engine.block_allocator import BlockAllocator
 from minfer.engine.model_runner import ModelRunner
-from minfer.assembly.prepare import prepare_model
+
 from minfer.engine.sequence import ScheduledChunk, Sequence, Status
 from minfer.models.gpt2 import GPT2
 from minfer.text.tokenizer import Tokenizer
@@ -183,8 +183,7 @@ order = alloc.allocate(NUM_BLOCKS)
 random.Random(1).shuffle(order)
 alloc.free(order)  # the free queue is now in shuffled order, so block tables come out scattered
 kv = KVCache(model.config, NUM_BLOCKS, BLOCK_SIZE, model.device, model.dtype)
-model, attention_backend = prepare_model(model)  # what OnlineScheduler does once: CPU packing, a backend
-runner = ModelRunner(model, kv, BLOCK_SIZE, attention_backend)
+runner = ModelRunner(model, kv, BLOCK_SIZE, TorchBackend(model.device, model.dtype))  # the plain backend (stage 08)
 novel = (
     "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
     "foolishness, it was the epoch of belief, it was the epoch of incredulity."
@@ -203,7 +202,8 @@ def make_seq(name: str, length: int) -> Sequence:
 @torch.inference_mode()
 def run(chunks: list[ScheduledChunk], show: bool = False) -> torch.Tensor:
     """One engine step without sampling: logits (N, V) of every row, not just the sampling ones."""
-    input_ids, batch, _logprob_rows = runner.prepare(chunks)  # (rows asking for logprobs: stage 15)
+    rows = runner.prepare(chunks)  # the flat rows, and the step's layout for attention
+    input_ids, batch = rows.input_ids, runner.batch(rows)  # batch: positions, the cache, attention's metadata
     meta = batch.attention
     if show:
         print(f"  rows: {len(input_ids)}, positions {batch.positions.tolist()}")
@@ -234,7 +234,7 @@ x, y, z, w = make_seq("x", 70), make_seq("y", 20), make_seq("z", 9), make_seq("w
 run([ScheduledChunk(x, 0, 69), ScheduledChunk(y, 0, 19), ScheduledChunk(w, 0, 12)])  # earlier steps
 chunks = [ScheduledChunk(x, 69, 1), ScheduledChunk(y, 19, 1), ScheduledChunk(z, 0, 9), ScheduledChunk(w, 12, 18)]
 mixed = run(chunks, show=True)
-_, batch, _ = runner.prepare(chunks)
+batch = runner.batch(runner.prepare(chunks))
 meta, sample_rows = batch.attention, batch.sample_rows
 # Decodes of 70 and 20 tokens are not padded into one (2, 70) grid: that would be 55% padding.
 assert group_by_length([70, 20]) == [[0], [1]] and len(meta.decode_groups) == 2

@@ -18,7 +18,7 @@ import torch
 from _common import model_path, section
 
 from minfer import LLM, SamplingParams
-from minfer.engine.sequence import ScheduledChunk
+from minfer.speculative.speculation import VerifyChunk
 from minfer.speculative.ngram import NgramProposer
 from minfer.speculative.verify import VerifyRows, verify
 from minfer.models.loader import BUILTIN_MODELS
@@ -35,9 +35,9 @@ prompt = torch.randint(0, config.vocab_size - 1, (min(64, config.max_positions /
 request = sched.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=32, temperature=0))
 sched.step()  # the prefill, and the first token
 seq = sched.running[0]
-sched.batcher._grow(seq, seq.num_tokens + 8)  # room for the proposals' keys and values (a test-only reach-in)
+sched.batcher.grow(seq, seq.num_tokens + 8)  # room for the proposals' keys and values
 for k in (0, 4, 8):
-    chunk = ScheduledChunk(seq, seq.num_computed_tokens, 1 + k, [7] * k)  # k made-up proposals
+    chunk = VerifyChunk(seq, seq.num_computed_tokens, 1, draft=[7] * k)  # k made-up proposals: k + 1 rows
     sched.runner.execute([chunk])  # once to warm up
     start = time.perf_counter()
     for _ in range(10):
@@ -88,14 +88,14 @@ for name, engine in (("plain", llm), ("ngram", spec)):
     if name == "plain":
         plain = out
 assert out.token_ids == plain.token_ids  # greedy: speculation changes the speed, never the tokens
-stats = spec.scheduler.speculator.stats
+stats = spec.scheduler.features.speculation.speculator.stats
 print(f"  acceptance rate {stats.acceptance_rate:.2f}, mean accepted length {stats.mean_accepted_length:.2f} "
       f"tokens per verification")
 
 section("5. n-gram vs a draft model")
 # A draft is a smaller model with the same vocabulary that proposes its own greedy tokens: it guesses
 # where nothing repeats, at the cost of k small forwards per step. Its KV cache sits on the model's
-# blocks (engine/speculative/draft.py). With no trained draft at hand, the model is its own draft:
+# blocks (speculative/draft.py). With no trained draft at hand, the model is its own draft:
 # every proposal is accepted, and each step costs k forwards of the full model for k + 1 tokens.
 draft = path  # the model itself, unless a trained draft ships beside it
 for name in ("minfer-tiny", "minfer-tiny-llama"):
@@ -106,9 +106,9 @@ for name, engine in (("ngram", LLM(path, speculative_method="ngram")), ("draft",
     start = time.perf_counter()
     out = engine.generate([ids], greedy, use_tqdm=False)[0]
     seconds = time.perf_counter() - start
-    stats = engine.scheduler.speculator.stats
+    stats = engine.scheduler.features.speculation.speculator.stats
     print(f"  {name:<6} {engine.scheduler.num_steps - 1} decode steps, {seconds * 1e3:.0f} ms; acceptance rate "
           f"{stats.acceptance_rate:.2f}, mean accepted length {stats.mean_accepted_length:.2f}")
     assert out.token_ids == plain.token_ids  # either way, plain decoding's tokens
 if draft == path:
-    assert drafted.scheduler.speculator.stats.acceptance_rate > 0.99  # its own draft is always right
+    assert drafted.scheduler.features.speculation.speculator.stats.acceptance_rate > 0.99  # its own draft is always right

@@ -10,56 +10,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 from tqdm import tqdm
 
-from ..cpu.features import cpu_has_native_bf16
-from ..cpu.thread_share import cpu_threads_wanted
-from ..models.registry import load_model
-from ..quantization.checkpoint import QuantizationSpec
-from ..text.tokenizer import Tokenizer
-from ..engine.config import DTYPES, EngineConfig
+from ..engine.config import EngineConfig
 from ..engine.generation_defaults import sampling_defaults
 from ..engine.sampling import SamplingParams
-from ..engine.scheduler import OnlineScheduler
 from ..engine.sequence import RequestOutput
-
-
-def resolve_dtype(dtype: torch.dtype | str, device: torch.device = torch.device("cpu")) -> torch.dtype:
-    """A torch dtype from a dtype or a name; "auto" picks bf16 where it is fast, else fp32."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
-
-
-def check_device(device: torch.device) -> None:
-    """A clear error, before any loading, for a device this torch build cannot use."""
-    if device.type == "cuda" and not torch.cuda.is_available():
-        build = "is a CPU-only build" if torch.version.cuda is None else "sees no CUDA GPU"
-        raise ValueError(f"--device {device}: this torch ({torch.__version__}) {build}; use --device cpu")
-
-
-def set_cpu_threads(num_threads: int | None = None) -> int:
-    """Give torch every core this process may use, unless told otherwise (cpu_threads_wanted;
-    torch obeys OMP_NUM_THREADS at import, and minfer used to override it). Decode is memory-bound
-    and prefill compute-bound, both want every core. Call it before loading a model: the fp32 LM head
-    is sliced once per thread at load time. Returns the thread count."""
-    num_threads = cpu_threads_wanted(num_threads)
-    torch.set_num_threads(num_threads)
-    return num_threads
-
-
-def quantization_spec(config: EngineConfig) -> QuantizationSpec | None:
-    """What load_model needs to quantize as it loads (the float model never sits in memory whole)."""
-    if config.quantization is None:
-        return None
-    return QuantizationSpec(config.quantization, config.quantization_group_size, config.quantize_lm_head)
+from .build import build_engine
 
 
 class LLM:
@@ -70,14 +27,8 @@ class LLM:
         if model is not None:
             settings["model"] = model
         config = replace(config or EngineConfig(), **settings)
-        device = torch.device(config.device)
-        check_device(device)
-        if device.type == "cpu":
-            set_cpu_threads(config.num_threads)
-        dtype = resolve_dtype(config.dtype, device)
-        self.model = load_model(config.model, device=device, dtype=dtype, quantization=quantization_spec(config))
-        self.tokenizer = Tokenizer.from_dir(self.model.model_dir)
-        self.scheduler = OnlineScheduler(self.model, self.tokenizer, config)  # its engine_config: what runs
+        self.scheduler = build_engine(config)  # the model loaded and prepared, every feature attached
+        self.model, self.tokenizer = self.scheduler.model, self.scheduler.tokenizer
         self.sampling_defaults, _ = sampling_defaults(self.model.model_dir, config.generation_config)
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -48,24 +48,12 @@ def padded_tables(tables: list[list[int]], width: int, null_block: int) -> list[
     return [t[:width] + [null_block] * (width - len(t[:width])) for t in tables]
 
 
-LAYOUTS = ("slots", "blocks")  # how a layer's keys and values lie in memory: see KVCache
-
-
 class KVCache:
-    """The preallocated keys and values of every layer, in one tensor `kv` laid out as the attention
-    backend reads best (`backend.cache_layout`):
-
-    - "slots" (the eager backends'): (num_layers, num_slots, 2, num_kv_heads, head_dim), a slot's key
-      next to its value, so one gather of whole rows reads both (torch_sdpa.py).
-    - "blocks" (the compiled backend's): (num_layers, num_blocks + 1, 2, num_kv_heads, head_dim *
-      block_size), a block's keys then its values, each head's together. Keys are stored transposed,
-      (head_dim, block_size) per head, so a block's positions sit side by side and a dot product
-      with the query runs across positions as plain vector adds; values stay (block_size, head_dim)
-      (compiled.py). Slot s is position s % block_size of block s // block_size, as before.
-
-    `k` and `v` are views of the two halves: (num_layers, num_slots, num_kv_heads, head_dim) each for
-    "slots"; (num_layers, num_blocks + 1, num_kv_heads, head_dim, block_size) and (..., block_size,
-    head_dim) for "blocks". With grouped-query attention only the key/value heads are stored.
+    """The preallocated keys and values of every layer, in one tensor `kv` of shape (num_layers, num_slots,
+    2, num_kv_heads, head_dim): a slot's key next to its value, so one gather of whole rows reads both
+    (torch_sdpa.py). `k` and `v` are views of the two halves, (num_layers, num_slots, num_kv_heads,
+    head_dim) each. With grouped-query attention only the key/value heads are stored. (A backend that
+    reads another layout makes its own cache: AttentionBackend.new_cache.)
 
     Block `num_blocks` is an extra, never-allocated *null block*, kept zeroed: padded
     positions of a batched gather read it. Everything else starts uninitialised
@@ -75,63 +63,37 @@ class KVCache:
     (0 * NaN = NaN in the attention sum), hence the zeroed null block.
     """
 
-    def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, device, dtype, layout: str = "slots", zeroed=False
-    ):
-        if layout not in LAYOUTS:
-            raise ValueError(f"the KV cache layout must be one of {LAYOUTS}, got {layout!r}")
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device, dtype, zeroed: bool = False):
         L, Hkv, D = config.num_layers, config.num_kv_heads, config.head_dim
-        self.layout, self.null_block = layout, num_blocks
-        if layout == "slots":
-            shape = (L, (num_blocks + 1) * block_size, 2, Hkv, D)
-        else:
-            shape = (L, num_blocks + 1, 2, Hkv, D * block_size)
+        self.null_block, self.block_size = num_blocks, block_size
         with torch.inference_mode(False):  # a normal tensor whoever builds it: compiled kernels guard on the kind
-            self.kv = (torch.zeros if zeroed else torch.empty)(shape, device=device, dtype=dtype)
-        if layout == "slots":
-            self.kv[:, num_blocks * block_size :].zero_()
-            self.k, self.v = self.kv[:, :, 0], self.kv[:, :, 1]  # (num_layers, num_slots, Hkv, D)
-        else:
-            self.kv[:, num_blocks:].zero_()
-            self.k = self.kv[:, :, 0].view(L, num_blocks + 1, Hkv, D, block_size)  # a block's keys, transposed
-            self.v = self.kv[:, :, 1].view(L, num_blocks + 1, Hkv, block_size, D)
+            self.kv = self.allocate((L, (num_blocks + 1) * block_size, 2, Hkv, D), device, dtype, zeroed)
+        self.kv[:, num_blocks * block_size :].zero_()
+        self.k, self.v = self.kv[:, :, 0], self.kv[:, :, 1]  # (num_layers, num_slots, Hkv, D)
 
-    @classmethod
-    def for_backend(cls, config: ModelConfig, num_blocks: int, block_size: int, device, dtype, backend) -> KVCache:
-        """The cache an attention backend reads: in its layout, and zeroed where it may multiply unwritten
-        slots by a zero weight (flex.py: 0 x NaN is NaN)."""
-        zeroed = getattr(backend, "zeroed_cache", False)
-        return cls(config, num_blocks, block_size, device, dtype, backend.cache_layout, zeroed)
+    @staticmethod
+    def allocate(shape, device, dtype, zeroed: bool) -> torch.Tensor:
+        return (torch.zeros if zeroed else torch.empty)(shape, device=device, dtype=dtype)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int) -> None:
-        """Copy each (src, dst) block's keys and values, every layer: copy-on-write of a shared block. A dst
-        named twice takes its last source."""
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (src, dst) block's keys and values, every layer. A dst named twice takes its last source."""
         if not pairs:
             return
         last = {dst: src for src, dst in pairs}  # dst -> its last src
-        src = to_device(list(last.values()), self.kv.device)  # (P,) blocks
-        dst = to_device(list(last.keys()), self.kv.device)
-        if self.layout == "slots":  # a block is block_size slots
-            offsets = torch.arange(block_size, device=self.kv.device)  # (block_size,)
-            src, dst = (src[:, None] * block_size + offsets).flatten(), (dst[:, None] * block_size + offsets).flatten()
+        src, dst = self.block_rows(list(last.values())), self.block_rows(list(last.keys()))
         with torch.no_grad():
-            self.kv[:, dst] = self.kv[:, src]  # (num_layers, P * block_size or P, ...)
+            self.kv[:, dst] = self.kv[:, src]  # (num_layers, P * block_size, ...)
+
+    def block_rows(self, blocks: list[int]) -> torch.Tensor:
+        """The indices along `kv`'s second axis that hold these blocks: block_size slots each."""
+        offsets = torch.arange(self.block_size, device=self.kv.device)  # (block_size,)
+        return (to_device(blocks, self.kv.device)[:, None] * self.block_size + offsets).flatten()
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
         token_bytes = config.num_layers * config.num_kv_heads * config.head_dim * element
         return 2 * block_size * token_bytes  # keys + values
-
-
-def slots_to_blocks(kv: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Keys and values in the "slots" layout, (..., num_slots, 2, Hkv, D), copied into the "blocks"
-    layout, (..., num_slots / block_size, 2, Hkv, D * block_size) (see KVCache)."""
-    *lead, num_slots, _, Hkv, D = kv.shape
-    rows = kv.reshape(*lead, num_slots // block_size, block_size, 2, Hkv, D)  # (..., nb, B, 2, Hkv, D)
-    keys = rows.select(-3, 0).movedim(-3, -1)  # (..., nb, Hkv, D, B)
-    values = rows.select(-3, 1).movedim(-3, -2)  # (..., nb, Hkv, B, D)
-    return torch.stack((keys.flatten(-2), values.flatten(-2)), dim=-3)  # (..., nb, 2, Hkv, D * B)
 
 
 def available_memory(device: torch.device) -> int:

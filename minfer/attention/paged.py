@@ -27,15 +27,12 @@ block tables: a GPU's).
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .kv_cache import KVCache
+from .kv_cache import KVCache
 
 
 @dataclass
@@ -64,12 +61,17 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # (N,) cache slot for every new token's key/value
     backend: AttentionBackend  # the backend that built it, and that runs it
+    all_decode: bool = False  # every row is a decode, one per sequence, in order (a compiled step's graph serves it)
 
 
 class AttentionBackend(Protocol):
-    """What an attention backend implements (torch_sdpa.TorchBackend is the plain one)."""
+    """What an attention backend implements (torch_sdpa.TorchBackend is the plain one). Every capability a
+    backend may have is declared here with its default; a backend subclasses this and overrides what it has."""
 
     name: str  # how the config names it (attention_backend="cpu_tiled")
+    captures_in_graphs = False  # builds its metadata inside a CUDA graph (graph_metadata): compiled/flex.py
+    lone_decode_in_graph = False  # a compiled whole-forward graph traces its lone decode in: compiled/attention.py
+    warm_up_seconds: float | None = None  # what warm_up's compile took, where it compiled
 
     def build_metadata(self, layout: StepLayout) -> AttentionMetadata:
         """Once per step, before the forward: the step's layout -> this backend's metadata."""
@@ -80,12 +82,29 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # (N, H, D)
         k: torch.Tensor,  # (N, Hkv, D)
         v: torch.Tensor,  # (N, Hkv, D)
-        kv_cache: torch.Tensor,  # (num_slots, 2, Hkv, D): one layer's keys and values
+        kv_cache: torch.Tensor,  # one layer's keys and values, as new_cache lays them out
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # (N, H, D)
         """Once per layer: store k, v in their slots (meta.slot_mapping), then attend."""
         ...
+
+    def new_cache(self, config, num_blocks: int, block_size: int, device, dtype) -> KVCache:
+        """The KV cache this backend reads: by default, a slot's key next to its value (kv_cache.py)."""
+        return KVCache(config, num_blocks, block_size, device, dtype)
+
+    def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> str | None:
+        """Before the engine starts: compile and check what needs it. None when the backend may serve,
+        else a sentence saying why not (the assembly then falls back to the plain backend)."""
+        return None
+
+    def graph_metadata(self, slot_mapping, tables, context_lens, block_size: int, null_block: int) -> AttentionMetadata:
+        """With captures_in_graphs: an all-decode step's metadata from static buffers, by device ops alone."""
+        raise NotImplementedError(f"the {self.name} backend builds no metadata inside a CUDA graph")
+
+    def traced_lone_decode(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """With lone_decode_in_graph: a lone sequence's decode as plain torch, for a graph to trace."""
+        raise NotImplementedError(f"the {self.name} backend has no traced lone decode")
 
 
 @dataclass
@@ -102,59 +121,10 @@ def paged_attention(
     q: torch.Tensor,  # (N, H, D)
     k: torch.Tensor,  # (N, Hkv, D): Hkv = H, or H / group size with grouped-query attention
     v: torch.Tensor,  # (N, Hkv, D)
-    kv_cache: torch.Tensor,  # (num_slots, 2, Hkv, D) this layer's keys and values, a slot's key next to its value
+    kv_cache: torch.Tensor,  # this layer's keys and values (num_slots, 2, Hkv, D), a slot's key next to its value
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # (N, H, D)
     """Store this step's keys and values in the cache, then attend: each row over its own sequence's
     context (cached tokens and this step's, causally). The backend that built `meta` does the work."""
-    if torch.compiler.is_compiling():  # inside a compiled step (engine/compiled_step.py)
-        if q.shape[0] == 1 and getattr(meta.backend, "lone_decode_in_graph", False):
-            return meta.backend.traced_lone_decode(q, k, v, kv_cache, meta, scale)  # traced: see below
-        return torch.ops.minfer.paged_attention(q, k, v, kv_cache, scale)  # one opaque op: the backend's Python
     return meta.backend.forward(q, k, v, kv_cache, meta, scale)
-
-
-# ---- paged attention inside a compiled step ----------------------------------------------------
-# A compiled step (engine/compiled_step.py) traces the whole model forward, but a backend's Python
-# (per-step metadata, its own compiled kernel) is not for Inductor to trace. So there attention is
-# one opaque op, and the step's batch reaches it here, as vLLM's forward context does. One exception:
-# in the whole-forward graph (--compile-model), a lone sequence's decode is plain torch, traced in and
-# fused there, where the backend offers it (compiled.py, `lone_decode_in_graph`): at batch 1 the op's
-# Python cost more than the attention itself.
-_step = threading.local()
-
-
-@contextmanager
-def compiled_step(paged: PagedBatch):
-    """While a compiled step runs: the batch its attention op reads, and the dispatcher's state at the step."""
-    _step.paged = paged
-    _step.dispatch = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
-    try:
-        yield
-    finally:
-        _step.paged = None
-
-
-@torch.library.custom_op("minfer::paged_attention", mutates_args=())
-def _paged_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
-) -> torch.Tensor:
-    # It writes kv_cache, which the op does not declare: declared, the compiler may copy the whole cache
-    # to keep it functional. Nothing else in a step's graph reads the cache, so nothing can be reordered.
-    paged = _step.paged
-    # An op's body runs with most dispatch keys switched off, and the graph's tensors were made so. The
-    # backend's own compiled kernel guards on them and would compile once more per shape: so it runs in
-    # the step's dispatch state, on the engine's own view of this layer's cache (the same memory).
-    with torch._C._ForceDispatchKeyGuard(*_step.dispatch):
-        kv = paged.kv_cache.kv  # (num_layers, ...)
-        layer = (kv_cache.data_ptr() - kv.data_ptr()) // (kv.stride(0) * kv.element_size())
-        own = kv[layer] if 0 <= layer < kv.shape[0] else kv_cache
-        if own.data_ptr() != kv_cache.data_ptr() or own.shape != kv_cache.shape:
-            own = kv_cache  # not one layer of the engine's cache (a model of its own making): as given
-        return paged.attention.backend.forward(q, k, v, own, paged.attention, scale)
-
-
-@_paged_attention_op.register_fake
-def _(q, k, v, kv_cache, scale):
-    return torch.empty_like(q)  # (N, H, D)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..host_to_device import to_device
 from ..step_parts import part
 from .kv_cache import cdiv, padded_tables, slot_of
-from .paged import AttentionMetadata, StepLayout
+from .paged import AttentionBackend, AttentionMetadata, StepLayout
 
 
 @dataclass
@@ -52,12 +52,12 @@ class GatheredMetadata(AttentionMetadata):
 
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
-    all_decode: bool = False  # one decode group holding every row, in order: no scatter needed
 
 
-class TorchBackend:
+class TorchBackend(AttentionBackend):
+    """Any device. Its cache is the plain KVCache: a slot's key next to its value, one gather reads both."""
+
     name = "torch"
-    cache_layout = "slots"  # kv_cache.KVCache: a slot's key next to its value, one gather reads both
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype):
         self.device = torch.device(device)

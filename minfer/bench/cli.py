@@ -27,7 +27,9 @@ import torch
 from ..cpu.features import cpu_name
 from ..cpu.thread_share import threads_chosen
 from ..engine.config import EngineConfig
-from ..assembly.llm import LLM, cpu_threads_wanted, resolve_dtype, set_cpu_threads
+from ..assembly.build import resolve_dtype, set_cpu_threads
+from ..assembly.llm import LLM
+from ..cpu.thread_share import cpu_threads_wanted
 from ..scoring.logprobs import MAX_LOGPROBS
 from ..engine.scheduler import OnlineScheduler
 from ..models.loader import ModelNotFoundError, resolve_model_dir
@@ -337,7 +339,7 @@ def run(args) -> int:
         "torch_dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "thread_count_changes": scheduler.cpu_share.changes if scheduler else None,  # by CpuShare, under load
+        "thread_count_changes": scheduler.features.threads.changes if scheduler and scheduler.features.threads else None,  # by CpuShare, under load
         "machine": machine(args.device),
     }
     records = [dict(r.to_json(), run=k) for k, res in enumerate(results) for r in res.records]

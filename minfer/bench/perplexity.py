@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from ..engine.config import DTYPES
-from ..assembly.llm import resolve_dtype, set_cpu_threads
+from ..assembly.build import resolve_dtype, set_cpu_threads
 from ..models.perplexity import Perplexity, perplexity
 from ..models.registry import load_model
 from ..quantization import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization, quantize_model
-from ..quantization.checkpoint import QuantizationSpec
+from ..quantization.checkpoint import QuantizationSpec, QuantizedWeights
 from ..text.tokenizer import Tokenizer
 
 
@@ -40,7 +40,7 @@ def file_perplexity(
     text = Path(path).read_text(encoding="utf-8")
     check_quantization(quantization, group_size)
     spec = None if quantization is None else QuantizationSpec(quantization, group_size, quantize_lm_head)
-    model = load_model(model_name, device=device, dtype=resolve_dtype(dtype, torch.device(device)), quantization=spec)
+    model = load_model(model_name, device=device, dtype=resolve_dtype(dtype, torch.device(device)), weights=QuantizedWeights(spec))
     if quantize_activations:  # the weights are quantized already: this sets how int8 linears multiply
         quantize_model(model, quantization, group_size, quantize_lm_head, quantize_activations=True)
     ids = Tokenizer.from_dir(model.model_dir).encode(text)

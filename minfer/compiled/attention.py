@@ -42,7 +42,7 @@ import torch.fx.experimental._config as fx_config
 from ..host_to_device import to_device
 from ..step_parts import part
 from ..cpu.tiled_attention import CPUTiledBackend
-from ..attention.kv_cache import cdiv, padded_tables, slot_of, slots_to_blocks
+from ..attention.kv_cache import KVCache, cdiv, padded_tables, slot_of
 from ..attention.paged import StepLayout
 from ..attention.torch_sdpa import DecodeGroup
 
@@ -142,7 +142,6 @@ class CompiledBackend(CPUTiledBackend):
     their blocks back into rows and attend as the eager backend does."""
 
     name = "compiled"
-    cache_layout = "blocks"
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype):
         super().__init__(device, dtype)
@@ -153,6 +152,9 @@ class CompiledBackend(CPUTiledBackend):
         # frozen whole-forward graph (`traced_lone_decode`) rather than called there as one opaque op, whose
         # Python (~20 small eager ops) cost 200-280 us a layer, a quarter of an int8 GPT-2 step.
         self.lone_decode_in_graph = False
+
+    def new_cache(self, config, num_blocks: int, block_size: int, device, dtype) -> KVCache:
+        return BlockedKVCache(config, num_blocks, block_size, device, dtype)
 
     def build_metadata(self, layout: StepLayout):
         self.block_size = layout.block_size
@@ -280,6 +282,37 @@ class CompiledBackend(CPUTiledBackend):
             if not error <= tolerance:
                 return f"its results differ from the eager backend's by {error:.2g} (contexts {lens})"
         return None
+
+
+class BlockedKVCache(KVCache):
+    """The compiled backend's cache: `kv` is (num_layers, num_blocks + 1, 2, num_kv_heads, head_dim *
+    block_size), a block's keys then its values, each head's together. Keys are stored transposed,
+    (head_dim, block_size) per head, so a block's positions sit side by side and a dot product with the
+    query runs across positions as plain vector adds; values stay (block_size, head_dim). Slot s is
+    position s % block_size of block s // block_size, as in the plain cache. `k` and `v` are views:
+    (num_layers, num_blocks + 1, num_kv_heads, head_dim, block_size) and (..., block_size, head_dim)."""
+
+    def __init__(self, config, num_blocks: int, block_size: int, device, dtype):
+        L, Hkv, D = config.num_layers, config.num_kv_heads, config.head_dim
+        self.null_block, self.block_size = num_blocks, block_size
+        with torch.inference_mode(False):  # a normal tensor whoever builds it: compiled kernels guard on the kind
+            self.kv = torch.empty((L, num_blocks + 1, 2, Hkv, D * block_size), device=device, dtype=dtype)
+        self.kv[:, num_blocks:].zero_()
+        self.k = self.kv[:, :, 0].view(L, num_blocks + 1, Hkv, D, block_size)  # a block's keys, transposed
+        self.v = self.kv[:, :, 1].view(L, num_blocks + 1, Hkv, block_size, D)
+
+    def block_rows(self, blocks: list[int]) -> torch.Tensor:
+        return to_device(blocks, self.kv.device)  # a block is one entry along kv's second axis
+
+
+def slots_to_blocks(kv: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Keys and values in the plain cache's layout, (..., num_slots, 2, Hkv, D), copied into the blocked
+    one, (..., num_slots / block_size, 2, Hkv, D * block_size) (BlockedKVCache)."""
+    *lead, num_slots, _, Hkv, D = kv.shape
+    rows = kv.reshape(*lead, num_slots // block_size, block_size, 2, Hkv, D)  # (..., nb, B, 2, Hkv, D)
+    keys = rows.select(-3, 0).movedim(-3, -1)  # (..., nb, Hkv, D, B)
+    values = rows.select(-3, 1).movedim(-3, -2)  # (..., nb, Hkv, B, D)
+    return torch.stack((keys.flatten(-2), values.flatten(-2)), dim=-3)  # (..., nb, 2, Hkv, D * B)
 
 
 def store_kv(kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int) -> None:

@@ -46,14 +46,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 def wants_decode_graphs(device: torch.device, enforce_eager: bool, backend) -> bool:
     """On a GPU, with an attention backend that can build its metadata inside a graph, unless told not to."""
-    return device.type == "cuda" and not enforce_eager and hasattr(backend, "graph_metadata")
-
-
-def decode_graphs_for(model, backend, kv_cache: KVCache, config, max_model_len: int) -> DecodeGraphs | None:
-    """The engine's decode graphs (config: an EngineConfig), or None where they do not apply."""
-    if not wants_decode_graphs(model.device, config.enforce_eager, backend):
-        return None
-    return DecodeGraphs(model, backend, kv_cache, config.block_size, config.max_num_seqs, max_model_len)
+    return device.type == "cuda" and not enforce_eager and backend.captures_in_graphs
 
 
 class DecodeGraphs:

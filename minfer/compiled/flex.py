@@ -31,7 +31,7 @@ import torch
 from ..host_to_device import to_device
 from ..step_parts import part
 from .attention import check_within
-from ..attention.kv_cache import cdiv, padded_tables
+from ..attention.kv_cache import KVCache, cdiv, padded_tables
 from ..attention.paged import AttentionMetadata, StepLayout
 from ..attention.torch_sdpa import TorchBackend
 
@@ -63,7 +63,6 @@ class FlexMetadata(AttentionMetadata):
     decode_rows: torch.Tensor | None = None  # (S,) rows of the decode queries
     decode_mask: BlockMask | None = None  # their sequences' blocks
     chunks: list[tuple[int, int, BlockMask | None]] = field(default_factory=list)  # rows, blocks (None: fresh)
-    all_decode: bool = False  # every row decodes, in order: no scatter
 
 
 def paged_block_mask(
@@ -115,11 +114,16 @@ class FlexBackend(TorchBackend):
     rows and prefill chunks with context through FlexAttention over the block tables."""
 
     name = "flex"
-    zeroed_cache = True  # a masked key's weight is 0, but its value is still multiplied: never NaN (kv_cache.py)
+    captures_in_graphs = True  # graph_metadata builds a step's block mask by device ops alone (cuda_graphs.py)
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype):
         super().__init__(device, dtype)
         self.block_index: torch.Tensor | None = None  # (null_block + 1,): sized by the first step
+
+    def new_cache(self, config, num_blocks: int, block_size: int, device, dtype) -> KVCache:
+        """The plain cache, zeroed: a masked key's weight is 0, but its value is still multiplied, and 0 x NaN
+        is NaN (kv_cache.py)."""
+        return KVCache(config, num_blocks, block_size, device, dtype, zeroed=True)
 
     # ---- once per step ----------------------------------------------------------------------
 

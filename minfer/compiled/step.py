@@ -48,12 +48,14 @@ from dataclasses import replace
 import torch
 import torch.fx.experimental._config as fx_config
 
-from .attention import compile_for_cpu, failure_line
 from ..attention.kv_cache import cdiv
-from ..attention.paged import PagedBatch, compiled_step
+from ..attention.paged import PagedBatch
 from ..cpu.features import cpu_has_amx
+from ..engine.model_runner import ModelRunner
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import ScheduledChunk, Sequence
+from .attention import compile_for_cpu, failure_line
+from .paged_op import OpaqueAttention, compiled_step
 
 log = logging.getLogger("minfer")
 
@@ -80,20 +82,23 @@ class CompiledDecodeStep:
         self.compiled_batches: set[bool] = set()  # which graphs have run: one sequence, several
         self.num_eager_steps = 0  # steps the graphs did not serve
         self.warm_up_seconds: float | None = None
+        self.opaque: OpaqueAttention | None = None  # the graph's view of the engine's attention (warm_up)
 
-    def warm_up(self, prepare: Callable[[list[ScheduledChunk]], tuple], block_size: int) -> None:
+    def warm_up(self, runner: ModelRunner) -> None:
         """Compile both graphs before the first request, so that none waits on the compiler: a decode
-        step of one sequence, then one of BATCH_WARM_UP_ROWS. `prepare` is the runner's, so the inputs are
-        laid out exactly as a served step's (Dynamo guards on their layout). The steps write K/V into block 0,
-        which is free at start-up and is written again before any sequence reads it."""
+        step of one sequence, then one of BATCH_WARM_UP_ROWS, laid out by the runner's own `prepare`, so
+        the inputs are exactly a served step's (Dynamo guards on their layout). The steps write K/V into
+        block 0, which is free at start-up and is written again before any sequence reads it."""
         start = time.perf_counter()
+        self.opaque = OpaqueAttention(runner.attention)
         # Equal lengths: one decode group in every backend. The batch's rows: see BATCH_WARM_UP_ROWS.
         for contexts in ((3,), (4,) * BATCH_WARM_UP_ROWS):
-            chunks = [ScheduledChunk(_placeholder_sequence(n, block_size), n - 1, 1) for n in contexts]
-            input_ids, batch, _ = prepare(chunks)
+            chunks = [ScheduledChunk(_placeholder_sequence(n, runner.block_size), n - 1, 1) for n in contexts]
+            rows = runner.prepare(chunks)
+            batch = runner.batch(rows)
             if self.whole:  # the cache's sizes never change. Symbolic, the views of it that a graph hands
                 torch._dynamo.mark_static(batch.kv_cache.kv)  # to store_kv all lost their offsets (torch 2.13)
-            self(input_ids, batch)
+            self(rows.input_ids, batch)
             if self.off_because:
                 return
         self.warm_up_seconds = time.perf_counter() - start
@@ -104,7 +109,7 @@ class CompiledDecodeStep:
         num_sampled, num_tokens = paged.sample_rows.shape[0], input_ids.shape[0]
         if self.whole and not self.off_because and num_tokens >= 2 and num_sampled < 2:
             return self._with_two_sampled_rows(input_ids, paged)
-        if self.off_because or not self.serves(getattr(meta, "all_decode", False), num_sampled, num_tokens):
+        if self.off_because or not self.serves(meta.all_decode, num_sampled, num_tokens):
             self.num_eager_steps += 1
             return self.model(input_ids, paged)
         lone = num_sampled == 1
@@ -113,10 +118,10 @@ class CompiledDecodeStep:
         try:
             if self.whole:
                 with compiled_step(paged), _graph_settings(whole=True):
-                    logits = self.graph(input_ids, paged)
+                    logits = self.graph(input_ids, self.opaque.behind(paged))
             else:
                 with compiled_step(paged), _graph_settings(whole=False), self._blocks_compiled():
-                    logits = self.model(input_ids, paged)
+                    logits = self.model(input_ids, self.opaque.behind(paged))
         except Exception as e:  # no C++ compiler, an Inductor error: all mean "run eager"
             self.off_because = failure_line(e)
             log.warning("minfer: the compiled decode step is off, running eager instead: %s", self.off_because)

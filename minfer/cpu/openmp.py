@@ -13,14 +13,12 @@ default stands, unless the user sets OMP_WAIT_POLICY or GOMP_SPINCOUNT.
 
 from __future__ import annotations
 
-import os
-
-_USER_CHOICES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+from .. import settings
 
 
 def wait_policy() -> str:
     """A phrase for the start-up banner: how OpenMP threads wait, and who chose it."""
-    chosen = [f"{name}={os.environ[name]}" for name in _USER_CHOICES if os.environ.get(name)]
+    chosen = [f"{var.name}={var.get()}" for var in (settings.OMP_WAIT_POLICY, settings.GOMP_SPINCOUNT) if var.is_set]
     if chosen:
         return f"{', '.join(chosen)} (from the environment)"
     return "libgomp's default spin (set GOMP_SPINCOUNT or OMP_WAIT_POLICY to change it)"

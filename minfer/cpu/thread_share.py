@@ -25,25 +25,27 @@ from pathlib import Path
 
 import torch
 
+from .. import settings
+
 INTERVAL_S = 0.5  # how often the share is measured; shorter windows are mostly noise
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-THREAD_ENV_VARS = ("MINFER_NUM_THREADS", "OMP_NUM_THREADS")  # the user's thread count, in this order
+THREAD_ENV_VARS = (settings.NUM_THREADS, settings.OMP_NUM_THREADS)  # the user's thread count, in this order
 
 
 def threads_chosen(num_threads: int | None) -> bool:
     """Whether the user fixed the thread count (the --num-threads flag or an environment variable)."""
-    return num_threads is not None or any(os.environ.get(name, "").strip() for name in THREAD_ENV_VARS)
+    return num_threads is not None or any(var.is_set for var in THREAD_ENV_VARS)
 
 
 def cpu_threads_wanted(num_threads: int | None = None) -> int:
     """The thread count set_cpu_threads gives torch: num_threads (the --num-threads flag), else
     MINFER_NUM_THREADS, else OMP_NUM_THREADS, else every core this process may use."""
     if num_threads is None:
-        for name in THREAD_ENV_VARS:
-            value = os.environ.get(name, "").strip()
-            if value:
+        for var in THREAD_ENV_VARS:
+            value = var.get()
+            if value is not None:
                 if not value.isdigit() or int(value) < 1:
-                    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                    raise ValueError(f"{var.name} must be a positive integer, got {value!r}")
                 return int(value)
         return len(_cores())
     return num_threads

@@ -18,14 +18,14 @@ import argparse
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from decimal import Decimal
 from typing import Any, NamedTuple
 
 import torch
 
+from .. import settings
 from ..errors import is_int
-from ..quantization import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization
 
 DTYPES = {
     "float32": torch.float32,
@@ -63,19 +63,44 @@ class Check(NamedTuple):
     must: str  # what a good value is, for the error message
 
 
+QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, quantization/
+GROUP_SIZES = (32, 64, 128)  # int4's weights per scale
+# Formats other tools write that users will meet; named in the error that refuses them.
+FOREIGN_FORMATS = ("gptq", "awq", "bitsandbytes", "fp8", "gguf", "compressed-tensors", "marlin", "torchao")
 POSITIVE = Check(lambda v: is_int(v) and v >= 1, "a positive integer")
 BOOL = Check(lambda v: isinstance(v, bool), "True or False")
 SPECULATIVE_METHODS = ("ngram", "draft")
 KV_CACHE_SIZES = ("num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization")  # at most one may be given
 
 
+def check_quantization_method(method: str | None) -> None:
+    """ValueError with a sentence for a --quantization that names no method minfer has."""
+    if method is None or method in QUANTIZATION_METHODS:
+        return
+    extra = ""
+    if str(method).lower() in FOREIGN_FORMATS:
+        extra = (
+            f" ({method} checkpoints are not supported: load the full-precision checkpoint and pass "
+            "--quantization int8 or int4, or write one with `minfer quantize`)"
+        )
+    raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}{extra}")
+
+
 def setting(default, type, check: Check, help: str, convert=None, metavar: str | None = None):
     """One engine setting. `type` turns the flag's text into a value (bool: --flag / --no-flag);
     `convert` normalises what Python callers may also pass (a Path, a torch.dtype, "2GiB"), and
-    `check` judges the result. None is allowed where the default is None: the engine chooses."""
-    return field(
-        default=default, metadata={"type": type, "check": check, "help": help, "convert": convert, "metavar": metavar}
-    )
+    `check` judges the result. None is allowed where the default is None: the engine chooses. A
+    default that is an EnvVar is read when a config is made (settings.py): the environment's, else its own."""
+    metadata = {"type": type, "check": check, "help": help, "convert": convert, "metavar": metavar}
+    if isinstance(default, tuple):  # (EnvVar, fallback)
+        var, fallback = default
+        return field(default_factory=lambda: var.get(fallback), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def default_of(f):
+    """A field's default as a config made now takes it."""
+    return f.default_factory() if f.default is MISSING else f.default
 
 
 def flag(f) -> str:
@@ -107,7 +132,7 @@ class EngineConfig:
     # $MINFER_DEVICE may change the default, as $MINFER_ATTENTION_BACKEND does below: the tests' way to
     # run on a GPU (tests/conftest.py).
     device: str = setting(
-        os.environ.get("MINFER_DEVICE", "cpu"),
+        (settings.DEVICE, "cpu"),
         str,
         Check(lambda v: isinstance(v, str), "a torch device such as cpu or cuda:0"),  # convert refuses the rest
         "cpu, cuda, cuda:1, ... (default: $MINFER_DEVICE, else cpu)",
@@ -153,7 +178,7 @@ class EngineConfig:
     # Like vLLM's VLLM_ATTENTION_BACKEND, an environment variable may change the default (the tests
     # default to eager this way: compiling costs every new process a few seconds).
     attention_backend: str = setting(
-        os.environ.get("MINFER_ATTENTION_BACKEND", "auto"),
+        (settings.ATTENTION_BACKEND, "auto"),
         str,
         Check(lambda v: v in ("auto", "compiled", "eager"), "one of auto, compiled, eager"),
         "auto: compiled where it compiles and matches eager (a CPU, bf16/fp16), else eager (default: "
@@ -185,7 +210,7 @@ class EngineConfig:
     quantization: str | None = setting(
         None,
         str,
-        # Any text passes here: check_quantization (in __post_init__) refuses it, naming what is supported.
+        # Any text passes here: __post_init__ refuses what is not a method, naming what is supported.
         Check(lambda v: isinstance(v, str), f"one of {', '.join(QUANTIZATION_METHODS)}"),
         "weight-only quantization of every linear, the LM head and the token embedding: int8 (per "
         "channel) or int4 (group-wise); default: none",
@@ -231,7 +256,7 @@ class EngineConfig:
     def __post_init__(self):
         for f in fields(self):
             given = getattr(self, f.name)
-            if given is None and f.default is None:
+            if given is None and default_of(f) is None:
                 continue  # unset: the engine chooses
             check, convert = f.metadata["check"], f.metadata["convert"]
             try:
@@ -260,9 +285,9 @@ class EngineConfig:
             raise ValueError("--compile-model and --compile-decode-step each compile the steps: give one")
         if self.num_threads is not None and device != "cpu":
             raise ValueError(f"--num-threads sets CPU threads: it applies to --device cpu, not {self.device}")
-        if self.quantization is None and self.quantization_group_size is not None:
+        check_quantization_method(self.quantization)
+        if self.quantization_group_size is not None and self.quantization != "int4":
             raise ValueError("--quantization-group-size applies to --quantization int4 only")
-        check_quantization(self.quantization, self.quantization_group_size)  # int4 without its kernels, say
         if self.quantize_activations and self.quantization != "int8":
             raise ValueError("--quantize-activations applies to --quantization int8 only")
         if self.quantize_activations and self.compile_model:  # it would compile, fail, then run eager
@@ -313,12 +338,12 @@ class EngineConfig:
             meta = f.metadata
             if meta["type"] is bool:
                 parser.add_argument(
-                    flag(f), action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"]
+                    flag(f), action=argparse.BooleanOptionalAction, default=default_of(f), help=meta["help"]
                 )
             else:
                 metavar = meta["metavar"] or ("N" if meta["type"] is int else None)
                 parser.add_argument(
-                    flag(f), type=or_text(meta["type"]), default=f.default, metavar=metavar, help=meta["help"]
+                    flag(f), type=or_text(meta["type"]), default=default_of(f), metavar=metavar, help=meta["help"]
                 )
 
     @classmethod
@@ -334,7 +359,7 @@ class EngineConfig:
         out = []
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in exclude or value == f.default:
+            if f.name in exclude or value == default_of(f):
                 continue
             if isinstance(value, bool):
                 out.append(flag(f) if value else "--no-" + flag(f)[2:])

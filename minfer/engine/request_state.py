@@ -1,10 +1,8 @@
-"""The scheduler's record of one request: its n completions (choices), each a sequence with its text and
-timeline, and what it hands out: CompletionDelta per step, RequestOutput per choice at the end.
+"""The scheduler's record of one request: its choices (n completions, each a sequence with its text and
+timeline), and what it hands out: a CompletionDelta per step, a RequestOutput per choice at the end.
 
-With n = 1 a request is one choice. With n > 1 (SamplingParams.n) choice 0 runs the prompt's prefill;
-the others fork from it when the prefill ends (ContinuousBatcher.fork), so the prompt is computed and
-stored once. Each choice then runs, finishes and frees its blocks on its own; the request is finished
-when all of them are.
+A request with n = 1 is one choice. With n > 1 (SamplingParams.n) each choice is a sequence of its own;
+the request is finished when all of them are.
 """
 
 from __future__ import annotations
@@ -12,13 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..text.text_stream import TextStream
-from ..scoring.logprobs import TokenLogprob
 from .sequence import CompletionDelta, RequestOutput, Sequence
-
-
-def prompt_logprobs_of(seq: Sequence) -> list[TokenLogprob | None] | None:
-    """The prompt's logprobs as RequestOutput has them: None first (no context), then one per token."""
-    return None if seq.params.prompt_logprobs is None else [None, *seq.prompt_logprobs]
 
 
 @dataclass
@@ -50,16 +42,14 @@ class Choice:
     def new_output(self) -> CompletionDelta | None:
         """The token ids sampled since the last call and the text they add (less a tail that might still
         become a stop string); None if nothing was sampled since."""
-        seq = self.seq
-        start = seq.num_prompt_tokens + self.num_streamed_tokens
-        token_ids = seq.token_ids[start:]
+        seq, streamed = self.seq, self.num_streamed_tokens
+        token_ids = seq.token_ids[seq.num_prompt_tokens + streamed :]
         if not token_ids:
             return None
-        streamed = self.num_streamed_tokens
-        logprobs = seq.logprobs[streamed : streamed + len(token_ids)] if seq.params.logprobs is not None else None
-        prompt_logprobs = prompt_logprobs_of(seq) if streamed == 0 else None  # on the first delta
         self.num_streamed_tokens += len(token_ids)
         text = self.text.pop_new_text(finished=seq.is_finished)
+        logprobs = None if seq.logprobs is None else seq.logprobs[streamed : streamed + len(token_ids)]
+        prompt_logprobs = seq.prompt_logprobs if streamed == 0 else None  # on the first delta
         return CompletionDelta(seq.index, token_ids, text, seq.finish_reason, logprobs, prompt_logprobs)
 
     def output(self, request_id: str, arrival_time: float) -> RequestOutput:
@@ -76,8 +66,8 @@ class Choice:
             first_token_time=self.token_times[0] if self.token_times else None,
             token_times=self.token_times,
             finish_time=self.finish_time,
-            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
-            prompt_logprobs=prompt_logprobs_of(seq),
+            logprobs=seq.logprobs,
+            prompt_logprobs=seq.prompt_logprobs,
             index=seq.index,
         )
 
@@ -92,7 +82,7 @@ class Request:
 
     @property
     def seq(self) -> Sequence:
-        """The first choice's sequence: the one that runs the prompt's prefill."""
+        """The first choice's sequence."""
         return self.choices[0].seq
 
     @property

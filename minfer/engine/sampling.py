@@ -16,7 +16,15 @@ import torch
 from ..errors import InvalidParameter, is_int
 from ..host_to_device import to_device
 from .logits_processors import TokenHistory, apply_logits_controls, apply_min_p
-from ..scoring.logprobs import check_num_logprobs
+
+
+MAX_LOGPROBS = 20  # the most top tokens a request may ask for per position (OpenAI's limit)
+
+
+def check_num_logprobs(value, name: str) -> None:
+    """None (not asked) or an int in [0, MAX_LOGPROBS]; else InvalidParameter naming `name`."""
+    if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+        raise InvalidParameter(name, f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
 
 
 def _is_number(x) -> bool:
@@ -33,9 +41,9 @@ class SamplingParams:
     stop: str | list[str] | None = None  # normalised to list[str] or None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    logprobs: int | None = None  # per generated token: its logprob and the k likeliest (logprobs.py)
+    logprobs: int | None = None  # per generated token: its logprob and the k likeliest (scoring/)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
-    n: int = 1  # completions of the one prompt, sharing its KV blocks (seeded: choice i uses seed + i)
+    n: int = 1  # completions of the one prompt (seeded: choice i uses seed + i); parallel_sampling/ shares its blocks
     # The controls below follow vLLM's semantics (logits_processors.py applies them).
     presence_penalty: float = 0.0  # [-2, 2]: minus this for every token already in the output
     frequency_penalty: float = 0.0  # [-2, 2]: minus this times the token's count in the output

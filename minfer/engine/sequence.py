@@ -20,7 +20,6 @@ from typing import Iterable
 
 import torch
 
-from ..scoring.logprobs import TokenLogprob
 from .sampling import SamplingParams
 
 
@@ -32,7 +31,7 @@ class Status(enum.Enum):
 
 @dataclass
 class RequestOutput:
-    """A finished request, as returned by OnlineScheduler.pop_response and LLM.generate."""
+    """A finished request, as returned by OnlineScheduler.pop_responses and LLM.generate."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -45,16 +44,16 @@ class RequestOutput:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
-    # With SamplingParams.logprobs: one TokenLogprob per generated token. With prompt_logprobs: one per
-    # prompt token, the first None (nothing precedes it), as vLLM's RequestOutput has them.
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Filled by scoring/ where the request asks: one entry per generated token, and one per prompt token
+    # (the first None: nothing precedes it), as vLLM's RequestOutput has them.
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
     index: int = 0  # which of the request's n completions this is
 
 
 @dataclass(frozen=True)
 class CompletionDelta:
-    """What one completion of a request produced since its last delta (OnlineScheduler.get_new_output):
+    """What one completion of a request produced since its last delta (OnlineScheduler.get_new_outputs):
     the server's worker sends one after every step that sampled a token for it. Its token ids, and its
     texts, concatenated over a request's deltas, are the RequestOutput's."""
 
@@ -62,8 +61,8 @@ class CompletionDelta:
     token_ids: list[int]  # sampled since the last delta, a stop token included (as in RequestOutput)
     text: str  # the text added since, less a tail held back while it might still become a stop string
     finish_reason: str | None = None  # set on the completion's last delta: "stop" or "length"
-    logprobs: list[TokenLogprob] | None = None  # one per token id, for a request that asks
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # on a completion's first delta, if asked
+    logprobs: list | None = None  # one per token id, for a request that asks (scoring/)
+    prompt_logprobs: list | None = None  # on a completion's first delta, if asked
 
 
 class Sequence:
@@ -78,9 +77,6 @@ class Sequence:
     ):
         self.request_id = request_id
         self.index = index  # which of the request's n completions
-        # The other completions, not yet started: when this one's prefill ends, they fork from it, sharing
-        # its blocks, and each samples its first token from the same logits (ContinuousBatcher.fork).
-        self.forks: list[Sequence] = []
         self.params = params
         self.generator = generator  # the request's own RNG when it has a seed
         self.token_ids = list(prompt_token_ids)
@@ -88,11 +84,13 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served at admission
+        self.max_cached_tokens: int | None = None  # how far a prefix-cache hit may reach (None: any length)
+        self.seats = 1  # of max_num_seqs it holds: itself, and sequences that will start from it
         self.num_preemptions = 0
         self.status = Status.WAITING
         self.finish_reason: str | None = None
-        self.logprobs: list[TokenLogprob] = []  # one per output token, when params.logprobs is set
-        self.prompt_logprobs: list[TokenLogprob] = []  # for prompt tokens 1, 2, ...: entry p from position p
+        self.logprobs: list | None = None  # where the request asks: scoring/ keeps them here
+        self.prompt_logprobs: list | None = None
         self.stop_token_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             self.stop_token_ids.update(eos_token_ids)
@@ -110,13 +108,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def num_prompt_logprobs_missing(self) -> int:
-        """Prompt positions whose logprobs were asked for and are not computed yet."""
-        if self.params.prompt_logprobs is None:
-            return 0
-        return self.num_prompt_tokens - 1 - len(self.prompt_logprobs)
 
     @property
     def is_finished(self) -> bool:
@@ -138,28 +129,41 @@ class Sequence:
 
 @dataclass
 class ScheduledChunk:
-    """Compute tokens [start, start + num_tokens) of `seq` this step."""
+    """Compute tokens [start, start + num_tokens) of `seq` this step: one forward over them, one query
+    row each, every row attending to the sequence's context up to itself."""
 
     seq: Sequence
     start: int
-    num_tokens: int  # with a draft: the sequence's last token and the proposals
-    draft: list[int] = field(default_factory=list)  # speculative decoding: tokens proposed after the last
+    num_tokens: int
+    # The sequences that draw a token from the chunk's last row: seq itself when the chunk reaches its last
+    # token, and any that start from it there (parallel_sampling/).
+    samplers: list[Sequence] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.samplers and self.start + self.num_tokens == self.seq.num_tokens:
+            self.samplers = [self.seq]
 
     @property
-    def produces_token(self) -> bool:
-        """A chunk that reaches the sequence's last token produces the next token."""
-        return self.start + self.num_tokens - len(self.draft) == self.seq.num_tokens
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    def input_ids(self) -> list[int]:
+        """The chunk's token ids, one per row."""
+        return self.seq.token_ids[self.start : self.end]
+
+    def query_runs(self) -> list[tuple[int, int]]:
+        """(first row, rows) of each run of rows that attend as one query block: here, the whole chunk."""
+        return [(0, self.num_tokens)]
 
     @property
-    def row_samplers(self) -> list[Sequence]:
-        """The sequence each sampled row of this chunk draws for: its samplers, one row each, or a
-        speculating sequence once per verified row (its last token and every proposal)."""
-        return [self.seq] * self.num_tokens if self.draft else self.samplers
+    def num_rows(self) -> int:
+        """Rows the chunk adds to the step's forward."""
+        return self.num_tokens
 
-    @property
-    def samplers(self) -> list[Sequence]:
-        """The sequences that draw a token from this chunk's last row: its own, and at the end of a prefill
-        with n > 1 the forks that start from it."""
-        if not self.produces_token:
-            return []
-        return [self.seq, *self.seq.forks] if self.seq.forks else [self.seq]
+    def sampled_rows(self) -> list[tuple[int, Sequence]]:
+        """(row within the chunk, the sequence it draws for) of every row the LM head samples."""
+        return [(self.num_tokens - 1, s) for s in self.samplers]
+
+    def emitted(self, tokens: list[int]) -> list[tuple[Sequence, list[int]]]:
+        """What each sampler emits, given the tokens drawn at sampled_rows(): one token each."""
+        return [(seq, [token]) for (_, seq), token in zip(self.sampled_rows(), tokens)]

@@ -12,23 +12,36 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..quantization.checkpoint import (
-    QuantizationSpec,
-    StreamingQuantizer,
-    install_quantized,
-    read_quantized_state,
-    spec_from_config,
-)
 from .config import read_config_json
-from ..cpu.malloc import freed_memory_returned
 
 if TYPE_CHECKING:
     from .contract import Architecture, CausalLM
+
+
+class TensorTaker(Protocol):
+    """Keeps some weights itself as they are read (quantization/checkpoint.py's StreamingQuantizer)."""
+
+    def wants(self, name: str) -> bool: ...
+
+    def take(self, name: str, tensor: torch.Tensor) -> bool: ...  # True: it kept the tensor
+
+
+class WeightLoader(Protocol):
+    """A way to load a checkpoint's weights other than as they are stored, handed to from_pretrained
+    (quantization/checkpoint.py's QuantizedWeights: quantized as they load, or a quantized checkpoint)."""
+
+    def loads(self, raw_config: dict, config_path: Path) -> bool:
+        """Whether it loads this checkpoint (config.json's contents), rather than the plain loader."""
+        ...
+
+    def load(self, model: torch.nn.Module, model_dir: Path, device, dtype: torch.dtype) -> CausalLM:
+        """`model`, built on the meta device, filled with the checkpoint's weights."""
+        ...
 
 # Short names users type, mapped to the Hub repos that hold them today.
 HUB_ALIASES = {
@@ -175,7 +188,7 @@ def load_model_weights(
     model_dir: str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-    quantizer: StreamingQuantizer | None = None,
+    quantizer: TensorTaker | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every weight `model` needs (built on the meta device, say), read from the checkpoint in model_dir
     and converted as its class says: a state dict for model.load_state_dict(strict=True, assign=True).
@@ -231,54 +244,23 @@ def from_pretrained(
     name_or_path: str | os.PathLike,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-    quantization: QuantizationSpec | None = None,
+    weights: WeightLoader | None = None,
 ) -> CausalLM:
-    """Build `model_class` from a local checkpoint directory or a Hugging Face Hub repo id. With
-    `quantization`, its weights are quantized as they are read (quantization/checkpoint.py); a
-    checkpoint `minfer quantize` wrote loads quantized whatever `quantization` says."""
+    """Build `model_class` from a local checkpoint directory or a Hugging Face Hub repo id. `weights`, if
+    given and it says so, loads the weights its own way (quantizing them as they are read, say)."""
     model_dir = resolve_model_dir(name_or_path)
     config_path, raw = read_config_json(model_dir)
-    stored = spec_from_config(raw, config_path)  # refuses GPTQ, AWQ, ... clearly
     config = model_class.config_class.from_json(model_dir / "config.json")
     with torch.device("meta"):  # no memory and no random init for weights about to be replaced
         model = model_class(config, model_dir=model_dir)
-    if stored is not None or quantization is not None:
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"quantized weights run on the CPU only for now, not on {device}")
-        if stored is not None and quantization is not None and stored.method != quantization.method:
-            raise ValueError(f"{model_dir} holds {stored.method} weights; it cannot be loaded as {quantization.method}")
-        return load_quantized(model, model_dir, dtype, stored, quantization)
+    if weights is not None and weights.loads(raw, config_path):
+        return weights.load(model, model_dir, device, dtype)
+    if raw.get("quantization_config") is not None:
+        raise ValueError(
+            f"{config_path} describes a quantized checkpoint: load it through minfer's engine (LLM, build_engine), "
+            "which reads quantized weights"
+        )
     tied = tied_parameters(model)
     model.load_state_dict(load_model_weights(model, model_dir, device, dtype), strict=True, assign=True)
     retie(model, tied)
     return model.to(device).eval()  # .to: buffers computed at construction (RoPE's) join the weights
-
-
-def load_quantized(model, model_dir: Path, dtype: torch.dtype, stored, spec) -> CausalLM:
-    """`model` (on the meta device) filled from a quantized checkpoint (`stored`: its spec), or from a
-    float one quantized tensor by tensor (`spec`). Every weight must be there: nothing half-loaded."""
-    with freed_memory_returned():  # temporaries (float weights, int4's int32 copies) go back to the OS: malloc.py
-        if stored is not None:
-            quantized, state = read_quantized_state(model_dir, dtype)
-            spec = stored
-            install_quantized(model, quantized, state, spec, dtype)
-        else:
-            quantizer = StreamingQuantizer(model, spec)
-            state = load_model_weights(model, model_dir, "cpu", dtype, quantizer)
-            quantizer.install(model, state, dtype)
-    # A head kept in full precision may still be tied to the embedding: load the owner, then tie again.
-    tied = tied_parameters(model)
-    for alias in tied:
-        state.pop(alias, None)  # the owner's tensor, under a second name
-    wanted = {n for n, p in model.named_parameters() if p.is_meta}  # one name per shared parameter
-    missing, unexpected = sorted(wanted - set(state)), sorted(set(state) - wanted)
-    if missing or unexpected:
-        what = f"lacks tensor {missing[0]!r}" if missing else f"holds unexpected tensor {unexpected[0]!r}"
-        raise ValueError(f"quantized checkpoint in {model_dir} {what}")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(model.get_parameter(name).shape):
-            raise ValueError(f"tensor {name!r} in {model_dir} has shape {list(tensor.shape)}, expected "
-                             f"{list(model.get_parameter(name).shape)}")
-    model.load_state_dict(state, strict=False, assign=True)
-    retie(model, tied)
-    return model.to("cpu").eval()

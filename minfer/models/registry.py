@@ -17,8 +17,7 @@ from .config import ModelConfig, read_config_json
 from .contract import Architecture, CausalLM
 from .gpt2 import GPT2
 from .llama import Llama
-from ..quantization.checkpoint import QuantizationSpec
-from .loader import from_pretrained, resolve_model_dir
+from .loader import WeightLoader, from_pretrained, resolve_model_dir
 
 # architecture name in config.json -> the model class (its config class is model_class.config_class)
 ARCHITECTURES: dict[str, Architecture] = {
@@ -52,9 +51,9 @@ def load_model(
     name_or_path: str | os.PathLike,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-    quantization: QuantizationSpec | None = None,
+    weights: WeightLoader | None = None,
 ) -> CausalLM:
     """Load any supported checkpoint (local directory or Hub repo id) as the model its config names;
-    with `quantization`, quantized tensor by tensor as it loads."""
+    `weights` loads them its own way where it says so (quantization/checkpoint.py: QuantizedWeights)."""
     model_dir = resolve_model_dir(name_or_path)
-    return from_pretrained(ARCHITECTURES[architecture(model_dir)], model_dir, device, dtype, quantization)
+    return from_pretrained(ARCHITECTURES[architecture(model_dir)], model_dir, device, dtype, weights)

@@ -14,10 +14,11 @@ models, above attention; the engine's prepare_model applies `quantize_model` aft
 """
 
 from .embedding import QuantizedEmbedding
-from .int4 import DEFAULT_GROUP_SIZE, GROUP_SIZES, Int4Linear, int4_kernel_available, quantize_int4
+from ..engine.config import GROUP_SIZES, QUANTIZATION_METHODS
+from .int4 import DEFAULT_GROUP_SIZE, Int4Linear, int4_kernel_available, quantize_int4
 from .int8 import Int8Linear, quantize_int8
 from .linear import QuantizedLinear
-from .transform import QUANTIZATION_METHODS, check_quantization, quantization_of, quantize_model
+from .transform import check_quantization, quantization_of, quantize_model
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",

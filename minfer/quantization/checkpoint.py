@@ -24,6 +24,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from ..cpu.malloc import freed_memory_returned
+from ..models.loader import load_model_weights, retie, tied_parameters
 from .embedding import QuantizedEmbedding
 from .int4 import Int4Linear, quantize_int4
 from .int8 import Int8Linear, quantize_int8
@@ -217,3 +219,51 @@ def read_quantized_state(model_dir: Path, dtype: torch.dtype) -> tuple[dict[str,
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
     return quantized, state
+
+
+class QuantizedWeights:
+    """The loader's way to quantized weights (models/loader.py: WeightLoader): a checkpoint `minfer quantize`
+    wrote loads quantized whatever `spec` says; a float one is quantized tensor by tensor as it is read,
+    when `spec` asks (the float model never sits in memory whole)."""
+
+    def __init__(self, spec: QuantizationSpec | None = None):
+        self.spec = spec
+        self.stored: QuantizationSpec | None = None
+
+    def loads(self, raw_config: dict, config_path: Path) -> bool:
+        self.stored = spec_from_config(raw_config, config_path)  # refuses GPTQ, AWQ, ... clearly
+        if self.stored is not None and self.spec is not None and self.stored.method != self.spec.method:
+            raise ValueError(
+                f"{config_path.parent} holds {self.stored.method} weights; it cannot be loaded as {self.spec.method}"
+            )
+        return self.stored is not None or self.spec is not None
+
+    def load(self, model: nn.Module, model_dir: Path, device, dtype: torch.dtype) -> nn.Module:
+        """`model` (on the meta device) filled from a quantized checkpoint, or from a float one quantized
+        tensor by tensor. Every weight must be there: nothing half-loaded."""
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"quantized weights run on the CPU only for now, not on {device}")
+        with freed_memory_returned():  # temporaries (float weights, int4's int32 copies) go back to the OS: malloc.py
+            if self.stored is not None:
+                quantized, state = read_quantized_state(model_dir, dtype)
+                install_quantized(model, quantized, state, self.stored, dtype)
+            else:
+                quantizer = StreamingQuantizer(model, self.spec)
+                state = load_model_weights(model, model_dir, "cpu", dtype, quantizer)
+                quantizer.install(model, state, dtype)
+        # A head kept in full precision may still be tied to the embedding: load the owner, then tie again.
+        tied = tied_parameters(model)
+        for alias in tied:
+            state.pop(alias, None)  # the owner's tensor, under a second name
+        wanted = {n for n, p in model.named_parameters() if p.is_meta}  # one name per shared parameter
+        missing, unexpected = sorted(wanted - set(state)), sorted(set(state) - wanted)
+        if missing or unexpected:
+            what = f"lacks tensor {missing[0]!r}" if missing else f"holds unexpected tensor {unexpected[0]!r}"
+            raise ValueError(f"quantized checkpoint in {model_dir} {what}")
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(model.get_parameter(name).shape):
+                raise ValueError(f"tensor {name!r} in {model_dir} has shape {list(tensor.shape)}, expected "
+                                 f"{list(model.get_parameter(name).shape)}")
+        model.load_state_dict(state, strict=False, assign=True)
+        retie(model, tied)
+        return model.to("cpu").eval()

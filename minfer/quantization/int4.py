@@ -23,6 +23,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from ..engine.config import GROUP_SIZES
 from .int8 import CHUNK_ELEMENTS, GEMM_TILE_ELEMENTS
 from .linear import (
     KERNEL_ACTIVATIONS,
@@ -34,7 +35,6 @@ from .linear import (
     widening_buffer,
 )
 
-GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 64  # see docs/quantization.md: the perplexity and speed of each size on minfer-tiny
 BLOCK_N = 64  # out channels are padded to a multiple of 64, whole interleaved blocks on every CPU
 

@@ -11,28 +11,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..engine.config import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization_method
 from .embedding import QuantizedEmbedding
-from .int4 import DEFAULT_GROUP_SIZE, GROUP_SIZES, Int4Linear, int4_kernel_available
+from .int4 import DEFAULT_GROUP_SIZE, Int4Linear, int4_kernel_available
 from .int8 import Int8Linear
 from .linear import QuantizedLinear
-
-QUANTIZATION_METHODS = ("int8", "int4")
-# Formats other tools write that users will meet; named in the error that refuses them.
-FOREIGN_FORMATS = ("gptq", "awq", "bitsandbytes", "fp8", "gguf", "compressed-tensors", "marlin", "torchao")
 
 
 def check_quantization(method: str | None, group_size: int | None = None) -> None:
     """ValueError with a sentence for a method or group size minfer cannot run here (before any loading)."""
+    check_quantization_method(method)
     if method is None:
         return
-    if method not in QUANTIZATION_METHODS:
-        extra = ""
-        if str(method).lower() in FOREIGN_FORMATS:
-            extra = (
-                f" ({method} checkpoints are not supported: load the full-precision checkpoint and pass "
-                "--quantization int8 or int4, or write one with `minfer quantize`)"
-            )
-        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}{extra}")
     if group_size is not None and (method != "int4" or group_size not in GROUP_SIZES):
         raise ValueError(
             f"--quantization-group-size applies to int4 and must be one of {GROUP_SIZES}, got {group_size!r}"

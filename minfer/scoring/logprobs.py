@@ -5,13 +5,12 @@ Two kinds, both asked for through SamplingParams:
 - `prompt_logprobs=k`: the same for every prompt token after the first (the first has no context).
 
 The values are "raw": log_softmax of the model's logits in fp32, before temperature, penalties,
-top-k or top-p (vLLM's default). Only the rows of requests that ask are computed. The runner
-packs a step's values with its sampled tokens into one tensor, so a step still syncs with the host
-once (`StepLogprobs.fetch`).
+top-k or top-p (vLLM's default). Only the rows of requests that ask are computed. A step's values
+ride with its sampled tokens in the runner's one host sync (`StepLogprobs.packed`, `unpack`).
 
-Prompt logprobs need the logits of every prompt position, not just the last: the runner passes the
-LM head the positions a chunk needs, chunk by chunk as prefill goes, and the batcher caps how many
-such rows one step holds (`max_logprob_rows`), so no (prompt_len, vocab) tensor ever exists.
+Prompt logprobs need the logits of every prompt position, not just the last: the LM head reads the
+positions a chunk needs, chunk by chunk as prefill goes, and a step holds a capped number of such rows
+(`max_logprob_rows`, scorer.py), so no (prompt_len, vocab) tensor ever exists.
 """
 
 from __future__ import annotations
@@ -20,10 +19,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..errors import InvalidParameter, is_int
+from ..engine.sampling import MAX_LOGPROBS, check_num_logprobs  # noqa: F401 (names of scoring's API)
 from ..host_to_device import to_device
 
-MAX_LOGPROBS = 20  # the most top tokens a request may ask for per position (OpenAI's limit)
 LOGIT_ELEMENTS_PER_STEP = 2**24  # prompt-logprob rows x vocab one step may hold (64 MiB in fp32)
 
 
@@ -35,12 +33,6 @@ class TokenLogprob:
     logprob: float
     rank: int = 1  # 1 + how many tokens are likelier (vLLM's rank)
     top: tuple[tuple[int, float], ...] = ()  # ((token_id, logprob), ...), k of them
-
-
-def check_num_logprobs(value, name: str) -> None:
-    """None (not asked) or an int in [0, MAX_LOGPROBS]; else InvalidParameter naming `name`."""
-    if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-        raise InvalidParameter(name, f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
 
 
 def max_logprob_rows(vocab_size: int) -> int:
@@ -89,27 +81,24 @@ class StepLogprobs:
         if self.prompt_targets:
             self._prompt_logprobs = torch.log_softmax(logits[S:], dim=-1, dtype=torch.float32)  # (Q, V)
 
-    def fetch(self, tokens: torch.Tensor, extra: torch.Tensor | None = None):
-        """tokens (S,) sampled -> (tokens, sample logprobs, prompt logprobs, extra) on the host, in one
-        .tolist(): the step's only sync. The logprob lists follow sample_rows and prompt_targets; `extra`
-        (small ints, as speculative decoding's acceptance flags) comes back as a list ([] if None)."""
-        device, S = tokens.device, self.num_sampled
-        parts = [tokens.float()]  # (S,): token ids < 2**24 are exact in fp32
+    def packed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """What the step's one host sync reads back for these rows, given the sampled tokens (S,): each
+        asking row's chosen logprob, rank and top k, one flat fp32 tensor (unpack reads it)."""
+        device = tokens.device
+        parts = []
         if self._sample_logprobs is not None:
             chosen_tokens = tokens[to_device(self.sample_rows, device)]
             parts += _gathered(self._sample_logprobs, chosen_tokens, self.sample_k)
         if self._prompt_logprobs is not None:
             targets = to_device(self.prompt_targets, device)
             parts += _gathered(self._prompt_logprobs, targets, self.prompt_k)
-        num_extra = 0 if extra is None else extra.shape[0]
-        if num_extra:
-            parts.append(extra.float())
-        values = torch.cat(parts).tolist()
-        values, extra_values = values[: len(values) - num_extra], values[len(values) - num_extra :]
-        out_tokens = [int(t) for t in values[:S]]
-        sample_lps, rest = _unpack(values[S:], [out_tokens[r] for r in self.sample_rows], self.sample_k)
+        return torch.cat(parts)
+
+    def unpack(self, values: list[float], tokens: list[int]) -> tuple[list[TokenLogprob], list[TokenLogprob]]:
+        """packed()'s values on the host -> (the asking sampled rows' TokenLogprobs, the prompt rows')."""
+        sample_lps, rest = _unpack(values, [tokens[r] for r in self.sample_rows], self.sample_k)
         prompt_lps, _ = _unpack(rest, self.prompt_targets, self.prompt_k)
-        return out_tokens, sample_lps, prompt_lps, [int(v) for v in extra_values]
+        return sample_lps, prompt_lps
 
 
 def _unpack(values: list[float], targets: list[int], k: int) -> tuple[list[TokenLogprob], list[float]]:

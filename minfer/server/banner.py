@@ -31,24 +31,18 @@ def banner_lines(scheduler: OnlineScheduler, asked_dtype: str, address: str, api
     params = sum(p.numel() for p in model.parameters())
     arch = type(model).__name__
     threads = ""
+    features = scheduler.features
     if model.device.type == "cpu":
-        adapts = " (fewer while other processes use these cores)" if scheduler.cpu_share.enabled else ""
+        sharing = features.threads is not None and features.threads.enabled
+        adapts = " (fewer while other processes use these cores)" if sharing else ""
         threads = f", {torch.get_num_threads()} threads{adapts}"
     attention = ran.attention_backend
-    if scheduler.runner.attention_backend.name == "flex":
+    if scheduler.attention.name == "flex":
         attention += ", FlexAttention over the block tables"
-    warm = getattr(scheduler.runner.attention_backend, "warm_up_seconds", None)
-    if warm is not None:
-        attention += f" (warm-up compile {warm:.1f} s)"
-    step = scheduler.runner.forward  # the model, or the compiled decode step wrapping it
-    if getattr(step, "off_because", None):
-        attention += f"; decode step eager (its compile failed: {step.off_because})"
-    elif getattr(step, "warm_up_seconds", None) is not None:
-        what = "steps compiled whole, weights frozen" if step.whole else "decode steps compiled"
-        attention += f"; {what} (warm-up compile {step.warm_up_seconds:.1f} s)"
-    graphs = scheduler.runner.decode_graphs
-    if graphs is not None and graphs.capture:
-        attention += f"; decode steps replay CUDA graphs, {len(graphs.sizes)} batch sizes (captured in {graphs.capture_seconds:.1f} s)"
+    if scheduler.attention.warm_up_seconds is not None:
+        attention += f" (warm-up compile {scheduler.attention.warm_up_seconds:.1f} s)"
+    if features.compiled is not None:
+        attention += features.compiled.describe()  # compiled/forward.py: compiled steps, CUDA graphs
     blocks, block_size = ran.num_kv_blocks, ran.block_size
     kv_bytes = blocks * KVCache.bytes_per_block(model.config, block_size, model.dtype)
     return [

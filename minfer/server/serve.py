@@ -39,10 +39,11 @@ from dataclasses import asdict, replace
 import torch
 
 from ..engine.config import EngineConfig
-from ..assembly.llm import check_device, quantization_spec, resolve_dtype, set_cpu_threads
+from .. import settings
+from ..assembly.build import build_engine, check_device
 from ..engine.scheduler import OnlineScheduler
 from ..models.loader import resolve_model_dir
-from ..models.registry import load_model, read_config
+from ..models.registry import read_config
 from ..text.chat_template import ChatTemplate, read_template_option
 from ..text.tokenizer import Tokenizer
 from .banner import banner_lines
@@ -150,16 +151,12 @@ def create_server(
     check_port_free(host, port)
     if chat_template is not None:
         read_template_option(chat_template)  # a mistyped file name fails now, not after the load
-    if device.type == "cpu":
-        set_cpu_threads(config.num_threads)  # as LLM does, before the model loads
 
     def build() -> OnlineScheduler:
         model_dir = resolve_model_dir(config.model)  # a Hub id is fetched here
         read_config(model_dir)  # not a checkpoint at all (no config.json)? say so first
         tokenizer = Tokenizer.from_dir(model_dir)  # before the weights: a missing tokenizer fails at once
-        dtype = resolve_dtype(config.dtype, device)
-        language_model = load_model(str(model_dir), device=device, dtype=dtype, quantization=quantization_spec(config))
-        return OnlineScheduler(language_model, tokenizer, config)
+        return build_engine(replace(config, model=str(model_dir)), tokenizer=tokenizer)
 
     scheduler = in_passing_thread(build)
     language_model, tokenizer = scheduler.model, scheduler.tokenizer
@@ -200,7 +197,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") ->
     parser.add_argument("--max-queued", type=int, default=128, help="requests that may wait for a slot; more get 429")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("MINFER_API_KEY"),
+        default=settings.API_KEY.get(),
         help="require 'Authorization: Bearer KEY' (default: $MINFER_API_KEY, else none)",
     )
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")

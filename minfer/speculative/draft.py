@@ -36,17 +36,16 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
 from ..attention.kv_cache import KVCache, slot_of
-from ..attention.paged import PagedBatch, StepLayout
-from ..host_to_device import to_device
-from ..models.registry import load_model
-from ..assembly.prepare import prepare_model
+from ..attention.paged import AttentionBackend, PagedBatch, StepLayout
 from ..engine.sampling import greedy_tokens
 from ..engine.sequence import ScheduledChunk, Sequence
+from ..host_to_device import to_device
+from ..models.registry import load_model
+from .speculation import VerifyChunk
 
 PENDING = -1  # a proposal the draft model fills in before the step runs
 
@@ -74,18 +73,14 @@ def load_draft_model(config, target: torch.nn.Module, context_len: int) -> torch
 
 
 class DraftProposer:
-    """The draft model, its KV cache (on the target's blocks) and attention backend."""
+    """The draft model (prepared as the target is, but unquantized: a draft is small already), its KV cache
+    (on the target's blocks) and attention backend."""
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, config=None, target_config=None):
-        # Prepared as the target is, but unquantized: a draft is small already.
-        attention = SimpleNamespace(
-            enforce_eager=getattr(config, "enforce_eager", False), attention_backend=getattr(config, "attention_backend", None)
-        )
-        model, self.attention_backend = prepare_model(model, attention)
+    def __init__(self, model: torch.nn.Module, attention: AttentionBackend, num_blocks: int, block_size: int,
+                 target_config=None):
         self.model = model
-        self.kv_cache = KVCache.for_backend(
-            model.config, num_blocks, block_size, model.device, model.dtype, self.attention_backend
-        )
+        self.attention_backend = attention
+        self.kv_cache = attention.new_cache(model.config, num_blocks, block_size, model.device, model.dtype)
         self.block_size = block_size
         self.device = model.device
         # One proposal costs one draft forward. Measured in target forwards, that is about layers over
@@ -108,7 +103,7 @@ class DraftProposer:
         """Before the target's step: the PENDING proposals of its speculating chunks. Forward 0 runs each
         one's positions the draft has not computed, up to its last token, and draws proposal 0; forward
         j > 0 runs one row per chunk with more than j proposals (proposal j - 1) and draws proposal j."""
-        pending = [c for c in chunks if c.draft]
+        speculating = pending = [c for c in chunks if isinstance(c, VerifyChunk)]
         if not pending:
             return  # no draft work: the sequences that speculate later catch up then
         rows = _Rows()
@@ -122,10 +117,9 @@ class DraftProposer:
             for c in pending:
                 rows.add([c.draft[j - 1]], c.start + j, c.seq.block_table)
             _take_argmax(pending, j, self._forward(rows))
-        for c in chunks:
-            if c.draft:  # positions 0 .. c.start - 1 hold draft K/V; then t_c, d_0 .. d_{k-2}
-                tail = [c.seq.token_ids[c.start], *c.draft[:-1]]
-                self._written[c.seq] = _Written(c.start, tail, c.seq.num_preemptions)
+        for c in speculating:  # positions 0 .. c.start - 1 hold draft K/V; then t_c, d_0 .. d_{k-2}
+            tail = [c.seq.token_ids[c.start], *c.draft[:-1]]
+            self._written[c.seq] = _Written(c.start, tail, c.seq.num_preemptions)
 
     def num_valid(self, seq: Sequence) -> int:
         """How many of seq's first positions hold the draft's K/V of seq's own tokens: those the draft

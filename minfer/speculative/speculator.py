@@ -3,7 +3,7 @@
 The rule is per request, from its own settings and its own recent acceptance; the batch enters only for
 requests without a seed. (A seeded request's tokens depend on nothing else that runs in any case:
 verification spends one draw of its generator per emitted token, as plain decoding does; verify.py.)
-- A sequence speculates once it is decoding (its first token sampled, no forks still to start), and
+- A sequence speculates once it is decoding (its first token sampled), and
   never past its max_tokens: k is cut to the tokens it may still produce, less the one every step
   makes anyway, and to the step's token budget.
 - The proposer must find something: an n-gram proposer with no match proposes nothing, and the step
@@ -91,7 +91,7 @@ class Speculator:
         """The tokens seq proposes to verify this step, for a step that has `budget` rows left besides
         its own decode row and runs `num_running` sequences; [] for a plain decode. Pure: the batcher
         may ask again after a preemption."""
-        if seq.num_output_tokens == 0 or seq.forks or seq.num_computed_tokens != seq.num_tokens - 1:
+        if seq.num_output_tokens == 0 or seq.num_computed_tokens != seq.num_tokens - 1:
             return []
         if seq.params.seed is None and num_running > MAX_BATCH:
             return []

@@ -1,0 +1,135 @@
+"""build_engine: the one function where the core meets its features.
+
+The core (minfer/engine/) runs a plain engine and builds no feature. This function reads an
+EngineConfig, loads and prepares the model for the device at hand, chooses and warms up its
+attention backend, builds each feature room the config asks for, and hands all of it to an
+OnlineScheduler. `LLM`, the server and bench all start here.
+
+    scheduler = build_engine(EngineConfig(model="minfer-tiny"))
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..attention.kv_cache import choose_num_blocks
+from ..compiled import cuda_graphs
+from ..compiled.forward import CompiledForward
+from ..compiled.step import CompiledDecodeStep
+from ..cpu.features import cpu_has_native_bf16
+from ..cpu.thread_share import CpuShare, cpu_threads_wanted, threads_chosen
+from ..engine.config import DTYPES, EngineConfig
+from ..engine.features import Features
+from ..engine.scheduler import OnlineScheduler
+from ..models.registry import load_model
+from ..parallel_sampling.forks import Forks
+from ..quantization import quantization_of
+from ..quantization.checkpoint import QuantizationSpec, QuantizedWeights
+from ..scoring.scorer import Scoring
+from ..speculative.draft import DraftProposer, load_draft_model
+from ..speculative.speculation import Speculation
+from ..speculative.speculator import Speculator
+from ..text.tokenizer import Tokenizer
+from .prepare import prepare_model
+
+
+def build_engine(
+    config: EngineConfig, model: torch.nn.Module | None = None, tokenizer: Tokenizer | None = None
+) -> OnlineScheduler:
+    """An OnlineScheduler for `config`, with every feature it asks for. `model` (already loaded, as tests
+    and benchmarks reuse one) and `tokenizer` are loaded from config.model when not given."""
+    if model is None:
+        model = load_for(config)
+    tokenizer = tokenizer or Tokenizer.from_dir(model.model_dir)
+    model, attention = prepare_model(model, config)  # quantized, packed, its attention chosen and warmed up
+    context_len = config.max_model_len or model.config.max_positions
+    speculation = None
+    if config.speculative_method is not None:
+        config, speculation = with_speculation(config, model, context_len)
+    step = None
+    if config.compile_decode_step or config.compile_model:
+        step = CompiledDecodeStep(model, whole=config.compile_model)
+    graphs = cuda_graphs.wants_decode_graphs(model.device, config.enforce_eager, attention)
+    compiled = CompiledForward(step, graphs, config.max_num_seqs, context_len) if step or graphs else None
+    threads = model.device.type == "cpu" and not threads_chosen(config.num_threads)
+    features = Features(
+        scoring=Scoring(model.config.vocab_size),
+        forks=Forks(),
+        speculation=speculation,
+        compiled=compiled,
+        threads=CpuShare() if threads else None,
+        settings={
+            "attention_backend": "compiled" if attention.name in ("compiled", "flex") else "eager",
+            "quantization": quantization_of(model),  # a quantized checkpoint is quantized without the flag
+        },
+    )
+    return OnlineScheduler(model, tokenizer, config, attention=attention, features=features)
+
+
+def with_speculation(config: EngineConfig, model: torch.nn.Module, context_len: int) -> tuple[EngineConfig, Speculation]:
+    """The speculative decoding config.speculative_method asks for. A draft model's cache shares the
+    target's blocks, so the budget buys fewer of them: the config comes back with their number fixed."""
+    proposer = None
+    if config.speculative_method == "draft":
+        draft = load_draft_model(config, model, context_len)
+        plain = replace(config, quantization=None, quantization_group_size=None, quantize_activations=False,
+                        compile_model=False, compile_decode_step=False)
+        draft, draft_attention = prepare_model(draft, plain)  # as the target, unquantized: a draft is small already
+        extra = DraftProposer.bytes_per_block(draft, config.block_size)
+        num_blocks = config.num_kv_blocks or kv_blocks(config, model, context_len, extra)
+        config = replace(config, num_kv_blocks=num_blocks, kv_cache_memory=None, gpu_memory_utilization=None)
+        proposer = DraftProposer(draft, draft_attention, num_blocks, config.block_size, model.config)
+    speculator = Speculator(config.num_speculative_tokens, config.ngram_min, config.ngram_max, proposer)
+    return config, Speculation(speculator, proposer)
+
+
+def kv_blocks(config: EngineConfig, model: torch.nn.Module, context_len: int, extra_bytes_per_block: int) -> int:
+    """How many KV blocks the budget buys when a second cache (a draft model's) shares them."""
+    return choose_num_blocks(
+        model.config, config.block_size, model.dtype, model.device, config.max_num_seqs, config.kv_cache_memory,
+        config.gpu_memory_utilization, context_len, extra_bytes_per_block,
+    )
+
+
+def load_for(config: EngineConfig) -> torch.nn.Module:
+    """config.model loaded on its device, in its dtype, quantized as it loads if asked (the float model
+    never sits in memory whole); the CPU's threads set first (the fp32 LM head is sliced per thread)."""
+    device = torch.device(config.device)
+    check_device(device)
+    if device.type == "cpu":
+        set_cpu_threads(config.num_threads)
+    spec = None
+    if config.quantization is not None:
+        spec = QuantizationSpec(config.quantization, config.quantization_group_size, config.quantize_lm_head)
+    return load_model(config.model, device=device, dtype=resolve_dtype(config.dtype, device), weights=QuantizedWeights(spec))
+
+
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device = torch.device("cpu")) -> torch.dtype:
+    """A torch dtype from a dtype or a name; "auto" picks bf16 where it is fast, else fp32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def check_device(device: torch.device) -> None:
+    """A clear error, before any loading, for a device this torch build cannot use."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = "is a CPU-only build" if torch.version.cuda is None else "sees no CUDA GPU"
+        raise ValueError(f"--device {device}: this torch ({torch.__version__}) {build}; use --device cpu")
+
+
+def set_cpu_threads(num_threads: int | None = None) -> int:
+    """Give torch every core this process may use, unless told otherwise (cpu_threads_wanted). Decode is
+    memory-bound and prefill compute-bound: both want every core. Call it before loading a model: the
+    fp32 LM head is sliced once per thread at load time. Returns the thread count."""
+    num_threads = cpu_threads_wanted(num_threads)
+    torch.set_num_threads(num_threads)
+    return num_threads

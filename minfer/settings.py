@@ -1,0 +1,42 @@
+"""Every setting minfer reads from the environment, in one place.
+
+Each variable is read when asked, not at import (tests and the command line change the environment
+between calls), through the one `EnvVar` that names it; the modules that act on a setting import
+it from here. `python -m minfer.settings` lists them with their current values.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    help: str
+
+    def get(self, default: str | None = None) -> str | None:
+        """The variable's value, stripped; `default` where it is unset or empty."""
+        value = os.environ.get(self.name, "").strip()
+        return value or default
+
+    @property
+    def is_set(self) -> bool:
+        return self.get() is not None
+
+
+DEVICE = EnvVar("MINFER_DEVICE", "the default --device (the tests' way to run on a GPU); else cpu")
+ATTENTION_BACKEND = EnvVar("MINFER_ATTENTION_BACKEND", "the default --attention-backend; else auto")
+NUM_THREADS = EnvVar("MINFER_NUM_THREADS", "torch's CPU threads, unless --num-threads is given")
+OMP_NUM_THREADS = EnvVar("OMP_NUM_THREADS", "OpenMP's thread count: torch's CPU threads after MINFER_NUM_THREADS")
+API_KEY = EnvVar("MINFER_API_KEY", "the server's --api-key")
+OMP_WAIT_POLICY = EnvVar("OMP_WAIT_POLICY", "how idle OpenMP threads wait (libgomp: ACTIVE or PASSIVE)")
+GOMP_SPINCOUNT = EnvVar("GOMP_SPINCOUNT", "how long an idle libgomp thread spins before it sleeps")
+
+ALL = (DEVICE, ATTENTION_BACKEND, NUM_THREADS, OMP_NUM_THREADS, API_KEY, OMP_WAIT_POLICY, GOMP_SPINCOUNT)
+
+
+if __name__ == "__main__":
+    for var in ALL:
+        print(f"{var.name}={var.get('')!s:<12} {var.help}")
