@@ -58,6 +58,16 @@ def only_on_cpu(reason: str):
     return pytest.mark.skipif(torch.device(TEST_DEVICE).type != "cpu", reason=f"a CPU path: {reason}")
 
 
+@pytest.fixture(autouse=True)
+def tiled_attention_on_narrow_caches(monkeypatch):
+    """The test checkpoints' caches are narrower than any real model's (tiny: 4 heads x 16), where a CPU
+    would run the plain backend (assembly/selector.py): the engine tests run the CPU's tiled backend on
+    them, as real models do. tests/test_core.py runs the plain one through the engine."""
+    from minfer.assembly import selector
+
+    monkeypatch.setattr(selector, "MIN_CPU_KV_WIDTH", 0)
+
+
 @pytest.fixture
 def flex_as_on_a_gpu(monkeypatch):
     """Engines built in the test choose their attention as on a GPU: "auto" and "compiled" are FlexBackend

@@ -190,12 +190,16 @@ def test_prepare_model_keeps_eager_off_cpu_choices(monkeypatch):
     assert prepare.choose_attention_backend("cpu", torch.float32, "auto").name == "cpu_tiled"
     monkeypatch.setattr(selector, "cpu_has_amx", lambda: True)
     assert prepare.choose_attention_backend("cpu", torch.float32, "auto", kv_width=768).name == "compiled"
-    assert prepare.choose_attention_backend("cpu", torch.float32, "auto", kv_width=128).name == "cpu_tiled"
     assert prepare.choose_attention_backend("cpu", torch.float64, "auto").name == "cpu_tiled"
     assert prepare.choose_attention_backend("cpu", torch.float32, "compiled").name == "compiled"
     assert prepare.choose_attention_backend("cpu", torch.float32, "eager").name == "cpu_tiled"
-    # a narrow cache (minfer-tiny: 4 heads x 32) stays eager: the compiled call's fixed cost outweighs it
-    assert prepare.choose_attention_backend("cpu", torch.bfloat16, "auto", kv_width=128).name == "cpu_tiled"
+    # a narrow cache (minfer-tiny: 4 heads x 32) runs the plain backend: the compiled call's fixed cost
+    # outweighs it, and the tiled read pays for its tiles only on wide contexts
+    monkeypatch.setattr(selector, "MIN_CPU_KV_WIDTH", 512)
+    assert prepare.choose_attention_backend("cpu", torch.float32, "auto", kv_width=128).name == "torch"
+    assert prepare.choose_attention_backend("cpu", torch.bfloat16, "auto", kv_width=128).name == "torch"
+    assert prepare.choose_attention_backend("cpu", torch.float32, "eager", kv_width=128).name == "torch"
+    assert prepare.choose_attention_backend("cpu", torch.float32, "eager", kv_width=512).name == "cpu_tiled"
     assert prepare.choose_attention_backend("cpu", torch.bfloat16, "auto", kv_width=768).name == "compiled"
     assert prepare.choose_attention_backend("cpu", torch.bfloat16, "compiled", kv_width=128).name == "compiled"
     # off a CPU "compiled" is FlexAttention (flex.py), and the CPU's own backends are refused

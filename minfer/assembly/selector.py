@@ -23,35 +23,37 @@ ATTENTION_BACKENDS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "torch": (TorchBackend, None),
 }
 CHOICES = ("auto", "compiled", "eager")  # what users choose from (--attention-backend)
-# Below this K/V width (kv heads x head dim) "auto" stays eager: each compiled call costs ~0.1 ms
-# before any work, more than it saves on a narrow cache. minfer-tiny (width 128) ran 13.9 ms per
-# decode step compiled against 9.8 eager; GPT-2 124M (768) was 1.4-3.9x faster compiled. Widths in
-# between are unmeasured: 512 splits the two.
-MIN_COMPILED_KV_WIDTH = 512
+# Below this K/V width (kv heads x head dim) a CPU runs the plain backend whatever was asked: each compiled
+# call costs ~0.1 ms before any work, more than it saves on a narrow cache (minfer-tiny, width 128: 13.9 ms
+# per decode step compiled against 9.8 eager; GPT-2 124M, 768: 1.4-3.9x faster compiled), and the tiled read
+# pays for its tiles only on wide contexts (minfer-tiny, fp32, Zen 3: plain 1823-2044 tok/s at 16 streams
+# and 3.6-4.3 ms/token alone, tiled 1844-2116 and 3.8-4.9). Widths in between are unmeasured: 512 splits them.
+MIN_CPU_KV_WIDTH = 512
 
 
 def backend_name(
     device: torch.device | str, dtype: torch.dtype, choice: str = "auto", kv_width: int | None = None
 ) -> str:
-    """The backend a choice means on this device and cache dtype: "auto" is the compiled one on a CPU
-    when the cache is at least MIN_COMPILED_KV_WIDTH wide and holds 16-bit floats, or fp32 on a CPU
-    with AMX (the engine falls back to eager if it cannot compile there); "eager" is the device's
-    eager one. An fp32 cache needs no upcast: on a Zen 4 its eager read (a gather of whole rows, then
-    sdpa) and the compiled one took the same time in `bench.py --profile` decode steps, so there the
-    compile would only add start-up time. On an Intel host with AMX the eager gather ran at half that
-    speed and compiled fp32 steps were 1.2-1.4x faster (docs/performance.md). float64 (a reference
-    precision) stays eager. On a GPU "auto" and "compiled" are FlexAttention over the block tables
-    (flex.py), "eager" the plain backend."""
+    """The backend a choice means on this device and cache dtype. On a CPU a narrow cache (below
+    MIN_CPU_KV_WIDTH) runs the plain one; a wider one takes the compiled backend for "auto" when the
+    cache holds 16-bit floats, or fp32 on a CPU with AMX (the engine falls back to eager if it cannot
+    compile there), and the tiled eager one otherwise. An fp32 cache needs no upcast: on a Zen 4 its
+    eager read (a gather of whole rows, then sdpa) and the compiled one took the same time in `bench.py
+    --profile` decode steps, so there the compile would only add start-up time. On an Intel host with
+    AMX the eager gather ran at half that speed and compiled fp32 steps were 1.2-1.4x faster
+    (docs/performance.md). float64 (a reference precision) stays eager. On a GPU "auto" and "compiled"
+    are FlexAttention over the block tables (flex.py), "eager" the plain backend."""
     device = torch.device(device)
-    if device.type != "cpu" and choice in ("auto", "compiled"):
-        return "flex"
+    if device.type != "cpu":
+        return "flex" if choice in ("auto", "compiled") else "torch" if choice == "eager" else choice
+    if choice in ("auto", "eager") and kv_width is not None and kv_width < MIN_CPU_KV_WIDTH:
+        return "torch"
     if choice == "auto":
-        narrow = kv_width is not None and kv_width < MIN_COMPILED_KV_WIDTH
         sixteen_bit = dtype in (torch.bfloat16, torch.float16)
         fp32_on_amx = dtype == torch.float32 and cpu_has_amx()
-        return "compiled" if (sixteen_bit or fp32_on_amx) and not narrow else "cpu_tiled"
+        return "compiled" if sixteen_bit or fp32_on_amx else "cpu_tiled"
     if choice == "eager":
-        return "cpu_tiled" if device.type == "cpu" else "torch"
+        return "cpu_tiled"
     return choice
 
 

@@ -76,5 +76,3 @@ class CompiledForward:
             self.graphs.release()
             self.graphs = None
 
-    def stats(self) -> dict:
-        return {}

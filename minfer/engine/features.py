@@ -26,23 +26,28 @@ BUILDER = "minfer.assembly.build_engine"  # the one function that attaches featu
 
 
 class Scoring(Protocol):
-    """scoring/: logprobs of sampled tokens and of prompt positions (scoring/scorer.py)."""
+    """scoring/: logprobs of sampled tokens and of prompt positions (scoring/scorer.py). It acts only
+    while a request that asked is alive (`live`), and records only a step that scored (`last`)."""
 
-    def add(self, seqs: list[Sequence]) -> None: ...  # a new request's sequences
+    live: object  # truthy while any sequence keeps logprobs
+    last: object  # the step being scored, or None
+
+    def add(self, seqs: list[Sequence]) -> None: ...  # a new request's sequences, which asked
     def cap_rows(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]: ...  # after the policy
     def rows(self, chunks: list[ScheduledChunk], rows: StepRows, device: torch.device): ...  # StepScores | None
     def record(self, chunks: list[ScheduledChunk]) -> None: ...  # after the step's tokens are recorded
-    def stats(self) -> dict: ...
 
 
 class Forks(Protocol):
-    """parallel_sampling/: n completions of one prompt on its shared blocks (parallel_sampling/forks.py)."""
+    """parallel_sampling/: n completions of one prompt on its shared blocks (parallel_sampling/forks.py).
+    It acts only while some prompt's forks wait to start (`held`)."""
+
+    held: dict  # a request's first sequence -> the sequences that will start from its prompt
 
     def hold(self, seqs: list[Sequence]) -> list[Sequence]: ...  # which of a request's sequences queue now
     def add_samplers(self, chunks: list[ScheduledChunk]) -> None: ...
     def start(self, chunks: list[ScheduledChunk], batcher: ContinuousBatcher, kv_cache: KVCache) -> None: ...
     def discard(self, first: Sequence) -> None: ...
-    def stats(self) -> dict: ...
 
 
 class Speculation(Protocol):
@@ -53,7 +58,7 @@ class Speculation(Protocol):
     def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]: ...
     def read(self, chunks: list[ScheduledChunk], values: list[float]) -> None: ...
     def settle(self, chunks: list[ScheduledChunk], batcher: ContinuousBatcher, step: StepStats) -> None: ...
-    def stats(self) -> dict: ...
+    def stats(self) -> dict: ...  # vLLM's spec_decode counters
 
 
 class Compiled(Protocol):
@@ -62,8 +67,8 @@ class Compiled(Protocol):
     def warm_up(self, runner: ModelRunner) -> None: ...
     def forward(self, rows: StepRows) -> torch.Tensor | None: ...  # None: not served, run eager
     def running(self) -> dict: ...  # EngineConfig fields as they run
+    def describe(self) -> str: ...  # for the start-up banner
     def close(self) -> None: ...
-    def stats(self) -> dict: ...
 
 
 class Threads(Protocol):
@@ -95,15 +100,6 @@ class Features:
         if missing:
             raise ValueError(f"{', '.join(missing)} need an engine built by {BUILDER}, which attaches the feature")
 
-    def check_params(self, params: SamplingParams) -> None:
-        """A request field whose feature is not attached is refused (never accepted and not applied)."""
-        if self.scoring is None and (params.logprobs is not None or params.prompt_logprobs is not None):
-            raise ValueError(f"logprobs need an engine built by {BUILDER}, which attaches scoring")
-
     def running(self) -> dict:
         """EngineConfig fields as the features run them (OnlineScheduler.engine_config)."""
         return self.settings | (self.compiled.running() if self.compiled is not None else {})
-
-    def stats(self) -> dict:
-        rooms = (self.scoring, self.forks, self.speculation, self.compiled)
-        return {key: value for room in rooms if room is not None for key, value in room.stats().items()}

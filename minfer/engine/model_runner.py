@@ -72,7 +72,8 @@ class ModelRunner:
         """Run one step: a token for every sampled row of every chunk, in chunk order."""
         with part("host: prepare"):
             rows = self.prepare(chunks)
-            scores = self.scoring.rows(chunks, rows, self.device) if self.scoring is not None else None
+            scoring = self.scoring if self.scoring is not None and self.scoring.live else None  # scoring/
+            scores = scoring.rows(chunks, rows, self.device) if scoring is not None else None
         logits = self.forward(rows)  # (S, V): one forward over the N tokens of every sequence
         with part("sampling"):
             if scores is not None:  # scoring/: raw logprobs, before sampling changes the logits

@@ -101,6 +101,11 @@ class SamplingParams:
         )
 
     @property
+    def wants_logprobs(self) -> bool:
+        """Whether the request asks for logprobs of its tokens or of its prompt (scoring/)."""
+        return self.logprobs is not None or self.prompt_logprobs is not None
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 

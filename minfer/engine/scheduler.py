@@ -38,7 +38,7 @@ from ..text.tokenizer import Tokenizer
 from .block_allocator import BlockAllocator
 from .config import EngineConfig, dtype_name
 from .continuous_batcher import ContinuousBatcher
-from .features import Features
+from .features import BUILDER, Features
 from .model_runner import ModelRunner, StepOutput
 from .request_state import Choice, Request
 from .sampling import SamplingParams, make_generator
@@ -160,11 +160,11 @@ class OnlineScheduler:
             raise ValueError(f"request id {request_id!r} is already in use")
         choices = [self._choice(request_id, ids, params, i) for i in range(params.n)]
         self.requests[request_id] = Request(choices, arrival_time=time.perf_counter())
-        seqs = [c.seq for c in choices]
-        if self.features.scoring is not None:  # scoring/: a request that asks for logprobs keeps them
-            self.features.scoring.add(seqs)
-        if self.features.forks is not None:  # parallel_sampling/: the others start from the first's prompt
-            seqs = self.features.forks.hold(seqs)
+        seqs, features = [c.seq for c in choices], self.features
+        if params.wants_logprobs:  # scoring/: the request's sequences keep their logprobs
+            features.scoring.add(seqs)
+        if len(seqs) > 1 and features.forks is not None:  # parallel_sampling/: the others start from the first's prompt
+            seqs = features.forks.hold(seqs)
         for seq in seqs:
             self.batcher.add(seq)
         return request_id
@@ -183,7 +183,8 @@ class OnlineScheduler:
         field at fault. It reads only fixed limits, so any thread may call it (the server does, before
         handing the request to the engine thread)."""
         ids = list(prompt_token_ids)
-        self.features.check_params(params)  # a field whose feature is not attached is refused
+        if params.wants_logprobs and self.features.scoring is None:  # never accepted and then not applied
+            raise ValueError(f"logprobs need an engine built by {BUILDER}, which attaches scoring/")
         if not ids:
             raise InvalidParameter("prompt", "the prompt is empty: it must have at least one token")
         vocab = self.config.vocab_size
@@ -224,10 +225,10 @@ class OnlineScheduler:
         preemptions_before = self.num_preemptions
         with part("host: schedule"):
             chunks = self.batcher.schedule()
-            if features.scoring is not None:  # scoring/: prompt positions scored a bounded number a step
-                chunks = features.scoring.cap_rows(chunks)
-            if features.forks is not None:  # parallel_sampling/: a prompt's last row draws for its forks too
-                features.forks.add_samplers(chunks)
+            if features.scoring is not None and features.scoring.live:  # scoring/: a bounded number of
+                chunks = features.scoring.cap_rows(chunks)  # prompt positions scored a step
+            if features.forks is not None and features.forks.held:  # parallel_sampling/: a prompt's last row
+                features.forks.add_samplers(chunks)  # draws for its forks too
             if features.speculation is not None:  # speculative/: a draft model fills the step's proposals
                 features.speculation.fill(chunks)
         if not chunks:
@@ -237,11 +238,11 @@ class OnlineScheduler:
             end = time.perf_counter()
             self._record_step(chunks, start, end, self.num_preemptions - preemptions_before)
             self.batcher.advance(chunks)  # count the computed tokens, register newly full blocks
-            if features.forks is not None:  # parallel_sampling/: forks start on the prompt's blocks
-                features.forks.start(chunks, self.batcher, self.kv_cache)
+            if features.forks is not None and features.forks.held:  # parallel_sampling/: forks start
+                features.forks.start(chunks, self.batcher, self.kv_cache)  # on the prompt's blocks
             sampled = self._record_tokens(chunks, output, end)
-            if features.scoring is not None:  # scoring/: each sampler keeps its tokens' logprobs
-                features.scoring.record(chunks)
+            if features.scoring is not None and features.scoring.last is not None:  # scoring/: each sampler
+                features.scoring.record(chunks)  # keeps its tokens' logprobs
             if features.speculation is not None:  # speculative/: keep what was accepted, give back the rest
                 features.speculation.settle(chunks, self.batcher, self.last_step)
             return sampled
@@ -333,12 +334,13 @@ class OnlineScheduler:
         for choice in request.choices:
             self.batcher.discard(choice.seq)
             choice.seq.status = Status.FINISHED
-        if self.features.forks is not None:  # parallel_sampling/: forks not yet started are dropped too
-            self.features.forks.discard(request.choices[0].seq)
+        if self.features.forks is not None and self.features.forks.held:  # parallel_sampling/: forks not
+            self.features.forks.discard(request.choices[0].seq)  # yet started are dropped too
         return True
 
     def stats(self) -> dict:
-        return self.features.stats() | {
+        speculation = self.features.speculation  # speculative/: vLLM's spec_decode counters
+        return (speculation.stats() if speculation is not None else {}) | {
             "num_kv_blocks_total": self.allocator.num_blocks,
             "num_kv_blocks_free": self.allocator.num_free_blocks,
             "num_kv_blocks_shared": self.allocator.num_shared_blocks,  # held by several sequences, stored once

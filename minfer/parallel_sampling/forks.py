@@ -76,5 +76,3 @@ class Forks:
         """A request dropped before its prompt ended: its forks never start."""
         self.held.pop(first, None)
 
-    def stats(self) -> dict:
-        return {}

@@ -17,6 +17,8 @@ what has been scored (a preempted request may reuse the blocks of what it scored
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..engine.model_runner import StepRows
@@ -28,9 +30,12 @@ from .logprobs import StepLogprobs, TokenLogprob, keep_top, max_logprob_rows
 class Scoring:
     def __init__(self, vocab_size: int):
         self.max_rows = max_logprob_rows(vocab_size)  # prompt positions one step may score
+        self.live: weakref.WeakSet[Sequence] = weakref.WeakSet()  # sequences that keep logprobs, while they live
         self.last: StepScores | None = None  # the step being recorded
 
     def add(self, seqs: list[Sequence]) -> None:
+        """A new request's sequences, which asked for logprobs."""
+        self.live.update(seqs)
         for seq in seqs:
             if seq.params.logprobs is not None:
                 seq.logprobs = []
@@ -95,8 +100,6 @@ class Scoring:
                 kept = seq.num_output_tokens - len(seq.logprobs)
                 seq.logprobs += [keep_top(e, seq.params.logprobs) for e in row_entries[:kept]]
 
-    def stats(self) -> dict:
-        return {}
 
 
 class StepScores:
