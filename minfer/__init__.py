@@ -7,7 +7,7 @@ users import: `from minfer import LLM, SamplingParams` (and `EngineConfig`).
 
 from .engine.config import EngineConfig
 from .assembly.llm import LLM
-from .engine.sampling import SamplingParams
+from .engine.sampling_params import SamplingParams
 from .engine.scheduler import OnlineScheduler
 from .engine.sequence import RequestOutput
 from .version import __version__

@@ -11,7 +11,7 @@ import sys
 
 from .engine.config import EngineConfig
 from .assembly.llm import LLM
-from .engine.sampling import SamplingParams
+from .engine.sampling_params import SamplingParams
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.generate") -> int:

@@ -8,7 +8,7 @@ import pytest
 
 from minfer import EngineConfig
 from minfer.errors import APIError
-from minfer.server.openai_api import ModelInfo, parse_chat
+from minfer.server.requests import ModelInfo, parse_chat
 from minfer.server.serve import create_server
 from minfer.text.chat_template import ChatTemplate
 from minfer.text.tokenizer import Tokenizer

@@ -4,17 +4,19 @@ import json
 
 import pytest
 
-from minfer.engine.sequence import RequestOutput
+from minfer.engine.sampling_params import SamplingParams
+from minfer.engine.sequence import CompletionDelta, RequestOutput
 from minfer.errors import APIError, InvalidParameter
-from minfer.server.openai_api import (
+from minfer.server.requests import (
     ModelInfo,
-    Responder,
+    ParsedRequest,
     invalid_request,
     parse_chat,
     parse_completion,
     parse_generate,
     parse_json_body,
 )
+from minfer.server.responder import Responder
 from minfer.server.prometheus import Histogram, Metrics
 from minfer.text.chat_template import render_chat
 from minfer.text.tokenizer import Tokenizer
@@ -168,33 +170,38 @@ def output(text="ab", reason="length") -> RequestOutput:
     return RequestOutput("0", prompt_token_ids=[1, 2, 3], token_ids=[4, 5], text=text, finish_reason=reason)
 
 
-def test_completion_response_and_chunks():
-    r = Responder("tiny", chat=False)
-    body = r.response(output())
+def responder(info, chat: bool) -> Responder:
+    return Responder("tiny", chat, ParsedRequest([[1, 2, 3]], SamplingParams()), info.tokenizer)
+
+
+def test_completion_response_and_chunks(info):
+    r = responder(info, chat=False)
+    body = r.response([(output(),)])
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion" and body["model"] == "tiny"
     assert body["choices"] == [{"index": 0, "text": "ab", "logprobs": None, "finish_reason": "length"}]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     assert r.first_chunks() == []
-    assert r.text_chunk("a")["choices"][0]["text"] == "a"
-    assert r.final_chunk("stop")["choices"][0]["finish_reason"] == "stop"
-    assert r.usage_chunk(output())["choices"] == [] and r.usage_chunk(output())["usage"]["total_tokens"] == 5
+    assert r.delta_chunks(CompletionDelta(0, [4], "a"))[0]["choices"][0]["text"] == "a"
+    assert r.delta_chunks(CompletionDelta(0, [5], "", "stop"))[0]["choices"][0]["finish_reason"] == "stop"
+    usage = r.usage_chunk([(output(),)])
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
 
 
-def test_chat_response_and_chunks():
-    r = Responder("tiny", chat=True)
-    body = r.response(output("hi", "stop"))
+def test_chat_response_and_chunks(info):
+    r = responder(info, chat=True)
+    body = r.response([(output("hi", "stop"),)])
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     [first] = r.first_chunks()
     assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
-    assert r.text_chunk("x")["choices"][0]["delta"] == {"content": "x"}
-    assert r.final_chunk("length")["choices"][0] == {
+    assert r.delta_chunks(CompletionDelta(0, [4], "x"))[0]["choices"][0]["delta"] == {"content": "x"}
+    assert r.delta_chunks(CompletionDelta(0, [5], "", "length"))[0]["choices"][0] == {
         "index": 0,
         "delta": {},
         "logprobs": None,
         "finish_reason": "length",
     }
-    json.dumps(r.usage_chunk(output()))  # every chunk is plain JSON
+    json.dumps(r.usage_chunk([(output(),)]))  # every chunk is plain JSON
 
 
 def test_histogram_buckets_are_cumulative():

@@ -9,8 +9,8 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from minfer.errors import APIError
-from minfer.server import request_fields
-from minfer.server.openai_api import ModelInfo, parse_chat, parse_completion, parse_generate
+from minfer.server import requests as request_fields
+from minfer.server.requests import ModelInfo, parse_chat, parse_completion, parse_generate
 from minfer.text.tokenizer import Tokenizer
 
 CHAT = [{"role": "user", "content": "hi"}]

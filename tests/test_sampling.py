@@ -3,8 +3,11 @@ import math
 import pytest
 import torch
 
-from minfer.engine import sampling
-from minfer.engine.sampling import SamplingParams, apply_top_k_top_p, greedy_tokens, make_generator, sample
+from minfer.engine import top_k_top_p
+from minfer.engine.draw import draw_from
+from minfer.engine.sampling import greedy_tokens, make_generator, sample
+from minfer.engine.sampling_params import SamplingParams
+from minfer.engine.top_k_top_p import apply_top_k_top_p
 from minfer.errors import InvalidParameter
 
 SP = SamplingParams
@@ -172,11 +175,11 @@ def test_head_path_draws_what_sorting_whole_rows_draws(monkeypatch):
     rows = torch.stack([torch.randn(V, generator=g) * s for s in (12.0, 3.0, 4.0, 0.2)])  # peaked .. flat
     params = [SP(top_p=0.9, seed=1), SP(top_p=0.95, seed=2), SP(top_k=100, top_p=0.8, seed=3), SP(top_p=0.7, seed=4)]
     heads = []
-    real_kept_head = sampling._kept_head
-    monkeypatch.setattr(sampling, "_kept_head", lambda *a: heads.append(a[3]) or real_kept_head(*a))  # a[3]: K
+    real_kept_head = top_k_top_p.kept_head
+    monkeypatch.setattr(top_k_top_p, "kept_head", lambda *a: heads.append(a[3]) or real_kept_head(*a))  # a[3]: K
 
     def draws(head_size):
-        monkeypatch.setattr(sampling, "CPU_HEAD", head_size)
+        monkeypatch.setattr(top_k_top_p, "CPU_HEAD", head_size)
         gens = _gens(params)
         return [sample(rows, params, gens).tolist() for _ in range(30)]
 
@@ -195,7 +198,7 @@ def test_head_path_draws_what_sorting_whole_rows_draws(monkeypatch):
 def test_inverse_cdf_never_draws_a_zero_probability_token():
     probs = torch.tensor([[0.0, 0.2, 0.8, 0.0, 0.0]] * 3)
     u = torch.tensor([0.0, 0.5, 1.0])  # rand draws from [0, 1); the guard holds even at 1, whatever the rounding
-    assert sampling.draw_from(probs.clone(), u).tolist() == [1, 2, 2]
+    assert draw_from(probs.clone(), u).tolist() == [1, 2, 2]
 
 
 # --- distributions --------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 
 from minfer import EngineConfig
 from minfer.engine.generation_defaults import sampling_defaults
-from minfer.server.openai_api import ModelInfo, parse_completion
+from minfer.server.requests import ModelInfo, parse_completion
 from minfer.server.serve import create_server
 from minfer.text.tokenizer import Tokenizer
 

@@ -9,7 +9,8 @@ from minfer.engine.sequence import CompletionDelta
 from minfer.models.gpt2 import GPT2
 from minfer.server.manager import SchedulerManager
 from minfer.server.messages import Accepted, Done
-from minfer.server.openai_api import Responder
+from minfer.server.requests import ParsedRequest
+from minfer.server.responder import Responder
 from minfer.text.tokenizer import Tokenizer
 
 
@@ -25,7 +26,7 @@ def run(parts, requests):
     manager = SchedulerManager(OnlineScheduler(model, tokenizer, num_kv_blocks=64, max_num_batched_tokens=32))
     manager.start()
     try:
-        handles = [manager.submit(ids, params) for ids, params in requests]
+        handles = [manager.submit(manager.check(ids, params)) for ids, params in requests]
         results = []
         for handle in handles:
             events = [handle.next_event(timeout=60)]
@@ -99,11 +100,16 @@ def test_get_new_output_hands_out_each_token_once(parts):
     assert sched.pop_response(rid).token_ids == [first, *last.token_ids]
 
 
-def test_delta_chunks_are_the_text_chunks_of_before():
+def test_delta_chunks_are_the_text_chunks_of_before(parts):
     for chat in (False, True):
-        r = Responder("tiny", chat)
-        assert r.delta_chunks(CompletionDelta(0, [7], "ab")) == [r.text_chunk("ab")]
+        r = Responder("tiny", chat, ParsedRequest([[1, 2]], SamplingParams(n=3)), parts[1])
+        [text] = r.delta_chunks(CompletionDelta(0, [7], "ab"))
+        choice = text["choices"][0]
+        assert (choice["delta"]["content"] if chat else choice["text"]) == "ab" and choice["finish_reason"] is None
         assert r.delta_chunks(CompletionDelta(0, [7, 8], "")) == []  # text held back: no empty chunk
         assert r.delta_chunks(CompletionDelta(2, [7], "c"))[0]["choices"][0]["index"] == 2
         last = r.delta_chunks(CompletionDelta(1, [7], "", "stop"))  # a choice's last delta: its finish_reason
-        assert last == [r.final_chunk("stop", 1)] and last[0]["choices"][0]["index"] == 1
+        [final] = last
+        assert final["choices"][0]["index"] == 1 and final["choices"][0]["finish_reason"] == "stop"
+        assert final["choices"][0] == ({"index": 1, "delta": {}, "logprobs": None, "finish_reason": "stop"} if chat
+                                       else {"index": 1, "text": "", "logprobs": None, "finish_reason": "stop"})

@@ -12,7 +12,8 @@ import torch
 from _common import model_path, section
 
 from minfer import LLM, SamplingParams
-from minfer.engine.sampling import apply_top_k_top_p, make_generator, sample
+from minfer.engine.sampling import make_generator, sample
+from minfer.engine.top_k_top_p import apply_top_k_top_p
 
 torch.manual_seed(0)  # the shared RNG, used by rows without a seed
 path = model_path()

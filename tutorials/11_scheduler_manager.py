@@ -68,7 +68,7 @@ idle_cpu, wall = time.clock_gettime(clock) - cpu0, time.perf_counter() - wall0
 print(f"worker CPU time over {wall:.2f} s idle: {1e3 * idle_cpu:.2f} ms")
 assert idle_cpu < 0.1 * wall, "an idle worker must not spin"  # a polling loop would burn ~100%
 t0 = time.perf_counter()
-handle = manager.submit(tokenizer.encode(prompts[0]), GREEDY)  # appends to the inbox, then wake.set()
+handle = manager.submit(manager.check(tokenizer.encode(prompts[0]), GREEDY))  # appends to the inbox, then wake.set()
 event = handle.next_event(timeout=30)
 print(f"submit -> Accepted in {1e3 * (time.perf_counter() - t0):.2f} ms (the worker woke up at once)")
 assert event == Accepted()
@@ -85,7 +85,7 @@ def client(prompt: str) -> None:
     """What an HTTP handler thread does: tokenize, submit, read events until DONE, release."""
     ids = tokenizer.encode(prompt)  # here, in the client's thread, never on the worker
     burst.wait()
-    h = manager.submit(ids, GREEDY)
+    h = manager.submit(manager.check(ids, GREEDY))
     events = []
     try:
         while not events or not isinstance(events[-1], (Done, Error)):
@@ -122,7 +122,7 @@ assert len(encoders) == 1 + len(prompts) and "minfer-engine" not in encoders
 
 section("a client that goes away: release() before Done, and the worker frees its blocks")
 total = sched.allocator.num_blocks
-handle = manager.submit(tokenizer.encode("Tell me a very long story about"), LONG)
+handle = manager.submit(manager.check(tokenizer.encode("Tell me a very long story about"), LONG))
 assert handle.next_event(timeout=30) == Accepted()
 for _ in range(3):
     event = handle.next_event(timeout=30)
@@ -141,18 +141,19 @@ took = wait_for(
 print(f"released; {total}/{total} blocks free {1e3 * took:.1f} ms later; aborted requests: {manager.metrics.aborted}")
 assert manager.metrics.aborted == 1
 
-section("a request that could never run is refused by submit(), in the client's thread")
+section("a request that could never run is refused by check(), in the client's thread, before submit()")
 try:  # the scheduler's own check (check_request), run before the request reaches the worker
-    manager.submit(tokenizer.encode("Hi"), SamplingParams(max_tokens=model.config.n_positions))
+    manager.check(tokenizer.encode("Hi"), SamplingParams(max_tokens=model.config.n_positions))
     raise AssertionError("the manager must refuse a request longer than the context")
 except InvalidParameter as e:
     print(f"InvalidParameter(param={e.param!r}, code={e.code!r}): {e}")
     assert e.param == "max_tokens" and e.code == "context_length_exceeded"
 
 section(f"a full queue: at most max_num_seqs + max_queued = {manager.max_in_flight} requests in flight")
-handles = [manager.submit(tokenizer.encode(f"Request number {i}"), LONG) for i in range(manager.max_in_flight)]
+handles = [manager.submit(manager.check(tokenizer.encode(f"Request number {i}"), LONG))
+           for i in range(manager.max_in_flight)]
 try:
-    manager.submit(tokenizer.encode("one too many"), GREEDY)
+    manager.submit(manager.check(tokenizer.encode("one too many"), GREEDY))
     raise AssertionError("the manager must refuse beyond max_in_flight")
 except EngineError as e:
     print(f"request {manager.max_in_flight + 1} -> EngineError {e.status}: {e.message}")
@@ -168,7 +169,7 @@ time.sleep(0.3)
 idle_cpu, wall = time.clock_gettime(clock) - cpu0, time.perf_counter() - wall0
 print(f"worker CPU time over {wall:.2f} s idle: {1e3 * idle_cpu:.2f} ms")
 assert idle_cpu < 0.1 * wall
-handle = manager.submit(tokenizer.encode("Unfinished business"), LONG)
+handle = manager.submit(manager.check(tokenizer.encode("Unfinished business"), LONG))
 assert handle.next_event(timeout=30) == Accepted()
 manager.shutdown()
 event = handle.next_event(timeout=30)
@@ -178,7 +179,7 @@ manager.release(handle)
 print(f"in flight at shutdown: {event}")
 assert isinstance(event, Error) and event.status == 503 and not manager.is_alive()
 try:
-    manager.submit(tokenizer.encode("too late"), GREEDY)
+    manager.submit(manager.check(tokenizer.encode("too late"), GREEDY))
     raise AssertionError("a stopped manager must refuse")
 except EngineError as e:
     print(f"submit after shutdown -> EngineError {e.status}: {e.message}")

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from ..engine.config import EngineConfig
 from ..engine.generation_defaults import sampling_defaults
-from ..engine.sampling import SamplingParams
+from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import RequestOutput
 from .build import build_engine
 

@@ -16,7 +16,7 @@ from dataclasses import asdict
 
 from tqdm import tqdm
 
-from ..engine.sampling import SamplingParams
+from ..engine.sampling_params import SamplingParams
 from ..engine.scheduler import OnlineScheduler
 from ..engine.sequence import RequestOutput
 from .metrics import RequestRecord, RunResult

@@ -52,7 +52,7 @@ from ..attention.kv_cache import cdiv
 from ..attention.paged import PagedBatch
 from ..cpu.features import cpu_has_amx
 from ..engine.model_runner import ModelRunner
-from ..engine.sampling import SamplingParams
+from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import ScheduledChunk, Sequence
 from .attention import compile_for_cpu, failure_line
 from .paged_op import OpaqueAttention, compiled_step

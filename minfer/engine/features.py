@@ -18,7 +18,7 @@ import torch
 from ..attention.kv_cache import KVCache
 from .continuous_batcher import ContinuousBatcher
 from .model_runner import ModelRunner, StepRows
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .sequence import ScheduledChunk, Sequence
 from .step_stats import StepStats
 

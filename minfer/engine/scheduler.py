@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -41,9 +41,18 @@ from .continuous_batcher import ContinuousBatcher
 from .features import BUILDER, Features
 from .model_runner import ModelRunner, StepOutput
 from .request_state import Choice, Request
-from .sampling import SamplingParams, make_generator
+from .sampling import make_generator
+from .sampling_params import SamplingParams
 from .sequence import CompletionDelta, RequestOutput, ScheduledChunk, Sequence, Status
 from .step_stats import StepStats
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request check_request found runnable: add_request takes it as it is, without checking it again."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
 
 
 class OnlineScheduler:
@@ -139,22 +148,27 @@ class OnlineScheduler:
 
     def add_request(
         self,
-        prompt: str | None = None,
+        prompt: str | CheckedRequest | None = None,
         *,
         prompt_token_ids: list[int] | None = None,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
-        checked: bool = False,  # the prompt went through check_request already (the server's edge)
     ) -> str:
-        """Queue a request; token ids skip tokenization. Refuses what could never run."""
-        params = sampling_params or SamplingParams()
-        if (prompt is None) == (prompt_token_ids is None):
-            raise ValueError("give exactly one of prompt or prompt_token_ids")
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise InvalidParameter("prompt", f"prompt must be a string, got {type(prompt).__name__}", "invalid_type")
-            prompt_token_ids = self.tokenizer.encode_prompt(prompt)
-        ids = list(prompt_token_ids) if checked else self.check_request(prompt_token_ids, params)
+        """Queue a request: a prompt's text, its token ids, or a CheckedRequest (check_request's verdict, which
+        is not checked again). Refuses what could never run."""
+        if isinstance(prompt, CheckedRequest):
+            ids, params = prompt.prompt_token_ids, prompt.params
+        else:
+            params = sampling_params or SamplingParams()
+            if (prompt is None) == (prompt_token_ids is None):
+                raise ValueError("give exactly one of prompt or prompt_token_ids")
+            if prompt is not None:
+                if not isinstance(prompt, str):
+                    raise InvalidParameter(
+                        "prompt", f"prompt must be a string, got {type(prompt).__name__}", "invalid_type"
+                    )
+                prompt_token_ids = self.tokenizer.encode_prompt(prompt)
+            ids = self.check_request(prompt_token_ids, params).prompt_token_ids
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -178,10 +192,10 @@ class OnlineScheduler:
         detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens)
         return Choice(seq, TextStream(detokenizer, params.stop, params.include_stop_str_in_output))
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        """The prompt as a list, if a request with it could ever run; else InvalidParameter naming the
-        field at fault. It reads only fixed limits, so any thread may call it (the server does, before
-        handing the request to the engine thread)."""
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedRequest:
+        """The request, checked, if it could ever run; else InvalidParameter naming the field at fault. It
+        reads only fixed limits, so any thread may call it (the server does, once, before handing the
+        request to the engine thread)."""
         ids = list(prompt_token_ids)
         if params.wants_logprobs and self.features.scoring is None:  # never accepted and then not applied
             raise ValueError(f"logprobs need an engine built by {BUILDER}, which attaches scoring/")
@@ -213,7 +227,7 @@ class OnlineScheduler:
                 f"the request needs {blocks} KV blocks but the cache has only {self.allocator.num_blocks}",
                 "context_length_exceeded",
             )
-        return ids
+        return CheckedRequest(ids, params)
 
     # ---- stepping --------------------------------------------------------------------
 

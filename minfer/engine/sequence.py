@@ -20,7 +20,7 @@ from typing import Iterable
 
 import torch
 
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

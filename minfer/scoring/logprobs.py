@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..engine.sampling import MAX_LOGPROBS, check_num_logprobs  # noqa: F401 (names of scoring's API)
+from ..engine.sampling_params import MAX_LOGPROBS
 from ..host_to_device import to_device
 
 LOGIT_ELEMENTS_PER_STEP = 2**24  # prompt-logprob rows x vocab one step may hold (64 MiB in fp32)

@@ -1,13 +1,14 @@
 """The server's endpoints, and how a handler thread talks to the engine.
 
 A request to /v1/completions, /v1/chat/completions or /generate goes:
-parse it (openai_api.py) -> `manager.submit` (manager.py checks it against the
-model's limits in this thread, then the worker takes it) -> read the request's
-events (messages.py: Accepted, CompletionDelta..., Done or Error) -> write them out, as
-one JSON body, Server-Sent Events (the OpenAI endpoints) or plain chunked text
-(/generate). Whatever happens, the request is released at the end: if it has
-not finished (the client left, a write failed), the worker discards it and
-frees its KV blocks before its next step.
+parse it (requests.py) -> the engine's check, once, in this thread (`manager.check`:
+a 400 naming the field before anything is streamed) -> `manager.submit`, which the
+worker takes -> read the request's events (messages.py: Accepted,
+CompletionDelta..., Done or Error) -> write them out (responder.py), as one JSON
+body, Server-Sent Events (the OpenAI endpoints) or plain chunked text (/generate).
+Whatever happens, the request is released at the end: if it has not finished
+(the client left, a write failed), the worker discards it and frees its KV
+blocks before its next step.
 """
 
 from __future__ import annotations
@@ -23,17 +24,9 @@ from . import live_view, tokenizer_api
 from .connections import ConnectionStats
 from .http_handler import ClientGone, RoutingHandler
 from .manager import EngineError, SchedulerManager
-from .scoring_responder import ScoringResponder
 from .messages import Accepted, CompletionDelta, Done, Error, RequestEvent, RequestHandle
-from .openai_api import (
-    ModelInfo,
-    ParsedRequest,
-    invalid_request,
-    parse_chat,
-    parse_completion,
-    parse_generate,
-    usage,
-)
+from .requests import ModelInfo, ParsedRequest, invalid_request, parse_chat, parse_completion, parse_generate
+from .responder import Responder, generate_response, usage
 
 
 class ServerState(Protocol):
@@ -80,24 +73,20 @@ class APIHandler(RoutingHandler):
 
     @contextmanager
     def _submitted(self, req: ParsedRequest):
-        """Submit to the engine and wait until it is admitted; always release it afterwards."""
-        with self._submitted_all(req) as handles:
-            yield handles[0]
-
-    @contextmanager
-    def _submitted_all(self, req: ParsedRequest):
-        """Submit every prompt of the request, each its own engine request, and wait until all are
-        admitted; always release them afterwards. One prompt the engine refuses refuses them all."""
+        """Check every prompt of the request against the engine, once, here (one it refuses refuses them all,
+        with a 400 before anything is streamed); submit each as an engine request of its own and wait until
+        all are admitted; always release them afterwards."""
         manager, batch = self.server.manager, len(req.prompts) > 1
-        for i, ids in enumerate(req.prompts):  # check them all before any runs
+        checked = []
+        for i, ids in enumerate(req.prompts):
             try:
-                manager.check_request(ids, req.params)
-            except InvalidParameter as e:  # the prompt does not fit the model: a 400 before anything is streamed
+                checked.append(manager.check(ids, req.params))
+            except InvalidParameter as e:  # the prompt does not fit the model
                 raise _at_index(invalid_request(e, req.fields), i if batch else None) from None
         handles = []
         try:
-            for ids in req.prompts:
-                handles.append(manager.submit(ids, req.params))
+            for request in checked:
+                handles.append(manager.submit(request))
             for handle in handles:
                 event = self._next_event(handle)
                 if isinstance(event, Error):
@@ -126,7 +115,7 @@ class APIHandler(RoutingHandler):
                 case CompletionDelta() as delta:
                     yield delta
                 case Done() as done:
-                    self.log_note = "tokens={prompt_tokens}+{completion_tokens} ".format(**usage(done.outputs))
+                    self.log_note = "tokens={prompt_tokens}+{completion_tokens} ".format(**usage(list(done.outputs)))
                     yield done.outputs
                     return
                 case Error(status, message):
@@ -196,15 +185,15 @@ class APIHandler(RoutingHandler):
         self._openai(parse_chat(self.read_json(), self.server.info), chat=True)
 
     def _openai(self, req: ParsedRequest, chat: bool) -> None:
-        r = ScoringResponder(self.server.info.name, chat, req, self.server.info.tokenizer)
-        with self._submitted_all(req) as handles:
+        r = Responder(self.server.info.name, chat, req, self.server.info.tokenizer)
+        with self._submitted(req) as handles:
             if not req.stream:
-                self.send_json(200, r.response_all([self._collect(h) for h in handles]))
+                self.send_json(200, r.response([self._collect(h) for h in handles]))
                 return
             # The engine's id for this request, as /engine/events names it: the live view's playground
             # highlights its own request's blocks with it.
             self.begin_stream("text/event-stream", {"X-Engine-Request-Id": handles[0].request_id})
-            for chunk in r.first_chunks_all():
+            for chunk in r.first_chunks():
                 self.send_event(chunk)
             outs = []
             try:
@@ -217,7 +206,7 @@ class APIHandler(RoutingHandler):
                         else:
                             outs.append(item)  # the prompt's choices, one RequestOutput each
                 if req.include_usage:
-                    self.send_event(r.usage_chunk_all(outs))
+                    self.send_event(r.usage_chunk(outs))
             except APIError as e:  # the engine failed or is shutting down: say so, then end the stream
                 self.note_cut_stream(e)
                 self.send_event(e.body())
@@ -226,10 +215,10 @@ class APIHandler(RoutingHandler):
 
     def handle_generate(self) -> None:
         req = parse_generate(self.read_json(), self.server.info)
-        with self._submitted(req) as handle:
+        with self._submitted(req) as (handle,):
             if not req.stream:
                 (out,) = self._collect(handle)  # /generate has n = 1
-                self.send_json(200, {"text": out.text, "finish_reason": out.finish_reason, "usage": usage(out)})
+                self.send_json(200, generate_response(out))
                 return
             self.begin_stream("text/plain; charset=utf-8")
             try:

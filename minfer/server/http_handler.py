@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 from ..errors import APIError
 from ..version import __version__
 from .connections import TimedHandler
-from .openai_api import parse_json_body
+from .requests import parse_json_body
 
 log = logging.getLogger("minfer.serve")
 

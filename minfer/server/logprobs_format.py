@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from ..scoring.logprobs import TokenLogprob
+from ..scoring.logprobs import TokenLogprob, keep_top
 from ..text.tokenizer import Tokenizer
 
 NO_PROBABILITY = -9999.0  # stands in for -inf, which JSON cannot carry
@@ -42,10 +42,11 @@ class LogprobFormatter:
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def completion(self, token_ids: list[int], entries: list[TokenLogprob | None]) -> dict:
-        """The completions API's logprobs object for these tokens (entries aligned with token_ids)."""
+    def completion(self, token_ids: list[int], entries: list[TokenLogprob | None], k: int) -> dict:
+        """The completions API's logprobs object for these tokens (entries aligned with token_ids), each
+        with its k likeliest tokens."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token_id, entry in zip(token_ids, entries):
+        for token_id, entry in zip(token_ids, _trimmed(entries, k)):
             text = self.token_text(token_id)
             out["tokens"].append(text)
             out["text_offset"].append(self.text_offset)
@@ -64,19 +65,19 @@ class LogprobFormatter:
         data = self.token_bytes(token_id)
         return {"token": data.decode("utf-8", errors="replace"), "logprob": _finite(logprob), "bytes": list(data)}
 
-    def chat(self, entries: list[TokenLogprob]) -> dict:
-        """The chat API's logprobs object for these tokens."""
+    def chat(self, entries: list[TokenLogprob], k: int) -> dict:
+        """The chat API's logprobs object for these tokens, each with its k likeliest tokens."""
         content = []
-        for entry in entries:
+        for entry in _trimmed(entries, k):
             item = self._chat_entry(entry.token_id, entry.logprob)
             item["top_logprobs"] = [self._chat_entry(t, lp) for t, lp in entry.top]
             content.append(item)
         return {"content": content}
 
-    def prompt_logprobs(self, entries: list[TokenLogprob | None]) -> list[dict | None]:
+    def prompt_logprobs(self, entries: list[TokenLogprob | None], k: int) -> list[dict | None]:
         """vLLM's `prompt_logprobs` field: per prompt token, {token_id: {logprob, rank, decoded_token}}."""
         out: list[dict | None] = []
-        for entry in entries:
+        for entry in _trimmed(entries, k):
             if entry is None:
                 out.append(None)
                 continue
@@ -89,3 +90,8 @@ class LogprobFormatter:
                 }
             )
         return out
+
+
+def _trimmed(entries: list[TokenLogprob | None], k: int) -> list[TokenLogprob | None]:
+    """Each entry with its k likeliest tokens only (a step computes the largest k any request asked for)."""
+    return [None if e is None else keep_top(e, k) for e in entries]

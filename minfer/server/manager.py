@@ -27,8 +27,8 @@ import logging
 import threading
 from collections import deque
 
-from ..engine.sampling import SamplingParams
-from ..engine.scheduler import OnlineScheduler
+from ..engine.sampling_params import SamplingParams
+from ..engine.scheduler import CheckedRequest, OnlineScheduler
 from .engine_events import EngineFeed, EventRecorder
 from .messages import Accepted, AddRequest, DiscardRequest, Done, Error, RequestHandle
 from .prometheus import Metrics
@@ -79,15 +79,14 @@ class SchedulerManager:
         """The scheduler's stats as of the worker's last step."""
         return self._stats
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedRequest:
         """The scheduler's own check that a request could ever run (InvalidParameter naming the field if
-        not). It reads only fixed limits, so it runs here, in the caller's thread, not on the worker."""
+        not). It reads only fixed limits, so it runs in the caller's thread, once, before submit."""
         return self.scheduler.check_request(prompt_token_ids, params)
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
-        """Hand a request to the worker. Its first event is Accepted, or Error if the scheduler refused it.
-        Raises InvalidParameter for a request that could never run, EngineError when the engine cannot take it."""
-        prompt_token_ids = self.check_request(prompt_token_ids, params)  # a bad request is refused before it queues
+    def submit(self, request: CheckedRequest) -> RequestHandle:
+        """Hand a checked request to the worker. Its first event is Accepted, or Error if the scheduler
+        refused it. Raises EngineError when the engine cannot take it (queue full: 429; stopped: 503)."""
         with self._lock:
             if self._stopping or self._dead:
                 raise EngineError(503, "the engine has stopped" if self._dead else "the server is shutting down")
@@ -95,7 +94,7 @@ class SchedulerManager:
                 self.metrics.on_rejected()
                 raise EngineError(429, f"too many requests: {self._in_flight} are already in flight; retry later")
             self._in_flight += 1
-            handle = RequestHandle(str(next(self._ids)), prompt_token_ids, params)
+            handle = RequestHandle(str(next(self._ids)), request)
             self._inbox.append(AddRequest(handle))  # under the lock: the worker's last drain can't miss it
         self._wake.set()
         return handle
@@ -171,14 +170,12 @@ class SchedulerManager:
 
     def _add(self, handle: RequestHandle) -> None:
         try:
-            self.scheduler.add_request(
-                prompt_token_ids=handle.prompt_token_ids, sampling_params=handle.params, request_id=handle.request_id
-            )
+            self.scheduler.add_request(handle.request, request_id=handle.request_id)
         except ValueError as e:  # a request that can never fit (e.g. more KV blocks than exist)
             handle.events.put(Error(400, str(e)))
             return
         self._active[handle.request_id] = handle
-        self.metrics.on_admitted(len(handle.prompt_token_ids))
+        self.metrics.on_admitted(len(handle.request.prompt_token_ids))
         handle.events.put(Accepted())
 
     def _step(self) -> None:

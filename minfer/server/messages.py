@@ -24,7 +24,7 @@ from __future__ import annotations
 import queue
 from dataclasses import dataclass
 
-from ..engine.sampling import SamplingParams
+from ..engine.scheduler import CheckedRequest
 from ..engine.sequence import CompletionDelta, RequestOutput
 
 
@@ -65,10 +65,9 @@ RequestEvent = Accepted | CompletionDelta | Done | Error
 class RequestHandle:
     """One submitted request, as its HTTP handler sees it."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, request: CheckedRequest):
         self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
+        self.request = request  # the prompt's ids and the SamplingParams, checked by the engine
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # filled by the worker only
         self.finished = False  # the handler has read Done or Error: nothing left to discard
 

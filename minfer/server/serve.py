@@ -8,7 +8,7 @@ This file builds and runs the server: MinferServer (health, graceful stop),
 create_server (model -> scheduler -> manager -> server) and the command line.
 Threads: ThreadingHTTPServer gives each connection a handler thread. A handler
 (endpoints.py, on http_handler.py's routing and writing) parses and tokenizes
-the request (openai_api.py), submits it to the SchedulerManager (manager.py),
+the request (requests.py), submits it to the SchedulerManager (manager.py),
 whose single worker thread runs the engine, and reads text pieces back from the
 request's queue, writing each one as it comes: Server-Sent Events for the
 OpenAI endpoints, plain chunked text for /generate. If the client goes away,
@@ -52,7 +52,7 @@ from .endpoints import APIHandler
 from ..engine.generation_defaults import describe as describe_defaults
 from ..engine.generation_defaults import sampling_defaults
 from .manager import SchedulerManager
-from .openai_api import ModelInfo
+from .requests import ModelInfo
 from .prometheus import Metrics
 
 log = logging.getLogger("minfer.serve")

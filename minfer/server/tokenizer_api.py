@@ -15,7 +15,8 @@ for messages (the chat template writes its own). `add_generation_prompt` (messag
 from __future__ import annotations
 
 from ..errors import invalid, is_int
-from .openai_api import ModelInfo, render_messages
+from .chat_messages import render_messages
+from .requests import ModelInfo
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -39,7 +40,7 @@ def tokenize(body: dict, info: ModelInfo) -> dict:
         text = prompt
     else:
         special = _flag(body, "add_special_tokens", False)
-        text = render_messages(body, info, _flag(body, "add_generation_prompt", True))
+        text = render_messages(body, info.chat_template, _flag(body, "add_generation_prompt", True))
     tokens = tokenizer.encode_prompt(text) if special else tokenizer.encode(text)
     strs = None
     if _flag(body, "return_token_strs", False):

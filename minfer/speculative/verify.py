@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from ..host_to_device import to_device
-from ..engine.sampling import SamplingParams, sample_with
+from ..engine.sampling import sample_with
+from ..engine.sampling_params import SamplingParams
 
 
 @dataclass

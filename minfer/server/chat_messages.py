@@ -1,0 +1,77 @@
+"""Chat messages -> the prompt text, through the checkpoint's chat template (text/chat_template.py).
+
+A message is {"role", "content"}: content a string, or a list of text parts ({"type": "text", "text": ...});
+an assistant's may be null, as OpenAI allows (the SDK's tool-call histories send it). GPT-2 has no
+template, so its messages render as one `role: content` line each, then `assistant:` for the model to
+continue:
+
+    system: You are terse.
+    user: Hi!
+    assistant:
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..errors import invalid
+from ..text.chat_template import ChatTemplate, ChatTemplateError
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def show(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def message_text(content, role: str, i: int) -> str:
+    """A message's content as text; a 400 naming the part at fault otherwise."""
+    param = f"messages[{i}].content"
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else None
+                raise invalid(
+                    f"{param}[{k}]",
+                    f"'{param}[{k}]' is a {kind!r} part: this server reads text parts only"
+                    if isinstance(kind, str)
+                    else f"'{param}[{k}]' must be a content part such as {{\"type\": \"text\", \"text\": ...}}",
+                    "unsupported_parameter" if isinstance(kind, str) else "invalid_type",
+                )
+            if not isinstance(part.get("text"), str):
+                raise invalid(f"{param}[{k}].text", f"'{param}[{k}].text' must be a string", "invalid_type")
+        return "".join(p["text"] for p in content)
+    if content is None:
+        raise invalid(param, f"'{param}' is required for a {role} message", "missing_required_parameter")
+    raise invalid(param, f"'{param}' must be a string or a list of text parts, got {show(content)}", "invalid_type")
+
+
+def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: bool = True) -> str:
+    """body["messages"] checked and rendered with the chat template (chat completions and /tokenize)."""
+    messages = body.get("messages")
+    if messages is None:
+        raise invalid("messages", "'messages' is required", "missing_required_parameter")
+    if not isinstance(messages, list):
+        raise invalid("messages", f"'messages' must be a list, got {show(messages)}", "invalid_type")
+    if not messages:
+        raise invalid("messages", "'messages' is empty: give at least one message")
+    rendered = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid(f"messages[{i}]", f"'messages[{i}]' must be an object, got {show(m)}", "invalid_type")
+        if m.get("role") not in CHAT_ROLES:
+            raise invalid(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}")
+        rendered.append({"role": m["role"], "content": message_text(m.get("content"), m["role"], i)})
+    variables = body.get("chat_template_kwargs")  # vLLM's extension, e.g. {"enable_thinking": false} for Qwen3
+    if variables is not None and not isinstance(variables, dict):
+        raise invalid("chat_template_kwargs", f"'chat_template_kwargs' must be an object, got {show(variables)}",
+                      "invalid_type")
+    try:
+        return template.render(rendered, add_generation_prompt, variables)
+    except ChatTemplateError as e:
+        raise invalid("messages", str(e)) from None
