@@ -17,7 +17,7 @@ import torch
 
 from minfer.attention.kv_cache import cdiv
 from minfer.compiled.attention import BlockedKVCache, slots_to_blocks
-from minfer.attention.paged import StepLayout
+from minfer.attention.backend import StepLayout
 from minfer.assembly.selector import ATTENTION_BACKENDS
 from minfer.bench.roofline import best_time
 

@@ -11,7 +11,8 @@ from minfer.cpu import tiled_attention as cpu_tiled
 from minfer.cpu.tiled_attention import CPUTiledBackend
 from minfer.compiled.flex import FlexBackend
 from minfer.attention.kv_cache import slot_of
-from minfer.attention.paged import StepLayout, paged_attention
+from minfer.attention.backend import StepLayout
+from minfer.attention.paged import paged_attention
 from minfer.assembly.selector import choose_attention_backend
 from minfer.attention.torch_sdpa import TorchBackend
 from minfer.cpu.packing import packing_available

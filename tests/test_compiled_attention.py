@@ -16,7 +16,7 @@ from minfer.compiled.attention import CompiledBackend, paged_decode_attention
 from minfer.cpu.tiled_attention import CPUTiledBackend
 from minfer.attention.kv_cache import KVCache, slot_of
 from minfer.compiled.attention import BlockedKVCache, slots_to_blocks
-from minfer.attention.paged import StepLayout
+from minfer.attention.backend import StepLayout
 from minfer.assembly import prepare
 from minfer.models.registry import load_model
 

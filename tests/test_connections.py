@@ -9,6 +9,7 @@ import time
 import pytest
 
 from minfer import EngineConfig
+from minfer.server import prometheus
 from minfer.server.connections import ConnectionLimits
 from minfer.server.serve import create_server
 
@@ -55,7 +56,7 @@ def request(method, path, body=None) -> bytes:
 
 
 def metric(server, name) -> float:
-    lines = server.manager.metrics.render(server.manager.stats()) + server.stats.render()
+    lines = prometheus.render(server.manager.metrics, server.manager.stats()) + prometheus.connection_lines(server.stats)
     return float(next(line.rsplit(" ", 1)[1] for line in lines.splitlines() if line.startswith(name + " ")))
 
 

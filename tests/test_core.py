@@ -6,7 +6,7 @@ import pytest
 from test_engine import assert_all_free, random_prompts
 
 from minfer import LLM, EngineConfig, OnlineScheduler, SamplingParams
-from minfer.attention.paged import AttentionBackend
+from minfer.attention.backend import AttentionBackend
 from minfer.attention.torch_sdpa import TorchBackend
 from minfer.models.registry import load_model
 from minfer.text.tokenizer import Tokenizer

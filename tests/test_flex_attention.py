@@ -9,7 +9,7 @@ from test_engine import assert_all_free, random_prompts
 from minfer import LLM, SamplingParams
 from minfer.attention.kv_cache import KVCache
 from minfer.compiled.flex import FlexBackend
-from minfer.attention.paged import StepLayout
+from minfer.attention.backend import StepLayout
 
 
 @pytest.mark.parametrize("dtype, heads, kv_heads", [(torch.float32, 4, 4), (torch.bfloat16, 8, 2)])

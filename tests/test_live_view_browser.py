@@ -7,6 +7,7 @@ import http.client
 import json
 import re
 import threading
+import time
 
 import pytest
 from browser import Browser, in_ci, missing
@@ -160,5 +161,32 @@ def test_page_asks_for_the_api_key_and_uses_it(browser, tiny_checkpoint):
         browser.driver.find_element("id", "key-input").send_keys("sesame\n")
         browser.wait_until("return blockMap.states.length === 64")
         assert browser.js("return document.getElementById('status').dataset.status") == "live"
+    finally:
+        srv.stop()
+
+
+def test_tokens_per_second_reflect_running_requests_from_the_first_second(browser, tiny_checkpoint):
+    """16 streams start; within a second of the first steps the header's tok/s is what the steps
+    produced (not 0 while the rate's window fills), and it falls to 0 once the engine is idle."""
+    srv = create_server(EngineConfig(str(tiny_checkpoint), num_kv_blocks=256, max_num_seqs=16), port=0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    try:
+        browser.driver.get(f"http://127.0.0.1:{port}/")
+        browser.wait_until("return blockMap.layout !== null")
+        threads = [threading.Thread(target=stream, args=(port, 400)) for _ in range(16)]
+        for t in threads:
+            t.start()
+        browser.wait_until("return view.sampled.length > 0", what="no step reached the page")
+        time.sleep(0.6)  # well inside the rate's 2 s window
+        shown, tokens, span = browser.js(
+            "updateRate(); const s = view.sampled;"
+            "return [+document.getElementById('stat-tps').textContent, s.reduce((a, x) => a + x[3], 0),"
+            "        s[s.length - 1][2] - s[0][1]]"
+        )
+        assert tokens > 0 and shown >= 0.6 * tokens / span, (shown, tokens, span)  # the steps' own rate
+        for t in threads:
+            t.join()
+        browser.wait_until("return document.getElementById('stat-tps').textContent === '0'", what="tok/s after idle")
     finally:
         srv.stop()

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from minfer.attention.kv_cache import KVCache, slot_of
-from minfer.attention.paged import PagedBatch, StepLayout
+from minfer.attention.backend import StepLayout
+from minfer.attention.paged import PagedBatch
 from minfer.assembly.selector import choose_attention_backend
 from minfer.models.contract import Architecture, CausalLM
 from minfer.models.gpt2 import GPT2

@@ -17,7 +17,8 @@ from minfer.server.requests import (
     parse_json_body,
 )
 from minfer.server.responder import Responder
-from minfer.server.prometheus import Histogram, Metrics
+from minfer.server.metrics import Histogram, Metrics
+from minfer.server.prometheus import histogram_lines, render
 from minfer.text.chat_template import render_chat
 from minfer.text.tokenizer import Tokenizer
 
@@ -208,7 +209,7 @@ def test_histogram_buckets_are_cumulative():
     h = Histogram((0.1, 1.0))
     for v in (0.05, 0.1, 0.5, 3.0):
         h.observe(v)
-    assert h.render("x") == [
+    assert histogram_lines("x", h) == [
         'x_bucket{le="0.1"} 2',
         'x_bucket{le="1.0"} 3',
         'x_bucket{le="+Inf"} 4',
@@ -224,7 +225,7 @@ def test_metrics_render_counts_finished_requests():
     m.on_admitted(3)
     m.on_tokens(2)
     m.on_finished(out)
-    text = m.render({"num_running": 2, "num_kv_blocks_free": 7, "num_kv_blocks_total": 9})
+    text = render(m, {"num_running": 2, "num_kv_blocks_free": 7, "num_kv_blocks_total": 9})
     values = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
     assert values["minfer_requests_running"] == "2" and values["minfer_kv_blocks_free"] == "7"
     assert values["minfer_requests_finished_total"] == "1" and values["minfer_prompt_tokens_total"] == "3"

@@ -6,7 +6,8 @@ import torch
 
 from minfer import LLM, SamplingParams
 from minfer.errors import InvalidParameter
-from minfer.server.prometheus import Metrics
+from minfer.server.metrics import Metrics
+from minfer.server.prometheus import render
 
 
 def assert_all_free(llm):
@@ -46,7 +47,7 @@ def test_eight_samples_of_a_512_token_prompt_hold_its_32_blocks_once(llm):
     stats = sched.stats()
     assert stats["num_kv_blocks_total"] - stats["num_kv_blocks_free"] == 32, "the prompt is held once"
     assert stats["num_kv_blocks_shared"] == 32
-    assert "\nminfer_kv_blocks_shared 32\n" in Metrics().render(stats)  # what /metrics serves
+    assert "\nminfer_kv_blocks_shared 32\n" in render(Metrics(), stats)  # what /metrics serves
     sched.step()  # each choice's first decode opens a block of its own; the prompt stays shared
     used = stats["num_kv_blocks_total"] - sched.stats()["num_kv_blocks_free"]
     assert used == 32 + 8 and sched.stats()["num_kv_blocks_shared"] == 32

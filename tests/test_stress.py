@@ -26,9 +26,14 @@ def test_soak_with_faults_then_sigterm(tiny_checkpoint, make_checkpoint, propose
     if proposer == "draft":  # the target's first layer: same vocabulary, right now and then
         server_args += ("--speculative-model", str(make_checkpoint("tiny", n_layer=1)))
     cfg = SoakConfig(duration=SECONDS, replays=8, server_args=server_args)
-    figures, tally = run_spawned(str(tiny_checkpoint), cfg, kv_blocks=48)
+    progress = []
+    figures, tally = run_spawned(str(tiny_checkpoint), cfg, kv_blocks=48, progress=progress.append)
     print("\n".join(f"{k}: {v}" for k, v in figures.items()))
     assert tally.failures == []
+    assert progress and all("streams finished" in line for line in progress)  # heard while the load ran
+    assert figures["load seconds"] < SECONDS + 10  # the load lasts what was asked (streams are cut at its end)
+    counts = [v for k, v in figures.items() if not k.startswith(("load", "/health", "RSS", "seconds"))]
+    assert all(not isinstance(v, float) for v in counts), figures  # counts print as integers
     # every fault really happened, so the checks above had something to check
     assert figures["streams finished"] > 0 and figures["streams cancelled midway"] > 0
     assert figures["of them with n > 1 choices"] > 0  # n > 1 and penalty requests are in the mix

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from _common import model_path, section
 
 from minfer.attention.kv_cache import cdiv, slot_of
-from minfer.attention.paged import StepLayout, paged_attention
+from minfer.attention.backend import StepLayout
+from minfer.attention.paged import paged_attention
 from minfer.assembly.selector import choose_attention_backend
 from minfer.attention.torch_sdpa import DecodeGroup, GatheredMetadata, PrefillChunk
 from minfer.models.gpt2 import GPT2

@@ -21,7 +21,7 @@ from minfer.errors import InvalidParameter
 from minfer.models.gpt2 import GPT2
 from minfer.server.manager import EngineError, SchedulerManager
 from minfer.server.messages import Accepted, CompletionDelta, Done, Error
-from minfer.server.prometheus import Metrics
+from minfer.server.metrics import Metrics
 from minfer.text.tokenizer import Tokenizer
 
 path = model_path()

@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from ..attention.paged import AttentionBackend
+from ..attention.backend import AttentionBackend
 from ..cpu.packing import optimize_for_cpu
 from ..engine.config import EngineConfig
 from ..quantization import QuantizedLinear, quantize_model

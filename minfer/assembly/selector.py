@@ -12,7 +12,7 @@ from ..cpu.features import cpu_has_amx
 from ..compiled.attention import CompiledBackend
 from ..cpu.tiled_attention import CPUTiledBackend
 from ..compiled.flex import FlexBackend
-from ..attention.paged import AttentionBackend
+from ..attention.backend import AttentionBackend
 from ..attention.torch_sdpa import TorchBackend
 
 # name -> (backend class, the device types it runs on; None: any)

@@ -12,8 +12,8 @@ With grouped-query attention (Llama, Qwen3) the cache holds fewer key/value head
 there are query heads; sdpa's enable_gqa lets each group of query heads read its shared
 key/value head without copying it.
 
-The CPU backend (cpu_tiled.py) is this one with four methods of its own: `read_context`,
-`seqs_per_tile`, `context_dtype` and `prefill_attention`.
+The CPU's tiled backend (cpu/tiled_attention.py) is this one with its own `decode_attention`,
+`chunk_context` and `prefill_attention`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..host_to_device import to_device
 from ..step_parts import part
 from .kv_cache import cdiv, padded_tables, slot_of
-from .paged import AttentionBackend, AttentionMetadata, StepLayout
+from .backend import AttentionBackend, AttentionMetadata, StepLayout
 
 
 @dataclass
@@ -136,47 +136,23 @@ class TorchBackend(AttentionBackend):
         return out
 
     def decode_attention(self, q, kv_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
-        """q (S, H, D): one query per sequence against its whole context. Returns (S, H, D).
-        The context is read `seqs_per_tile` sequences at a time (here: all of them at once)."""
-        S, L = group.slots.shape
-        step = self.seqs_per_tile(kv_cache, L) or S
-        queries = q.unsqueeze(2).to(self.context_dtype(kv_cache))  # (S, H, 1, D)
-        gqa = q.shape[1] != kv_cache.shape[2]
-        out = torch.empty_like(q).unsqueeze(2)  # (S, H, 1, D)
-        for i in range(0, S, step):
-            with part("context read"):
-                kv = self.read_context(kv_cache, group.slots[i : i + step])  # (T, L, 2, Hkv, D)
-                ks, vs = kv.permute(2, 0, 3, 1, 4)  # 2 x (T, Hkv, L, D)
-            mask = None if group.mask is None else group.mask[i : i + step]  # (T, 1, 1, L)
-            with part("attention"):
-                y = F.scaled_dot_product_attention(
-                    queries[i : i + step], ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa
-                )
-                out[i : i + step] = y  # (T, H, 1, D), back in q's dtype
-        return out.squeeze(2)
+        """q (S, H, D): one query per sequence against its whole context, gathered at once. Returns (S, H, D)."""
+        with part("context read"):
+            ks, vs = kv_cache[group.slots].permute(2, 0, 3, 1, 4)  # (S, L, 2, Hkv, D) -> 2 x (S, Hkv, L, D)
+        with part("attention"):
+            gqa = q.shape[1] != kv_cache.shape[2]
+            y = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=group.mask, scale=scale, enable_gqa=gqa)
+        return y.squeeze(2)  # (S, H, D)
 
-    # ---- what a device may do its own way (cpu_tiled.CPUTiledBackend does) --------------------
+    # ---- what a device may do its own way (cpu/tiled_attention.py's CPUTiledBackend does) -------
 
     def write_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k and v (N, Hkv, D) in their slots (N,) of kv_cache (num_slots, 2, Hkv, D)."""
         kv_cache.index_copy_(0, slots, torch.stack((k, v), dim=1))  # (N, 2, Hkv, D) into their slots
 
-    def read_context(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """kv_cache (num_slots, 2, Hkv, D), slots (...) -> (..., 2, Hkv, D) in context_dtype: one gather
-        reads keys and values, a slot's key and value sit side by side."""
-        return kv_cache[slots]
-
     def chunk_context(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """A prefill chunk's context: slots (L,) -> its keys and values, (2, Hkv, L, D) in context_dtype."""
-        return self.read_context(kv_cache, slots).permute(1, 2, 0, 3)  # (L, 2, Hkv, D) -> (2, Hkv, L, D)
-
-    def seqs_per_tile(self, kv_cache: torch.Tensor, context_len: int) -> int | None:
-        """How many decode sequences to gather at once; None: the whole group."""
-        return None
-
-    def context_dtype(self, kv_cache: torch.Tensor) -> torch.dtype:
-        """The dtype read_context returns, which decode queries are cast to."""
-        return kv_cache.dtype
+        """A prefill chunk's context: slots (L,) -> its keys and values, (2, Hkv, L, D)."""
+        return kv_cache[slots].permute(1, 2, 0, 3)  # (L, 2, Hkv, D) -> (2, Hkv, L, D)
 
     def prefill_attention(self, q, k, v, mask, scale: float) -> torch.Tensor:
         """Causal attention of a prefill chunk: q (H, T, D) are the last T of the L positions in k, v

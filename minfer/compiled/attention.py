@@ -43,7 +43,7 @@ from ..host_to_device import to_device
 from ..step_parts import part
 from ..cpu.tiled_attention import CPUTiledBackend
 from ..attention.kv_cache import KVCache, cdiv, padded_tables, slot_of
-from ..attention.paged import StepLayout
+from ..attention.backend import StepLayout
 from ..attention.torch_sdpa import DecodeGroup
 
 WARM_UP_BUDGET_S = 60.0  # longest the start-up compile may take before the engine gives up on it

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.kv_cache import KVCache, cdiv, padded_tables
-from ..attention.paged import PagedBatch, StepLayout
+from ..attention.backend import StepLayout
+from ..attention.paged import PagedBatch
 from ..host_to_device import to_device
 
 log = logging.getLogger("minfer")

@@ -32,7 +32,7 @@ from ..host_to_device import to_device
 from ..step_parts import part
 from .attention import check_within
 from ..attention.kv_cache import KVCache, cdiv, padded_tables
-from ..attention.paged import AttentionMetadata, StepLayout
+from ..attention.backend import AttentionMetadata, StepLayout
 from ..attention.torch_sdpa import TorchBackend
 
 if TYPE_CHECKING:  # flex_attention loads the compiler: imported where first used (importing minfer stays light)

@@ -17,7 +17,8 @@ from dataclasses import replace
 
 import torch
 
-from ..attention.paged import AttentionBackend, AttentionMetadata, PagedBatch
+from ..attention.backend import AttentionBackend, AttentionMetadata
+from ..attention.paged import PagedBatch
 
 _step = threading.local()
 

@@ -34,9 +34,11 @@ import math
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 
+from ..attention.torch_sdpa import DecodeGroup, TorchBackend
+from ..step_parts import part
 from .features import cpu_has_amx
-from ..attention.torch_sdpa import TorchBackend
 
 
 @lru_cache(maxsize=None)
@@ -173,14 +175,25 @@ class CPUTiledBackend(TorchBackend):
         self.reader = ContextReader()
         self.flash_prefill = prefill_by_flash_attention(dtype)
 
-    def read_context(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return self.reader.read(kv_cache, slots)  # (..., 2, Hkv, D) in fp32, valid until the next read
-
-    def seqs_per_tile(self, kv_cache: torch.Tensor, context_len: int) -> int:
-        return self.reader.seqs_per_tile(kv_cache, context_len)
-
-    def context_dtype(self, kv_cache: torch.Tensor) -> torch.dtype:
-        return self.reader.dtype_read(kv_cache.dtype)
+    def decode_attention(self, q, kv_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
+        """q (S, H, D): one query per sequence against its whole context, read `seqs_per_tile` sequences at a
+        time into the reader's buffers (upcast to fp32 there). Returns (S, H, D)."""
+        S, L = group.slots.shape
+        step = self.reader.seqs_per_tile(kv_cache, L)
+        queries = q.unsqueeze(2).to(self.reader.dtype_read(kv_cache.dtype))  # (S, H, 1, D)
+        gqa = q.shape[1] != kv_cache.shape[2]
+        out = torch.empty_like(q).unsqueeze(2)  # (S, H, 1, D)
+        for i in range(0, S, step):
+            with part("context read"):
+                kv = self.reader.read(kv_cache, group.slots[i : i + step])  # (T, L, 2, Hkv, D), valid until the next read
+                ks, vs = kv.permute(2, 0, 3, 1, 4)  # 2 x (T, Hkv, L, D)
+            mask = None if group.mask is None else group.mask[i : i + step]  # (T, 1, 1, L)
+            with part("attention"):
+                y = F.scaled_dot_product_attention(
+                    queries[i : i + step], ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa
+                )
+                out[i : i + step] = y  # (T, H, 1, D), back in q's dtype
+        return out.squeeze(2)
 
     def chunk_context(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """A prefill chunk's context (2, Hkv, L, D): upcast for the matmuls, in the cache's dtype for sdpa."""

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.kv_cache import KVCache, slot_of
-from ..attention.paged import AttentionBackend, PagedBatch, StepLayout
+from ..attention.backend import AttentionBackend, StepLayout
+from ..attention.paged import PagedBatch
 from ..host_to_device import to_device
 from ..step_parts import part
 from .sampling import sample

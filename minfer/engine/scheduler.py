@@ -29,7 +29,7 @@ from typing import Iterator
 import torch
 
 from ..attention.kv_cache import cdiv, choose_num_blocks
-from ..attention.paged import AttentionBackend
+from ..attention.backend import AttentionBackend
 from ..attention.torch_sdpa import TorchBackend
 from ..errors import InvalidParameter, is_int
 from ..step_parts import part

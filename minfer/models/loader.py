@@ -101,8 +101,8 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelNotFoundError(
             f"could not get model {name!r} from the Hugging Face Hub and found no cached copy "
-            f"({reason}); pass a local checkpoint directory instead, "
-            f"e.g. one written by `python -m minfer.random_model DIR`"
+            f"({reason}); offline, use the model shipped with minfer: --model minfer-tiny (or a local "
+            "checkpoint directory)"
         ) from None
 
 

@@ -1,41 +1,14 @@
 """Connection limits for the HTTP server: timeouts for slow or stalled clients, and a connection cap.
 
-ThreadingHTTPServer gives each connection a thread and, left alone, waits on it
-forever: a client that sends half a request (slowloris), keeps an idle
-connection, or stops reading its stream holds a thread for good, and a few
-thousand such clients exhaust the server. Four limits, each a flag of
-`python -m minfer.serve`:
-
---request-timeout 30   A request's line, headers and body must all arrive within
-    30 s: from the accept for a new connection, from the request's first byte on
-    a kept-alive one. Else the connection is closed, after a JSON 408 if any of
-    the request had arrived. nginx allows 60 s for the headers and 60 s *between
-    two reads* of the body, so a trickle can last forever; uvicorn has no such
-    limit. We bound the whole request instead, so half nginx's figure: a 1 MiB
-    body (the size limit) still gets through at 300 kbit/s.
---keepalive-timeout 15  An idle kept-alive connection is closed after 15 s.
-    uvicorn closes after 5 s, nginx after 75 s. Longer than the 5 s for which
-    httpx (the openai client) keeps idle connections, so the client always lets
-    go first and never sends a request on a connection the server is closing;
-    short enough that idle connections don't pile up against the cap.
---write-timeout 30   A write that cannot complete within 30 s (the client has
-    stopped reading and the TCP window is full) ends the connection; the handler
-    releases its request, so the worker discards it and frees its KV blocks. It
-    bounds one blocked write, never a stream's total time: a long stream (or the
-    /engine/events feed) that is being read is never cut off. nginx's
-    send_timeout is 60 s between two writes; uvicorn has none. The engine worker
-    never waits on any handler, so no other request waits on a stalled one.
---max-connections 512   Connections beyond this get a quick JSON 503 (with
-    Retry-After) from one small refuser thread (refuser.py) instead of a thread each, except
-    `GET /health`, which the refuser answers as usual so probes see a live
-    server at the cap. nginx's default worker_connections is 512; uvicorn has no
-    cap unless --limit-concurrency is given.
-
-Each accepted socket also gets a 32 KiB send buffer (SEND_BUFFER_BYTES) instead
-of Linux's autotuned one, which grows to 4 MiB: token streams need little, and a
-small buffer both bounds kernel memory per connection and lets the write
-timeout notice a client that stopped reading before it has been sent megabytes.
-"""
+ThreadingHTTPServer gives each connection a thread and, left alone, waits on it forever: a client that
+sends half a request, keeps an idle connection, or stops reading its stream holds a thread for good.
+Four limits, each a flag of `python -m minfer.serve`: --request-timeout (a whole request must arrive
+in time, else 408), --keepalive-timeout (idle kept-alive connections close), --write-timeout (a write
+blocked on a client that stopped reading ends its stream, and the request's blocks are freed) and
+--max-connections (beyond it a quick 503 from one small refuser thread, refuser.py; /health still
+answers). docs/reliability.md gives each default and why, beside uvicorn's and nginx's. Each socket
+gets a 32 KiB send buffer (SEND_BUFFER_BYTES): token streams need little, and a small buffer lets the
+write timeout notice a client that stopped reading before megabytes were sent."""
 
 from __future__ import annotations
 
@@ -50,7 +23,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 from ..errors import APIError
-from .prometheus import metric
 from .refuser import Refuser
 
 SEND_BUFFER_BYTES = 32 * 1024
@@ -131,25 +103,6 @@ class ConnectionStats:
     def on_timeout(self, kind: str) -> None:
         with self._lock:
             self.timeouts[kind] += 1
-
-    def render(self) -> str:
-        """Prometheus lines, appended to the engine's metrics."""
-        with self._lock:
-            timeouts = {f'kind="{kind}"': n for kind, n in self.timeouts.items()}
-            lines = [
-                *metric(
-                    "minfer_http_connections_open", "gauge", "Connections being served (each has a thread).", self.open
-                ),
-                *metric("minfer_http_connections_max", "gauge", "The --max-connections cap.", self.max_connections),
-                *metric(
-                    "minfer_http_connections_refused_total",
-                    "counter",
-                    "Connections refused at the cap (503).",
-                    self.refused,
-                ),
-                *metric("minfer_http_timeouts_total", "counter", "Connections closed by a timeout, by kind.", timeouts),
-            ]
-        return "\n".join(lines) + "\n"
 
 
 # ---- the socket's two sides, with time limits ----------------------------------------

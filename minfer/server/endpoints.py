@@ -14,31 +14,16 @@ blocks before its next step.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Protocol
-from urllib.parse import unquote, urlsplit
 
 from ..engine.sequence import RequestOutput
 from ..errors import APIError, InvalidParameter
-from ..version import __version__
-from . import live_view, tokenizer_api
-from .connections import ConnectionStats
-from .http_handler import ClientGone, RoutingHandler
-from .manager import EngineError, SchedulerManager
+from .http_handler import ClientGone
+from .info_endpoints import InfoEndpoints, ServerState
+from .manager import EngineError
 from .messages import Accepted, CompletionDelta, Done, Error, RequestEvent, RequestHandle
-from .requests import ModelInfo, ParsedRequest, invalid_request, parse_chat, parse_completion, parse_generate
+from .requests import ParsedRequest, invalid_request, parse_chat, parse_completion, parse_generate
 from .responder import Responder, generate_response, usage
 
-
-class ServerState(Protocol):
-    """What the handlers read of their server (serve.py's MinferServer has it)."""
-
-    manager: SchedulerManager
-    info: ModelInfo
-    api_key: str | None
-    started: int  # unix time the server started
-    stats: ConnectionStats
-
-    def health(self) -> tuple[int, dict]: ...
 
 def _at_index(e: APIError, index: int | None) -> APIError:
     """An error about one prompt of a batch names which: param 'prompt[3]'."""
@@ -50,7 +35,10 @@ def _at_index(e: APIError, index: int | None) -> APIError:
 CLIENT_CHECK_SECONDS = 0.5  # while a request waits without output, check this often whether its client left
 
 
-class APIHandler(RoutingHandler):
+class APIHandler(InfoEndpoints):
+    """Every route of the server: the endpoints that generate are here; the others come from
+    InfoEndpoints (info_endpoints.py)."""
+
     server: ServerState
 
     ROUTES = {
@@ -68,6 +56,9 @@ class APIHandler(RoutingHandler):
         "/": ("GET", "live_page", False),  # the page holds no data: the feed it reads needs the key
         "/engine/events": ("GET", "engine_events", True),
     }
+
+    def route_of(self, path: str) -> str:
+        return "/v1/models/{id}" if path.startswith("/v1/models/") else path
 
     # ---- talking to the engine ---------------------------------------------------------
 
@@ -128,55 +119,6 @@ class APIHandler(RoutingHandler):
         raise AssertionError("the event stream ended without Done")
 
     # ---- endpoints -----------------------------------------------------------------
-
-    def handle_health(self) -> None:
-        self.send_json(*self.server.health())
-
-    def route_of(self, path: str) -> str:
-        return "/v1/models/{id}" if path.startswith("/v1/models/") else path
-
-    def model_card(self) -> dict:
-        info = self.server.info
-        return {
-            "id": info.name,
-            "object": "model",
-            "created": self.server.started,
-            "owned_by": "minfer",
-            "max_model_len": info.max_model_len,
-        }
-
-    def handle_models(self) -> None:
-        self.send_json(200, {"object": "list", "data": [self.model_card()]})
-
-    def handle_model(self) -> None:  # GET /v1/models/{id}: what client.models.retrieve(id) reads
-        wanted = unquote(urlsplit(self.path).path.removeprefix("/v1/models/"))
-        if wanted != self.server.info.name:
-            raise APIError(404, f"the model {wanted!r} does not exist", param="model", code="model_not_found")
-        self.send_json(200, self.model_card())
-
-    def handle_version(self) -> None:
-        self.send_json(200, {"version": __version__})
-
-    def handle_metrics(self) -> None:
-        text = self.server.manager.metrics.render(self.server.manager.stats()) + self.server.stats.render()
-        self.send_body(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
-
-    def handle_live_page(self) -> None:
-        self.send_body(200, live_view.page(), "text/html; charset=utf-8")
-
-    def handle_engine_events(self) -> None:
-        self.begin_stream("text/event-stream")
-        live_view.stream_events(self.server.manager.events, self.write_chunk, self.client_gone)
-        self.end_stream()
-
-    def handle_tokenize(self) -> None:
-        self.send_json(200, tokenizer_api.tokenize(self.read_json(), self.server.info))
-
-    def handle_detokenize(self) -> None:
-        self.send_json(200, tokenizer_api.detokenize(self.read_json(), self.server.info))
-
-    def handle_tokenizer_info(self) -> None:
-        self.send_json(200, tokenizer_api.tokenizer_info(self.server.info))
 
     def handle_completions(self) -> None:
         self._openai(parse_completion(self.read_json(), self.server.info), chat=False)

@@ -31,7 +31,7 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.scheduler import CheckedRequest, OnlineScheduler
 from .engine_events import EngineFeed, EventRecorder
 from .messages import Accepted, AddRequest, DiscardRequest, Done, Error, RequestHandle
-from .prometheus import Metrics
+from .metrics import Metrics
 
 log = logging.getLogger("minfer.serve")
 

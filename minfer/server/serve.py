@@ -53,7 +53,7 @@ from ..engine.generation_defaults import describe as describe_defaults
 from ..engine.generation_defaults import sampling_defaults
 from .manager import SchedulerManager
 from .requests import ModelInfo
-from .prometheus import Metrics
+from .metrics import Metrics
 
 log = logging.getLogger("minfer.serve")
 

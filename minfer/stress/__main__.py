@@ -12,6 +12,11 @@ from .clients import Tally, Target
 from .soak import ServerDidNotStart, SoakConfig, run_spawned, soak
 
 
+def say(line: str) -> None:
+    """Progress while the soak runs: on stderr, so stdout holds only the figures."""
+    print(f"minfer.stress: {line}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.stress") -> int:
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -44,7 +49,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.stress") -
         args.model = args.model or "minfer-tiny"
     if args.model:
         try:
-            figures, tally = run_spawned(args.model, cfg, kv_blocks=args.kv_blocks, tally=tally)
+            say(f"starting a server on {args.model} ({args.kv_blocks} KV blocks), then {args.duration:g} s of load")
+            figures, tally = run_spawned(args.model, cfg, kv_blocks=args.kv_blocks, tally=tally, progress=say)
         except ServerDidNotStart as e:  # the server's own one-line error, no traceback of ours
             print(f"python -m minfer.stress: {e}", file=sys.stderr)
             return 1
@@ -53,7 +59,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.stress") -
         cfg.write_timeout = args.write_timeout
         cfg.stall_limit = max(args.request_timeout, args.keepalive_timeout) + 10
         cfg.exact_replays = args.float64_server
-        figures = soak(Target(url.hostname, url.port or 80, cfg.stall_limit), cfg, tally)
+        say(f"{args.duration:g} s of load on {args.base_url}")
+        figures = soak(Target(url.hostname, url.port or 80, cfg.stall_limit), cfg, tally, progress=say)
 
     for name, value in figures.items():
         print(f"{name:>55}: {value}")

@@ -83,9 +83,11 @@ def stream_body(rng: random.Random, target: Target, max_tokens: int | None = Non
 
 
 def run_stream(
-    target: Target, body: dict, tally: Tally, cancel_after: int | None = None, rcvbuf=None, line_delay: float = 0.0
+    target: Target, body: dict, tally: Tally, cancel_after: int | None = None, rcvbuf=None, line_delay: float = 0.0,
+    until: float | None = None,
 ) -> str | None:
-    """One streaming request; checks its framing and usage. Returns its text if it finished, else None."""
+    """One streaming request; checks its framing and usage. Returns its text if it finished, else None. A
+    stream still open at `until` (the soak's end) is closed there: the load lasts what was asked."""
     conn = target.connection(rcvbuf=rcvbuf)
     try:
         conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
@@ -99,6 +101,9 @@ def run_stream(
                 events.append(line[6:].strip())
                 if cancel_after is not None and len(events) >= cancel_after:
                     tally.count("streams cancelled")
+                    return None
+                if until is not None and time.monotonic() > until:
+                    tally.count("streams cut at the end of the load")
                     return None
             time.sleep(line_delay)
     except OSError as e:
@@ -154,7 +159,7 @@ def streamer(target: Target, tally: Tally, end: float, seed: int, cancel_rate: f
     while time.monotonic() < end:
         body = stream_body(rng, target)
         cancel = rng.randint(1, body["max_tokens"]) if rng.random() < cancel_rate else None
-        text = run_stream(target, body, tally, cancel_after=cancel)
+        text = run_stream(target, body, tally, cancel_after=cancel, until=end)
         if text is not None and "seed" in body:
             with tally.lock:
                 tally.finished.append((body, text))
@@ -164,7 +169,8 @@ def slow_reader(target: Target, tally: Tally, end: float, seed: int) -> None:
     """Streams read a line at a time with a tiny receive window: slow, but never cut off."""
     rng = random.Random(seed)
     while time.monotonic() < end:
-        if run_stream(target, stream_body(rng, target, target.long_tokens), tally, rcvbuf=4096, line_delay=0.002):
+        body = stream_body(rng, target, target.long_tokens)
+        if run_stream(target, body, tally, rcvbuf=4096, line_delay=0.002, until=end):
             tally.count("slow streams finished")
 
 

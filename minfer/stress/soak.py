@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from .clients import (
     Tally,
@@ -68,8 +69,9 @@ def get_metrics(target: Target) -> dict[str, float]:
         conn.close()
 
 
-def soak(target: Target, cfg: SoakConfig, tally: Tally) -> dict:
-    """Run every client for cfg.duration seconds, wait for the server to settle, replay; return the figures."""
+def soak(target: Target, cfg: SoakConfig, tally: Tally, progress: Callable[[str], None] | None = None) -> dict:
+    """Run every client for cfg.duration seconds, wait for the server to settle, replay; return the figures.
+    `progress`, if given, hears a line about every tenth of the duration while the load runs."""
     before = get_metrics(target)
     start = time.monotonic()
     end = start + cfg.duration
@@ -85,6 +87,8 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally) -> dict:
         threading.Thread(target=prober, args=(target, tally, end, "/health", 0.1), daemon=True),
         threading.Thread(target=prober, args=(target, tally, end, "/metrics", 0.5), daemon=True),
     ]
+    if progress is not None:
+        threads.append(threading.Thread(target=reporter, args=(tally, start, end, progress), daemon=True))
     for t in threads:
         t.start()
     time.sleep(cfg.duration / 4)  # RSS once the server has warmed up (threads, allocator, caches)
@@ -112,11 +116,10 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally) -> dict:
         "of them with n > 1 choices": c["streams with n > 1 finished"],
         "streams cancelled midway": c["streams cancelled"],
         "tokens streamed": c["tokens streamed"],
-        "preemptions": after["minfer_preemptions_total"] - before["minfer_preemptions_total"],
-        "speculative proposals accepted": after.get("minfer_spec_decode_num_accepted_tokens_total", 0)
-        - before.get("minfer_spec_decode_num_accepted_tokens_total", 0),
-        "requests discarded by the server": after["minfer_requests_aborted_total"]
-        - before["minfer_requests_aborted_total"],
+        "streams cut at the end of the load": c["streams cut at the end of the load"],
+        "preemptions": grew(before, after, "minfer_preemptions_total"),
+        "speculative proposals accepted": grew(before, after, "minfer_spec_decode_num_accepted_tokens_total"),
+        "requests discarded by the server": grew(before, after, "minfer_requests_aborted_total"),
         "slow-reader streams finished": c["slow streams finished"],
         "scoring requests answered (echo + logprobs)": c["scoring requests answered"],
         "prompts scored": c["prompts scored"],
@@ -130,8 +133,7 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally) -> dict:
             "stopped readers whose stream was too slow to fill the buffers"
         ],
         **{
-            f"server {kind} timeouts": after[f'minfer_http_timeouts_total{{kind="{kind}"}}']
-            - before[f'minfer_http_timeouts_total{{kind="{kind}"}}']
+            f"server {kind} timeouts": grew(before, after, f'minfer_http_timeouts_total{{kind="{kind}"}}')
             for kind in ("request", "idle", "write")
         },
         "idle keep-alive connections closed": c["idle connections closed by the server"],
@@ -148,6 +150,21 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally) -> dict:
         "seeded streams replayed alone, identical": f"{matched}/{min(cfg.replays, len(tally.finished))}",
         "KV blocks free at the end": f"{after['minfer_kv_blocks_free']:.0f}/{after['minfer_kv_blocks_total']:.0f}",
     }
+
+
+def grew(before: dict, after: dict, name: str) -> int:
+    """How much a counter of /metrics grew over the load: a count, so an integer."""
+    return int(after.get(name, 0) - before.get(name, 0))
+
+
+def reporter(tally: Tally, start: float, end: float, say: Callable[[str], None]) -> None:
+    """A line about every tenth of the load (at least every 5 s): what has happened so far."""
+    every = max(5.0, (end - start) / 10)
+    while time.monotonic() + every < end:
+        time.sleep(every)
+        c = tally.counts
+        say(f"[{time.monotonic() - start:5.0f} s of {end - start:.0f}] streams finished {c['streams finished']}, "
+            f"cancelled {c['streams cancelled']}, tokens {c['tokens streamed']}, failures {len(tally.failures)}")
 
 
 def settled(target: Target, tally: Tally, timeout: float = 30.0) -> dict:
@@ -272,7 +289,10 @@ def sigterm_midstream(target: Target, proc: subprocess.Popen, cfg: SoakConfig, t
     }
 
 
-def run_spawned(model: str, cfg: SoakConfig, kv_blocks: int = 48, tally: Tally | None = None) -> tuple[dict, Tally]:
+def run_spawned(
+    model: str, cfg: SoakConfig, kv_blocks: int = 48, tally: Tally | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[dict, Tally]:
     """Start a server with few KV blocks and short timeouts, soak it, SIGTERM it mid-load, read its log."""
     tally = tally or Tally()
     cfg.stall_limit = SPAWN_TIMEOUTS + 8.0
@@ -281,7 +301,7 @@ def run_spawned(model: str, cfg: SoakConfig, kv_blocks: int = 48, tally: Tally |
     proc, port = spawn_server(model, kv_blocks, log_path, cfg.server_args)
     try:
         target = Target("127.0.0.1", port, cfg.stall_limit)
-        figures = {"KV blocks": kv_blocks, **soak(target, cfg, tally)}
+        figures = {"KV blocks": kv_blocks, **soak(target, cfg, tally, progress)}
         figures.update(sigterm_midstream(target, proc, cfg, tally))
     finally:
         if proc.poll() is None:

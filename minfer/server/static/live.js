@@ -12,7 +12,7 @@ const view = {
   running: [], waiting: [], // after the latest event: the header counts these
   steps: [],            // {step, prefill, decode, seqs, finished, runningAfter, ms, preempted}
   step: 0, preemptions: 0,
-  sampled: [],          // [client time (ms), tokens sampled] for tokens/s
+  sampled: [],          // [client time (ms), step start, step end (engine s), tokens sampled] for tokens/s
   ttft: [], tpot: [],
   mine: null,           // the playground request's engine id
   dirty: false,
@@ -130,7 +130,7 @@ function applyChanges(e, now) {
                        finished: e.finished.length, runningAfter: e.running.length,
                        ms: (e.end - e.start) * 1000, preempted: e.preempted.length,
                        drafted: e.num_draft_tokens || 0, accepted: e.num_accepted_tokens || 0 }, MAX_STEPS);
-    view.sampled.push([now, e.num_sampled]);
+    view.sampled.push([now, e.start, e.end, e.num_sampled]);
   }
 }
 
@@ -189,11 +189,18 @@ function describeStep(s) {
     (s.drafted ? `; speculation: ${s.accepted} of ${s.drafted} proposed tokens accepted` : "");
 }
 
-function updateRate() { // tokens/s over the last two seconds, also when the engine falls idle
+// Tokens/s of the steps that ended in the last two seconds of the engine's own clock, over the time those
+// steps took: right from the first steps of a load, not diluted by a window they do not fill yet. Steps
+// that arrived more than two seconds ago drop out, so an idle engine shows 0.
+function updateRate() {
   const now = performance.now();
   while (view.sampled.length && view.sampled[0][0] < now - 2000) view.sampled.shift();
-  const tokens = view.sampled.reduce((sum, [, n]) => sum + n, 0);
-  $("stat-tps").textContent = (tokens / 2).toFixed(0);
+  if (!view.sampled.length) return ($("stat-tps").textContent = "0");
+  const lastEnd = view.sampled[view.sampled.length - 1][2];
+  const recent = view.sampled.filter(([, , end]) => end > lastEnd - 2);
+  const tokens = recent.reduce((sum, [, , , n]) => sum + n, 0);
+  const seconds = Math.max(lastEnd - recent[0][1], 0.1);
+  $("stat-tps").textContent = (tokens / seconds).toFixed(0);
 }
 
 function renderRequests() {
