@@ -7,7 +7,8 @@ modules, anchors and `Class.method`s, and each of them must exist.
 - every backticked `Name.attr` in docs/ and tutorials/ whose Name is a class defined in minfer/
   names something that class (or a minfer class it derives from) defines;
 - the `python bench.py` lines in docs/ use flags bench.py accepts (test_readme checks the README's);
-- the README stays a front page: under 300 lines, the detail in docs/.
+- the README stays a front page: under 170 lines, no prose paragraph over 6 lines, the detail in docs/;
+- every table renders: each row has as many cells as its header.
 
 Each test lists every broken item at once, with file and line.
 """
@@ -26,7 +27,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "minfer"
 README = ROOT / "README.md"
-README_MAX_LINES = 300
+README_MAX_LINES = 170
+MAX_PARAGRAPH_LINES = 6  # the README's prose paragraphs: a newcomer reads them, not skims them
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 TUTORIALS = sorted((ROOT / "tutorials").glob("*.md"))
 ALL_MARKDOWN = [README, *DOCS, *TUTORIALS]
@@ -368,6 +370,50 @@ def test_readme_stays_short():
         f"README.md has {count} lines, more than {README_MAX_LINES}: keep one headline per topic there "
         "and move the detail to docs/ (performance.md, reliability.md, architecture.md), linking to it"
     )
+
+
+def prose_paragraphs(markdown: str) -> list[tuple[int, list[str]]]:
+    """(first line, lines) of each paragraph of prose: outside code blocks, tables, headings and lists."""
+    paragraphs, current, start, fenced = [], [], 0, False
+    for number, line in enumerate(markdown.splitlines() + [""], 1):
+        if line.startswith("```"):
+            fenced = not fenced
+        prose = not fenced and line.strip() and not line.startswith(("#", "|", "```", "![")) and not (
+            re.match(r"\s*([-*]|\d+\.) ", line) or (current == [] and line.startswith(" "))
+        )
+        if prose and not (current and re.match(r"\s*([-*]|\d+\.) ", current[0])):
+            start = start if current else number
+            current.append(line)
+        else:
+            if current:
+                paragraphs.append((start, current))
+            current = []
+    return paragraphs
+
+
+def test_readme_paragraphs_are_short():
+    long = [f"README.md:{start}: {len(lines)} lines" for start, lines in prose_paragraphs(README.read_text())
+            if len(lines) > MAX_PARAGRAPH_LINES]
+    assert not long, "prose paragraphs over 6 lines; split them or move the detail to docs/:\n" + "\n".join(long)
+
+
+def test_tables_have_as_many_cells_as_their_header():
+    """A row with more or fewer cells than the header renders wrongly (GitHub drops the extra ones)."""
+    wrong = []
+    for path in ALL_MARKDOWN:
+        fenced, header = False, None
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.startswith("```"):
+                fenced = not fenced
+            if fenced or not line.startswith("|"):
+                header = None
+                continue
+            cells = len(re.findall(r"(?<!\\)\|", line.replace("`|`", ""))) - 1
+            if header is None:
+                header = cells
+            elif cells != header:
+                wrong.append(f"{path.relative_to(ROOT)}:{number}: {cells} cells, the header has {header}")
+    assert not wrong, "tables whose rows do not match their header:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize(
