@@ -7,7 +7,8 @@ puts a profiler on every thread (`threading.setprofile` and `sys.setprofile`) an
 and one plain /v1/completions request. Every minfer function that ran is recorded. It prints:
 (a) the lines of the files those functions live in, and (b) the lines of the functions themselves,
 a nested function's lines counted once (the union of their line ranges, per file).
---list prints every file with its functions' lines.
+--list prints every file with its functions' lines; --order every function in the order it first
+ran, with its thread (docs/life_of_a_request.md follows that order).
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ class Recorder:
 
     def __init__(self):
         self.codes: set = set()
+        self.order: list[tuple[str, object]] = []  # (thread name, code) at each function's first call
         self.on = False
 
     def profile(self, frame, event, arg):
         if self.on and event == "call":
             code = frame.f_code
-            if code.co_filename.startswith(str(PACKAGE)):
+            if code.co_filename.startswith(str(PACKAGE)) and code not in self.codes:
                 self.codes.add(code)
+                self.order.append((threading.current_thread().name, code))
 
     def install(self):
         threading.setprofile(self.profile)
@@ -75,21 +78,17 @@ def post(port: int, body: dict) -> bytes:
     return data
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="minfer-tiny")
-    parser.add_argument("--list", action="store_true", help="print every file and its functions' lines")
-    args = parser.parse_args()
-
+def record(model: str = "minfer-tiny") -> Recorder:
+    """Serve `model` in-process and record the minfer functions two completions run (a warm-up excluded)."""
     from minfer.server.serve import create_server
 
     recorder = Recorder()
     recorder.install()  # before the server's threads start: each new thread takes the profiler
-    server = create_server(args.model, port=0, log_requests=False)
+    server = create_server(model, port=0, log_requests=False)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     port = server.server_address[1]
     try:
-        body = {"model": args.model, "prompt": "Once upon a time", "max_tokens": 8}
+        body = {"model": model, "prompt": "Once upon a time", "max_tokens": 8}
         post(port, body)  # warm-up: not counted
         recorder.on = True
         post(port, body | {"stream": True})
@@ -99,6 +98,20 @@ def main() -> int:
         threading.setprofile(None)
         sys.setprofile(None)
         server.stop(grace=1.0)
+    return recorder
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="minfer-tiny")
+    parser.add_argument("--list", action="store_true", help="print every file and its functions' lines")
+    parser.add_argument("--order", action="store_true", help="print every function in the order it first ran")
+    args = parser.parse_args()
+    recorder = record(args.model)
+    if args.order:
+        for thread, code in recorder.order:
+            where = f"{Path(code.co_filename).relative_to(ROOT)}:{code.co_firstlineno}"
+            print(f"{thread[:24]:<24} {code.co_qualname:<48} {where}")
     files, functions, per_file = recorder.report()
     if args.list:
         for name, (total, used) in sorted(per_file.items(), key=lambda kv: -kv[1][1]):
