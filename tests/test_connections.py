@@ -10,7 +10,7 @@ import pytest
 
 from minfer import EngineConfig
 from minfer.server import prometheus
-from minfer.server.connections import ConnectionLimits
+from minfer.server.connection_limits import ConnectionLimits
 from minfer.server.serve import create_server
 
 LIMITS = ConnectionLimits(request_timeout=1.0, keepalive_timeout=0.5, write_timeout=1.0, max_connections=6)

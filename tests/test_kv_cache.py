@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from minfer.attention.kv_cache import KVCache, cdiv, choose_num_blocks
+from minfer.attention.cache_budget import choose_num_blocks
+from minfer.attention.kv_cache import KVCache, cdiv
 from minfer.engine.block_allocator import BlockAllocator, block_hash
 from minfer.models.config import GPT2Config
 

@@ -18,7 +18,8 @@ import torch
 from _common import model_path, section
 from minfer.models.config import GPT2Config
 from minfer.engine.block_allocator import BlockAllocator
-from minfer.attention.kv_cache import KVCache, cdiv, choose_num_blocks, slot_of
+from minfer.attention.cache_budget import choose_num_blocks
+from minfer.attention.kv_cache import KVCache, cdiv, slot_of
 
 from minfer import LLM, SamplingParams
 

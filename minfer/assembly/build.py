@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from ..attention.kv_cache import choose_num_blocks
+from ..attention.cache_budget import choose_num_blocks
 from ..compiled import cuda_graphs
 from ..compiled.forward import CompiledForward
 from ..compiled.step import CompiledDecodeStep

@@ -7,12 +7,11 @@ slot `table[p // block_size] * block_size + p % block_size` (`slot_of`) — the 
 trick as virtual memory pages.
 
 Which blocks a sequence holds is the engine's business (engine/block_allocator.py);
-this module only knows slots, tensors and how many blocks a memory budget buys.
+this module only knows slots and tensors; cache_budget.py, how many blocks a memory budget buys.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 import torch
@@ -94,57 +93,3 @@ class KVCache:
         element = torch.empty((), dtype=dtype).element_size()
         token_bytes = config.num_layers * config.num_kv_heads * config.head_dim * element
         return 2 * block_size * token_bytes  # keys + values
-
-
-def available_memory(device: torch.device) -> int:
-    """Free bytes on the device: free GPU memory, or MemAvailable from /proc/meminfo on CPU."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-LONGEST_REQUIRED = 8192  # tokens: the longest sequence a KV cache budget must be able to hold
-
-
-def choose_num_blocks(
-    config: ModelConfig,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    max_num_seqs: int,
-    memory_bytes: int | None = None,
-    memory_fraction: float | None = None,
-    context_len: int | None = None,
-    extra_bytes_per_block: int = 0,  # a second cache on the same blocks (a draft model's) shares the budget
-) -> int:
-    """Size the cache from a budget: bytes, or a fraction of free memory (default 0.9 on a GPU,
-    0.25 on CPU). Never more than every running sequence at full context (the model's, or a shorter
-    `context_len`) could use (plus as much again to keep prefixes cached) — more would be memory held
-    for nothing. The budget must hold one sequence of the full context, or of LONGEST_REQUIRED tokens
-    for long-context models (Qwen3's 40960 would need GBs): the scheduler refuses requests longer than
-    the cache."""
-    per_block = KVCache.bytes_per_block(config, block_size, dtype) + extra_bytes_per_block
-    if memory_bytes is None:
-        fraction = memory_fraction if memory_fraction is not None else (0.9 if device.type == "cuda" else 0.25)
-        if not 0 < fraction <= 1:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {fraction}")
-        memory_bytes = int(available_memory(device) * fraction)
-    blocks_per_seq = cdiv(context_len or config.max_positions, block_size)
-    num_blocks = min(memory_bytes // per_block, 2 * max_num_seqs * blocks_per_seq)
-    needed = min(blocks_per_seq, cdiv(LONGEST_REQUIRED, block_size))
-    if num_blocks < needed:
-        length = "full-length" if needed == blocks_per_seq else f"{LONGEST_REQUIRED}-token"
-        raise ValueError(
-            f"the KV cache budget of {memory_bytes / 2**20:.2f} MiB holds {num_blocks} blocks, "
-            f"fewer than the {needed} one {length} sequence needs; give more memory (--kv-cache-memory), "
-            "a shorter --max-model-len, or --num-kv-blocks"
-        )
-    return int(num_blocks)

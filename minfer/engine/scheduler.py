@@ -28,7 +28,8 @@ from typing import Iterator
 
 import torch
 
-from ..attention.kv_cache import cdiv, choose_num_blocks
+from ..attention.cache_budget import choose_num_blocks
+from ..attention.kv_cache import cdiv
 from ..attention.backend import AttentionBackend
 from ..attention.torch_sdpa import TorchBackend
 from ..errors import InvalidParameter, is_int

@@ -47,7 +47,8 @@ from ..models.registry import read_config
 from ..text.chat_template import ChatTemplate, read_template_option
 from ..text.tokenizer import Tokenizer
 from .banner import banner_lines
-from .connections import CappedHTTPServer, ConnectionLimits, add_arguments, limits_from_args
+from .connection_limits import ConnectionLimits, add_arguments, limits_from_args
+from .connections import CappedHTTPServer
 from .endpoints import APIHandler
 from ..engine.generation_defaults import describe as describe_defaults
 from ..engine.generation_defaults import sampling_defaults
