@@ -1,78 +1,19 @@
 """Names for the parts of an engine step, so `bench.py --profile` can say where the time goes.
 
-The engine marks each part it runs (`with part("context read"): ...`). Normally that
-costs one check; while bench.py profiles, each part adds its wall time to a running
-total. Plain timers, not torch.profiler: the profiler's own cost per recorded op
-(tens of microseconds) inflated the parts made of many small ops several-fold.
+The engine marks each part it runs (`with part("context read"): ...`). That costs one check unless a
+profiler has installed a timer (bench/step_timing.py), which adds up each part's wall time.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from contextlib import nullcontext
-from time import perf_counter
-from typing import Callable
+from typing import Callable, ContextManager
 
-# The parts the engine labels, in step order. bench/profile.py times the linears and the
-# LM head by hooks on their modules; what no part covers is the small ops in between
-# (layer norms, GELU, residual adds, embeddings) and Python between ops.
-PARTS = (
-    "host: schedule",
-    "speculation: propose",  # inside the schedule (a part inside another counts for itself alone)
-    "host: prepare",
-    "KV write",
-    "context read",
-    "attention",
-    "sampling",
-    "speculation: verify",  # inside sampling
-    "host: bookkeeping",
-)
-
-_totals: dict[str, float] | None = None  # seconds per part while timing, else None
-_sync: Callable[[], None] | None = None  # on a GPU, wait for queued kernels at each boundary
+timer: Callable[[str, bool], ContextManager] | None = None  # installed while profiling
 _NONE = nullcontext()
 
 
-_open: list[_Timer] = []  # the parts being timed, innermost last
-
-
-class _Timer:
-    __slots__ = ("name", "start", "whole")
-
-    def __init__(self, name: str, whole: bool = False):
-        self.name = name
-        self.whole = whole
-
-    def __enter__(self):
-        if _sync is not None:
-            _sync()
-        self.start = perf_counter()
-        _open.append(self)
-
-    def __exit__(self, *exc):
-        if _sync is not None:
-            _sync()
-        _open.remove(self)
-        if _totals is not None and not any(t.whole for t in _open):  # inside a whole part: its time
-            seconds = perf_counter() - self.start
-            _totals[self.name] += seconds
-            if _open:  # a part inside another: its time is its own, not the enclosing part's too
-                _totals[_open[-1].name] -= seconds
-
-
 def part(name: str, whole: bool = False):
-    """A context manager marking one part of a step (a no-op unless timing). A `whole` part keeps the
-    time of the parts inside it: a draft model's attention is speculation's time, not attention's."""
-    return _Timer(name, whole) if _totals is not None else _NONE
-
-
-def start_timing(sync: Callable[[], None] | None = None) -> dict[str, float]:
-    """Start adding up each part's seconds; returns the totals, filled in as steps run."""
-    global _totals, _sync
-    _totals, _sync = defaultdict(float), sync
-    return _totals
-
-
-def stop_timing() -> None:
-    global _totals, _sync
-    _totals, _sync = None, None
+    """A context manager marking one part of a step. A `whole` part keeps the time of the parts inside
+    it: a draft model's attention is speculation's time, not attention's."""
+    return _NONE if timer is None else timer(name, whole)

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from minfer import EngineConfig
-from minfer.errors import APIError
+from minfer.server.api_errors import APIError
 from minfer.server.requests import ModelInfo, parse_chat
 from minfer.server.serve import create_server
 from minfer.text.chat_template import ChatTemplate

@@ -6,7 +6,8 @@ import pytest
 
 from minfer.engine.sampling_params import SamplingParams
 from minfer.engine.sequence import CompletionDelta, RequestOutput
-from minfer.errors import APIError, InvalidParameter
+from minfer.errors import InvalidParameter
+from minfer.server.api_errors import APIError
 from minfer.server.requests import (
     ModelInfo,
     ParsedRequest,

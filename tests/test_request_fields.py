@@ -8,7 +8,7 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from minfer.errors import APIError
+from minfer.server.api_errors import APIError
 from minfer.server import requests as request_fields
 from minfer.server.requests import ModelInfo, parse_chat, parse_completion, parse_generate
 from minfer.text.tokenizer import Tokenizer

@@ -266,18 +266,18 @@ def test_cancelled_and_finished_draft_requests_free_everything(models):
 
 
 def test_profile_counts_the_draft_under_propose(models):
-    from minfer import step_parts
+    from minfer.bench import step_timing
 
     target, draft = models["gpt2"]
     spec = LLM(target, **draft_settings(draft))
     sched = spec.scheduler
     sched.add_request(prompt_token_ids=copy_prompts(1, 512, seed=2)[0], sampling_params=SamplingParams(max_tokens=8, seed=1))
     sched.step()  # the prefill
-    totals = step_parts.start_timing()
+    totals = step_timing.start_timing()
     try:
         sched.step()  # a speculating decode: the draft runs k forwards, then follows the target's
     finally:
-        step_parts.stop_timing()
+        step_timing.stop_timing()
     assert sched.last_step.num_draft_tokens == 4
     assert totals["speculation: propose"] > 0 and totals["attention"] > 0
     assert all(v >= 0 for v in totals.values())

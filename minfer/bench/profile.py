@@ -3,7 +3,7 @@
 The workload's requests are added at once (up to max_num_seqs run together) and
 two windows of steps are timed: the first steps, where the prompts are prefilled
 (next to whatever already decodes), and steps of steady decoding once every
-prompt is in. Each step is split into the parts that step_parts.py names
+prompt is in. Each step is split into the parts the engine marks (step_timing.PARTS)
 (host-side scheduling and preparation, KV write, context read (the gather),
 attention, sampling, bookkeeping), plus the linears and the LM head, timed by
 hooks on their modules; the rest of the step's wall time is the small ops in
@@ -24,6 +24,7 @@ from dataclasses import asdict
 import torch
 
 from .. import step_parts
+from . import step_timing
 from ..engine.scheduler import OnlineScheduler
 from ..quantization import quantization_of
 from .offline import submit_request
@@ -72,7 +73,7 @@ def profile_steps(scheduler: OnlineScheduler, requests: list[BenchRequest], num_
 def _record(scheduler: OnlineScheduler, num_steps: int) -> dict | None:
     steps, wall = [], 0.0
     sync = torch.cuda.synchronize if scheduler.model.device.type == "cuda" else None
-    totals = step_parts.start_timing(sync)
+    totals = step_timing.start_timing(sync)
     hooks = _time_modules(scheduler.model)
     try:
         for _ in range(num_steps):
@@ -85,7 +86,7 @@ def _record(scheduler: OnlineScheduler, num_steps: int) -> dict | None:
             if scheduler.num_steps > before:
                 steps.append(asdict(scheduler.last_step))
     finally:
-        step_parts.stop_timing()
+        step_timing.stop_timing()
         for hook in hooks:
             hook.remove()
     return {"times": dict(totals), "steps": steps, "wall": wall} if steps else None

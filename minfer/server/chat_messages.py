@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from ..errors import invalid
+from .api_errors import invalid
 from ..text.chat_template import ChatTemplate, ChatTemplateError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

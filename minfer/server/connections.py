@@ -16,7 +16,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from ..errors import APIError
+from .api_errors import APIError
 from .connection_limits import ConnectionLimits
 from .refuser import Refuser
 

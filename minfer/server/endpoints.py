@@ -16,7 +16,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from ..engine.sequence import RequestOutput
-from ..errors import APIError, InvalidParameter
+from ..errors import InvalidParameter
+from .api_errors import APIError
 from .http_handler import ClientGone
 from .info_endpoints import InfoEndpoints, ServerState
 from .manager import EngineError

@@ -19,7 +19,7 @@ import socket
 import time
 from urllib.parse import urlsplit
 
-from ..errors import APIError
+from .api_errors import APIError
 from ..version import __version__
 from .connections import TimedHandler
 from .requests import parse_json_body

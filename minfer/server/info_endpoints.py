@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
-from ..errors import APIError
+from .api_errors import APIError
 from ..version import __version__
 from . import live_view, prometheus, tokenizer_api
 from .connections import ConnectionStats

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..errors import APIError
+from .api_errors import APIError
 
 REFUSE_READ_SECONDS = 1.0  # how long the refuser waits for a refused connection's request (to spot /health)
 REFUSE_LINGER_SECONDS = 1.0  # after answering, read and drop what the client still sends, so close() sends no RST

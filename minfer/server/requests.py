@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..engine.sampling_params import SamplingParams
-from ..errors import APIError, invalid
+from .api_errors import APIError, invalid
 from ..text.chat_template import ChatTemplate
 from ..text.tokenizer import Tokenizer
 from .chat_messages import render_messages, show

@@ -14,7 +14,8 @@ for messages (the chat template writes its own). `add_generation_prompt` (messag
 
 from __future__ import annotations
 
-from ..errors import invalid, is_int
+from ..errors import is_int
+from .api_errors import invalid
 from .chat_messages import render_messages
 from .requests import ModelInfo
 
