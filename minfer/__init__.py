@@ -9,7 +9,7 @@ from .engine.config import EngineConfig
 from .assembly.llm import LLM
 from .engine.sampling_params import SamplingParams
 from .engine.scheduler import OnlineScheduler
-from .engine.sequence import RequestOutput
+from .engine.outputs import RequestOutput
 from .version import __version__
 
 __all__ = ["EngineConfig", "LLM", "RequestOutput", "SamplingParams", "OnlineScheduler", "__version__"]

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from minfer.engine.sampling_params import SamplingParams
-from minfer.engine.sequence import CompletionDelta, RequestOutput
+from minfer.engine.outputs import CompletionDelta, RequestOutput
 from minfer.errors import InvalidParameter
 from minfer.server.api_errors import APIError
 from minfer.server.requests import (

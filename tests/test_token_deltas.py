@@ -5,7 +5,7 @@ add up to its RequestOutput, and the stream built from them is what it always wa
 import pytest
 
 from minfer import OnlineScheduler, SamplingParams
-from minfer.engine.sequence import CompletionDelta
+from minfer.engine.outputs import CompletionDelta
 from minfer.models.gpt2 import GPT2
 from minfer.server.manager import SchedulerManager
 from minfer.server.messages import Accepted, Done

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from ..engine.config import EngineConfig
 from ..engine.generation_defaults import sampling_defaults
 from ..engine.sampling_params import SamplingParams
-from ..engine.sequence import RequestOutput
+from ..engine.outputs import RequestOutput
 from .build import build_engine
 
 

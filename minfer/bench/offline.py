@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from ..engine.sampling_params import SamplingParams
 from ..engine.scheduler import OnlineScheduler
-from ..engine.sequence import RequestOutput
+from ..engine.outputs import RequestOutput
 from .metrics import RequestRecord, RunResult
 from .workload import BenchRequest
 

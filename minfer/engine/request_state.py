@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..text.text_stream import TextStream
-from .sequence import CompletionDelta, RequestOutput, Sequence
+from .outputs import CompletionDelta, RequestOutput
+from .sequence import Sequence
 
 
 @dataclass

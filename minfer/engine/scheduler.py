@@ -44,7 +44,8 @@ from .model_runner import ModelRunner, StepOutput
 from .request_state import Choice, Request
 from .sampling import make_generator
 from .sampling_params import SamplingParams
-from .sequence import CompletionDelta, RequestOutput, ScheduledChunk, Sequence, Status
+from .outputs import CompletionDelta, RequestOutput
+from .sequence import ScheduledChunk, Sequence, Status
 from .step_stats import StepStats
 
 

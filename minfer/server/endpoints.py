@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from ..engine.sequence import RequestOutput
+from ..engine.outputs import RequestOutput
 from ..errors import InvalidParameter
 from .api_errors import APIError
 from .http_handler import ClientGone

@@ -25,7 +25,7 @@ import queue
 from dataclasses import dataclass
 
 from ..engine.scheduler import CheckedRequest
-from ..engine.sequence import CompletionDelta, RequestOutput
+from ..engine.outputs import CompletionDelta, RequestOutput
 
 
 @dataclass(frozen=True)

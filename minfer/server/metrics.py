@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import threading
 
-from ..engine.sequence import RequestOutput
+from ..engine.outputs import RequestOutput
 
 # Seconds. TTFT spans queueing + prefill; TPOT is one decode step, usually much shorter.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

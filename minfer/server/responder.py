@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from ..engine.sequence import CompletionDelta, RequestOutput
+from ..engine.outputs import CompletionDelta, RequestOutput
 from ..text.tokenizer import Tokenizer
 from .logprobs_format import LogprobFormatter
 from .requests import ParsedRequest
