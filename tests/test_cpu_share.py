@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from minfer.cpu import thread_share as cpu_share
+from minfer.cpu import threads as thread_count
 
 
 class FakeMachine:
@@ -13,7 +14,7 @@ class FakeMachine:
 
     def __init__(self, monkeypatch):
         self.now, self.busy, self.own = 0.0, 0, 0
-        monkeypatch.setattr(cpu_share, "_cores", lambda: [0, 1])
+        monkeypatch.setattr(cpu_share, "cores_allowed", lambda: [0, 1])
         monkeypatch.setattr(cpu_share, "_busy_ticks", lambda cores: self.busy)
         monkeypatch.setattr(cpu_share, "_own_ticks", lambda: self.own)
         monkeypatch.setattr(cpu_share.time, "monotonic", lambda: self.now)
@@ -69,12 +70,12 @@ def test_it_measures_at_most_twice_a_second(monkeypatch, restore_threads):
 
 
 def test_a_thread_count_the_user_chose_is_left_alone(monkeypatch, restore_threads):
-    for var in cpu_share.THREAD_ENV_VARS:
+    for var in thread_count.THREAD_ENV_VARS:
         monkeypatch.delenv(var.name, raising=False)
-    assert not cpu_share.threads_chosen(None)
-    assert cpu_share.threads_chosen(2)
+    assert not thread_count.threads_chosen(None)
+    assert thread_count.threads_chosen(2)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert cpu_share.threads_chosen(None)
+    assert thread_count.threads_chosen(None)
     machine = FakeMachine(monkeypatch)
     share = cpu_share.CpuShare(enabled=False, max_threads=2)
     machine.run(1.0, ours=1.0, others=1.0)
@@ -96,8 +97,8 @@ def test_the_real_proc_files_give_a_sane_share(restore_threads):
 def test_the_engine_adapts_only_when_threads_were_not_chosen(tiny_checkpoint, monkeypatch, restore_threads):
     from minfer import LLM
 
-    for var in cpu_share.THREAD_ENV_VARS:
+    for var in thread_count.THREAD_ENV_VARS:
         monkeypatch.delenv(var.name, raising=False)
     threads = LLM(tiny_checkpoint, num_kv_blocks=16).scheduler.features.threads
-    assert threads is not None and threads.enabled == (len(cpu_share._cores()) > 1)
+    assert threads is not None and threads.enabled == (len(thread_count.cores_allowed()) > 1)
     assert LLM(tiny_checkpoint, num_kv_blocks=16, num_threads=1).scheduler.features.threads is None

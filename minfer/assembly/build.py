@@ -19,7 +19,8 @@ from ..compiled import cuda_graphs
 from ..compiled.forward import CompiledForward
 from ..compiled.step import CompiledDecodeStep
 from ..cpu.features import cpu_has_native_bf16
-from ..cpu.thread_share import CpuShare, cpu_threads_wanted, threads_chosen
+from ..cpu.thread_share import CpuShare
+from ..cpu.threads import cpu_threads_wanted, threads_chosen
 from ..engine.config import DTYPES, EngineConfig
 from ..engine.features import Features
 from ..engine.scheduler import OnlineScheduler

@@ -25,11 +25,10 @@ from pathlib import Path
 import torch
 
 from ..cpu.features import cpu_name
-from ..cpu.thread_share import threads_chosen
+from ..cpu.threads import cpu_threads_wanted, threads_chosen
 from ..engine.config import EngineConfig
 from ..assembly.build import resolve_dtype, set_cpu_threads
 from ..assembly.llm import LLM
-from ..cpu.thread_share import cpu_threads_wanted
 from ..scoring.logprobs import MAX_LOGPROBS
 from ..engine.scheduler import OnlineScheduler
 from ..models.loader import ModelNotFoundError, resolve_model_dir

@@ -3,7 +3,7 @@
 A decode step is hundreds of short OpenMP regions, each ending at a barrier where every thread
 waits for the slowest. With as many threads as cores and one busy process beside minfer, the
 kernel's scheduler keeps one of minfer's threads off a core much of the time, and every region
-waits for it: on 2 cores minfer fell to a seventh of its quiet speed (issue 27). One thread fewer
+waits for it: on 2 cores minfer fell to a seventh of its quiet speed. One thread fewer
 than the cores others leave free avoids the wait: that thread always has a core.
 
 So while the engine runs, `CpuShare.update()` measures, about twice a second, how much CPU time
@@ -25,36 +25,10 @@ from pathlib import Path
 
 import torch
 
-from .. import settings
+from .threads import cores_allowed, cpu_threads_wanted
 
 INTERVAL_S = 0.5  # how often the share is measured; shorter windows are mostly noise
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-THREAD_ENV_VARS = (settings.NUM_THREADS, settings.OMP_NUM_THREADS)  # the user's thread count, in this order
-
-
-def threads_chosen(num_threads: int | None) -> bool:
-    """Whether the user fixed the thread count (the --num-threads flag or an environment variable)."""
-    return num_threads is not None or any(var.is_set for var in THREAD_ENV_VARS)
-
-
-def cpu_threads_wanted(num_threads: int | None = None) -> int:
-    """The thread count set_cpu_threads gives torch: num_threads (the --num-threads flag), else
-    MINFER_NUM_THREADS, else OMP_NUM_THREADS, else every core this process may use."""
-    if num_threads is None:
-        for var in THREAD_ENV_VARS:
-            value = var.get()
-            if value is not None:
-                if not value.isdigit() or int(value) < 1:
-                    raise ValueError(f"{var.name} must be a positive integer, got {value!r}")
-                return int(value)
-        return len(_cores())
-    return num_threads
-
-
-def _cores() -> list[int]:
-    """The cores this process may run on (Linux: its affinity; elsewhere every core)."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return sorted(affinity(0)) if affinity else list(range(os.cpu_count() or 1))
 
 
 def _busy_ticks(cores: list[int]) -> int | None:
@@ -88,7 +62,7 @@ class CpuShare:
     `enabled=False` (threads fixed by the user) makes update() do nothing."""
 
     def __init__(self, enabled: bool = True, max_threads: int | None = None):
-        self.cores = _cores()
+        self.cores = cores_allowed()
         self.max_threads = max_threads or cpu_threads_wanted()
         self.threads = torch.get_num_threads()  # an earlier engine in this process may have lowered it
         self.others = 0.0  # cores' worth of CPU other processes used in the last window

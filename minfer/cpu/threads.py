@@ -1,0 +1,36 @@
+"""How many threads torch starts with: the user's count (--num-threads, MINFER_NUM_THREADS,
+OMP_NUM_THREADS), else every core this process may use. thread_share.py lowers it while other
+processes compete for those cores."""
+
+from __future__ import annotations
+
+import os
+
+from .. import settings
+
+THREAD_ENV_VARS = (settings.NUM_THREADS, settings.OMP_NUM_THREADS)  # the user's thread count, in this order
+
+
+def threads_chosen(num_threads: int | None) -> bool:
+    """Whether the user fixed the thread count (the --num-threads flag or an environment variable)."""
+    return num_threads is not None or any(var.is_set for var in THREAD_ENV_VARS)
+
+
+def cpu_threads_wanted(num_threads: int | None = None) -> int:
+    """The thread count set_cpu_threads gives torch: num_threads (the --num-threads flag), else
+    MINFER_NUM_THREADS, else OMP_NUM_THREADS, else every core this process may use."""
+    if num_threads is None:
+        for var in THREAD_ENV_VARS:
+            value = var.get()
+            if value is not None:
+                if not value.isdigit() or int(value) < 1:
+                    raise ValueError(f"{var.name} must be a positive integer, got {value!r}")
+                return int(value)
+        return len(cores_allowed())
+    return num_threads
+
+
+def cores_allowed() -> list[int]:
+    """The cores this process may run on (Linux: its affinity; elsewhere every core)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return sorted(affinity(0)) if affinity else list(range(os.cpu_count() or 1))
