@@ -7,7 +7,8 @@ import os
 
 import torch
 
-from .kv_cache import KVCache, ModelConfig, cdiv
+from ..model_config import ModelConfig
+from .kv_cache import KVCache, cdiv
 
 
 def available_memory(device: torch.device) -> int:

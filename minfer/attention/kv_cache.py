@@ -12,20 +12,10 @@ this module only knows slots and tensors; cache_budget.py, how many blocks a mem
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from ..host_to_device import to_device
-
-
-class ModelConfig(Protocol):
-    """What the cache needs of a model's config (every models/ config has it)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    max_positions: int
+from ..model_config import ModelConfig
 
 
 def cdiv(a: int, b: int) -> int:

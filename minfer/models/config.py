@@ -3,7 +3,8 @@
 Every member of the GPT-2 family (gpt2, gpt2-medium, gpt2-large, gpt2-xl,
 distilgpt2) is the same architecture with different numbers in GPT2Config;
 llama_config.py holds the Llama family's (Llama, Qwen3). The engine reads only
-the facts of `ModelConfig`, which both provide, so it runs either model.
+the facts of `ModelConfig` (minfer/model_config.py), which both provide, so it runs
+either model.
 """
 
 from __future__ import annotations
@@ -11,20 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from ..errors import is_int
-
-
-class ModelConfig(Protocol):
-    """What the engine (KV cache, scheduler, bench) needs to know about any model."""
-
-    vocab_size: int  # rows of the LM head: token ids are in [0, vocab_size)
-    num_layers: int
-    num_heads: int  # query heads
-    num_kv_heads: int  # heads of keys and values the KV cache stores (fewer than query heads with GQA)
-    head_dim: int
-    max_positions: int  # the longest context the model supports
 
 
 def read_config_json(path: str | Path) -> tuple[Path, dict]:

@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..attention.paged import PagedBatch
-from .config import ModelConfig
+from ..model_config import ModelConfig
 
 
 @runtime_checkable

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig, read_config_json
+from ..model_config import ModelConfig
+from .config import read_config_json
 from .contract import Architecture, CausalLM
 from .gpt2 import GPT2
 from .llama import Llama
