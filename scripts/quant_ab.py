@@ -23,7 +23,7 @@ VARIANTS = {
     "int8xint8": {"quantization": "int8", "quantize_activations": True},
     "int4": {"quantization": "int4"},
 }
-# The same with all-decode steps as one compiled graph (engine/compiled_step.py): "bf16-step", ...; and
+# The same with all-decode steps as one compiled graph (compiled/step.py): "bf16-step", ...; and
 # with most steps through the whole forward, its weights frozen in (--compile-model): "bf16-whole", ...
 PLAIN = list(VARIANTS.items())
 VARIANTS |= {f"{name}-step": {**settings, "compile_decode_step": True} for name, settings in PLAIN}

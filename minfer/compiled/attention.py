@@ -84,7 +84,7 @@ def paged_decode_attention(
 
 def compile_for_cpu(fn, **inductor_options):
     """torch.compile(fn) as minfer serves it: dynamic shapes (batch sizes and context lengths never
-    recompile), and free to run at any thread count. CpuShare (cpu_share.py) changes torch's thread
+    recompile), and free to run at any thread count. CpuShare (cpu/thread_share.py) changes torch's thread
     count while serving; the C++ loops ask OpenMP for it at run time (cpp.dynamic_threads) instead of
     baking it in, so Dynamo's guard on the global state, which holds the thread count, is dropped:
     otherwise each new count would compile every graph once more, mid-request. (The guards on grad
@@ -203,7 +203,7 @@ class CompiledBackend(CPUTiledBackend):
 
     def chunk_context(self, kv_cache, slots) -> tuple[torch.Tensor, torch.Tensor]:
         """A prefill chunk's context, slots (L,) of positions 0..L-1 -> keys and values (Hkv, L, D) each, for
-        the eager prefill attention (cpu_tiled.py): the sequence's blocks gathered whole. For its matmuls
+        the eager prefill attention (cpu/tiled_attention.py): the sequence's blocks gathered whole. For its matmuls
         they are upcast to fp32 and the keys stay transposed, as the matmul wants them: (Hkv, D, L) in
         memory, a (Hkv, L, D) view. For sdpa (`flash_prefill`) they keep the cache's dtype, in rows of D."""
         B, L, (_, _, Hkv, DB) = self.block_size, slots.shape[0], kv_cache.shape

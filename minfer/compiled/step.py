@@ -5,7 +5,7 @@ At batch 1 a CPU decode step spends a third of its time outside the weight matmu
 residual adds, activations, RoPE, int8 activation rounding, each a separate eager op with its own
 dispatch cost. Compiled, Inductor fuses everything between a block's matmuls into a few C++ loops.
 Two things stay opaque ops in the graph, called as they are: paged attention (the backend's Python
-and its own compiled kernel, attention/paged.py) and the prepacked linears (cpu_packing.py).
+and its own compiled kernel, compiled/paged_op.py) and the prepacked linears (cpu/packing.py).
 Quantized linears are plain torch, so their activation rounding fuses too.
 
 What is compiled is one block, not the whole forward ("regional compilation"): every layer runs the
@@ -26,7 +26,7 @@ a slower first start (Dynamo traces every layer, Inductor autotunes each weight 
 the two graphs holds its own packed copy of the weights, beside the model's plain ones that eager
 steps use. That graph serves prefill and mixed steps too (the templates are fast at every row count,
 and quantized models have no fast eager path for many rows), all but a lone sequence's prefill. A lone
-sequence's decode gets a graph of its own, and there attention is traced in too (attention/compiled.py,
+sequence's decode gets a graph of its own, and there attention is traced in too (compiled/attention.py,
 `lone_decode_in_graph`): at batch 1 the attention op's Python was a quarter of an int8 GPT-2 step.
 
 Only steps where every row decodes take the block graph; prefill and mixed steps run eager, as vLLM keeps

@@ -4,11 +4,11 @@ On Linux, torch runs its parallel loops on GNU OpenMP (libgomp). Between two par
 idle thread spins for a while before it sleeps (GOMP_SPINCOUNT rounds, 300,000 by default), so
 the next region starts without a wake-up. Beside a busy process that spin is ruinous: a decode step
 is hundreds of short regions, each ending at a barrier, and a thread spinning there holds a core the
-thread it waits for needs (7x slower on 2 cores). minfer used to shorten the spin; CpuShare
-(cpu_share.py) now drops the thread that would wait instead, which does better beside a busy
-process (scripts/contention.py, 2-core Zen 4: 0.63x of the quiet speed, against 0.37-0.40x with a
-10,000-round spin) and leaves the quiet speed alone (the shorter spin cost it ~6%). So libgomp's
-default stands, unless the user sets OMP_WAIT_POLICY or GOMP_SPINCOUNT.
+thread it waits for needs (7x slower on 2 cores). minfer leaves the spin alone and has CpuShare
+(thread_share.py) drop the thread that would wait instead: beside a busy process that kept 0.63x of
+the quiet speed, against 0.37-0.40x with a 10,000-round spin, and the quiet speed is untouched,
+where the shorter spin cost ~6% (scripts/contention.py, 2-core Zen 4). So libgomp's default stands
+unless the user sets OMP_WAIT_POLICY or GOMP_SPINCOUNT.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 models/gpt2.py is plain GPT-2 with nn.Linear; nothing in it knows about CPUs. For a model on
 the CPU, prepare_model (prepare.py) calls `optimize_for_cpu(model)`, which swaps in faster
-equivalents (paths 1-3); paged attention has CPU paths of its own (attention/cpu_tiled.py,
+equivalents (paths 1-3); paged attention has CPU paths of its own (cpu/tiled_attention.py,
 paths 4-5, the CPU's attention backend). Each path below
 says why it exists and how to measure it: `python bench.py --profile` splits an
 engine step into KV write, context read, attention, linears, LM head, sampling and
@@ -72,7 +72,7 @@ def padded_rows(n: int) -> int:
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a weight from pack_weight: x (..., in) -> (..., out)."""
-    if torch.compiler.is_compiling():  # in a compiled step (compiled_step.py): an op Inductor calls as it is
+    if torch.compiler.is_compiling():  # in a compiled step (compiled/step.py): an op Inductor calls as it is
         return torch.ops.minfer.packed_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])  # (M, in)
     M = rows.shape[0]

@@ -5,7 +5,7 @@ through a `ContextReader`, and prefill chunks attend with `causal_attention_by_m
 The engine picks it for a model on the CPU (selector.py). `python bench.py --profile` splits an engine step
 into KV write, context read, attention, linears, LM head, sampling and host time, so
 running it with and without a path shows what the path is worth. (Paths 1-3, the packed
-linears, live in engine/cpu_packing.py.)
+linears, live in cpu/packing.py.)
 
 4. Tiled context reads (`ContextReader`). Pure torch cannot attend through a block
    table directly: a sequence's keys and values must first be gathered into a

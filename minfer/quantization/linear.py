@@ -38,7 +38,7 @@ class QuantizedLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # (out, in)
         raise NotImplementedError
 
-    # In a graph whose weights are frozen in (compiled_step.py, --compile-model), Inductor lowers the
+    # In a graph whose weights are frozen in (compiled/step.py, --compile-model), Inductor lowers the
     # kernel's op to a GEMM of its own that widens the weights in registers: fast at every row count.
     kernel_when_compiled = False
 
