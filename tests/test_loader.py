@@ -131,6 +131,7 @@ def test_unreachable_hub_id_offline(monkeypatch, tmp_path):
     message = str(info.value)
     one_line(message)
     assert "HF_HUB_OFFLINE" in message and "local checkpoint directory" in message
+    assert "--model minfer-tiny" in message  # the shipped model: the offline choice a newcomer can run now
 
 
 def test_hub_id_found_in_cache_offline(monkeypatch, tiny_checkpoint):
