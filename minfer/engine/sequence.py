@@ -30,6 +30,12 @@ class Status(enum.Enum):
 
 
 class Sequence:
+    # What a feature room sets on the sequences of a request that asks for it; these defaults otherwise.
+    logprobs: list | None = None  # scoring/: one entry per generated token
+    prompt_logprobs: list | None = None  # scoring/: one per prompt token
+    max_cached_tokens: int | None = None  # scoring/: how far a prefix-cache hit may reach (None: any length)
+    seats = 1  # parallel_sampling/: of max_num_seqs it holds: itself, and sequences that will start from it
+
     def __init__(
         self,
         request_id: str,
@@ -48,13 +54,9 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served at admission
-        self.max_cached_tokens: int | None = None  # how far a prefix-cache hit may reach (None: any length)
-        self.seats = 1  # of max_num_seqs it holds: itself, and sequences that will start from it
         self.num_preemptions = 0
         self.status = Status.WAITING
         self.finish_reason: str | None = None
-        self.logprobs: list | None = None  # where the request asks: scoring/ keeps them here
-        self.prompt_logprobs: list | None = None
         self.stop_token_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             self.stop_token_ids.update(eos_token_ids)
