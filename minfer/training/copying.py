@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from .tokenizer_training import EOS_TOKEN
+from ..checkpoints.tokenizer_training import EOS_TOKEN
 
 
 @dataclass

@@ -14,11 +14,11 @@ import math
 import torch
 from torch import nn
 
+from ..checkpoints.random_gpt2 import make_config
 from ..models.config import GPT2Config
 from ..models.gpt2 import CONV1D_WEIGHTS, GPT2
 from ..models.llama import Llama
 from ..models.llama_config import LlamaConfig
-from .random_gpt2 import make_config
 
 ARCHS = {"gpt2": GPT2, "llama": Llama}
 RESIDUAL_PROJECTIONS = ("c_proj.weight", "o_proj.weight", "down_proj.weight")  # what writes into the stream
