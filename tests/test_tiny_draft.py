@@ -48,7 +48,7 @@ def test_the_draft_card_states_how_it_was_trained():
 
 def test_the_draft_card_figures_reproduce():
     """The card's held-out perplexity (minfer eval-ppl's method) and copy figures, on the shipped weights."""
-    from minfer.models.perplexity import perplexity
+    from minfer.bench.perplexity import perplexity
 
     torch.set_num_threads(1)
     model, tokenizer = GPT2.from_pretrained(DRAFT), Tokenizer.from_file(str(DRAFT / "tokenizer.json"))

@@ -99,7 +99,7 @@ def test_the_target_copies_where_minfer_tiny_does_not():
 def test_transformers_agrees_on_the_llama_shape():
     """LlamaForCausalLM on the same files, fp32: the same perplexity within 1e-4 relative."""
     transformers = pytest.importorskip("transformers")
-    from minfer.models.perplexity import perplexity
+    from minfer.bench.perplexity import perplexity
     from minfer.text.tokenizer import Tokenizer as MinferTokenizer
 
     ours = load_model(LLAMA)
