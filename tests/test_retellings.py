@@ -3,7 +3,7 @@ to copy from its context; the copy score (training/copying.py) measures that on 
 
 import pytest
 
-from minfer.training.copying import copy_prompt
+from minfer.bench.workload import copy_prompt
 from minfer.training.stories import stories, with_retellings
 from minfer.training.train_tiny import TrainOptions
 
