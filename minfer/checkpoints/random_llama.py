@@ -85,23 +85,17 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
 {%- endif %}"""
 
 
-def make_llama_config(preset: str, **overrides) -> dict:
-    """A config.json dict in the format transformers writes for Qwen3ForCausalLM / LlamaForCausalLM."""
-    shape = {**LLAMA_CONFIGS[preset], **overrides}
-    family = shape.pop("family")
-    shape.pop("tokenizer_size", None)
-    tokenizer_size = LLAMA_CONFIGS[preset].get("tokenizer_size", shape["vocab_size"])
-    specials = QWEN3_SPECIALS if family == "qwen3" else LLAMA_SPECIALS
-    added = QWEN3_ADDED if family == "qwen3" else []
-    first_special = tokenizer_size - len(added) - len(specials)  # after the learned tokens
-    ids = {t: first_special + i for i, t in enumerate(specials)}
+def llama_config(family: str, bos_token_id: int, eos_token_id: int | list[int], **shape) -> dict:
+    """A config.json dict in the format transformers writes for Qwen3ForCausalLM (family "qwen3") or
+    LlamaForCausalLM ("llama"). `shape` gives the sizes (vocab_size, hidden_size, ...) and may override
+    any of the family's defaults (rope_theta, rms_norm_eps, tie_word_embeddings...)."""
     common = dict(
         hidden_act="silu",
         rms_norm_eps=1e-6 if family == "qwen3" else 1e-5,
         attention_bias=False,
         attention_dropout=0.0,
         initializer_range=0.02,
-        torch_dtype=shape.pop("torch_dtype", "float32"),
+        torch_dtype="float32",
         use_cache=True,
     )
     if family == "qwen3":
@@ -115,8 +109,8 @@ def make_llama_config(preset: str, **overrides) -> dict:
             "use_sliding_window": False,
             "sliding_window": None,
             "max_window_layers": shape["num_hidden_layers"],
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
+            "bos_token_id": bos_token_id,
+            "eos_token_id": eos_token_id,
             **shape,
         }
     return {
@@ -127,10 +121,25 @@ def make_llama_config(preset: str, **overrides) -> dict:
         "rope_theta": 500000.0,
         "rope_scaling": None,
         "tie_word_embeddings": False,
-        "bos_token_id": ids["<|begin_of_text|>"],
-        "eos_token_id": [ids["<|end_of_text|>"], ids["<|eot_id|>"]],
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
         **shape,
     }
+
+
+def make_llama_config(preset: str, **overrides) -> dict:
+    """The config.json of a preset of LLAMA_CONFIGS, its special tokens' ids after the learned tokens."""
+    shape = {**LLAMA_CONFIGS[preset], **overrides}
+    family = shape.pop("family")
+    shape.pop("tokenizer_size", None)
+    tokenizer_size = LLAMA_CONFIGS[preset].get("tokenizer_size", shape["vocab_size"])
+    specials = QWEN3_SPECIALS if family == "qwen3" else LLAMA_SPECIALS
+    added = QWEN3_ADDED if family == "qwen3" else []
+    first_special = tokenizer_size - len(added) - len(specials)  # after the learned tokens
+    ids = {t: first_special + i for i, t in enumerate(specials)}
+    if family == "qwen3":
+        return llama_config(family, ids["<|endoftext|>"], ids["<|im_end|>"], **shape)
+    return llama_config(family, ids["<|begin_of_text|>"], [ids["<|end_of_text|>"], ids["<|eot_id|>"]], **shape)
 
 
 def random_llama_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
