@@ -94,3 +94,17 @@ def test_token_bytes_read_spaces_and_byte_fallback(tok):
     assert table[0] == table[1] == table[2] == b""  # <unk>, <s>, </s> add no text
     text = "x = 1\nnaïve 日本 🤖"
     assert b"".join(table[i] for i in tok.encode(text)) == b" " + text.encode()  # the ▁ put first
+
+
+def test_logprobs_show_each_tokens_text_and_bytes(tok):
+    """Chat logprobs' `token` and `bytes`, and completions' `tokens`, for `▁`, byte and special tokens."""
+    from minfer.scoring.logprobs import TokenLogprob
+    from minfer.server.logprobs_format import LogprobFormatter
+
+    newline, w, e_acute_lead = byte_id(tok, 0x0A), tok.token_to_id("▁w"), byte_id(tok, 0xC3)
+    entries = [TokenLogprob(t, -1.0, 1, ((t, -1.0), (2, -2.0))) for t in (w, newline, e_acute_lead)]
+    chat = LogprobFormatter(tok).chat(entries, 2)["content"]
+    assert [(c["token"], c["bytes"]) for c in chat] == [(" w", [32, 119]), ("\n", [10]), ("\ufffd", [0xC3])]
+    assert chat[0]["top_logprobs"][1]["token"] == "</s>"  # a special token shows its name
+    completion = LogprobFormatter(tok).completion([w, newline], entries[:2], 1)
+    assert completion["tokens"] == [" w", "\n"] and completion["text_offset"] == [0, 2]
