@@ -9,7 +9,7 @@ downstream exercises the real loading path.
 
     python -m minfer.checkpoints OUT_DIR [--config gpt2|tiny|qwen3-tiny|llama-tiny|llama2-tiny|qwen3-0.6b]
                                          [--layout hub|transformers]
-    (also `minfer random-model ...` and, as before, `python -m minfer.random_model ...`)
+    (also `minfer random-model ...` and `python -m minfer.random_model ...`)
 
 Layer: a tool beside the engine. It writes files in the checkpoint formats the models
 layer reads, and imports nothing of minfer's beyond this package.

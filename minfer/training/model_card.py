@@ -72,7 +72,7 @@ def warmup_text(w: dict | None) -> str:
 
 def init_command(init: str, prog: str) -> str | None:
     """The command that trained the checkpoint `--init` names, from its own card, written to `init`. A card
-    from before retellings existed trained without them: `--retell 0` says so now."""
+    whose command has no --retell trained without retellings: `--retell 0` is added to say so."""
     card = Path(init) / "README.md"
     if not card.is_file():
         return None
