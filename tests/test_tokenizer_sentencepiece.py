@@ -9,19 +9,13 @@ import random
 import pytest
 from test_tokenizer import TEXTS, stream
 
-from minfer.checkpoints import write_random_checkpoint
 from minfer.checkpoints.tokenizer_training import BYTE_TOKENS, SENTENCEPIECE_SPECIALS
 from minfer.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_random_checkpoint(tmp_path_factory.mktemp("llama2"), preset="llama2-tiny")
-
-
-@pytest.fixture(scope="module")
-def tok(ckpt):
-    return Tokenizer.from_dir(ckpt)
+def tok(make_checkpoint):
+    return Tokenizer.from_dir(make_checkpoint("llama2-tiny"))
 
 
 def byte_id(tok: Tokenizer, b: int) -> int:

@@ -16,6 +16,15 @@ import torch
 from .chat_tokenizers import LLAMA_SPECIALS, QWEN3_ADDED, QWEN3_SPECIALS, write_tokenizer
 from .files import save_safetensors
 
+TINY_LLAMA = dict(  # grouped-query attention: 4 query heads share 2 key/value heads
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=172,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 LLAMA_CONFIGS = {
     # Qwen3: explicit head_dim (here twice hidden / heads, as in Qwen3-0.6B), q/k norms, tied embeddings.
     "qwen3-tiny": dict(
@@ -29,30 +38,11 @@ LLAMA_CONFIGS = {
         head_dim=32,
         max_position_embeddings=512,
     ),
-    # Llama: head_dim = hidden / heads, an LM head of its own.
-    "llama-tiny": dict(
-        family="llama",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=172,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    ),
-    # Llama 2 (grouped-query attention as in its 70B): rotary base 10,000, and a SentencePiece-style tokenizer
-    # (`▁` for a space, byte fallback, <s> before each prompt) with <unk>, <s>, </s> as ids 0, 1, 2.
-    "llama2-tiny": dict(
-        family="llama2",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=172,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-    ),
+    # Llama 3: head_dim = hidden / heads, an LM head of its own.
+    "llama-tiny": dict(family="llama", **TINY_LLAMA),
+    # Llama 2: the same shape with rotary base 10,000, and a SentencePiece-style tokenizer (`▁` for a space,
+    # byte fallback, <s> before each prompt) with <unk>, <s>, </s> as ids 0, 1, 2.
+    "llama2-tiny": dict(family="llama2", **TINY_LLAMA, rope_theta=10000.0),
     # The shape of Qwen/Qwen3-0.6B (0.6B parameters, stored in bf16 like the real one); its tokenizer
     # is smaller than the 151,936-row embedding (the real one's is too, if less so): 32k keeps it quick.
     "qwen3-0.6b": dict(
