@@ -16,7 +16,7 @@ import torch
 from .chat_tokenizers import LLAMA_SPECIALS, QWEN3_ADDED, QWEN3_SPECIALS, write_tokenizer
 from .files import save_safetensors
 
-TINY_LLAMA = dict(  # grouped-query attention: 4 query heads share 2 key/value heads
+TINY_LLAMA = dict(  # the tiny presets' shape; grouped-query attention: 4 query heads share 2 key/value heads
     vocab_size=512,
     hidden_size=64,
     intermediate_size=172,
@@ -27,17 +27,7 @@ TINY_LLAMA = dict(  # grouped-query attention: 4 query heads share 2 key/value h
 )
 LLAMA_CONFIGS = {
     # Qwen3: explicit head_dim (here twice hidden / heads, as in Qwen3-0.6B), q/k norms, tied embeddings.
-    "qwen3-tiny": dict(
-        family="qwen3",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-    ),
+    "qwen3-tiny": {"family": "qwen3", **TINY_LLAMA, "intermediate_size": 128, "head_dim": 32},
     # Llama 3: head_dim = hidden / heads, an LM head of its own.
     "llama-tiny": dict(family="llama", **TINY_LLAMA),
     # Llama 2: the same shape with rotary base 10,000, and a SentencePiece-style tokenizer (`▁` for a space,
