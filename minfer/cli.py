@@ -28,7 +28,7 @@ SUBCOMMANDS = {
     "eval-ppl": ("minfer.bench.perplexity", "perplexity of a checkpoint on a text file (quality yardstick)"),
     "quantize": ("minfer.quantize", "write an int8/int4 weight-only quantized checkpoint"),
     "train-tiny": (
-        "minfer.checkpoints.train_tiny",
+        "minfer.training.train_tiny",
         "train a small GPT-2 (or Llama) on simple stories, on a CPU (minfer-tiny)",
     ),
 }

@@ -1,8 +1,9 @@
-"""`python -m minfer.random_model OUT_DIR ...`, kept for scripts that use it: see minfer/checkpoints/."""
+"""`python -m minfer.random_model OUT_DIR [--config ...]`: write a checkpoint with random weights, as
+`minfer random-model` does; the writers are in minfer/checkpoints/."""
 
 import sys
 
-from .checkpoints import write_random_checkpoint  # noqa: F401  (the name older code imports from here)
+from .checkpoints import write_random_checkpoint  # noqa: F401  (importable from here too)
 from .checkpoints.__main__ import main
 
 if __name__ == "__main__":

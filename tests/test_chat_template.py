@@ -77,6 +77,20 @@ def test_llama3_template_uses_bos_and_eot(make_checkpoint):
     assert parse_chat({"messages": MESSAGES[1:]}, info).prompt_token_ids == tok.encode(text)
 
 
+def test_llama2_template_wraps_turns_in_inst(make_checkpoint):
+    """Llama 2's style: the system message inside the first [INST], each reply ended by </s>; transformers
+    renders the checkpoint's template the same."""
+    transformers = pytest.importorskip("transformers")
+    path = make_checkpoint("llama2-tiny")
+    tok = Tokenizer.from_dir(path)
+    template = ChatTemplate.from_dir(path, tok)
+    messages = MESSAGES + [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again"}]
+    text = template.render(messages)
+    assert text == "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi, 世界! [/INST] Hello. </s><s>[INST] Again [/INST]"
+    assert text == transformers.AutoTokenizer.from_pretrained(path).apply_chat_template(messages, tokenize=False)
+    assert tok.encode(text).count(tok.token_to_id("<s>")) == 2 and tok.eos_token_ids == [tok.token_to_id("</s>")]
+
+
 def test_templates_are_sandboxed_and_gpt2_keeps_plain_rendering(tiny_checkpoint):
     unsafe = ChatTemplate("{{ messages.__class__.__mro__ }}")
     with pytest.raises(ValueError, match="could not render"):

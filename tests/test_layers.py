@@ -33,8 +33,10 @@ LAYERS = [
     ("server", 6, ("minfer.server",)),
     ("bench", 7, ("minfer.bench",)),
     ("stress", 7, ("minfer.stress",)),
+    # Training the tiny models: a room above everything it uses, which only the entry points reach.
+    ("training", 8, ("minfer.training",)),
     # What users run: the package's names, the `minfer` command and the old `python -m` entry points.
-    ("entry", 8, ("minfer.__init__", "minfer.__main__", "minfer.cli", "minfer.serve", "minfer.generate", "minfer.quantize",
+    ("entry", 9, ("minfer.__init__", "minfer.__main__", "minfer.cli", "minfer.serve", "minfer.generate", "minfer.quantize",
                   "minfer.random_model")),
 ]
 # Imports between peers that the plan allows, each with its reason: (importing layer, imported module).
@@ -132,6 +134,26 @@ def test_the_core_imports_no_feature_room():
         if within(target, ROOMS) or within(target, ("minfer.assembly",))
     ]
     assert not wrong, "the core reaches into a feature room:\n" + "\n".join(wrong)
+
+
+def test_only_the_entry_points_reach_the_training_room():
+    """Nothing in minfer but the training room itself and the entry points imports minfer.training, and no
+    tutorial does: serving, benchmarking and the tutorials run without the trainer."""
+    modules = all_modules()
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line}: imports {target}"
+        for m, path in modules.items()
+        if layer_of(m)[0] not in ("training", "entry")
+        for line, target in imports_of(path, set(modules))
+        if within(target, ("minfer.training",))
+    ]
+    for path in sorted((ROOT / "tutorials").glob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        wrong += [f"{path.relative_to(ROOT)}:{line}: imports {target}"
+                  for line, target in imported_modules(source, "tutorials", False, set(modules))
+                  if within(target, ("minfer.training",))]
+    assert not wrong, "the training room is imported from outside:\n" + "\n".join(wrong)
+    assert "minfer.training.train_tiny" in modules  # the room is where this test looks
 
 
 def test_every_allowed_exception_is_still_needed():

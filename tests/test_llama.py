@@ -18,7 +18,7 @@ from minfer.models.registry import load_model, read_config
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["qwen3-tiny", "llama-tiny"]
+FAMILIES = ["qwen3-tiny", "llama-tiny", "llama2-tiny"]  # llama2-tiny: a SentencePiece-style tokenizer
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,

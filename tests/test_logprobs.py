@@ -88,7 +88,7 @@ def test_busy_engine_matches_transformers(tiny_checkpoint, gpt2_hf):
     llm.scheduler.check_invariants()
 
 
-@pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny"])
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny", "llama2-tiny"])
 def test_llama_family_matches_transformers(make_checkpoint, preset):
     path = make_checkpoint(preset)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -55,3 +55,21 @@ def test_every_file_gets_the_same_mode(tmp_path):
     out = write_random_checkpoint(tmp_path / "m")
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
     assert modes["model.safetensors"] == modes["config.json"], modes
+
+
+def test_the_llama2_preset_writes_a_sentencepiece_style_checkpoint(tmp_path, capsys):
+    """`--config llama2-tiny`: a LlamaForCausalLM whose tokenizer.json is Llama 2's kind (BPE with byte
+    fallback, Metaspace, the decoder that turns ▁ and <0xHH> back, <s> put before a prompt)."""
+    from minfer.checkpoints.__main__ import main
+
+    assert main([str(tmp_path), "--config", "llama2-tiny"]) == 0 and "llama2-tiny" in capsys.readouterr().out
+    spec = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
+    assert spec["model"]["type"] == "BPE" and spec["model"]["byte_fallback"] and spec["model"]["unk_token"] == "<unk>"
+    assert spec["pre_tokenizer"]["type"] == "Metaspace"
+    assert [d["type"] for d in spec["decoder"]["decoders"]] == ["Replace", "ByteFallback", "Fuse", "Strip"]
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    assert tokenizer.vocab_size == config["vocab_size"] == 512 and tokenizer.eos_token_ids == [2]
+    assert tokenizer.encode_prompt("Hello\n世界")[0] == 1
+    assert tokenizer.decode(tokenizer.encode_prompt("Hello\n世界 🤖")) == "Hello\n世界 🤖"

@@ -1,11 +1,11 @@
 """minfer-tiny's training text retells some stories verbatim (stories.with_retellings), so the model learns
-to copy from its context; the copy score (checkpoints/copying.py) measures that on bench's copy prompt."""
+to copy from its context; the copy score (training/copying.py) measures that on bench's copy prompt."""
 
 import pytest
 
-from minfer.checkpoints.copying import copy_prompt
-from minfer.checkpoints.stories import stories, with_retellings
-from minfer.checkpoints.train_tiny import TrainOptions
+from minfer.bench.workload import copy_prompt
+from minfer.training.stories import stories, with_retellings
+from minfer.training.train_tiny import TrainOptions
 
 
 def originals_and_repeats(texts: list[str], mixed: list[str]) -> tuple[list[str], list[tuple[int, str]]]:

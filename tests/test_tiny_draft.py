@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from minfer.checkpoints.copying import copy_accuracy
-from minfer.checkpoints.stories import stories
-from minfer.checkpoints.train_tiny import TrainOptions, parse_args
 from minfer.models.gpt2 import GPT2
 from minfer.models.loader import BUILTIN_MODELS, resolve_model_dir
+from minfer.training.copying import copy_accuracy
+from minfer.training.stories import stories
+from minfer.training.train_tiny import TrainOptions, parse_args
 
 TINY, DRAFT = BUILTIN_MODELS["minfer-tiny"], BUILTIN_MODELS["minfer-tiny-draft"]
 
@@ -48,7 +48,7 @@ def test_the_draft_card_states_how_it_was_trained():
 
 def test_the_draft_card_figures_reproduce():
     """The card's held-out perplexity (minfer eval-ppl's method) and copy figures, on the shipped weights."""
-    from minfer.models.perplexity import perplexity
+    from minfer.bench.perplexity import perplexity
 
     torch.set_num_threads(1)
     model, tokenizer = GPT2.from_pretrained(DRAFT), Tokenizer.from_file(str(DRAFT / "tokenizer.json"))

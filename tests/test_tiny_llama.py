@@ -12,13 +12,13 @@ import torch
 from test_tiny_draft import card_copy_figures  # the card's copy figures, as its twin test reads them
 from tokenizers import Tokenizer
 
-from minfer.checkpoints.copy_warmup import MAX_RUN, copy_warmup, drill_batch, losses_if
-from minfer.checkpoints.copying import copy_accuracy
-from minfer.checkpoints.stories import stories
-from minfer.checkpoints.train_tiny import TrainOptions, make_optimizer, parse_args, train
 from minfer.models.llama import Llama
 from minfer.models.loader import BUILTIN_MODELS, resolve_model_dir
 from minfer.models.registry import load_model
+from minfer.training.copy_warmup import MAX_RUN, copy_warmup, drill_batch, losses_if
+from minfer.training.copying import copy_accuracy
+from minfer.training.stories import stories
+from minfer.training.train_tiny import TrainOptions, make_optimizer, parse_args, train
 
 TINY = BUILTIN_MODELS["minfer-tiny"]
 LLAMA, DRAFT = BUILTIN_MODELS["minfer-tiny-llama"], BUILTIN_MODELS["minfer-tiny-llama-draft"]
@@ -99,7 +99,7 @@ def test_the_target_copies_where_minfer_tiny_does_not():
 def test_transformers_agrees_on_the_llama_shape():
     """LlamaForCausalLM on the same files, fp32: the same perplexity within 1e-4 relative."""
     transformers = pytest.importorskip("transformers")
-    from minfer.models.perplexity import perplexity
+    from minfer.bench.perplexity import perplexity
     from minfer.text.tokenizer import Tokenizer as MinferTokenizer
 
     ours = load_model(LLAMA)
@@ -151,7 +151,7 @@ def test_drill_rows_tell_a_run_twice():
 def test_the_warm_up_switches_the_mlps_off_only_while_it_drills():
     """During the drill every block's MLP output is replaced by zeros, so only attention learns (the MLP
     weights get no gradient and stay as they were); afterwards no hook is left and the MLPs count again."""
-    from minfer.checkpoints.tiny_shapes import build_model, init_weights, tiny_config
+    from minfer.training.tiny_shapes import build_model, init_weights, tiny_config
 
     torch.manual_seed(0)
     model = build_model(tiny_config("llama", 60, 59, 64, 32, 2, 2))

@@ -1,8 +1,8 @@
-"""Tests for minfer.tokenizer: loading, EOS lookup, round trips and streaming decode."""
+"""Tests for minfer.text.tokenizer: loading, EOS lookup, round trips and streaming decode, for byte-level BPE
+(GPT-2 style) and SentencePiece-style (Llama 2: `▁`, byte fallback) tokenizers, and any other decoder."""
 
 from __future__ import annotations
 
-import codecs
 import json
 import random
 import shutil
@@ -10,9 +10,12 @@ import shutil
 import pytest
 import tokenizers
 from tokenizers import decoders, pre_tokenizers
+from tokenizers.decoders import DecodeStream
 
 from minfer.checkpoints import EOS_TOKEN, write_random_checkpoint
-from minfer.text.tokenizer import IncrementalDetokenizer, Tokenizer, bytes_to_unicode
+from minfer.text import tokenizer as tokenizer_module
+from minfer.text.token_bytes import bytes_to_unicode
+from minfer.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = {
     "ascii": "Hello, world! The quick brown fox jumps over the lazy dog 0123456789.",
@@ -175,7 +178,7 @@ def test_special_tokens_stream_as_nothing(tok):
 def test_added_tokens_stream_like_decode(ckpt):
     # `tokenizers` sends added (non-special) tokens through the ByteLevel decoder too: one made
     # only of byte-table characters is mapped back to bytes ("ĠxĠ" -> " x ", "éé" -> b"\xe9\xe9"),
-    # anything else is taken as its UTF-8. The byte table must mimic that exactly.
+    # anything else is taken as its UTF-8. Streaming and token_bytes must agree with it exactly.
     backend = tokenizers.Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     added = ["héllo wörld", "ĠxĠ", "éé", "🤖bot"]
     assert all(backend.token_to_id(a) is None for a in added)
@@ -189,48 +192,68 @@ def test_added_tokens_stream_like_decode(ckpt):
         rng.shuffle(ids)
         assert stream(t, ids)[1] == t.decode(ids), ids
     assert [t.decode([t.token_to_id(a)]) for a in added] == ["héllo wörld", " x ", "\ufffd\ufffd", "🤖bot"]
+    assert [t.token_bytes[t.token_to_id(a)] for a in added] == ["héllo wörld".encode(), b" x ", b"\xe9\xe9", "🤖bot".encode()]
 
 
 def test_streaming_never_calls_full_decode(tok, monkeypatch):
-    """O(1) amortized: no whole-sequence decode, and each token's bytes are fed exactly once."""
+    """O(1) amortized: each id reaches the DecodeStream (which decodes a short window) exactly once, and
+    the only decode() left, the flush of a held tail, decodes a few ids, never the sequence."""
 
-    class NoDecode:  # the Rust-backed Tokenizer can't be monkeypatched, so wrap it
+    class RecordingDecode:  # the Rust-backed Tokenizer can't be monkeypatched, so wrap it
         def __init__(self, inner):
-            self._inner = inner
+            self.inner, self.decoded = inner, []
+
+        def decode(self, ids, skip_special_tokens=True):
+            self.decoded.append(len(ids))
+            return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
 
         def __getattr__(self, name):
-            if name in ("decode", "decode_batch"):
+            if name == "decode_batch":
                 raise AssertionError(f"streaming called the full {name}()")
-            return getattr(self._inner, name)
+            return getattr(self.inner, name)
 
     fed = []
 
-    class RecordingDecoder(codecs.getincrementaldecoder("utf-8")):
-        def decode(self, data, final=False):
-            fed.append(len(data))
-            return super().decode(data, final)
+    class RecordingStream:
+        def __init__(self, skip_special_tokens):
+            self.inner = DecodeStream(skip_special_tokens=skip_special_tokens)
 
-    guarded = Tokenizer(NoDecode(tok.backend), tok.eos_token_id)
-    monkeypatch.setattr(codecs, "getincrementaldecoder", lambda enc: RecordingDecoder)
+        def step(self, backend, ids):
+            fed.append(len(ids) if isinstance(ids, list) else 1)
+            return self.inner.step(backend.inner, ids)
+
+    backend = RecordingDecode(tok.backend)
+    guarded = Tokenizer(backend, tok.eos_token_id)
+    monkeypatch.setattr(tokenizer_module, "DecodeStream", RecordingStream)
     rng = random.Random(0)
     ids = [rng.randrange(tok.vocab_size) for _ in range(2000)]
+    ids += [tok.token_bytes.index(b"\xf0")]  # a held tail for flush to render
     d = guarded.detokenizer()
     out = "".join(d.add(i) for i in ids) + d.flush()
-    assert len(fed) == len(ids) + 1
-    assert sum(fed) == sum(len(tok.token_bytes[i]) for i in ids)  # linear, not quadratic
+    assert sum(fed) == sum(1 for i in ids if i != tok.eos_token_id)  # each id once: linear, not quadratic
+    assert len(backend.decoded) == 2 and max(backend.decoded) < 10  # flush: the last window, without and with the tail
     assert out == d.text == tok.decode(ids)
 
 
-def test_detokenizer_requires_byte_level_decoder(ckpt):
+@pytest.mark.parametrize("decoder", [decoders.Metaspace(), decoders.WordPiece(), decoders.BPEDecoder()],
+                         ids=["Metaspace", "WordPiece", "BPEDecoder"])
+def test_every_decoder_streams_like_decode(ckpt, decoder):
+    """Any decoder the `tokenizers` library reads streams, not only byte-level ones: the stream is decode()."""
     backend = tokenizers.Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    backend.decoder = decoders.Metaspace()
-    with pytest.raises(ValueError, match="byte-level"):
-        Tokenizer(backend).detokenizer()
+    backend.decoder = decoder
+    t = Tokenizer(backend, eos_token_id=511)
+    rng = random.Random(5)
+    for _ in range(100):
+        ids = [rng.randrange(t.vocab_size) for _ in range(rng.randint(0, 30))]
+        assert stream(t, ids)[1] == t.decode(ids), ids
+    assert all(isinstance(b, bytes) for b in t.token_bytes) and t.token_bytes[511] == b""
 
 
-def test_detokenizer_is_usable_directly():
-    d = IncrementalDetokenizer([b"a", "é".encode()[:1], "é".encode()[1:], b""])
-    assert [d.add(i) for i in (0, 1, 2, 3, 9)] == ["a", "", "é", "", ""]
+def test_detokenizer_is_usable_directly(ckpt):
+    backend = tokenizers.Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    e_acute = [backend.token_to_id(bytes_to_unicode()[b]) for b in "é".encode()]  # one byte token each
+    d = IncrementalDetokenizer(backend, backend.get_vocab_size(), skipped=frozenset({511}))
+    assert [d.add(i) for i in (backend.token_to_id("a"), *e_acute, 511, 9999)] == ["a", "", "é", "", ""]
     assert d.text == "aé"
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from minfer.checkpoints.stories import parses, split_sentences, stories
+from minfer.bench.perplexity import perplexity, windows
 from minfer.checkpoints.tokenizer_training import train_tokenizer
-from minfer.checkpoints.train_tiny import TrainOptions, parse_args, train
 from minfer.models.loader import BUILTIN_MODELS, resolve_model_dir
-from minfer.models.perplexity import perplexity, windows
+from minfer.training.stories import parses, split_sentences, stories
+from minfer.training.train_tiny import TrainOptions, parse_args, train
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = BUILTIN_MODELS["minfer-tiny"]

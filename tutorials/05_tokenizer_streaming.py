@@ -2,15 +2,20 @@
 
 GPT-2's tokenizer is byte-level BPE: text becomes UTF-8 bytes, bytes are merged
 into tokens. So one token can hold half a character, and decoding tokens one
-by one shows broken characters (U+FFFD). minfer's IncrementalDetokenizer holds
-incomplete bytes back until the next token completes them.
+by one shows broken characters (U+FFFD). Llama 2's kind (SentencePiece-style)
+spells a character it does not know in byte tokens (<0xE6><0x97><0xA5>).
+minfer's IncrementalDetokenizer, on the `tokenizers` library's DecodeStream,
+holds incomplete text back until later tokens complete it, for either kind.
 
     python tutorials/05_tokenizer_streaming.py   # MINFER_MODEL=/path to choose the checkpoint
 """
 
+import tempfile
+
 from _common import model_path, section
 
 from minfer import LLM, SamplingParams
+from minfer.checkpoints import write_random_checkpoint
 from minfer.text.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are not valid UTF-8
@@ -104,4 +109,36 @@ detok = tok.detokenizer()
 streamed = "".join(detok.add(i) for i in generated.token_ids) + detok.flush()
 print(f"{len(generated.token_ids)} generated tokens -> {streamed!r}")
 assert streamed == tok.decode(generated.token_ids) == generated.text
-print("\nOK: round trips, a split character held back and emitted whole, streaming equals decode().")
+
+section("a SentencePiece-style tokenizer (Llama 2's kind)")
+# A random Llama 2-style checkpoint: <unk> <s> </s>, 256 byte tokens, then pieces; `▁` stands for a space.
+sp_path = write_random_checkpoint(tempfile.mkdtemp(), "llama2-tiny")
+sp = Tokenizer.from_dir(sp_path)
+text = "Hello 日本 world\n"
+ids = sp.encode_prompt(text)
+print(f"{text!r} -> {[sp.id_to_token(i) for i in ids]}")
+print("    (<s> starts a prompt; '▁' is a space; 日本 and the newline are spelt in byte tokens: byte fallback)")
+assert sp.id_to_token(ids[0]) == "<s>" and sp.decode(ids) == text
+detok = sp.detokenizer()
+pieces = [detok.add(i) for i in ids] + [detok.flush()]
+print("pieces: " + " | ".join(repr(p) for p in pieces))
+# A run of bytes comes out whole with the token that ends it, or, last in the stream, at flush().
+assert "".join(pieces) == text and any(p.startswith("日本") for p in pieces) and pieces[-1] == "\n"
+
+# A run of byte tokens waits for its end: one invalid byte later makes decode() show every byte of
+# the run as U+FFFD, even the ones that were a whole character so far.
+a, ff, w = sp.token_to_id("<0x41>"), sp.token_to_id("<0xFF>"), sp.token_to_id("▁w")
+print(f"decode(<0x41>) = {sp.decode([a])!r}, but decode(<0x41> <0xFF> ▁w) = {sp.decode([a, ff, w])!r}")
+detok = sp.detokenizer()
+pieces = [detok.add(i) for i in (a, ff, w)] + [detok.flush()]
+print("pieces: " + " | ".join(repr(p) for p in pieces))
+assert pieces == ["", "", "\ufffd\ufffd w", ""] and "".join(pieces) == sp.decode([a, ff, w])
+
+# A random model writes byte tokens half the time: the stream still ends up equal to decode().
+sp_llm = LLM(str(sp_path), num_kv_blocks=16, max_num_seqs=1)
+generated = sp_llm.generate(["Once upon a time"], SamplingParams(max_tokens=40, seed=0, ignore_eos=True), use_tqdm=False)[0]
+detok = sp.detokenizer()
+streamed = "".join(detok.add(i) for i in generated.token_ids) + detok.flush()
+print(f"{len(generated.token_ids)} generated tokens -> {streamed!r}")
+assert streamed == sp.decode(generated.token_ids) == generated.text
+print("\nOK: round trips, a split character held back and emitted whole, streaming equals decode(), for both kinds.")

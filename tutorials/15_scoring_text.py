@@ -21,7 +21,7 @@ import transformers
 from _common import model_path, section
 
 from minfer import LLM, EngineConfig, SamplingParams
-from minfer.models.perplexity import windows
+from minfer.bench.perplexity import windows
 from minfer.server.serve import create_server
 
 TOL = 1e-4

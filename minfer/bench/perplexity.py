@@ -8,26 +8,81 @@ The model is the one minfer serves (load_model, the dtype and threads the engine
 through its plain forward: the engine's step computes logits only for rows that sample, and
 perplexity needs every position's. The file is tokenized whole, as one stream (special tokens
 written in it, such as <|endoftext|>, are one id each), and scored in sliding windows of the
-model's context with a stride of half of it (models/perplexity.py): every token but the first is
-scored once, with at least half a context before it once the text is that long.
+model's context with a stride of half of it: every token but the first is scored once, with at
+least half a context before it once the text is that long.
+
+The method (Hugging Face's "perplexity of fixed-length models"): windows of `window` tokens start
+every `stride` tokens, and each window scores only the tokens no earlier window scored.
+Perplexity is exp(total negative log-likelihood / tokens scored). train-tiny scores its models
+with the same functions, so a model card's figure is what eval-ppl prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from ..engine.config import DTYPES
 from ..assembly.build import resolve_dtype, set_cpu_threads
-from ..models.perplexity import Perplexity, perplexity
 from ..models.registry import load_model
 from ..quantization import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization, quantize_model
 from ..quantization.checkpoint import QuantizationSpec, QuantizedWeights
 from ..text.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    nll: float  # summed negative log-likelihood, in nats
+    tokens: int  # tokens scored: every token but the first
+
+    @property
+    def loss(self) -> float:
+        """Mean negative log-likelihood per token (nats): the training loss."""
+        return self.nll / self.tokens
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+
+def windows(num_tokens: int, window: int, stride: int) -> Iterator[tuple[int, int, int]]:
+    """(begin, end, first) per window: it runs on tokens [begin, end) and scores tokens [first, end)."""
+    if not 0 < stride < window:  # windows must overlap: a window's first token has nothing before it
+        raise ValueError(f"stride must be in [1, window - 1 = {window - 1}], got {stride}")
+    scored = 1  # token 0 has nothing before it to predict it
+    for begin in range(0, max(num_tokens - 1, 1), stride):
+        end = min(begin + window, num_tokens)
+        if end > scored:
+            yield begin, end, scored
+            scored = end
+        if end == num_tokens:
+            break
+
+
+@torch.inference_mode()
+def perplexity(
+    forward: Callable[[torch.Tensor], torch.Tensor], token_ids: list[int] | torch.Tensor, window: int, stride: int
+) -> Perplexity:
+    """Score `token_ids` with `forward`: (1, T) ids -> (1, T, vocab) logits (minfer's plain model forward)."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long)
+    if ids.numel() < 2:
+        raise ValueError("perplexity needs at least 2 tokens")
+    nll, count = 0.0, 0
+    for begin, end, first in windows(ids.numel(), window, stride):
+        logits = forward(ids[None, begin:end])[0]  # (T, V)
+        predicted_by = logits[first - 1 - begin : end - 1 - begin].float()  # the logits at t-1 predict token t
+        targets = ids[first:end].to(logits.device)
+        nll += F.cross_entropy(predicted_by, targets, reduction="sum").item()  # summed in Python's float64
+        count += targets.numel()
+    return Perplexity(nll, count)
 
 
 def file_perplexity(

@@ -85,12 +85,12 @@ def copy_texts(model_dir: Path, num: int) -> list[str]:
     if not path.is_file():
         raise ValueError(f"--workload copy reads held-out text from {path}, which does not exist (minfer-tiny has one)")
     stories = [s.strip() for s in path.read_text(encoding="utf-8").split(EOS) if s.strip()]
-    texts = []
-    for i in range(num):
-        first, second = stories[2 * i % len(stories)], stories[(2 * i + 1) % len(stories)]
-        opening = first.split(". ")[0] + "."
-        texts.append(f"{first}{EOS}{second}{EOS}{opening}")
-    return texts
+    return [copy_prompt(stories[2 * i % len(stories)], stories[(2 * i + 1) % len(stories)]) for i in range(num)]
+
+
+def copy_prompt(first: str, second: str) -> str:
+    """One copy prompt: both stories, each ended by <|endoftext|>, then the first one's opening sentence."""
+    return f"{first}{EOS}{second}{EOS}{first.split('. ')[0]}."
 
 
 def build_workload(

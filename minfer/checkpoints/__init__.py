@@ -3,12 +3,13 @@
 The Hugging Face Hub is not always reachable (CI, air-gapped machines), so tests,
 tutorials and benchmarks run on checkpoints this package writes. They have exactly
 the files and tensor names of a real checkpoint (GPT-2 in either layout found in
-the wild; Qwen3 and Llama with their special tokens, chat template and
-generation_config.json), so everything downstream exercises the real loading path.
+the wild; Qwen3, Llama 3 and Llama 2 with their special tokens, chat template and
+generation_config.json, Llama 2's tokenizer SentencePiece-style), so everything
+downstream exercises the real loading path.
 
-    python -m minfer.checkpoints OUT_DIR [--config gpt2|tiny|qwen3-tiny|llama-tiny|qwen3-0.6b]
+    python -m minfer.checkpoints OUT_DIR [--config gpt2|tiny|qwen3-tiny|llama-tiny|llama2-tiny|qwen3-0.6b]
                                          [--layout hub|transformers]
-    (also `minfer random-model ...` and, as before, `python -m minfer.random_model ...`)
+    (also `minfer random-model ...` and `python -m minfer.random_model ...`)
 
 Layer: a tool beside the engine. It writes files in the checkpoint formats the models
 layer reads, and imports nothing of minfer's beyond this package.

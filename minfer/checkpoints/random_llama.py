@@ -1,10 +1,9 @@
 """Random Qwen3 and Llama checkpoints: the files a chat model ships, with random weights.
 
-Besides config.json and model.safetensors (transformers' tensor names), a chat model
-ships a tokenizer with special tokens (<|im_start|>, <|im_end|>, ...), a chat template
-in tokenizer_config.json, and generation_config.json listing the ids that end a reply.
-The templates here are written for minfer in the style of Qwen3's (ChatML) and
-Llama 3's; they are not copies of either.
+Besides config.json and model.safetensors (transformers' tensor names), a chat model ships a
+tokenizer with its special tokens and a chat template (chat_tokenizers.py), and
+generation_config.json listing the ids that end a reply. Three families: Qwen3, Llama 3
+(`llama-tiny`: byte-level BPE) and Llama 2 (`llama2-tiny`: a SentencePiece-style tokenizer).
 """
 
 from __future__ import annotations
@@ -13,35 +12,27 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken, processors
 
+from .chat_tokenizers import LLAMA_SPECIALS, QWEN3_ADDED, QWEN3_SPECIALS, write_tokenizer
 from .files import save_safetensors
-from .tokenizer_training import train_tokenizer
 
+TINY_LLAMA = dict(  # the tiny presets' shape; grouped-query attention: 4 query heads share 2 key/value heads
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=172,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 LLAMA_CONFIGS = {
     # Qwen3: explicit head_dim (here twice hidden / heads, as in Qwen3-0.6B), q/k norms, tied embeddings.
-    "qwen3-tiny": dict(
-        family="qwen3",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-    ),
-    # Llama: head_dim = hidden / heads, an LM head of its own.
-    "llama-tiny": dict(
-        family="llama",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=172,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    ),
+    "qwen3-tiny": {"family": "qwen3", **TINY_LLAMA, "intermediate_size": 128, "head_dim": 32},
+    # Llama 3: head_dim = hidden / heads, an LM head of its own.
+    "llama-tiny": dict(family="llama", **TINY_LLAMA),
+    # Llama 2: the same shape with rotary base 10,000, and a SentencePiece-style tokenizer (`▁` for a space,
+    # byte fallback, <s> before each prompt) with <unk>, <s>, </s> as ids 0, 1, 2.
+    "llama2-tiny": dict(family="llama2", **TINY_LLAMA, rope_theta=10000.0),
     # The shape of Qwen/Qwen3-0.6B (0.6B parameters, stored in bf16 like the real one); its tokenizer
     # is smaller than the 151,936-row embedding (the real one's is too, if less so): 32k keeps it quick.
     "qwen3-0.6b": dict(
@@ -59,49 +50,17 @@ LLAMA_CONFIGS = {
     ),
 }
 
-QWEN3_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Added but not special, as in Qwen3: one id each, yet part of the reply's text (its reasoning).
-QWEN3_ADDED = ["<think>", "</think>"]
-LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-
-# ChatML, as Qwen uses it: <|im_start|>role\ncontent<|im_end|>\n per message.
-CHATML_TEMPLATE = """{%- for message in messages %}
-{%- if message['role'] not in ['system', 'user', 'assistant'] %}
-{{- raise_exception('unsupported role ' + message['role']) }}
-{%- endif %}
-{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
-{%- endfor %}
-{%- if add_generation_prompt %}
-{{- '<|im_start|>assistant\\n' }}
-{%- endif %}"""
-
-# Llama 3's header style: the BOS token, then a header and an <|eot_id|>-terminated body per message.
-LLAMA3_TEMPLATE = """{{- bos_token }}
-{%- for message in messages %}
-{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}
-{%- endfor %}
-{%- if add_generation_prompt %}
-{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
-{%- endif %}"""
-
-
-def make_llama_config(preset: str, **overrides) -> dict:
-    """A config.json dict in the format transformers writes for Qwen3ForCausalLM / LlamaForCausalLM."""
-    shape = {**LLAMA_CONFIGS[preset], **overrides}
-    family = shape.pop("family")
-    shape.pop("tokenizer_size", None)
-    tokenizer_size = LLAMA_CONFIGS[preset].get("tokenizer_size", shape["vocab_size"])
-    specials = QWEN3_SPECIALS if family == "qwen3" else LLAMA_SPECIALS
-    added = QWEN3_ADDED if family == "qwen3" else []
-    first_special = tokenizer_size - len(added) - len(specials)  # after the learned tokens
-    ids = {t: first_special + i for i, t in enumerate(specials)}
+def llama_config(family: str, bos_token_id: int, eos_token_id: int | list[int], **shape) -> dict:
+    """A config.json dict in the format transformers writes for Qwen3ForCausalLM (family "qwen3") or
+    LlamaForCausalLM ("llama"). `shape` gives the sizes (vocab_size, hidden_size, ...) and may override
+    any of the family's defaults (rope_theta, rms_norm_eps, tie_word_embeddings...)."""
     common = dict(
         hidden_act="silu",
         rms_norm_eps=1e-6 if family == "qwen3" else 1e-5,
         attention_bias=False,
         attention_dropout=0.0,
         initializer_range=0.02,
-        torch_dtype=shape.pop("torch_dtype", "float32"),
+        torch_dtype="float32",
         use_cache=True,
     )
     if family == "qwen3":
@@ -115,8 +74,8 @@ def make_llama_config(preset: str, **overrides) -> dict:
             "use_sliding_window": False,
             "sliding_window": None,
             "max_window_layers": shape["num_hidden_layers"],
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
+            "bos_token_id": bos_token_id,
+            "eos_token_id": eos_token_id,
             **shape,
         }
     return {
@@ -127,10 +86,28 @@ def make_llama_config(preset: str, **overrides) -> dict:
         "rope_theta": 500000.0,
         "rope_scaling": None,
         "tie_word_embeddings": False,
-        "bos_token_id": ids["<|begin_of_text|>"],
-        "eos_token_id": [ids["<|end_of_text|>"], ids["<|eot_id|>"]],
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
         **shape,
     }
+
+
+def make_llama_config(preset: str, **overrides) -> dict:
+    """The config.json of a preset of LLAMA_CONFIGS: Llama 2's special tokens come first, the others' after
+    the learned tokens."""
+    shape = {**LLAMA_CONFIGS[preset], **overrides}
+    family = shape.pop("family")
+    shape.pop("tokenizer_size", None)
+    if family == "llama2":
+        return llama_config("llama", 1, 2, **shape)
+    tokenizer_size = LLAMA_CONFIGS[preset].get("tokenizer_size", shape["vocab_size"])
+    specials = QWEN3_SPECIALS if family == "qwen3" else LLAMA_SPECIALS
+    added = QWEN3_ADDED if family == "qwen3" else []
+    first_special = tokenizer_size - len(added) - len(specials)  # after the learned tokens
+    ids = {t: first_special + i for i, t in enumerate(specials)}
+    if family == "qwen3":
+        return llama_config(family, ids["<|endoftext|>"], ids["<|im_end|>"], **shape)
+    return llama_config(family, ids["<|begin_of_text|>"], [ids["<|end_of_text|>"], ids["<|eot_id|>"]], **shape)
 
 
 def random_llama_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -173,39 +150,16 @@ def write_random_llama(out: Path, preset: str, seed: int = 0, **overrides) -> Pa
     """config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a chat template,
     generation_config.json."""
     config = make_llama_config(preset, **overrides)
-    qwen = config["model_type"] == "qwen3"
     dtype = torch.bfloat16 if config["torch_dtype"] == "bfloat16" else torch.float32
     tensors = {k: v.to(dtype) for k, v in random_llama_state_dict(config, seed).items()}
     save_safetensors(tensors, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    specials = QWEN3_SPECIALS if qwen else LLAMA_SPECIALS
+    family = LLAMA_CONFIGS[preset]["family"]
     tokenizer_size = LLAMA_CONFIGS[preset].get("tokenizer_size", config["vocab_size"])
-    added = QWEN3_ADDED if qwen else []
-    tokenizer = train_tokenizer(tokenizer_size - len(added), seed, specials)
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
-    if not qwen:  # like Llama 3's, the tokenizer puts <|begin_of_text|> before every prompt
-        bos = ("<|begin_of_text|>", tokenizer.token_to_id("<|begin_of_text|>"))
-        tokenizer.post_processor = processors.Sequence(
-            [
-                processors.ByteLevel(trim_offsets=False),
-                processors.TemplateProcessing(
-                    single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B", special_tokens=[bos]
-                ),
-            ]
-        )
-    tokenizer.save(str(out / "tokenizer.json"))
+    write_tokenizer(out, family, tokenizer_size, seed, config["max_position_embeddings"])
     eos = config["eos_token_id"] if isinstance(config["eos_token_id"], list) else [config["eos_token_id"]]
-    if qwen:  # a Qwen3 reply ends with <|im_end|>; plain text with <|endoftext|>
+    if family == "qwen3":  # a Qwen3 reply ends with <|im_end|>; plain text with <|endoftext|>
         eos = [config["eos_token_id"], config["bos_token_id"]]
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    tok_config = {
-        "tokenizer_class": "Qwen2Tokenizer" if qwen else "PreTrainedTokenizerFast",
-        "model_max_length": config["max_position_embeddings"],
-        "bos_token": None if qwen else "<|begin_of_text|>",
-        "eos_token": "<|im_end|>" if qwen else "<|eot_id|>",
-        "pad_token": "<|endoftext|>" if qwen else None,
-        "chat_template": CHATML_TEMPLATE if qwen else LLAMA3_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     return out

@@ -32,10 +32,12 @@ class Choice:
         self.token_times.append(now)
         # A stop token's text is shown only with include_stop_str_in_output. Stop strings count once the
         # output is past min_tokens (vLLM's rule); one ends the choice too, and wins over "length".
+        check = seq.num_output_tokens > seq.params.min_tokens
         if seq.finish_reason != "stop" or seq.params.include_stop_str_in_output:
-            check = seq.num_output_tokens > seq.params.min_tokens
             if self.text.add_token(token, check) or (seq.is_finished and self.text.flush(check)):
                 seq.finish("stop")
+        else:  # the stop token adds no text, but what the detokenizer held back before it comes out
+            self.text.flush(check)
         if seq.is_finished:
             self.finish_time = now
         return seq.is_finished

@@ -62,7 +62,7 @@ def warmup_text(w: dict | None) -> str:
     """The copy warm-up's paragraph (copy_warmup.py), or nothing when there was none."""
     if not w:
         return ""
-    return (f"\n\nBefore the stories: a copy warm-up (`--copy-warmup-steps`, minfer/checkpoints/copy_warmup.py) of "
+    return (f"\n\nBefore the stories: a copy warm-up (`--copy-warmup-steps`, minfer/training/copy_warmup.py) of "
             f"{w['steps']:,} steps on rows that tell a run of 8-30 random tokens twice, with the MLPs switched off, "
             f"ending at a drill loss of {w['drill_loss']:.2f} nats (guessing: {w['guess_loss']:.2f}; copying "
             f"perfectly: {w['copying_loss']:.2f}). It is there to form the heads that copy from the context, which the "
@@ -72,7 +72,7 @@ def warmup_text(w: dict | None) -> str:
 
 def init_command(init: str, prog: str) -> str | None:
     """The command that trained the checkpoint `--init` names, from its own card, written to `init`. A card
-    from before retellings existed trained without them: `--retell 0` says so now."""
+    whose command has no --retell trained without retellings: `--retell 0` is added to say so."""
     card = Path(init) / "README.md"
     if not card.is_file():
         return None
@@ -117,7 +117,7 @@ Licence: MIT, like minfer. The training text is generated, so nothing here comes
 
 ## Training data
 
-Stories from the probabilistic grammar in `minfer/checkpoints/stories.py` (TinyStories-like: an opening,
+Stories from the probabilistic grammar in `minfer/training/stories.py` (TinyStories-like: an opening,
 what the hero likes, an outing, a find, a problem, dialogue, a solution, an ending), one per line, each
 ended by `<|endoftext|>`. {o['num_stories']:,} training stories from seed {o['seed']};
 {tokenizer_origin(o)}. After each story, with chance
@@ -150,7 +150,7 @@ context, stride half of it, every token but the first scored once) on the writte
 | held-out perplexity (heldout.txt) | {r['heldout_loss']:.4f} | {r['heldout_perplexity']:.4f} |
 
 Copying, on `bench.py --workload copy`'s prompt (two stories of heldout.txt, then the first one's opening
-sentence again; minfer/checkpoints/copying.py, 20 prompts): of the first story's remaining tokens,
+sentence again; minfer/training/copying.py, 20 prompts): of the first story's remaining tokens,
 {100 * c['teacher_forced']:.1f}% are the model's greedy choice given the true ones before, and greedy decoding
 writes {100 * c['greedy']:.1f}% of them before its first difference.
 

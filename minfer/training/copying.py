@@ -1,6 +1,7 @@
-"""How well a trained model copies from its context: on the prompt shape of `bench.py --workload copy`
-(two held-out stories, then the first one's opening sentence again), the share of the first story's
-remaining tokens it writes back verbatim. That share is what n-gram speculation (prompt lookup) can win."""
+"""How well a trained model copies from its context: on `bench.py --workload copy`'s prompt (two held-out
+stories, then the first one's opening sentence again: bench/workload.py's copy_prompt), the share of the
+first story's remaining tokens it writes back verbatim. That share is what n-gram speculation (prompt
+lookup) can win."""
 
 from __future__ import annotations
 
@@ -10,18 +11,13 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from .tokenizer_training import EOS_TOKEN
+from ..bench.workload import EOS, copy_prompt
 
 
 @dataclass
 class CopyScore:
     teacher_forced: float  # share of the retold story's tokens that are the model's argmax, given the true ones before
     greedy: float  # share of them greedy decoding writes before its first difference, over all stories
-
-
-def copy_prompt(first: str, second: str) -> str:
-    """bench.py's copy prompt (minfer/bench/workload.py: copy_texts): both stories, then the first's opening."""
-    return f"{first}{EOS_TOKEN}{second}{EOS_TOKEN}{first.split('. ')[0]}."
 
 
 @torch.inference_mode()
@@ -34,7 +30,7 @@ def copy_accuracy(model: nn.Module, tokenizer: Tokenizer, stories: list[str], nu
     forced = greedy = total = scored = 0
     for first, second in zip(stories[0::2], stories[1::2]):
         prompt = tokenizer.encode(copy_prompt(first, second)).ids
-        full = tokenizer.encode(f"{first}{EOS_TOKEN}{second}{EOS_TOKEN}{first}{EOS_TOKEN}").ids
+        full = tokenizer.encode(f"{first}{EOS}{second}{EOS}{first}{EOS}").ids
         assert full[: len(prompt)] == prompt, "the opening must end on a token boundary"
         if len(full) > model.config.max_positions:
             continue

@@ -14,11 +14,12 @@ import math
 import torch
 from torch import nn
 
+from ..checkpoints.random_gpt2 import make_config
+from ..checkpoints.random_llama import llama_config
 from ..models.config import GPT2Config
 from ..models.gpt2 import CONV1D_WEIGHTS, GPT2
 from ..models.llama import Llama
 from ..models.llama_config import LlamaConfig
-from .random_gpt2 import make_config
 
 ARCHS = {"gpt2": GPT2, "llama": Llama}
 RESIDUAL_PROJECTIONS = ("c_proj.weight", "o_proj.weight", "down_proj.weight")  # what writes into the stream
@@ -36,20 +37,15 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int, n_positions: int, n_emb
     if arch == "gpt2":
         config = make_config("tiny", vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd,
                              n_layer=n_layer, n_head=n_head)
-    else:
-        if n_embd % n_head:
-            raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
-        config = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": vocab_size, "hidden_size": n_embd, "intermediate_size": llama_mlp_width(n_embd),
-            "num_hidden_layers": n_layer, "num_attention_heads": n_head, "num_key_value_heads": n_head,
-            "head_dim": n_embd // n_head, "max_position_embeddings": n_positions,
-            "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None,
-            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
-            "initializer_range": 0.02, "use_cache": True,
-        }
-    config["eos_token_id"] = config["bos_token_id"] = eos_id
-    return config
+        config["eos_token_id"] = config["bos_token_id"] = eos_id
+        return config
+    if n_embd % n_head:
+        raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
+    return llama_config("llama", eos_id, eos_id, vocab_size=vocab_size, hidden_size=n_embd,
+                        intermediate_size=llama_mlp_width(n_embd), num_hidden_layers=n_layer,
+                        num_attention_heads=n_head, num_key_value_heads=n_head, head_dim=n_embd // n_head,
+                        max_position_embeddings=n_positions, rms_norm_eps=1e-6, rope_theta=10000.0,
+                        tie_word_embeddings=True)
 
 
 def build_model(config: dict) -> nn.Module:

@@ -30,14 +30,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from ..models.perplexity import Perplexity, perplexity
+from ..bench.perplexity import Perplexity, perplexity
+from ..checkpoints.files import save_safetensors
+from ..checkpoints.tokenizer_training import EOS_TOKEN, train_tokenizer
 from .copy_warmup import copy_warmup
 from .copying import copy_accuracy
-from .files import save_safetensors
 from .model_card import write_card
 from .stories import stories, with_retellings
 from .tiny_shapes import ARCHS, build_model, checkpoint_tensors, init_weights, tiny_config
-from .tokenizer_training import EOS_TOKEN, train_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -110,7 +110,7 @@ def write_checkpoint(model: nn.Module, config: dict, tokenizer: Tokenizer, out: 
 
 
 def evaluate(model: nn.Module, ids: torch.Tensor, window: int) -> Perplexity:
-    """Held-out loss by the method `minfer eval-ppl` uses (models/perplexity.py): windows of the
+    """Held-out loss by the method `minfer eval-ppl` uses (bench/perplexity.py): windows of the
     context, stride half of it."""
     model.eval()
     result = perplexity(model, ids.long(), window, window // 2)

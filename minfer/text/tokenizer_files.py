@@ -1,0 +1,86 @@
+"""A checkpoint's tokenizer files: tokenizer.json, or else GPT-2's vocab.json + merges.txt, and the ids that
+end a generation (config.json, generation_config.json, tokenizer_config.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+from ..errors import is_int
+
+EOS_TOKEN = "<|endoftext|>"  # GPT-2's end of text: the EOS of last resort
+
+
+def read_backend(model_dir: str | Path) -> tokenizers.Tokenizer:
+    """The `tokenizers` tokenizer of a checkpoint directory: its tokenizer.json, or else one rebuilt from
+    vocab.json and merges.txt."""
+    d = Path(model_dir)
+    tok_json, vocab, merges = d / "tokenizer.json", d / "vocab.json", d / "merges.txt"
+    if tok_json.is_file():
+        try:
+            return tokenizers.Tokenizer.from_file(str(tok_json))
+        except Exception as e:  # tokenizers raises a bare Exception on bad input
+            raise ValueError(f"{tok_json} is not a valid tokenizer.json ({e}).") from None
+    if vocab.is_file() and merges.is_file():
+        return _from_vocab_merges(vocab, merges)
+    raise FileNotFoundError(f"no tokenizer found in {d}: looked for tokenizer.json, or vocab.json with merges.txt.")
+
+
+def _from_vocab_merges(vocab: Path, merges: Path) -> tokenizers.Tokenizer:
+    """GPT-2's tokenizer from the original OpenAI-style files."""
+    try:
+        bpe = models.BPE.from_file(str(vocab), str(merges))
+    except Exception as e:
+        raise ValueError(f"cannot build a BPE tokenizer from {vocab} and {merges} ({e}).") from None
+    backend = tokenizers.Tokenizer(bpe)
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    if backend.token_to_id(EOS_TOKEN) is not None:
+        # Special, so the literal text "<|endoftext|>" maps to the one id and decode() skips it.
+        backend.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
+    return backend
+
+
+def read_eos_token_ids(model_dir: str | Path) -> list[int]:
+    """Every end-of-sequence id the checkpoint names: config.json's eos_token_id, then
+    generation_config.json's (either may be one id or a list; chat models list their
+    end-of-turn token there too). The one place EOS ids are parsed."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        try:
+            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise ValueError(f"{path} is not a valid JSON object: {e}") from None
+        for i in eos if isinstance(eos, list) else [eos]:
+            if is_int(i) and i >= 0 and i not in ids:
+                ids.append(i)
+    return ids
+
+
+def find_eos_ids(model_dir: str | Path, backend: tokenizers.Tokenizer) -> list[int]:
+    """The ids config.json and generation_config.json name come first (the first is the EOS);
+    then tokenizer_config.json's eos_token; failing all of them, GPT-2's usual token."""
+    d = Path(model_dir)
+    ids = read_eos_token_ids(d)
+    if (d / "tokenizer_config.json").is_file():
+        eos = _read_json(d / "tokenizer_config.json").get("eos_token")
+        if isinstance(eos, dict):  # the serialized AddedToken form
+            eos = eos.get("content")
+        if isinstance(eos, str) and backend.token_to_id(eos) is not None and backend.token_to_id(eos) not in ids:
+            ids.append(backend.token_to_id(eos))
+    if not ids and backend.token_to_id(EOS_TOKEN) is not None:
+        ids.append(backend.token_to_id(EOS_TOKEN))
+    return ids
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}).") from None
