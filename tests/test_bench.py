@@ -260,7 +260,7 @@ def test_baseline_hf_and_roofline(tiny_checkpoint, tmp_path, capsys):
 
 
 def test_baseline_on_the_first_requests_only(tiny_checkpoint, tmp_path, capsys):
-    """--hf-num-requests: a slow baseline runs a subset of a big workload (issue 33's GPU runs)."""
+    """--hf-num-requests: a slow baseline runs a subset of a big workload (a GPU run's, say)."""
     pytest.importorskip("transformers")
     args = ("--model", tiny_checkpoint, *WORKLOAD, "--baseline", "hf", "--hf-batch-size", "2")
     out = run_bench(capsys, *args, "--hf-num-requests", "3", "--json", tmp_path / "b.json")

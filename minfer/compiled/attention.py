@@ -7,10 +7,10 @@ cache through the block tables; torch.compile (Inductor: C++ loops on a CPU) fus
 gather, the upcast, the scores, the masked softmax and the weighted sum, and the gathered
 context is never stored. The function is the lesson; the compiler does the fusion.
 
-- The cache is laid out for it (kv_cache.py, layout "blocks"): block by block, each block's keys
+- The cache is laid out for it (BlockedKVCache, below): block by block, each block's keys
   transposed, so the score's sum over head_dim runs across a block's positions as plain vector
   multiply-adds. Over rows of slots every position's score ended in a sum across one vector's
-  lanes: the same function ran 1.6-2x slower (docs/performance.md).
+  lanes: the same function ran 1.6-2x slower.
 - Decode rows (one query per sequence) run here: they are bound by reading the context.
 - Prefill chunks keep the eager CPU path (gather, then two matmuls, or sdpa on an AMX CPU): a chunk
   of T queries does T x L work per context position read, so it is bound by compute, which matmul
@@ -49,7 +49,7 @@ from ..attention.torch_sdpa import DecodeGroup
 WARM_UP_BUDGET_S = 60.0  # longest the start-up compile may take before the engine gives up on it
 # A lone sequence with at most this much context decodes by gather + sdpa where prefill chunks use sdpa
 # (an AMX CPU): in the engine, between a layer's matmuls, the compiled call met its code and data cold
-# and cost ~170 us, about 60 more than the eager read, and slowed the matmuls after it (docs/performance.md).
+# and cost ~170 us, about 60 more than the eager read, and slowed the matmuls after it.
 LONE_EAGER_MAX_CONTEXT = 256
 
 

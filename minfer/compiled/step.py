@@ -21,7 +21,7 @@ frozen into it as constants (Inductor's `freezing`) and `max_autotune` on. Then 
 weight for GEMM kernels it generates itself (its C++ templates, AMX tiles where the CPU has them),
 which neither shared block graphs (whose weights are inputs) nor eager oneDNN get: on an AMX host
 GPT-2's 48 linears at one bf16 row took 4.9 ms against 8.4 for the prepacked oneDNN ones, and int8
-weight-only linears beat bf16 at every row count (docs/performance.md, "Frozen weights"). The price:
+weight-only linears beat bf16 at every row count. The price:
 a slower first start (Dynamo traces every layer, Inductor autotunes each weight shape), and each of
 the two graphs holds its own packed copy of the weights, beside the model's plain ones that eager
 steps use. That graph serves prefill and mixed steps too (the templates are fast at every row count,
