@@ -3,7 +3,8 @@
     python -m minfer.stress --model DIR --duration 60        # starts its own server
     python -m minfer.stress --base-url http://127.0.0.1:8000 --duration 60
 
-It drives, all at once: concurrent streams (a fifth cancelled midway),
+It drives, all at once: concurrent streams (a fifth cancelled midway), structured-output requests
+(regexes, choices, JSON schemas, grammars; each output that stops must meet its constraint),
 connections that stay silent or idle, requests whose body never arrives,
 streams read slowly or not at all, malformed requests, /health probes and
 /metrics scrapes. Then it checks that nothing was lost: no 5xx or stack trace in

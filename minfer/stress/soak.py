@@ -27,6 +27,7 @@ from .clients import (
     stopped_reader,
     streamer,
 )
+from .constrained import constrained
 from .malformed import BAD_REQUESTS, malformer
 from .scorer import scorer
 
@@ -43,6 +44,7 @@ class SoakConfig:
     slow: int = 4  # streams read slowly through a tiny receive window
     stopped: int = 2  # streams whose client stops reading
     scorers: int = 6  # clients sending what eval harnesses send: echo + logprobs batches, logprob streams
+    constrained: int = 4  # clients asking for structured outputs: regexes, choices, JSON schemas, grammars
     replays: int = 16  # seeded streams replayed alone afterwards
     health_p99_ms: float = 2000.0  # generous: a loaded 2-core machine is slow, but not this slow
     max_rss_growth_mib: float = 128.0
@@ -76,7 +78,7 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally) -> dict:
     jobs = [(streamer, i, ()) for i in range(cfg.streams)] + [(idler, i, ()) for i in range(cfg.idle)]
     jobs += [(staller, i, ()) for i in range(cfg.stalled)] + [(slow_reader, i, ()) for i in range(cfg.slow)]
     jobs += [(stopped_reader, i, (cfg.write_timeout + 2,)) for i in range(cfg.stopped)] + [(malformer, 0, ())]
-    jobs += [(scorer, i, ()) for i in range(cfg.scorers)]
+    jobs += [(scorer, i, ()) for i in range(cfg.scorers)] + [(constrained, i, ()) for i in range(cfg.constrained)]
     threads = [
         threading.Thread(target=fn, args=(target, tally, end, cfg.seed * 1000 + i, *extra), daemon=True)
         for fn, i, extra in jobs
@@ -122,6 +124,9 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally) -> dict:
         "prompts scored": c["prompts scored"],
         "scoring requests refused with 429": c["scoring requests refused with 429"],
         "logprob streams finished": c["logprob streams finished"],
+        "constrained requests answered": c["constrained requests answered"],
+        "constrained outputs that stopped (each meets its constraint)": c["constrained outputs ending with stop"],
+        "constrained outputs cut at max_tokens": c["constrained outputs ending with length"],
         "stopped readers cut off": c["stopped readers cut off"],
         "stopped readers whose stream fit in the socket buffers": c[
             "stopped readers whose stream fit in the socket buffers"
