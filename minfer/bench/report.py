@@ -31,7 +31,8 @@ def format_header(args, dtype: str, threads: str, attention: str, machine: str) 
         ("dtype", dtype),
         ("threads", threads),
         ("attention", attention),
-        ("workload", f"{args.num_requests} requests: {prompts} in, {_lengths(args.output_len)} tokens out"),
+        ("workload", f"{args.num_requests} requests: {prompts} in, {_lengths(args.output_len)} tokens out"
+                     + (f", held to a {args.structured_output} (token masks)" if args.structured_output else "")),
         ("arrivals", rate + concurrency),
         ("runs", f"{args.warmup_runs} warm-up, {args.repeat_runs} measured"),
     ]
