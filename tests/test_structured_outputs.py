@@ -259,3 +259,17 @@ def test_llguidance_is_imported_only_when_a_request_asks(tiny_checkpoint):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_discarded_constrained_request_frees_everything(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint)
+    scheduler, room = llm.scheduler, llm.scheduler.features.structured
+    rid = scheduler.add_request("Once", sampling_params=constrained(CONSTRAINTS[6][0], max_tokens=80, n=2, seed=1))
+    for _ in range(4):
+        scheduler.step()
+    assert room.live and scheduler.discard_request(rid)
+    scheduler.add_request("Once", sampling_params=SamplingParams(max_tokens=2))
+    list(scheduler.steps())
+    scheduler.pop_responses(scheduler.pop_finished_ids()[0])
+    assert not room.live  # the discarded sequences' matchers went with them
+    assert_all_free(llm)
