@@ -41,7 +41,7 @@ from .metrics import RunResult, format_summary, median_summary, summarize
 from .offline import run_offline
 from .online import Endpoint, EngineFeedReader, ServerProcess, run_online
 from .profile import format_profile, profile_steps
-from .report import format_header, memory_owner, progress, result_title
+from .report import format_header, format_masks, memory_owner, progress, result_title
 from .roofline import format_roofline, roofline
 from .speculation import counters_of_server, counters_of_stats, format_spec, spec_summary
 from .trace import write_trace
@@ -262,16 +262,6 @@ def baseline_hf(args, model_dir, tokenizer: Tokenizer, workload, minfer_summary:
         "minfer_over_hf": ratios,
         "requests": records,
     }
-
-
-def format_masks(stats: dict) -> str:
-    """What the structured-output masks cost, per masked row (a row: one token of a constrained request), over
-    the warm-up and the measured runs."""
-    return (
-        f"Structured outputs: {stats['rows']} masked rows in {stats['steps']} steps; per row, llguidance's fill "
-        f"{stats['fill_us_per_row']:.1f} us on the mask thread (during the forward), of which the step waited "
-        f"{stats['wait_us_per_row']:.1f} us, and applying it {stats['apply_us_per_row']:.1f} us"
-    )
 
 
 def print_runs(summaries: list[dict]) -> None:

@@ -39,6 +39,16 @@ def format_header(args, dtype: str, threads: str, attention: str, machine: str) 
     return "\n".join([f"{' minfer bench ':=^50}", *(f"{k + ':':<11}{v}" for k, v in rows), "=" * 50])
 
 
+def format_masks(stats: dict) -> str:
+    """What the structured-output masks cost, per masked row (a row: one token of a constrained request), over
+    the warm-up and the measured runs."""
+    return (
+        f"Structured outputs: {stats['rows']} masked rows in {stats['steps']} steps; per row, llguidance's fill "
+        f"{stats['fill_us_per_row']:.1f} us on the mask thread (during the forward), of which the step waited "
+        f"{stats['wait_us_per_row']:.1f} us, and applying it {stats['apply_us_per_row']:.1f} us"
+    )
+
+
 def result_title(mode: str, runs: int) -> str:
     title = "Serving Benchmark Result (online)" if mode == "online" else "Offline Benchmark Result"
     return title + (f" (median of {runs} runs)" if runs > 1 else "")
