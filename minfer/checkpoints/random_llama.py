@@ -4,7 +4,11 @@ Besides config.json and model.safetensors (transformers' tensor names), a chat m
 ships a tokenizer with special tokens (<|im_start|>, <|im_end|>, ...), a chat template
 in tokenizer_config.json, and generation_config.json listing the ids that end a reply.
 The templates here are written for minfer in the style of Qwen3's (ChatML) and
-Llama 3's; they are not copies of either.
+Llama 3's; they are not copies of either. With `tools=True` the checkpoint's template
+renders tools too, each family its own way: Qwen3's lists them in a system turn and
+has the model answer `<tool_call>{"name": ..., "arguments": ...}</tool_call>`,
+results coming back in `<tool_response>`; Llama 3's asks for a bare
+`{"name": ..., "parameters": ...}` object, results coming back as an `ipython` turn.
 """
 
 from __future__ import annotations
@@ -83,6 +87,79 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
 {%- if add_generation_prompt %}
 {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
 {%- endif %}"""
+
+
+# A tool call's arguments as the template writes them: OpenAI's messages hold them as a JSON string.
+_ARGUMENTS = "(call['function']['arguments'] if call['function']['arguments'] is string " \
+             "else call['function']['arguments'] | tojson)"
+
+# ChatML with tools: the tools in a system turn, calls in <tool_call> tags, results as <tool_response>.
+CHATML_TOOLS_TEMPLATE = """{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0]['role'] == 'system' %}
+{{- messages[0]['content'] + '\\n\\n' }}
+{%- endif %}
+{{- '# Tools\\n<tools>' }}
+{%- for tool in tools %}
+{{- '\\n' + tool | tojson }}
+{%- endfor %}
+{{- '\\n</tools>\\nTo call one: <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}\\n</tool_call><|im_end|>\\n' }}
+{%- elif messages[0]['role'] == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'system' and loop.first %}
+{%- elif message['role'] in ['system', 'user'] %}
+{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
+{%- elif message['role'] == 'assistant' %}
+{{- '<|im_start|>assistant\\n' + message['content'] }}
+{%- for call in message['tool_calls'] or [] %}
+{{- ('\\n' if message['content'] or not loop.first else '') + '<tool_call>\\n{\"name\": \"' + call['function']['name']
+    + '\", \"arguments\": ' + ARGUMENTS + '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message['role'] == 'tool' %}
+{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}
+{%- else %}
+{{- raise_exception('unsupported role ' + message['role']) }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- endif %}""".replace("ARGUMENTS", _ARGUMENTS)
+
+# Llama 3 with tools: the tools in a system turn, a call as a bare JSON object ("; " between two),
+# results as an ipython turn.
+LLAMA3_TOOLS_TEMPLATE = """{{- bos_token }}
+{%- if tools %}
+{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}
+{%- if messages[0]['role'] == 'system' %}
+{{- messages[0]['content'] | trim + '\\n\\n' }}
+{%- endif %}
+{{- 'Functions you may call, answering {\"name\": <name>, \"parameters\": <object>}:' }}
+{%- for tool in tools %}
+{{- '\\n' + tool | tojson }}
+{%- endfor %}
+{{- '<|eot_id|>' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'system' and loop.first and tools %}
+{%- elif message['role'] == 'assistant' and message['tool_calls'] %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- for call in message['tool_calls'] %}
+{{- ('; ' if not loop.first else '') + '{\"name\": \"' + call['function']['name'] + '\", \"parameters\": '
+    + ARGUMENTS + '}' }}
+{%- endfor %}
+{{- '<|eot_id|>' }}
+{%- elif message['role'] == 'tool' %}
+{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}
+{%- else %}
+{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}""".replace("ARGUMENTS", _ARGUMENTS)
 
 
 def make_llama_config(preset: str, **overrides) -> dict:
@@ -169,9 +246,9 @@ def random_llama_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tens
     return sd
 
 
-def write_random_llama(out: Path, preset: str, seed: int = 0, **overrides) -> Path:
-    """config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a chat template,
-    generation_config.json."""
+def write_random_llama(out: Path, preset: str, seed: int = 0, tools: bool = False, **overrides) -> Path:
+    """config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a chat template (one that
+    renders tools, with `tools`), generation_config.json."""
     config = make_llama_config(preset, **overrides)
     qwen = config["model_type"] == "qwen3"
     dtype = torch.bfloat16 if config["torch_dtype"] == "bfloat16" else torch.float32
@@ -205,7 +282,8 @@ def write_random_llama(out: Path, preset: str, seed: int = 0, **overrides) -> Pa
         "bos_token": None if qwen else "<|begin_of_text|>",
         "eos_token": "<|im_end|>" if qwen else "<|eot_id|>",
         "pad_token": "<|endoftext|>" if qwen else None,
-        "chat_template": CHATML_TEMPLATE if qwen else LLAMA3_TEMPLATE,
+        "chat_template": (CHATML_TOOLS_TEMPLATE if qwen else LLAMA3_TOOLS_TEMPLATE) if tools
+        else (CHATML_TEMPLATE if qwen else LLAMA3_TEMPLATE),
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     return out
