@@ -47,7 +47,7 @@ def test_the_tables_know_every_field_of_the_installed_openai_sdk():
         (parse_chat, "prediction", {"type": "content", "content": "hi"}),
         (parse_chat, "reasoning_effort", "high"),
         (parse_chat, "audio", {"voice": "alloy"}),
-        (parse_chat, "parallel_tool_calls", "yes"),
+        (parse_chat, "modalities", ["audio"]),
         (parse_chat, "continue_final_message", True),
     ],
 )

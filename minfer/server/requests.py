@@ -30,6 +30,7 @@ from ..text.chat_template import ChatTemplate
 from ..text.tokenizer import Tokenizer
 from .chat_messages import render_messages, show
 from .structured_fields import READ as STRUCTURED, read_constraint, without_thinking
+from .tools import READ as TOOLS, Tools, read_tools
 
 log = logging.getLogger("minfer.serve")
 
@@ -72,12 +73,12 @@ FIELDS: dict[str, Field] = {
     # structured outputs (structured_fields.py reads them)
     "response_format": F("openai", feature="structured"), "structured_outputs": F("vllm", feature="structured"),
     **{name: F("vllm", feature="structured") for name in STRUCTURED - {"response_format", "structured_outputs"}},
+    **{name: F("openai", feature="tools") for name in TOOLS},  # tools.py reads them (functions: to refuse them)
     # /generate's own
     "max_new_tokens": F("minfer"), "stop_on_eos": F("minfer", "bool"),
     # OpenAI's, not implemented
     **{name: F("openai", asks_nothing=nothing) for name, nothing in {
-        "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": (),
-        "parallel_tool_calls": (True, False), "audio": (),
+        "suffix": ("",), "audio": (),
         "modalities": (["text"],), "moderation": (), "prediction": (), "reasoning_effort": (), "verbosity": (),
         "web_search_options": (),
     }.items()},
@@ -149,7 +150,7 @@ class Endpoint:
 
 COMPLETIONS = Endpoint("/v1/completions", SAMPLING | STRUCTURED | {"model", "prompt", "max_tokens", "stream",
                        "stream_options", "echo", "logprobs", "prompt_logprobs"}, OPENAI_COMPLETIONS | VLLM)
-CHAT = Endpoint("/v1/chat/completions", SAMPLING | STRUCTURED | {"model", "messages", "max_tokens",
+CHAT = Endpoint("/v1/chat/completions", SAMPLING | STRUCTURED | TOOLS | {"model", "messages", "max_tokens",
                 "max_completion_tokens", "stream", "stream_options", "chat_template_kwargs", "logprobs",
                 "top_logprobs"}, OPENAI_CHAT | VLLM)
 GENERATE = Endpoint("/generate", (SAMPLING - {"ignore_eos", "best_of"}) | {"prompt", "max_new_tokens", "stop_on_eos",
@@ -190,6 +191,7 @@ class ParsedRequest:
     fields: dict[str, str] = field(default_factory=dict)
     prompt_texts: list[str | None] = field(default_factory=list)  # each prompt's text, where it came as text
     scoring: Scoring | None = None  # completions' logprobs, echo, prompt_logprobs
+    tools: Tools | None = None  # chat's tools: what the responder reads calls back with
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -256,10 +258,13 @@ def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
 def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
     """POST /v1/chat/completions: messages rendered through the checkpoint's chat template."""
     body = _opened(body, info, CHAT)
+    tools = read_tools(body, info.chat_template) if TOOLS & body.keys() else None
     constraint, source = read_constraint(body) if STRUCTURED & body.keys() else (None, None)
+    if tools is not None and tools.enforced:  # "required" or a named function: the grammar of its calls
+        constraint, source = tools.constraint(constraint, source), "tools"
     if constraint is not None:  # a constrained reply starts with what its grammar wants: no <think> block first
         body = without_thinking(body)
-    ids = info.tokenizer.encode(render_messages(body, info.chat_template))  # the template wrote any BOS itself
+    ids = info.tokenizer.encode(render_messages(body, info.chat_template, tools=tools and tools.rendered))  # BOS too
     # max_completion_tokens is the current name; max_tokens the deprecated one. No limit: up to the context.
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     wanted, top = get(body, "logprobs", kind="bool"), body.get("top_logprobs")
@@ -272,7 +277,7 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
     stops = info.chat_template.stop_token_ids
     if stops and not params.ignore_eos:  # the reply ends at the end of its turn
         params.stop_token_ids = [*(params.stop_token_ids or ()), *stops]
-    return ParsedRequest([ids], params, *_stream(body, CHAT), fields)
+    return ParsedRequest([ids], params, *_stream(body, CHAT), fields, tools=tools)
 
 
 def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:
