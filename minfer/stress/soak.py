@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..checkpoints.random_llama import CHATML_TOOLS_TEMPLATE
 from .clients import (
     Tally,
     Target,
@@ -127,6 +128,8 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally) -> dict:
         "constrained requests answered": c["constrained requests answered"],
         "constrained outputs that stopped (each meets its constraint)": c["constrained outputs ending with stop"],
         "constrained outputs cut at max_tokens": c["constrained outputs ending with length"],
+        "tool requests answered": c["tool requests answered"],
+        "tool calls returned (each naming a tool, its arguments valid)": c["tool calls returned"],
         "stopped readers cut off": c["stopped readers cut off"],
         "stopped readers whose stream fit in the socket buffers": c[
             "stopped readers whose stream fit in the socket buffers"
@@ -283,7 +286,10 @@ def run_spawned(model: str, cfg: SoakConfig, kv_blocks: int = 48, tally: Tally |
     cfg.stall_limit = SPAWN_TIMEOUTS + 8.0
     cfg.write_timeout = SPAWN_TIMEOUTS
     log_path = os.path.join(tempfile.mkdtemp(prefix="minfer-stress-"), "server.log")
-    proc, port = spawn_server(model, kv_blocks, log_path, cfg.server_args)
+    template = os.path.join(os.path.dirname(log_path), "tools.jinja")  # so that tool requests have a template
+    with open(template, "w") as f:
+        f.write(CHATML_TOOLS_TEMPLATE)
+    proc, port = spawn_server(model, kv_blocks, log_path, ("--chat-template", template, *cfg.server_args))
     try:
         target = Target("127.0.0.1", port, cfg.stall_limit)
         figures = {"KV blocks": kv_blocks, **soak(target, cfg, tally)}
