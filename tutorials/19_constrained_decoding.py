@@ -5,20 +5,27 @@ It loads the model of the other stages and: compiles a regex with llguidance and
 output through it, printing how many tokens each step allowed; holds stories to a JSON schema (on
 minfer-tiny, its stories; on a random checkpoint, noise, but noise that parses), beside the same prompt
 unconstrained; shows that a completed grammar ends the request; and times what the masks cost beside
-plain decoding (printed, not asserted: timings are noisy).
+plain decoding (printed, not asserted: timings are noisy). Last, a tool call: on a random Qwen3
+checkpoint whose chat template renders tools, tool_choice "required" becomes a grammar of calls, and the
+reply is read back into OpenAI's tool_calls.
 
     python tutorials/19_constrained_decoding.py   # MINFER_MODEL=/path to choose the checkpoint
 """
 
 import json
 import re
+import tempfile
 import time
 
 import torch
 from _common import model_path, section
 
 from minfer import LLM, SamplingParams, StructuredOutputsParams
+from minfer.checkpoints import write_random_checkpoint
+from minfer.server.requests import ModelInfo, parse_chat
+from minfer.server.responder import Responder
 from minfer.structured.masks import unpack
+from minfer.text.chat_template import ChatTemplate
 
 torch.manual_seed(0)
 path = model_path()
@@ -87,6 +94,29 @@ for name, p in (("plain", plain), ("constrained", constrained)):
     print(f"  {name:<12} {n} streams x {length} tokens: {ms:.2f} ms per step")
     assert all(len(o.token_ids) == length for o in outs)
 stats = room.stats
-print(f"  per masked row: llguidance's fill {stats['fill_us_per_row']:.0f} us on the mask thread, while the "
-      f"forward runs (the step waited {stats['wait_us_per_row']:.0f} us of it); applying {stats['apply_us_per_row']:.0f} us")
+print(f"  per masked row: llguidance's fill {stats['fill_us_per_row']:.0f} us on the mask thread, while the forward "
+      f"runs (the step waited {stats['wait_us_per_row']:.0f} us of it); applying {stats['apply_us_per_row']:.0f} us")
 assert not room.live  # every constrained sequence has let go of its matcher
+
+section("5. a tool call, held to its tool's schema")
+# A random Qwen3 with a template that renders tools (the writer's tools=True), its context long enough
+# for the tools' prompt. Random weights: only the grammar makes it call anything at all.
+qwen = str(write_random_checkpoint(tempfile.mkdtemp(), "qwen3-tiny", tools=True, max_position_embeddings=2048))
+chat = LLM(qwen)
+info = ModelInfo("qwen", chat.tokenizer, 2048, ChatTemplate.from_dir(qwen, chat.tokenizer))
+weather = {"type": "object", "additionalProperties": False, "required": ["city", "days"], "properties": {
+    "city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 200, "temperature": 0,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}],
+        "tool_choice": "required", "parallel_tool_calls": False}
+request = parse_chat(body, info)  # what the server does with the request
+print(f"  the prompt renders the tools: {'<tools>' in chat.tokenizer.decode(request.prompt_token_ids)}")
+grammar = request.params.structured_outputs.grammar  # tool_choice "required", as a grammar of calls
+print("  the reply is held to:\n    " + grammar.replace("\n", "\n    ")[:300] + " ...")
+out = chat.generate([request.prompt_token_ids], request.params, use_tqdm=False)[0]
+print(f"  the model wrote {out.text!r}")
+message = Responder("qwen", True, request, chat.tokenizer).response([(out,)])["choices"][0]
+call = message["message"]["tool_calls"][0]["function"]
+print(f"  the reply: finish_reason {message['finish_reason']!r}, {call['name']}({call['arguments']})")
+arguments = json.loads(call["arguments"])
+assert message["finish_reason"] == "tool_calls" and call["name"] == "get_weather" and 1 <= arguments["days"] <= 7
