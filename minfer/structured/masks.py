@@ -20,7 +20,7 @@ allow everything: their tokens are thrown away with the rejected proposal.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -89,12 +89,15 @@ class MaskFiller:
         self.biases: dict[torch.dtype, torch.Tensor] = {}  # bias_table, by the logits' dtype
         self.stats = MaskStats()
         self._executor = self._thread = None
+        self._job: Future | None = None  # the last step's fill
 
     def start(self, llg, groups: list[MaskedRows]) -> StepMasks:
         """Begin filling the masks of `groups` (on the mask thread); StepMasks.apply waits for them."""
         if self._thread is None:
             self._executor = llg.LLExecutor()  # llguidance's own threads, one sequence each at a time
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minfer-masks")
+        if self._job is not None:  # a step that failed between start and apply may have left its fill running
+            wait([self._job])
         num_rows = sum(g.num_rows for g in groups)
         if self.host.shape[0] < num_rows:
             pin = self.device.type == "cuda"
@@ -102,7 +105,7 @@ class MaskFiller:
             self.host = torch.empty(rows, self.words, dtype=torch.int32, pin_memory=pin)
         bits = self.host[:num_rows]  # (R, W)
         bits.fill_(ALL_ALLOWED)  # rows llguidance leaves alone (past a refused proposal) allow everything
-        job = self._thread.submit(self._fill, [(g.matcher, g.first, g.drafts) for g in groups], bits)
+        job = self._job = self._thread.submit(self._fill, [(g.matcher, g.first, g.drafts) for g in groups], bits)
         self.stats.steps += 1
         self.stats.rows += num_rows
         return StepMasks(self, groups, bits, job)
