@@ -1,4 +1,4 @@
-"""python -m minfer.checkpoints OUT_DIR [--config ...] [--layout ...] [--seed N] [--tools]: write a random checkpoint."""
+"""python -m minfer.checkpoints OUT_DIR [--config ...] [--layout ...] [--seed N] [--tools]: a random checkpoint."""
 
 from __future__ import annotations
 

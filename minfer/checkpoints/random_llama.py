@@ -103,7 +103,8 @@ CHATML_TOOLS_TEMPLATE = """{%- if tools %}
 {%- for tool in tools %}
 {{- '\\n' + tool | tojson }}
 {%- endfor %}
-{{- '\\n</tools>\\nTo call one: <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}\\n</tool_call><|im_end|>\\n' }}
+{{- '\\n</tools>\\nTo call one: <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}\\n</tool_call>'
+    '<|im_end|>\\n' }}
 {%- elif messages[0]['role'] == 'system' %}
 {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
 {%- endif %}

@@ -59,7 +59,8 @@ class StructuredOutputsParams:
                 raise InvalidParameter("structured_outputs", f"{name} must be a bool, got {getattr(self, name)!r:.60}")
         whitespace = self.whitespace_pattern is not None or self.disable_any_whitespace
         if whitespace and given[0] not in ("json", "json_object"):
-            raise InvalidParameter("structured_outputs", "whitespace_pattern and disable_any_whitespace apply to JSON only")
+            message = "whitespace_pattern and disable_any_whitespace apply to JSON only"
+            raise InvalidParameter("structured_outputs", message)
 
     @property
     def kind(self) -> str:
