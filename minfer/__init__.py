@@ -2,7 +2,7 @@
 
 The package is cut into layers, bottom up: attention, text, models, engine, server, with
 bench and stress as clients; docs/architecture.md draws them. This file re-exports what
-users import: `from minfer import LLM, SamplingParams` (and `EngineConfig`).
+users import: `from minfer import LLM, SamplingParams` (and `EngineConfig`, `StructuredOutputsParams`).
 """
 
 from .engine.config import EngineConfig
@@ -10,6 +10,8 @@ from .assembly.llm import LLM
 from .engine.sampling_params import SamplingParams
 from .engine.scheduler import OnlineScheduler
 from .engine.outputs import RequestOutput
+from .engine.structured_outputs_params import StructuredOutputsParams
 from .version import __version__
 
-__all__ = ["EngineConfig", "LLM", "RequestOutput", "SamplingParams", "OnlineScheduler", "__version__"]
+__all__ = ["EngineConfig", "LLM", "RequestOutput", "SamplingParams", "OnlineScheduler", "StructuredOutputsParams",
+           "__version__"]

@@ -437,3 +437,28 @@ def test_n_counts_every_choice_offline_and_online(tiny_checkpoint, tmp_path, cap
     assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
     with pytest.raises(SystemExit):
         bench.main(["--model", str(tiny_checkpoint), "--n", "0"])
+
+
+def test_structured_output_holds_every_request_to_the_schema(tiny_checkpoint, tmp_path, capsys):
+    """--structured-output json-schema: every request is masked, offline and online, and still makes exactly
+    its output length (the schema's array never ends first); offline, the masks' cost per row is reported."""
+    path = tmp_path / "offline.json"
+    out = run_bench(capsys, "--model", tiny_checkpoint, *WORKLOAD, "--structured-output", "json-schema",
+                    "--json", path)
+    assert "held to a json-schema" in out and "masked rows" in out
+    report = json.loads(path.read_text())
+    assert all(r["output_len"] == r["expected_output_len"] for r in report["requests"])
+    masks = report["structured_masks"]
+    assert masks["rows"] >= report["summary"]["total_output_tokens"] and masks["fill_us_per_row"] > 0
+    serve = pytest.importorskip("minfer.serve")
+    server = serve.create_server(EngineConfig(str(tiny_checkpoint)), port=0, served_model_name="tiny")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        host, port = server.server_address[:2]
+        online = ["--base-url", f"http://{host}:{port}/v1", "--tokenizer", tiny_checkpoint]
+        run_bench(capsys, *online, *WORKLOAD, "--structured-output", "json-schema", "--json", tmp_path / "on.json")
+    finally:
+        server.stop()
+    report = json.loads((tmp_path / "on.json").read_text())
+    assert all(r["output_len"] == r["expected_output_len"] for r in report["requests"])
+    assert server.manager.scheduler.features.structured.stats["rows"] >= report["summary"]["total_output_tokens"]

@@ -120,3 +120,24 @@ def test_chat_over_http(qwen):
         assert status == 400 and reply["error"]["param"] == "messages"
     finally:
         server.stop(grace=1.0)
+
+
+@pytest.mark.parametrize("preset, call, result", [
+    ("qwen3-tiny", '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
+     "<tool_response>\n3\n</tool_response>"),
+    ("llama-tiny", '{"name": "add", "parameters": {"a": 1}}', "<|start_header_id|>ipython<|end_header_id|>\n\n3"),
+])
+def test_the_writers_tool_templates_render_tools_calls_and_results(make_checkpoint, preset, call, result):
+    """make_checkpoint(..., tools=True): a template that reads `tools`, writes an assistant's tool calls in its
+    family's format and a tool's result its family's way; without tools it renders as the plain one."""
+    path = make_checkpoint(preset, tools=True)
+    tok = Tokenizer.from_dir(path)
+    template, plain = ChatTemplate.from_dir(path, tok), ChatTemplate.from_dir(make_checkpoint(preset), tok)
+    assert template.supports_tools and not plain.supports_tools
+    assert template.render(MESSAGES) == plain.render(MESSAGES)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    history = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"}]
+    text = template.render(history, tools=tools)
+    assert '{"type": "function", "function": {"name": "add"' in text and call in text and result in text

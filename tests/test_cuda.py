@@ -12,7 +12,7 @@ import torch
 from conftest import TEST_DEVICE
 from test_engine import assert_all_free, random_prompts
 
-from minfer import LLM, SamplingParams
+from minfer import LLM, SamplingParams, StructuredOutputsParams
 
 pytestmark = pytest.mark.skipif(
     torch.device(TEST_DEVICE).type != "cuda", reason="needs a CUDA device: run with MINFER_DEVICE=cuda"
@@ -37,10 +37,11 @@ def syncs_per_step(llm: LLM) -> list[int]:
 
 
 def test_every_step_syncs_with_the_host_exactly_once(tiny_checkpoint):
-    """Prefill chunks, decodes, greedy and seeded sampling, top-k/top-p, penalties and logprobs in one
-    batch: the step's single .tolist() is its only sync."""
+    """Prefill chunks, decodes, greedy and seeded sampling, top-k/top-p, penalties, logprobs and a JSON schema's
+    mask in one batch: the step's single .tolist() is its only sync."""
     llm = LLM(tiny_checkpoint, num_kv_blocks=64, max_num_batched_tokens=64)
-    prompts = random_prompts(7, 512, seed=2, max_len=90)
+    prompts = random_prompts(8, 512, seed=2, max_len=90)
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 20}
     params = [
         SamplingParams(max_tokens=12, temperature=0),
         SamplingParams(max_tokens=12, temperature=0.8, seed=3),
@@ -49,6 +50,7 @@ def test_every_step_syncs_with_the_host_exactly_once(tiny_checkpoint):
         SamplingParams(max_tokens=12, temperature=0, logprobs=3, prompt_logprobs=2),
         SamplingParams(max_tokens=12, temperature=1.0, min_p=0.1),
         SamplingParams(max_tokens=12, n=2, seed=7, logit_bias={5: 2.0}, min_tokens=4),
+        SamplingParams(max_tokens=12, temperature=0.9, seed=8, structured_outputs=StructuredOutputsParams(json=schema)),
     ]
     for prompt, p in zip(prompts, params):
         llm.scheduler.add_request(prompt_token_ids=prompt, sampling_params=p)

@@ -28,6 +28,7 @@ LAYERS = [
     ("scoring", 4, ("minfer.scoring",)),
     ("parallel_sampling", 4, ("minfer.parallel_sampling",)),
     ("speculative", 4, ("minfer.speculative",)),
+    ("structured", 4, ("minfer.structured",)),
     ("assembly", 5, ("minfer.assembly",)),
     ("checkpoints", 5, ("minfer.checkpoints",)),
     ("server", 6, ("minfer.server",)),
@@ -50,7 +51,7 @@ ALLOWED_PEER_IMPORTS = {
 CORE = ("minfer.errors", "minfer.host_to_device", "minfer.model_config", "minfer.settings", "minfer.step_parts",
         "minfer.version", "minfer.attention", "minfer.text", "minfer.models", "minfer.engine")
 ROOMS = ("minfer.cpu", "minfer.compiled", "minfer.quantization", "minfer.scoring", "minfer.parallel_sampling",
-         "minfer.speculative")
+         "minfer.speculative", "minfer.structured")
 MAX_LINES = 400
 
 

@@ -41,6 +41,10 @@ def test_soak_with_faults_then_sigterm(tiny_checkpoint, make_checkpoint, propose
     assert figures["speculative proposals accepted"] > 0
     assert figures["slow-reader streams finished"] > 0
     assert figures["scoring requests answered (echo + logprobs)"] > 0 and figures["logprob streams finished"] > 0
+    assert figures["constrained requests answered"] > 0  # and every output that stopped met its constraint
+    assert figures["constrained outputs that stopped (each meets its constraint)"] > 0
+    assert figures["tool requests answered"] > 0
+    assert figures["tool calls returned (each naming a tool, its arguments valid)"] > 0
     assert figures["stalled requests closed with 408"] > 0 and figures["silent connections closed"] > 0
     assert figures["idle keep-alive connections closed"] > 0
     assert figures["malformed requests answered 4xx"] > 0 and figures["/metrics scrapes"] > 0

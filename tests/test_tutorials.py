@@ -37,6 +37,7 @@ STAGES = [
     "16_parallel_sampling",
     "17_quantization",
     "18_speculative_decoding",
+    "19_constrained_decoding",
 ]
 # Every stage takes its sizes from the checkpoint's config: it must run on any GPT-2 shape. And on
 # minfer-tiny, the shipped trained model: the tutorials' fallback when gpt2 is out of reach (None here).

@@ -32,6 +32,7 @@ from ..scoring.scorer import Scoring
 from ..speculative.draft import DraftProposer, load_draft_model
 from ..speculative.speculation import Speculation
 from ..speculative.speculator import Speculator
+from ..structured.structured import Structured
 from ..text.tokenizer import Tokenizer
 from .prepare import prepare_model
 
@@ -59,6 +60,7 @@ def build_engine(
         scoring=Scoring(model.config.vocab_size),
         forks=Forks(),
         speculation=speculation,
+        structured=Structured(tokenizer, model.config.vocab_size, model.device, speculating=speculation is not None),
         compiled=compiled,
         threads=CpuShare() if threads else None,
         settings={

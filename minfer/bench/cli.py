@@ -40,11 +40,11 @@ from .metrics import RunResult, format_summary, median_summary, summarize
 from .offline import run_offline
 from .online import Endpoint, EngineFeedReader, ServerProcess, run_online
 from .profile import format_profile, profile_steps
-from .report import format_header, memory_owner, progress, result_title
+from .report import format_header, format_masks, memory_owner, progress, result_title
 from .roofline import format_roofline, roofline
 from .speculation import counters_of_server, counters_of_stats, format_spec, spec_summary
 from .trace import write_trace
-from .workload import build_workload, copy_texts, read_prompts, warmup_workload
+from .workload import STRUCTURED_OUTPUTS, build_workload, copy_texts, read_prompts, warmup_workload
 
 NO_MODEL_HINT = (
     "bench.py: cannot load model {model!r} ({why}). Pass a local checkpoint with --model DIR; "
@@ -88,6 +88,12 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
     w.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     w.add_argument("--logprobs", type=int, help="every request asks for each token's logprob and the k likeliest")
     w.add_argument("--n", type=int, default=1, help="completions per prompt (n > 1: seeded sampling, shared blocks)")
+    w.add_argument(
+        "--structured-output",
+        choices=sorted(STRUCTURED_OUTPUTS),
+        help="every request's output held to a JSON schema (an array of records that never ends before the "
+        "output length): what the token masks cost; offline, their time per masked row is reported",
+    )
     w.add_argument("--seed", type=int, default=0, help="seeds the workload's draws, and the engine (--seed of serve)")
     r = p.add_argument_group("runs and output")
     r.add_argument("--warmup-runs", type=int, default=1, help="small unmeasured workloads run first")
@@ -316,6 +322,8 @@ def run(args) -> int:
     for request in (r for workload in workloads for r in workload):
         request.logprobs = args.logprobs
     warm = warmup_workload(workloads[0], tokenizer, vocab)
+    for request in (r for workload in [*workloads, warm] for r in workload):  # the warm-up compiles the grammar
+        request.structured_outputs = STRUCTURED_OUTPUTS.get(args.structured_output)
     print(header(args, engine))
     if args.mode == "offline":
         results, summaries, scheduler = offline_runs(args, engine, model_dir, workloads, warm)
@@ -329,6 +337,9 @@ def run(args) -> int:
     speculation = format_spec(summary)
     if speculation:
         print(speculation)
+    masks = scheduler.features.structured.stats if args.structured_output and scheduler else None
+    if masks:
+        print(format_masks(masks))
     # The dtype minfer ran in ("auto" resolves per machine); the baseline uses the same.
     dtype = scheduler.model.dtype if scheduler else resolve_dtype(args.dtype, torch.device(args.device))
     settings = {
@@ -343,6 +354,8 @@ def run(args) -> int:
     }
     records = [dict(r.to_json(), run=k) for k, res in enumerate(results) for r in res.records]
     report = {"config": settings, "summary": summary, "runs": summaries, "requests": records}
+    if masks:
+        report["structured_masks"] = masks
     if args.baseline:
         report["baseline"] = base = baseline_hf(args, model_dir, tokenizer, workloads[0], summaries[0], dtype)
         subset = "" if base["num_requests"] == len(workloads[0]) else f", its first {base['num_requests']} requests"

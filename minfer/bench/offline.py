@@ -17,6 +17,7 @@ from dataclasses import asdict
 from tqdm import tqdm
 
 from ..engine.sampling_params import SamplingParams
+from ..engine.structured_outputs_params import StructuredOutputsParams
 from ..engine.scheduler import OnlineScheduler
 from ..engine.outputs import RequestOutput
 from .metrics import RequestRecord, RunResult
@@ -85,12 +86,12 @@ def run_offline(
 def submit_request(scheduler: OnlineScheduler, r: BenchRequest, n: int = 1) -> str:
     # Greedy, and ignore_eos so every request produces exactly its output length. n > 1 samples (seeded),
     # or the n choices would all be the same.
+    constraint = StructuredOutputsParams(**r.structured_outputs) if r.structured_outputs else None
+    common = dict(max_tokens=r.output_len, ignore_eos=True, logprobs=r.logprobs, structured_outputs=constraint)
     if n == 1:
-        params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, logprobs=r.logprobs)
+        params = SamplingParams(temperature=0.0, **common)
     else:
-        params = SamplingParams(
-            max_tokens=r.output_len, temperature=1.0, seed=r.index, n=n, ignore_eos=True, logprobs=r.logprobs
-        )
+        params = SamplingParams(temperature=1.0, seed=r.index, n=n, **common)
     if r.prompt_token_ids is not None:
         return scheduler.add_request(prompt_token_ids=r.prompt_token_ids, sampling_params=params)
     return scheduler.add_request(r.prompt, sampling_params=params)

@@ -217,6 +217,7 @@ def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float
             "stream": True,
             "stream_options": {"include_usage": True},
             **({"logprobs": r.logprobs} if r.logprobs is not None else {}),
+            **({"structured_outputs": r.structured_outputs} if r.structured_outputs else {}),
         }
     )
     conn = endpoint.connect()

@@ -31,11 +31,22 @@ def format_header(args, dtype: str, threads: str, attention: str, machine: str) 
         ("dtype", dtype),
         ("threads", threads),
         ("attention", attention),
-        ("workload", f"{args.num_requests} requests: {prompts} in, {_lengths(args.output_len)} tokens out"),
+        ("workload", f"{args.num_requests} requests: {prompts} in, {_lengths(args.output_len)} tokens out"
+                     + (f", held to a {args.structured_output} (token masks)" if args.structured_output else "")),
         ("arrivals", rate + concurrency),
         ("runs", f"{args.warmup_runs} warm-up, {args.repeat_runs} measured"),
     ]
     return "\n".join([f"{' minfer bench ':=^50}", *(f"{k + ':':<11}{v}" for k, v in rows), "=" * 50])
+
+
+def format_masks(stats: dict) -> str:
+    """What the structured-output masks cost, per masked row (a row: one token of a constrained request), over
+    the warm-up and the measured runs."""
+    return (
+        f"Structured outputs: {stats['rows']} masked rows in {stats['steps']} steps; per row, llguidance's fill "
+        f"{stats['fill_us_per_row']:.1f} us on the mask thread (during the forward), of which the step waited "
+        f"{stats['wait_us_per_row']:.1f} us, and applying it {stats['apply_us_per_row']:.1f} us"
+    )
 
 
 def result_title(mode: str, runs: int) -> str:

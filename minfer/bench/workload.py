@@ -17,6 +17,13 @@ from pathlib import Path
 from ..text.tokenizer import Tokenizer
 
 EOS = "<|endoftext|>"  # what separates the stories of a held-out text file
+_RECORD = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"], "properties": {
+    "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}}}
+# bench.py --structured-output: what every request's output must match (vLLM's structured_outputs). The
+# array never ends before its 100,000th record, so every request still makes exactly its output length,
+# and constrained runs compare with plain ones token for token.
+STRUCTURED_OUTPUTS = {"json-schema": {"json": {"type": "array", "items": _RECORD, "minItems": 100_000}}}
 
 
 @dataclass
@@ -28,6 +35,7 @@ class BenchRequest:
     output_len: int  # tokens to generate, exactly
     arrival: float  # seconds after the run starts
     logprobs: int | None = None  # ask for each generated token's logprob and top-k (bench.py --logprobs k)
+    structured_outputs: dict | None = None  # what the output must match (bench.py --structured-output)
 
 
 def parse_length(spec: str | int, name: str = "length") -> tuple[int, int]:

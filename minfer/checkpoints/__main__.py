@@ -1,4 +1,4 @@
-"""python -m minfer.checkpoints OUT_DIR [--config ...] [--layout ...] [--seed N]: write a random checkpoint."""
+"""python -m minfer.checkpoints OUT_DIR [--config ...] [--layout ...] [--seed N] [--tools]: a random checkpoint."""
 
 from __future__ import annotations
 
@@ -17,8 +17,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.random_mod
     parser.add_argument("--config", choices=PRESETS, default="tiny", help="model shape")
     parser.add_argument("--layout", choices=LAYOUTS, default="hub", help="tensor-name layout")
     parser.add_argument("--seed", type=int, default=0, help="seed for the weights and tokenizer")
+    parser.add_argument("--tools", action="store_true", help="Qwen3 and Llama: a chat template that renders tools")
     args = parser.parse_args(argv)
-    out = write_random_checkpoint(args.out_dir, args.config, args.layout, args.seed)
+    if args.tools and args.config not in LLAMA_CONFIGS:
+        parser.error("--tools needs a chat model: --config " + " or ".join(LLAMA_CONFIGS))
+    extra = {"tools": True} if args.tools else {}
+    out = write_random_checkpoint(args.out_dir, args.config, args.layout, args.seed, **extra)
     layout = "" if args.config in LLAMA_CONFIGS else f" ({args.layout} layout)"
     print(f"wrote a random {args.config} checkpoint{layout} to {out}")
     return 0

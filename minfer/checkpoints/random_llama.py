@@ -146,9 +146,9 @@ def random_llama_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tens
     return sd
 
 
-def write_random_llama(out: Path, preset: str, seed: int = 0, **overrides) -> Path:
-    """config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a chat template,
-    generation_config.json."""
+def write_random_llama(out: Path, preset: str, seed: int = 0, tools: bool = False, **overrides) -> Path:
+    """config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a chat template (one that
+    renders tools, with `tools`), generation_config.json."""
     config = make_llama_config(preset, **overrides)
     dtype = torch.bfloat16 if config["torch_dtype"] == "bfloat16" else torch.float32
     tensors = {k: v.to(dtype) for k, v in random_llama_state_dict(config, seed).items()}
@@ -156,7 +156,7 @@ def write_random_llama(out: Path, preset: str, seed: int = 0, **overrides) -> Pa
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     family = LLAMA_CONFIGS[preset]["family"]
     tokenizer_size = LLAMA_CONFIGS[preset].get("tokenizer_size", config["vocab_size"])
-    write_tokenizer(out, family, tokenizer_size, seed, config["max_position_embeddings"])
+    write_tokenizer(out, family, tokenizer_size, seed, config["max_position_embeddings"], tools)
     eos = config["eos_token_id"] if isinstance(config["eos_token_id"], list) else [config["eos_token_id"]]
     if family == "qwen3":  # a Qwen3 reply ends with <|im_end|>; plain text with <|endoftext|>
         eos = [config["eos_token_id"], config["bos_token_id"]]

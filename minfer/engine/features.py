@@ -61,6 +61,18 @@ class Speculation(Protocol):
     def stats(self) -> dict: ...  # vLLM's spec_decode counters
 
 
+class Structured(Protocol):
+    """structured/: outputs held to a JSON schema, regex, choice or grammar by a token mask on the sampled
+    rows (structured/structured.py). It acts only while a constrained sequence is alive (`live`)."""
+
+    live: object  # truthy while any sequence holds a grammar
+
+    def check(self, params: SamplingParams) -> None: ...  # at the edge: the grammar compiles, else InvalidParameter
+    def add(self, seqs: list[Sequence]) -> None: ...  # a new request's sequences: a matcher each
+    def start(self, chunks: list[ScheduledChunk]): ...  # before the forward: the step's masks begin filling
+    def advance(self, chunks: list[ScheduledChunk]) -> list[tuple[Sequence, str]]: ...  # which end, and why
+
+
 class Compiled(Protocol):
     """compiled/: a step's forward through a compiled graph or a CUDA graph (compiled/forward.py)."""
 
@@ -84,6 +96,7 @@ class Features:
     scoring: Scoring | None = None
     forks: Forks | None = None
     speculation: Speculation | None = None
+    structured: Structured | None = None
     compiled: Compiled | None = None
     threads: Threads | None = None
     settings: dict = field(default_factory=dict)  # EngineConfig fields as the assembly applied them

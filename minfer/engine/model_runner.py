@@ -7,9 +7,10 @@ backend (a `StepLayout`, from which it builds its metadata), runs the model once
 applies the LM head only to the rows that draw a token, samples the whole batch at
 once, and syncs with the host exactly once (`.tolist()`).
 
-Three features act here, each where its line says: scoring/ reads logprobs off the
-logits before sampling, speculative/ samples its verify rows by its acceptance rule,
-and compiled/ runs the forward as a compiled graph or a CUDA graph.
+Four features act here, each where its line says: scoring/ reads logprobs off the
+logits before sampling, structured/ masks what a request's grammar forbids (its masks
+computed while the forward runs), speculative/ samples its verify rows by its
+acceptance rule, and compiled/ runs the forward as a compiled graph or a CUDA graph.
 """
 
 from __future__ import annotations
@@ -55,13 +56,14 @@ class ModelRunner:
         scoring=None,  # scoring/: logprobs read off the logits before sampling (engine/features.py: Scoring)
         speculation=None,  # speculative/: verify rows sampled by the acceptance rule (Speculation)
         compiled=None,  # compiled/: the forward as a compiled graph or a CUDA graph (Compiled)
+        structured=None,  # structured/: the grammar's token mask on the sampled rows (Structured)
     ):
         self.model = model  # as the assembly prepared it: the runner never changes it
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.attention = attention  # builds each step's attention metadata, and runs it
         self.device = model.device
-        self.scoring, self.speculation, self.compiled = scoring, speculation, compiled
+        self.scoring, self.speculation, self.compiled, self.structured = scoring, speculation, compiled, structured
 
     def warm_up(self) -> None:
         """Compile or capture what the forward needs before the first request (compiled/)."""
@@ -75,10 +77,14 @@ class ModelRunner:
             rows = self.prepare(chunks)
             scoring = self.scoring if self.scoring is not None and self.scoring.live else None  # scoring/
             scores = scoring.rows(chunks, rows, self.device) if scoring is not None else None
+            structured = self.structured if self.structured is not None and self.structured.live else None
+            masks = structured.start(chunks) if structured is not None else None  # structured/: filled meanwhile
         logits = self.forward(rows)  # (S, V): one forward over the N tokens of every sequence
         with part("sampling"):
             if scores is not None:  # scoring/: raw logprobs, before sampling changes the logits
                 logits = scores.score(logits)
+            if masks is not None:  # structured/: what the grammar forbids at -inf, before any sampling control
+                logits = masks.apply(logits)
             if self.speculation is not None:  # speculative/: verify rows keep or reject their proposals
                 tokens, accepted = self.speculation.sample(chunks, logits)
             else:

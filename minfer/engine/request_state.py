@@ -42,6 +42,13 @@ class Choice:
             self.finish_time = now
         return seq.is_finished
 
+    def end(self, reason: str, now: float) -> None:
+        """Finish the choice before its tokens did (a feature's verdict), with the text it has."""
+        if not self.seq.is_finished:
+            self.text.flush(check_stop=False)
+            self.finish_time = now
+        self.seq.finish(reason)
+
     def new_output(self) -> CompletionDelta | None:
         """The token ids sampled since the last call and the text they add (less a tail that might still
         become a stop string); None if nothing was sampled since."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, NamedTuple
 
 from ..errors import InvalidParameter
+from .structured_outputs_params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # the most top tokens a request may ask for per position (OpenAI's limit)
 
@@ -69,6 +70,8 @@ RULES: dict[str, Rule] = {
     "min_tokens": Rule(lambda v: _int(v) and v >= 0, "an int in [0, max_tokens]"),
     "include_stop_str_in_output": BOOL,
     "skip_special_tokens": BOOL,
+    "structured_outputs": Rule(lambda v: v is None or isinstance(v, StructuredOutputsParams),
+                               "None or a StructuredOutputsParams"),
 }
 
 
@@ -94,11 +97,14 @@ class SamplingParams:
     min_tokens: int = 0  # no stop token, EOS or stop string can end the output before this many tokens
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
     skip_special_tokens: bool = True  # special tokens add no text
+    structured_outputs: StructuredOutputsParams | None = None  # what the output must match (structured/)
 
     def __post_init__(self) -> None:
         """Check every field by its rule; a bad one raises InvalidParameter naming it."""
         for f in fields(self):
             value, rule = getattr(self, f.name), RULES[f.name]
+            if value is f.default:  # a field left at its default is good as it is
+                continue
             if not rule.ok(value):
                 raise InvalidParameter(f.name, f"{f.name} must be {rule.must}, got {value!r}")
             if rule.convert is not None:

@@ -14,8 +14,8 @@ sampled token: in its sequence (stop tokens, max_tokens), in its text stream
 (stop strings) and in its request's timeline; a finished request's blocks are
 freed at once.
 
-Features (logprobs, n > 1 on shared blocks, speculative decoding, compiled steps, CPU thread
-sharing) live in rooms of their own and act at the lines of `step()` and `add_request()` that
+Features (logprobs, n > 1 on shared blocks, speculative decoding, structured outputs, compiled steps,
+CPU thread sharing) live in rooms of their own and act at the lines of `step()` and `add_request()` that
 name them. This class builds none of them: `minfer.assembly.build_engine` does, and hands them in.
 """
 
@@ -93,7 +93,8 @@ class OnlineScheduler:
             self.allocator, config.max_num_seqs, config.max_num_batched_tokens, features.speculation
         )
         self.runner = ModelRunner(
-            model, self.kv_cache, block_size, self.attention, features.scoring, features.speculation, features.compiled
+            model, self.kv_cache, block_size, self.attention, features.scoring, features.speculation, features.compiled,
+            features.structured,
         )
         self.runner.warm_up()  # compiled/: graphs compiled or captured before any request waits on them
         # What runs, every choice made: the dtype "auto" picked, the blocks the memory bought, the
@@ -179,6 +180,8 @@ class OnlineScheduler:
         seqs, features = [c.seq for c in choices], self.features
         if params.wants_logprobs:  # scoring/: the request's sequences keep their logprobs
             features.scoring.add(seqs)
+        if params.structured_outputs is not None:  # structured/: each sequence holds a matcher of its grammar
+            features.structured.add(seqs)
         if len(seqs) > 1 and features.forks is not None:  # parallel_sampling/: the others start from the first's prompt
             seqs = features.forks.hold(seqs)
         for seq in seqs:
@@ -201,6 +204,10 @@ class OnlineScheduler:
         ids = list(prompt_token_ids)
         if params.wants_logprobs and self.features.scoring is None:  # never accepted and then not applied
             raise ValueError(f"logprobs need an engine built by {BUILDER}, which attaches scoring/")
+        if params.structured_outputs is not None:  # structured/: the grammar compiles, or InvalidParameter
+            if self.features.structured is None:
+                raise ValueError(f"structured outputs need an engine built by {BUILDER}, which attaches structured/")
+            self.features.structured.check(params)
         if not ids:
             raise InvalidParameter("prompt", "the prompt is empty: it must have at least one token")
         vocab = self.config.vocab_size
@@ -257,6 +264,9 @@ class OnlineScheduler:
             if features.forks is not None and features.forks.held:  # parallel_sampling/: forks start
                 features.forks.start(chunks, self.batcher, self.kv_cache)  # on the prompt's blocks
             sampled = self._record_tokens(chunks, output, end)
+            if features.structured is not None and features.structured.live:  # structured/: matchers take the
+                for seq, reason in features.structured.advance(chunks):  # tokens; a completed grammar ends
+                    self._end(seq, reason, end)
             if features.scoring is not None and features.scoring.last is not None:  # scoring/: each sampler
                 features.scoring.record(chunks)  # keeps its tokens' logprobs
             if features.speculation is not None:  # speculative/: keep what was accepted, give back the rest
@@ -287,6 +297,17 @@ class OnlineScheduler:
                         break
             row += num_sampled
         return out
+
+    def _end(self, seq: Sequence, reason: str, now: float) -> None:
+        """End a sequence by a feature's verdict (structured/: its grammar completed, or allows no token):
+        a running one stops here, freeing its blocks; one that has just finished takes the reason."""
+        request = self.requests[seq.request_id]
+        running = not seq.is_finished
+        request.choices[seq.index].end(reason, now)
+        if running:
+            self.batcher.retire(seq)
+            if request.is_finished:
+                self.finished_ids.append(seq.request_id)
 
     def _record_step(self, chunks: list[ScheduledChunk], start: float, end: float, num_preemptions: int) -> None:
         self.num_steps += 1

@@ -1,9 +1,11 @@
 """Chat messages -> the prompt text, through the checkpoint's chat template (text/chat_template.py).
 
 A message is {"role", "content"}: content a string, or a list of text parts ({"type": "text", "text": ...});
-an assistant's may be null, as OpenAI allows (the SDK's tool-call histories send it). GPT-2 has no
-template, so its messages render as one `role: content` line each, then `assistant:` for the model to
-continue:
+an assistant's may be null, as OpenAI allows. An assistant message may hold the `tool_calls` it made
+(OpenAI's shape: id, type, function name and arguments as a JSON string), and a `tool` message answers
+one, naming it by `tool_call_id`: both reach the template as OpenAI sends them, which is what tool-aware
+templates read. GPT-2 has no template, so its messages render as one `role: content` line each, then
+`assistant:` for the model to continue:
 
     system: You are terse.
     user: Hi!
@@ -51,8 +53,35 @@ def message_text(content, role: str, i: int) -> str:
     raise invalid(param, f"'{param}' must be a string or a list of text parts, got {show(content)}", "invalid_type")
 
 
-def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: bool = True) -> str:
-    """body["messages"] checked and rendered with the chat template (chat completions and /tokenize)."""
+def tool_fields(m: dict, i: int, template: ChatTemplate) -> dict:
+    """An assistant message's tool_calls, or a tool message's tool_call_id (and name), checked where the
+    template renders tools (one that does not refuses a tool message itself, or shows it as text)."""
+    if not template.supports_tools:
+        return {}
+    if m["role"] == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise invalid(f"messages[{i}].tool_call_id", f"'messages[{i}].tool_call_id' is required: a tool message "
+                          "answers the call it names", "missing_required_parameter")
+        return {k: m[k] for k in ("tool_call_id", "name") if m.get(k) is not None}
+    calls = m.get("tool_calls")
+    if m["role"] != "assistant" or calls is None:
+        return {}
+    if not isinstance(calls, list):
+        raise invalid(f"messages[{i}].tool_calls", f"'messages[{i}].tool_calls' must be a list", "invalid_type")
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(
+                function.get("arguments"), str):
+            shape = '{"id", "type": "function", "function": {"name", "arguments": a JSON string}}'
+            raise invalid(f"messages[{i}].tool_calls[{k}]", f"'messages[{i}].tool_calls[{k}]' must be {shape}",
+                          "invalid_type")
+    return {"tool_calls": calls}
+
+
+def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+    """body["messages"] checked and rendered with the chat template (chat completions and /tokenize), with
+    `tools` (checked: tools.py) for a template that renders them."""
     messages = body.get("messages")
     if messages is None:
         raise invalid("messages", "'messages' is required", "missing_required_parameter")
@@ -66,12 +95,13 @@ def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: b
             raise invalid(f"messages[{i}]", f"'messages[{i}]' must be an object, got {show(m)}", "invalid_type")
         if m.get("role") not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}")
-        rendered.append({"role": m["role"], "content": message_text(m.get("content"), m["role"], i)})
+        text = message_text(m.get("content"), m["role"], i)
+        rendered.append({"role": m["role"], "content": text, **tool_fields(m, i, template)})
     variables = body.get("chat_template_kwargs")  # vLLM's extension, e.g. {"enable_thinking": false} for Qwen3
     if variables is not None and not isinstance(variables, dict):
         raise invalid("chat_template_kwargs", f"'chat_template_kwargs' must be an object, got {show(variables)}",
                       "invalid_type")
     try:
-        return template.render(rendered, add_generation_prompt, variables)
+        return template.render(rendered, add_generation_prompt, variables, tools)
     except ChatTemplateError as e:
         raise invalid("messages", str(e)) from None

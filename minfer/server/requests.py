@@ -29,6 +29,8 @@ from .api_errors import APIError, invalid
 from ..text.chat_template import ChatTemplate
 from ..text.tokenizer import Tokenizer
 from .chat_messages import render_messages, show
+from .structured_fields import READ as STRUCTURED, read_constraint, without_thinking
+from .tools import READ as TOOLS, Tools, read_tools
 
 log = logging.getLogger("minfer.serve")
 
@@ -68,12 +70,15 @@ FIELDS: dict[str, Field] = {
     # scoring
     "logprobs": F("openai", feature="scoring"), "top_logprobs": F("openai", feature="scoring"),
     "echo": F("openai", "bool", feature="scoring"), "prompt_logprobs": F("vllm", feature="scoring"),
+    # structured outputs (structured_fields.py reads them)
+    "response_format": F("openai", feature="structured"), "structured_outputs": F("vllm", feature="structured"),
+    **{name: F("vllm", feature="structured") for name in STRUCTURED - {"response_format", "structured_outputs"}},
+    **{name: F("openai", feature="tools") for name in TOOLS},  # tools.py reads them (functions: to refuse them)
     # /generate's own
     "max_new_tokens": F("minfer"), "stop_on_eos": F("minfer", "bool"),
     # OpenAI's, not implemented
     **{name: F("openai", asks_nothing=nothing) for name, nothing in {
-        "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": (),
-        "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "audio": (),
+        "suffix": ("",), "audio": (),
         "modalities": (["text"],), "moderation": (), "prediction": (), "reasoning_effort": (), "verbosity": (),
         "web_search_options": (),
     }.items()},
@@ -81,9 +86,9 @@ FIELDS: dict[str, Field] = {
     **{name: F("vllm", asks_nothing=nothing) for name, nothing in {
         "use_beam_search": (False,), "length_penalty": (1, 1.0), "allowed_token_ids": ([],), "bad_words": ([],),
         "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (), "logits_processors": (),
-        "return_tokens_as_token_ids": (False,), "return_token_ids": (False,), "guided_json": (), "guided_regex": (),
-        "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
-        "structured_outputs": (), "priority": (0,), "request_id": (), "cache_salt": (), "kv_transfer_params": (),
+        "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
+        "guided_decoding_backend": ("auto", "guidance"), "priority": (0,), "request_id": (), "cache_salt": (),
+        "kv_transfer_params": (),
         "vllm_xargs": (), "add_special_tokens": (), "add_generation_prompt": (True,),
         "continue_final_message": (False,), "documents": (), "chat_template": (), "mm_processor_kwargs": (),
     }.items()},
@@ -143,11 +148,11 @@ class Endpoint:
         log.warning("%s: ignoring the field %r, which minfer does not use (logged once)", self.path, name)
 
 
-COMPLETIONS = Endpoint("/v1/completions", SAMPLING | {"model", "prompt", "max_tokens", "stream", "stream_options",
-                                                      "echo", "logprobs", "prompt_logprobs"}, OPENAI_COMPLETIONS | VLLM)
-CHAT = Endpoint("/v1/chat/completions", SAMPLING | {"model", "messages", "max_tokens", "max_completion_tokens",
-                                                    "stream", "stream_options", "chat_template_kwargs", "logprobs",
-                                                    "top_logprobs"}, OPENAI_CHAT | VLLM)
+COMPLETIONS = Endpoint("/v1/completions", SAMPLING | STRUCTURED | {"model", "prompt", "max_tokens", "stream",
+                       "stream_options", "echo", "logprobs", "prompt_logprobs"}, OPENAI_COMPLETIONS | VLLM)
+CHAT = Endpoint("/v1/chat/completions", SAMPLING | STRUCTURED | TOOLS | {"model", "messages", "max_tokens",
+                "max_completion_tokens", "stream", "stream_options", "chat_template_kwargs", "logprobs",
+                "top_logprobs"}, OPENAI_CHAT | VLLM)
 GENERATE = Endpoint("/generate", (SAMPLING - {"ignore_eos", "best_of"}) | {"prompt", "max_new_tokens", "stop_on_eos",
                                                                            "stream"}, None)
 
@@ -186,6 +191,7 @@ class ParsedRequest:
     fields: dict[str, str] = field(default_factory=dict)
     prompt_texts: list[str | None] = field(default_factory=list)  # each prompt's text, where it came as text
     scoring: Scoring | None = None  # completions' logprobs, echo, prompt_logprobs
+    tools: Tools | None = None  # chat's tools: what the responder reads calls back with
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -242,28 +248,36 @@ def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
         raise invalid("max_tokens", "'max_tokens' may be 0 only with 'echo': true (to score the prompt)")
     scoring = Scoring(logprobs, echo, asked is not None, score_only)
     max_tokens = 1 if score_only else _max_tokens(body, "max_tokens", max(map(len, prompts)), info, default=16)
-    extra = dict(logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-    params = _params(body, max_tokens, get(body, "ignore_eos", False, "bool"), {}, **extra)
-    return ParsedRequest(prompts, params, *_stream(body, COMPLETIONS), {}, texts, scoring)
+    constraint, source = read_constraint(body) if STRUCTURED & body.keys() else (None, None)
+    fields = {"structured_outputs": source} if source else {}
+    extra = dict(logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
+    params = _params(body, max_tokens, get(body, "ignore_eos", False, "bool"), fields, **extra)
+    return ParsedRequest(prompts, params, *_stream(body, COMPLETIONS), fields, texts, scoring)
 
 
 def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
     """POST /v1/chat/completions: messages rendered through the checkpoint's chat template."""
     body = _opened(body, info, CHAT)
-    ids = info.tokenizer.encode(render_messages(body, info.chat_template))  # the template wrote any BOS itself
+    tools = read_tools(body, info.chat_template) if TOOLS & body.keys() else None
+    constraint, source = read_constraint(body) if STRUCTURED & body.keys() else (None, None)
+    if tools is not None and tools.enforced:  # "required" or a named function: the grammar of its calls
+        constraint, source = tools.constraint(constraint, source), "tools"
+    if constraint is not None:  # a constrained reply starts with what its grammar wants: no <think> block first
+        body = without_thinking(body)
+    ids = info.tokenizer.encode(render_messages(body, info.chat_template, tools=tools and tools.rendered))  # BOS too
     # max_completion_tokens is the current name; max_tokens the deprecated one. No limit: up to the context.
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     wanted, top = get(body, "logprobs", kind="bool"), body.get("top_logprobs")
     if top is not None and not wanted:
         raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    fields = {"prompt": "messages", "max_tokens": name, "logprobs": "top_logprobs"}
+    fields = {"prompt": "messages", "max_tokens": name, "logprobs": "top_logprobs", "structured_outputs": source}
     logprobs = (0 if top is None else top) if wanted else None
     params = _params(body, _max_tokens(body, name, len(ids), info, None), get(body, "ignore_eos", False, "bool"),
-                     fields, logprobs=logprobs)
+                     fields, logprobs=logprobs, structured_outputs=constraint)
     stops = info.chat_template.stop_token_ids
     if stops and not params.ignore_eos:  # the reply ends at the end of its turn
         params.stop_token_ids = [*(params.stop_token_ids or ()), *stops]
-    return ParsedRequest([ids], params, *_stream(body, CHAT), fields)
+    return ParsedRequest([ids], params, *_stream(body, CHAT), fields, tools=tools)
 
 
 def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:

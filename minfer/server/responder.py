@@ -7,6 +7,11 @@ logprobs its request asked for (logprobs_format.py writes OpenAI's shapes). Stre
 the logprobs of exactly the tokens whose text it carries: tokens whose text is still held back (a
 possible stop string) wait for the next chunk with text, or the choice's final chunk. With `echo`, a
 choice's first chunk is its prompt (and the prompt's logprobs).
+
+A chat request with tools (and tool_choice other than "none") has its replies read for tool calls
+(tool_calls.py): a call comes back in `message.tool_calls`, with finish_reason "tool_calls"; streamed, as
+OpenAI's tool-call deltas (index, id and name, then fragments of the arguments), content that could
+still open a call held back until it cannot.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from ..engine.outputs import CompletionDelta, RequestOutput
 from ..text.tokenizer import Tokenizer
 from .logprobs_format import LogprobFormatter
 from .requests import ParsedRequest
+from .tool_calls import CallStream, call_id, read
 
 
 def usage(outs: list[RequestOutput]) -> dict:
@@ -43,6 +49,12 @@ class Responder:
         self.formatters = [LogprobFormatter(tokenizer) for _ in range(choices)] if req.params.logprobs is not None else []
         self.pending: list[list] = [[] for _ in range(choices)]  # (token id, logprob) awaiting text
         self.echoed = [False] * choices
+        tools = req.tools if chat and req.tools is not None and req.tools.choice != "none" else None
+        self.tools, self.limit = tools, None if tools is None or tools.parallel else 1
+        self.calls = []  # per choice, with tools: its reply read for calls as it streams
+        if tools is not None:
+            names = set(tools.names)
+            self.calls = [CallStream(tools.format, names, tools.enforced, self.limit) for _ in range(choices)]
 
     # ---- one body --------------------------------------------------------------------
 
@@ -56,7 +68,7 @@ class Responder:
         token_ids, entries = ([], []) if self.score_only else (out.token_ids, out.logprobs or [])
         finish_reason = "length" if self.score_only else out.finish_reason
         if self.chat:
-            message = {"role": "assistant", "content": out.text}
+            message, finish_reason = self._message(out.text, finish_reason)
             choice = {"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason}
             return self._with(choice, self._logprobs(index, token_ids, entries))
         echo_text, echo_logprobs, asked = self._prompt_parts(index, out.prompt_logprobs)
@@ -65,6 +77,18 @@ class Responder:
             logprobs = {key: echo_logprobs[key] + logprobs[key] for key in logprobs}
         text = echo_text + ("" if self.score_only else out.text)
         return self._with(self._choice(text, finish_reason, index=index), logprobs, asked)
+
+    def _message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A whole chat reply: its content, and with tools the calls read out of it."""
+        if self.tools is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        reading = read(self.tools.format, text, set(self.tools.names), final=True, partial=self.tools.enforced)
+        calls = [{"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                 for c in reading.calls[: self.limit]]
+        if not calls:
+            return {"role": "assistant", "content": reading.content}, finish_reason
+        message = {"role": "assistant", "content": reading.content or None, "tool_calls": calls}
+        return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
     def usage(self, outs: list[tuple[RequestOutput, ...]]) -> dict:
         """Each prompt counted once, every completion's tokens."""
@@ -95,8 +119,14 @@ class Responder:
         if not self.score_only:
             if self.formatters:
                 self.pending[index] += zip(delta.token_ids, delta.logprobs or [])
-            if delta.text:
-                chunks.append(self._chunk([self._with(self._choice(delta.text, None, index=index), self._flush(index))]))
+            text, calls = delta.text, []
+            if self.calls:  # what the reply adds to the content, and to its calls, now that this is in
+                text, calls = self.calls[index].add(delta.text, final=delta.finish_reason is not None)
+            if text:
+                chunks.append(self._chunk([self._with(self._choice(text, None, index=index), self._flush(index))]))
+            if calls:
+                choice = {"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}
+                chunks.append(self._chunk([self._with(choice, self._flush(index) if self.pending[index] else None)]))
         if delta.finish_reason is not None:
             chunks.append(self._final_chunk(delta.finish_reason, index))
         return chunks
@@ -104,6 +134,8 @@ class Responder:
     def _final_chunk(self, finish_reason: str | None, index: int) -> dict:
         """A choice's last chunk: its finish reason, and the logprobs of tokens that showed no text."""
         finish_reason = "length" if self.score_only else finish_reason
+        if self.calls and self.calls[index].called and finish_reason == "stop":
+            finish_reason = "tool_calls"
         logprobs = self._flush(index) if self.pending[index] else None
         return self._chunk([self._with(self._choice(None, finish_reason, index=index), logprobs)])
 

@@ -3,7 +3,9 @@
     python -m minfer.stress --model DIR --duration 60        # starts its own server
     python -m minfer.stress --base-url http://127.0.0.1:8000 --duration 60
 
-It drives, all at once: concurrent streams (a fifth cancelled midway),
+It drives, all at once: concurrent streams (a fifth cancelled midway), structured-output requests
+(regexes, choices, JSON schemas, grammars; each output that stops must meet its constraint), tool
+calls (each naming a tool, its arguments valid),
 connections that stay silent or idle, requests whose body never arrives,
 streams read slowly or not at all, malformed requests, /health probes and
 /metrics scrapes. Then it checks that nothing was lost: no 5xx or stack trace in
@@ -12,7 +14,8 @@ closed, nothing running or waiting and every KV block free afterwards, RSS
 growth bounded, /health p99 bounded, and seeded streams identical when replayed
 alone. With --model it starts the server itself (few KV blocks, so preemption
 never stops; 2 s timeouts, so they fire within the run; float64, so a seeded
-replay must match exactly, rounding aside), scans its log for
+replay must match exactly, rounding aside; a chat template that renders tools, so that tool
+requests are served whatever the checkpoint's), scans its log for
 stack traces, and ends with SIGTERM in the middle of new load: the server must
 exit 0 within its grace period, every open stream ending with an error event
 and [DONE]. With --base-url it checks what HTTP can see; pass the server's

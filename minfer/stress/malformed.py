@@ -52,6 +52,15 @@ BAD_REQUESTS = [
     ("n = 0", _json({"prompt": "Hi", "n": 0}), 400),
     ("repetition_penalty = 0", _json({"prompt": "Hi", "repetition_penalty": 0}), 400),
     ("logit_bias of an unknown token", _json({"prompt": "Hi", "logit_bias": {"99999999": 5}}), 400),
+    ("a regex that does not parse", _json({"prompt": "Hi", "guided_regex": "a(b"}), 400),
+    ("an empty choice list", _json({"prompt": "Hi", "structured_outputs": {"choice": []}}), 400),
+    ("a JSON schema with an unknown type", _json({"prompt": "Hi", "guided_json": {"type": "nope"}}), 400),
+    (
+        "response_format and structured_outputs both",
+        _post(b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}, '
+              b'"structured_outputs": {"regex": "a"}}', b"/v1/chat/completions"),
+        400,
+    ),
     ("chat without messages", _post(b'{"max_tokens": 5}', b"/v1/chat/completions"), 400),
     ("chat message without role", _post(b'{"messages": [{"content": "x"}]}', b"/v1/chat/completions"), 400),
     ("unknown path", _json({"prompt": "Hi"}).replace(b"/v1/completions", b"/v2/nothing", 1), 404),

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from ..checkpoints.chat_tokenizers import CHATML_TOOLS_TEMPLATE
 from .clients import (
     Tally,
     Target,
@@ -28,6 +29,7 @@ from .clients import (
     stopped_reader,
     streamer,
 )
+from .constrained import constrained
 from .malformed import BAD_REQUESTS, malformer
 from .scorer import scorer
 
@@ -44,6 +46,7 @@ class SoakConfig:
     slow: int = 4  # streams read slowly through a tiny receive window
     stopped: int = 2  # streams whose client stops reading
     scorers: int = 6  # clients sending what eval harnesses send: echo + logprobs batches, logprob streams
+    constrained: int = 4  # clients asking for structured outputs: regexes, choices, JSON schemas, grammars
     replays: int = 16  # seeded streams replayed alone afterwards
     health_p99_ms: float = 2000.0  # generous: a loaded 2-core machine is slow, but not this slow
     max_rss_growth_mib: float = 128.0
@@ -78,7 +81,7 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally, progress: Callable[[str]
     jobs = [(streamer, i, ()) for i in range(cfg.streams)] + [(idler, i, ()) for i in range(cfg.idle)]
     jobs += [(staller, i, ()) for i in range(cfg.stalled)] + [(slow_reader, i, ()) for i in range(cfg.slow)]
     jobs += [(stopped_reader, i, (cfg.write_timeout + 2,)) for i in range(cfg.stopped)] + [(malformer, 0, ())]
-    jobs += [(scorer, i, ()) for i in range(cfg.scorers)]
+    jobs += [(scorer, i, ()) for i in range(cfg.scorers)] + [(constrained, i, ()) for i in range(cfg.constrained)]
     threads = [
         threading.Thread(target=fn, args=(target, tally, end, cfg.seed * 1000 + i, *extra), daemon=True)
         for fn, i, extra in jobs
@@ -125,6 +128,11 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally, progress: Callable[[str]
         "prompts scored": c["prompts scored"],
         "scoring requests refused with 429": c["scoring requests refused with 429"],
         "logprob streams finished": c["logprob streams finished"],
+        "constrained requests answered": c["constrained requests answered"],
+        "constrained outputs that stopped (each meets its constraint)": c["constrained outputs ending with stop"],
+        "constrained outputs cut at max_tokens": c["constrained outputs ending with length"],
+        "tool requests answered": c["tool requests answered"],
+        "tool calls returned (each naming a tool, its arguments valid)": c["tool calls returned"],
         "stopped readers cut off": c["stopped readers cut off"],
         "stopped readers whose stream fit in the socket buffers": c[
             "stopped readers whose stream fit in the socket buffers"
@@ -298,7 +306,10 @@ def run_spawned(
     cfg.stall_limit = SPAWN_TIMEOUTS + 8.0
     cfg.write_timeout = SPAWN_TIMEOUTS
     log_path = os.path.join(tempfile.mkdtemp(prefix="minfer-stress-"), "server.log")
-    proc, port = spawn_server(model, kv_blocks, log_path, cfg.server_args)
+    template = os.path.join(os.path.dirname(log_path), "tools.jinja")  # so that tool requests have a template
+    with open(template, "w") as f:
+        f.write(CHATML_TOOLS_TEMPLATE)
+    proc, port = spawn_server(model, kv_blocks, log_path, ("--chat-template", template, *cfg.server_args))
     try:
         target = Target("127.0.0.1", port, cfg.stall_limit)
         figures = {"KV blocks": kv_blocks, **soak(target, cfg, tally, progress)}

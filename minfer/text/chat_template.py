@@ -14,6 +14,10 @@ in Jinja's sandbox, with the same helpers transformers gives it (`raise_exceptio
 
 A checkpoint without a template (GPT-2) gets the plain rendering: one `role: content`
 line per message, then `assistant:`.
+
+A template that reads the variable `tools` renders a request's tool definitions (OpenAI's
+`{"type": "function", "function": {...}}` list) where the model was trained to see them;
+`supports_tools` says whether it does.
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ class ChatTemplate:
         self.special_tokens = special_tokens or {}  # bos_token, eos_token, ... as the template names them
         self.stop_token_ids = list(stop_token_ids)  # the end-of-turn tokens this template writes
         self._template = None
+        self.supports_tools = False  # whether the template reads `tools`
         if source is not None:
+            from jinja2 import meta
             from jinja2.exceptions import TemplateError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -58,6 +64,7 @@ class ChatTemplate:
             env.filters["tojson"] = _tojson
             try:
                 self._template = env.from_string(source)
+                self.supports_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
             except TemplateError as e:
                 raise ValueError(f"the checkpoint's chat_template does not compile: {e}") from None
 
@@ -85,16 +92,22 @@ class ChatTemplate:
         stops = [tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS if t in source]
         return cls(source, special, [i for i in stops if i is not None])
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None) -> str:
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> str:
         """The prompt text for these messages, ending where the assistant's reply begins. `variables`
-        are more names the template may read (Qwen3's `enable_thinking`, for one)."""
+        are more names the template may read (Qwen3's `enable_thinking`, for one); `tools`, the tool
+        definitions, for a template that supports them."""
         if self._template is None:
             return render_chat(messages)
         from jinja2.exceptions import TemplateError
 
         try:
             context = {**self.special_tokens, **(variables or {})}
-            return self._template.render(context, messages=messages, add_generation_prompt=add_generation_prompt)
+            # tools None when there are none, as transformers renders them: templates test `if tools`.
+            return self._template.render(context, messages=messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt)
         except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise ChatTemplateError(f"the chat template could not render these messages: {e}") from None
 

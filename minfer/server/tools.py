@@ -1,0 +1,124 @@
+"""A chat request's tools: `tools`, `tool_choice` and `parallel_tool_calls`, read and checked once.
+
+- `tools`: OpenAI's function definitions, `{"type": "function", "function": {"name", "description",
+  "parameters"}}`, the parameters a JSON schema. They render through the chat template's `tools`
+  variable, so a template that has none cannot take them (a 400 that says so).
+- `tool_choice`: "auto" (the default with tools: the model's text decides, and a call it writes comes
+  back in `tool_calls`), "none" (no tools rendered, content only), "required" (a call to one of the
+  tools), or `{"type": "function", "function": {"name": ...}}` (a call to that one). "required" and a
+  named function are enforced: a grammar (tool_calls.py) that the structured/ room holds the reply to,
+  so the call's name is a tool's and its arguments validate against that tool's parameters.
+- `parallel_tool_calls` (default true): enforced replies hold one call, or with it one or more; an
+  "auto" reply without it gives back its first call only.
+OpenAI's older `functions` and `function_call` are refused (requests.py), pointing here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..engine.structured_outputs_params import StructuredOutputsParams
+from ..errors import invalid
+from ..text.chat_template import ChatTemplate
+from .chat_messages import show
+from .tool_calls import ToolFormat, format_of
+
+READ = frozenset({"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"})  # chat's fields
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+CHOICES = ("none", "auto", "required")
+
+
+@dataclass
+class Tools:
+    tools: list[dict]
+    choice: str  # "auto", "required", "none", or "function" (the one named)
+    named: str | None  # the function tool_choice names
+    parallel: bool
+    format: ToolFormat
+
+    @property
+    def names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools]
+
+    @property
+    def rendered(self) -> list[dict] | None:
+        """The tools the chat template shows the model: none under "none"."""
+        return None if self.choice == "none" else self.tools
+
+    @property
+    def enforced(self) -> bool:
+        return self.choice in ("required", "function")
+
+    def constraint(self, other: StructuredOutputsParams | None = None, source: str | None = None):
+        """The grammar a "required" or named reply is held to (a StructuredOutputsParams), which leaves no
+        room for another constraint (`other`, from the request's field `source`)."""
+        if other is not None:
+            raise invalid(source, f"'{source}' and tool_choice {self.choice!r} both hold the reply to a format: "
+                          "a call's format is the tool's")
+        names = [self.named] if self.named else self.names
+        return StructuredOutputsParams(grammar=self.format.grammar(self.tools, names, self.parallel))
+
+
+def read_tools(body: dict, template: ChatTemplate) -> Tools | None:
+    """The request's tools, checked; None if it has none (and asks nothing of them)."""
+    for old in ("functions", "function_call"):
+        if body.get(old) is not None:
+            raise invalid(old, f"'{old}' is OpenAI's deprecated way to offer functions: send them in 'tools' "
+                          "(and 'tool_choice' for which to call)", "unsupported_parameter")
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise invalid("parallel_tool_calls", f"'parallel_tool_calls' must be a boolean, got {show(parallel)}",
+                      "invalid_type")
+    if tools is None or tools == []:
+        if choice is not None and choice != "none":
+            raise invalid("tool_choice", "'tool_choice' needs 'tools': give the functions the model may call")
+        return None
+    if not isinstance(tools, list):
+        raise invalid("tools", f"'tools' must be a list of tools, got {show(tools)}", "invalid_type")
+    if choice != "none" and not template.supports_tools:
+        raise invalid("tools", "this model's chat template does not render tools, so the model could not be told "
+                      "about them: serve it with a template that does (--chat-template), or send tool_choice "
+                      "'none'", "unsupported_parameter")
+    for i, tool in enumerate(tools):
+        _check_tool(tool, i)
+    names = [t["function"]["name"] for t in tools]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise invalid("tools", f"two tools are named {twice!r}: a call must say which one it is")
+    named = None
+    if choice is None:
+        choice = "auto"
+    elif isinstance(choice, dict):
+        function = choice.get("function")
+        named = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(named, str):
+            raise invalid("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
+                          '{"type": "function", "function": {"name": ...}}, got ' + show(choice))
+        if named not in names:
+            raise invalid("tool_choice", f"'tool_choice' names {named!r}, which is not one of the tools: "
+                          f"{', '.join(names)}")
+        choice = "function"
+    elif choice not in CHOICES:
+        raise invalid("tool_choice", f"'tool_choice' must be one of {', '.join(CHOICES)} or a named function, "
+                      f"got {show(choice)}")
+    return Tools(tools, choice, named, True if parallel is None else parallel, format_of(template))
+
+
+def _check_tool(tool, i: int) -> None:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise invalid(f"tools[{i}]", f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{...}}}}, "
+                      f"got {show(tool)}", "invalid_type")
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise invalid(f"tools[{i}].function", f"'tools[{i}].function' must be an object with a 'name'",
+                      "invalid_type")
+    name = function.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        code = "missing_required_parameter" if name is None else "invalid_value"
+        raise invalid(f"tools[{i}].function.name", f"'tools[{i}].function.name' must be 1 to 64 letters, digits, "
+                      f"'_' or '-', got {show(name)}", code)
+    parameters = function.get("parameters")
+    if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
+        raise invalid(f"tools[{i}].function.parameters", f"'tools[{i}].function.parameters' must be a JSON schema "
+                      f"of an object, got {show(parameters)}", "invalid_type")
