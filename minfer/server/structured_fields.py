@@ -16,7 +16,8 @@ names the request's field too (ParsedRequest.fields maps "structured_outputs" to
 from __future__ import annotations
 
 from ..engine.structured_outputs_params import StructuredOutputsParams
-from ..errors import InvalidParameter, invalid
+from ..errors import InvalidParameter
+from .api_errors import invalid
 from .chat_messages import show
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

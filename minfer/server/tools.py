@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from ..engine.structured_outputs_params import StructuredOutputsParams
-from ..errors import invalid
+from .api_errors import invalid
 from ..text.chat_template import ChatTemplate
 from .chat_messages import show
 from .tool_calls import ToolFormat, format_of
