@@ -1,4 +1,5 @@
-"""The error types every layer may raise: a bad request field, and an HTTP API error.
+"""The error types every layer may raise: a bad request field, and an HTTP API error; and which device
+errors no retry survives.
 
 The one error type for a bad request is raised where the rule lives and passed on unchanged.
 
@@ -67,3 +68,23 @@ class APIError(Exception):
 def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
     """The 400 for a bad request field, naming it (every request parser raises these)."""
     return APIError(400, message, param=param, code=code)
+
+
+# CUDA errors after which the process's CUDA context is broken: every later call fails the same way, so
+# the only recovery is a new process (the server stops, non-zero, for its supervisor to restart it).
+STICKY_CUDA_ERRORS = (
+    "an illegal memory access was encountered",
+    "device-side assert triggered",
+    "misaligned address",
+    "an illegal instruction was encountered",
+    "unspecified launch failure",
+    "hardware stack error",
+    "uncorrectable ECC error",
+)
+
+
+def is_sticky_device_error(error: BaseException) -> bool:
+    """Whether `error` is a sticky CUDA error (STICKY_CUDA_ERRORS), raised as torch raises them: a
+    RuntimeError (torch.AcceleratorError, in newer torch) whose message names it."""
+    message = str(error)
+    return isinstance(error, RuntimeError) and any(sticky in message for sticky in STICKY_CUDA_ERRORS)

@@ -52,7 +52,9 @@ def build_engine(
     if config.compile_decode_step or config.compile_model:
         step = CompiledDecodeStep(model, whole=config.compile_model)
     graphs = cuda_graphs.wants_decode_graphs(model.device, config.enforce_eager, attention)
-    compiled = CompiledForward(step, graphs, config.max_num_seqs, context_len) if step or graphs else None
+    compiled = None
+    if step or graphs or attention.compiles_per_shape:  # compiled/forward.py: warm-ups, graphs, fallbacks
+        compiled = CompiledForward(step, graphs, config.max_num_seqs, context_len, config.max_num_batched_tokens)
     threads = model.device.type == "cpu" and not threads_chosen(config.num_threads)
     features = Features(
         scoring=Scoring(model.config.vocab_size),
@@ -74,9 +76,12 @@ def with_speculation(config: EngineConfig, model: torch.nn.Module, context_len: 
     proposer = None
     if config.speculative_method == "draft":
         draft = load_draft_model(config, model, context_len)
+        # Unquantized, uncompiled: a draft is small already. On a GPU on the plain backend too: its steps run
+        # outside the target's (compiled/forward.py), where flex could not compile them all before serving.
+        eager_attention = config.attention_backend if draft.device.type == "cpu" else "eager"
         plain = replace(config, quantization=None, quantization_group_size=None, quantize_activations=False,
-                        compile_model=False, compile_decode_step=False)
-        draft, draft_attention = prepare_model(draft, plain)  # as the target, unquantized: a draft is small already
+                        compile_model=False, compile_decode_step=False, attention_backend=eager_attention)
+        draft, draft_attention = prepare_model(draft, plain)
         extra = DraftProposer.bytes_per_block(draft, config.block_size)
         num_blocks = config.num_kv_blocks or kv_blocks(config, model, context_len, extra)
         config = replace(config, num_kv_blocks=num_blocks, kv_cache_memory=None, gpu_memory_utilization=None)

@@ -37,7 +37,7 @@ def banner_lines(scheduler: OnlineScheduler, asked_dtype: str, address: str, api
         adapts = " (fewer while other processes use these cores)" if sharing else ""
         threads = f", {torch.get_num_threads()} threads{adapts}"
     attention = ran.attention_backend
-    if scheduler.attention.name == "flex":
+    if scheduler.attention.name == "flex" and attention == "compiled":  # not where it fell back (compiled/forward.py)
         attention += ", FlexAttention over the block tables"
     if scheduler.attention.warm_up_seconds is not None:
         attention += f" (warm-up compile {scheduler.attention.warm_up_seconds:.1f} s)"
