@@ -168,7 +168,8 @@ class EngineConfig:
         None,
         float,
         Check(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1, "a fraction in (0, 1]"),
-        "CUDA only: the share of free GPU memory the KV cache takes (default: 0.9)",
+        "CUDA only: the share of the GPU's total memory the engine may hold: weights, its largest step (measured "
+        "by a profiling step at start-up) and the KV cache, which takes the rest (default: 0.9)",
         metavar="FRACTION",
     )
     enable_prefix_caching: bool = setting(True, bool, BOOL, "reuse the KV blocks of prompt prefixes seen before")
