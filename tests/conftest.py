@@ -6,6 +6,8 @@ import os
 # Tests run the eager attention backend unless they ask for the compiled one (test_compiled_attention.py):
 # compiling costs each new process (a served model, a tutorial) a few seconds. Set before minfer is imported.
 os.environ.setdefault("MINFER_ATTENTION_BACKEND", "eager")
+# And fp32, a GPU's too (whose default is bf16): the references (transformers) are fp32.
+os.environ.setdefault("MINFER_DTYPE", "float32")
 # And a fixed thread count: CpuShare (minfer/cpu/thread_share.py) would follow the machine's load (CI runs
 # the tutorials beside the suite), and fp32 results change in their last bits with the thread count.
 # tests/test_cpu_share.py tests the adaptation itself. One thread: the test models are small, so a

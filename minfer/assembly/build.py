@@ -123,10 +123,14 @@ def load_for(config: EngineConfig) -> torch.nn.Module:
     return load_model(config.model, device=device, dtype=resolve_dtype(config.dtype, device), weights=QuantizedWeights(spec))
 
 
-def resolve_dtype(dtype: torch.dtype | str, device: torch.device = torch.device("cpu")) -> torch.dtype:
-    """A torch dtype from a dtype or a name; "auto" picks bf16 where it is fast, else fp32."""
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device = torch.device("cpu")) -> torch.dtype:
+    """A torch dtype from a dtype or a name; "auto" picks bf16 where it is fast, else fp32. None (no --dtype)
+    is "auto" on a GPU, where every user wants half precision, and fp32 on a CPU, where bf16 is fast only on
+    some machines."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype is None:
+        dtype = "auto" if device.type == "cuda" else "float32"
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

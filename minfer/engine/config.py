@@ -138,11 +138,13 @@ class EngineConfig:
         "cpu, cuda, cuda:1, ... (default: $MINFER_DEVICE, else cpu)",
         convert=lambda v: str(torch.device(v)),
     )
-    dtype: str = setting(
-        "float32",
+    # Unset, the device decides (assembly/build.py's resolve_dtype): a GPU runs "auto", a CPU float32.
+    dtype: str | None = setting(
+        (settings.DTYPE, None),
         str,
         Check(lambda v: v == "auto" or v in DTYPES, f"'auto' or one of {sorted(DTYPES)}"),
-        "float32, bfloat16, float16, float64, or auto (bf16 where it is fast, else fp32)",
+        "float32, bfloat16, float16, float64, or auto (bf16 where it is fast, else fp32) (default: $MINFER_DTYPE, "
+        "else auto on a GPU and float32 on a CPU)",
         convert=dtype_name,
     )
     # Seeds torch's global RNG when the engine starts: what sampling draws from for requests without a seed.
