@@ -106,13 +106,8 @@ def flex_traced_as_on_a_gpu(flex_as_on_a_gpu, monkeypatch):
     kind of step at start-up (compiled/warm_up.py), then sealed, so that a recompile raises. Through a backend
     that traces and counts (count_and_trace): the GPU's guards and recompiles, no kernels (about half a second
     a compile; what one test compiled, the next reuses). Yields FLEX_COMPILES."""
-    import torch._dynamo.config as dynamo_config
-
     from minfer.compiled import flex_kernel
 
     monkeypatch.setattr(flex_kernel, "SERVING_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(flex_kernel, "SERVING_BACKEND", count_and_trace)
-    for name in ("recompile_limit", "fail_on_recompile_limit_hit"):  # raised for the test alone
-        monkeypatch.setattr(dynamo_config, name, getattr(dynamo_config, name))
-    flex_kernel.raise_recompile_limit()
     return FLEX_COMPILES

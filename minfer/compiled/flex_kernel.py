@@ -7,8 +7,9 @@ strides, the kind of tensor (inference or not), each distinct `kernel_options`, 
 when it compiled (duck sizing). The backend gives it one layout (q made contiguous, tables at least two
 blocks wide), and the engine's warm-up (warm_up.py) runs one step of each remaining kind through the model
 before the first request. Past Dynamo's recompile limit (8 by default) flex_attention would run unfused,
-scoring every slot of the cache: the limit is raised, as vLLM raises it, and hitting it raises an error
-(a path failure, forward.py) instead of a silent unfused run.
+scoring every slot of the cache: where the warm-ups compile, the limit is raised, as vLLM raises it, and
+hitting it raises an error instead of a silent unfused run. After them, a recompile raises (`sealed`): a
+path failure (forward.py).
 
 On a CPU, where only tests choose flex, it compiles without dynamic shapes (torch 2.13's C++ template
 failed to build with dynamic sizes and the block mask). tests/conftest.py's `flex_traced_as_on_a_gpu` runs
@@ -43,18 +44,8 @@ def compiled_flex_attention(dynamic: bool):
     if key not in _compiled:
         from torch.nn.attention.flex_attention import flex_attention
 
-        if dynamic:
-            raise_recompile_limit()
         _compiled[key] = torch.compile(flex_attention, dynamic=dynamic, backend=key[1])
     return _compiled[key]
-
-
-def raise_recompile_limit() -> None:
-    """Room for every kind of step to compile (about six), and an error, not an unfused run, past it."""
-    import torch._dynamo.config as dynamo_config  # here: importing Dynamo costs every `minfer` start a second
-
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-    dynamo_config.fail_on_recompile_limit_hit = True
 
 
 def kernel_options(query_len: int, key_block: int) -> dict:
@@ -78,11 +69,15 @@ def torch_too_old() -> str | None:
 
 @contextmanager
 def compiling_for_serving():
-    """Around a warm-up's compiles: sizes that happen to be equal in a warm-up step (a batch and a table's
-    width) are not assumed equal ever after (duck sizing off), else the next step unequal recompiles."""
+    """Around a warm-up's compiles, in the thread that compiles (Dynamo's settings are the thread's own):
+    - room for every kind of step, of every engine in the process (five or so each), and an error past it;
+    - sizes that happen to be equal in a warm-up step (a batch and a table's width) are not assumed equal
+      ever after (duck sizing off), else the next step where they differ recompiles."""
+    import torch._dynamo.config as dynamo_config  # here: importing Dynamo costs every `minfer` start a second
     import torch.fx.experimental._config as fx_config
 
-    with fx_config.patch(use_duck_shape=False):
+    limits = {"recompile_limit": RECOMPILE_LIMIT, "fail_on_recompile_limit_hit": True}
+    with dynamo_config.patch(**limits), fx_config.patch(use_duck_shape=False):
         yield
 
 
