@@ -74,8 +74,8 @@ def env() -> int:
         triton_version = "absent"
     torch_line = f"torch {torch.__version__}, triton {triton_version}, Python {platform.python_version()}"
     print(torch_line)
-    if flex_kernel.torch_too_old():
-        return result("FAIL", flex_kernel.torch_too_old())
+    if too_old := flex_kernel.torch_too_old():
+        return result("FAIL", too_old)
     if DRY:
         return result("PASS", f"dry run on the CPU ({platform.processor() or platform.machine()}); {torch_line}")
     if not torch.cuda.is_available():

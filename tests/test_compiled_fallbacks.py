@@ -19,6 +19,7 @@ from test_engine import assert_all_free
 from minfer import LLM, SamplingParams
 from minfer.compiled import cuda_graphs, flex, forward, warm_up
 from minfer.compiled.cuda_graphs import DecodeGraphs
+from minfer.compiled.paged_op import OpaqueAttention
 from minfer.compiled.step import CompiledDecodeStep
 from minfer.engine.config import EngineConfig
 from minfer.server.prometheus import Metrics
@@ -174,6 +175,25 @@ def test_compiled_step_that_raises_mid_run_runs_eager(tiny_checkpoint, expected,
     assert warnings(caplog) == ["minfer: the compiled decode step off, running eager instead: it raised mid-run: "
                                 "RuntimeError: inductor: C++ compile failed"]
     assert llm.stats()["compiled_paths"]["compiled_step"] == "off"
+
+
+def test_compiled_step_whose_compile_fails_mid_run_is_counted(tiny_checkpoint, expected, monkeypatch, caplog):
+    """The compiled step catches its own compile failure and runs the step eagerly (step.py): one log line, its
+    own, and one more count."""
+    monkeypatch.setattr(CompiledDecodeStep, "warm_up", lambda self, runner: None)
+    llm = LLM(tiny_checkpoint, num_kv_blocks=64, compile_decode_step=True)
+    step = llm.scheduler.runner.compiled.step
+    step.opaque = OpaqueAttention(llm.scheduler.attention)  # what its warm-up sets up, compiling nothing
+
+    def graph(*args, **kwargs):
+        raise RuntimeError("inductor: C++ compile failed")
+
+    step.graph = graph
+    lone = llm.generate(prompts()[:1], GREEDY, use_tqdm=False)  # one sequence: its decode steps take the graph
+    assert lone[0].token_ids == expected[0]
+    assert warnings(caplog) == ["minfer: the compiled decode step is off, running eager instead: RuntimeError: "
+                                "inductor: C++ compile failed"]
+    assert llm.stats()["num_path_fallbacks"] == 1
 
 
 def test_a_sticky_cuda_error_is_not_retried(gpu_like):

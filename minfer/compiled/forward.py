@@ -66,6 +66,7 @@ class CompiledForward:
                 self._attention_off(f"its warm-up failed: {why_not}")
         if self.step is not None:
             self.step.warm_up(runner)
+            self._count_if_the_step_went_off()
         if self.wants_graphs and self.attention.captures_in_graphs:
             self._capture(runner)
         self.sealed = self.attention.compiles_per_shape
@@ -106,7 +107,9 @@ class CompiledForward:
                 return self.graphs.run(rows.input_ids, rows.layout, rows.positions)
         if self.step is not None and not self.step.off_because:
             self.path = "the compiled decode step"
-            return self.step(rows.input_ids, self._batch(rows))
+            logits = self.step(rows.input_ids, self._batch(rows))
+            self._count_if_the_step_went_off()
+            return logits
         if self.sealed:
             self.path = "compiled attention"
             with sealed():
@@ -132,6 +135,11 @@ class CompiledForward:
             self._fell_back(path, why)
         else:  # the graphs already recorded keep replaying: they never compile
             self._attention_off(why)
+
+    def _count_if_the_step_went_off(self) -> None:
+        """The compiled step switches itself off where its compile fails (and logs it): counted here."""
+        if self.step.off_because:
+            self.fallbacks.append(f"the compiled decode step: {self.step.off_because}")
 
     def _attention_off(self, why: str) -> None:
         """The plain backend from here on: the same cache layout, nothing compiled."""
