@@ -1,7 +1,7 @@
 """The error every layer may raise for a bad request field: InvalidParameter, raised where the rule
 lives and passed on unchanged. SamplingParams checks its own fields and the scheduler checks prompts;
 callers do not check again, and the HTTP API turns it into a 400 whose `param` names the field
-(server/api_errors.py)."""
+(server/api_errors.py). And which device errors no retry survives (is_sticky_device_error)."""
 
 from __future__ import annotations
 
@@ -19,3 +19,23 @@ class InvalidParameter(ValueError):
 def is_int(value) -> bool:
     """An int that is not a bool (JSON's true is no token id, count or seed)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# CUDA errors after which the process's CUDA context is broken: every later call fails the same way, so
+# the only recovery is a new process (the server stops, non-zero, for its supervisor to restart it).
+STICKY_CUDA_ERRORS = (
+    "an illegal memory access was encountered",
+    "device-side assert triggered",
+    "misaligned address",
+    "an illegal instruction was encountered",
+    "unspecified launch failure",
+    "hardware stack error",
+    "uncorrectable ECC error",
+)
+
+
+def is_sticky_device_error(error: BaseException) -> bool:
+    """Whether `error` is a sticky CUDA error (STICKY_CUDA_ERRORS), raised as torch raises them: a
+    RuntimeError (torch.AcceleratorError, in newer torch) whose message names it."""
+    message = str(error)
+    return isinstance(error, RuntimeError) and any(sticky in message for sticky in STICKY_CUDA_ERRORS)

@@ -28,13 +28,14 @@ class EnvVar:
 
 DEVICE = EnvVar("MINFER_DEVICE", "the default --device (the tests' way to run on a GPU); else cpu")
 ATTENTION_BACKEND = EnvVar("MINFER_ATTENTION_BACKEND", "the default --attention-backend; else auto")
+DTYPE = EnvVar("MINFER_DTYPE", "the default --dtype; else auto on a GPU, float32 on a CPU")
 NUM_THREADS = EnvVar("MINFER_NUM_THREADS", "torch's CPU threads, unless --num-threads is given")
 OMP_NUM_THREADS = EnvVar("OMP_NUM_THREADS", "OpenMP's thread count: torch's CPU threads after MINFER_NUM_THREADS")
 API_KEY = EnvVar("MINFER_API_KEY", "the server's --api-key")
 OMP_WAIT_POLICY = EnvVar("OMP_WAIT_POLICY", "how idle OpenMP threads wait (libgomp: ACTIVE or PASSIVE)")
 GOMP_SPINCOUNT = EnvVar("GOMP_SPINCOUNT", "how long an idle libgomp thread spins before it sleeps")
 
-ALL = (DEVICE, ATTENTION_BACKEND, NUM_THREADS, OMP_NUM_THREADS, API_KEY, OMP_WAIT_POLICY, GOMP_SPINCOUNT)
+ALL = (DEVICE, ATTENTION_BACKEND, DTYPE, NUM_THREADS, OMP_NUM_THREADS, API_KEY, OMP_WAIT_POLICY, GOMP_SPINCOUNT)
 
 
 if __name__ == "__main__":

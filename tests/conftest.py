@@ -6,6 +6,8 @@ import os
 # Tests run the eager attention backend unless they ask for the compiled one (test_compiled_attention.py):
 # compiling costs each new process (a served model, a tutorial) a few seconds. Set before minfer is imported.
 os.environ.setdefault("MINFER_ATTENTION_BACKEND", "eager")
+# And fp32, a GPU's too (whose default is bf16): the references (transformers) are fp32.
+os.environ.setdefault("MINFER_DTYPE", "float32")
 # And a fixed thread count: CpuShare (minfer/cpu/thread_share.py) would follow the machine's load (CI runs
 # the tutorials beside the suite), and fp32 results change in their last bits with the thread count.
 # tests/test_cpu_share.py tests the adaptation itself. One thread: the test models are small, so a
@@ -77,12 +79,35 @@ def flex_as_on_a_gpu(monkeypatch):
     from torch.nn.attention.flex_attention import flex_attention
 
     from minfer.assembly import selector
-    from minfer.compiled import flex
+    from minfer.compiled import flex_kernel
 
-    monkeypatch.setitem(flex._flex_compiled, "static", flex_attention)
+    monkeypatch.setitem(flex_kernel._compiled, ("static", "inductor"), flex_attention)
     choose = selector.backend_name
 
     def as_on_a_gpu(device, dtype, choice="auto", kv_width=None):
         return "flex" if choice in ("auto", "compiled") else choose(device, dtype, choice, kv_width)
 
     monkeypatch.setattr(selector, "backend_name", as_on_a_gpu)
+
+
+
+FLEX_COMPILES = []  # every compile of flex as it serves, in this test session: the graph's inputs each
+
+
+def count_and_trace(graph, inputs):
+    """A torch.compile backend: counts the compile, then runs the traced graph as it is (Dynamo's "eager")."""
+    FLEX_COMPILES.append(inputs)
+    return graph.forward
+
+
+@pytest.fixture
+def flex_traced_as_on_a_gpu(flex_as_on_a_gpu, monkeypatch):
+    """flex as it serves on a GPU (compiled/flex_kernel.py), on the CPU: compiled with dynamic shapes, each
+    kind of step at start-up (compiled/warm_up.py), then sealed, so that a recompile raises. Through a backend
+    that traces and counts (count_and_trace): the GPU's guards and recompiles, no kernels (about half a second
+    a compile; what one test compiled, the next reuses). Yields FLEX_COMPILES."""
+    from minfer.compiled import flex_kernel
+
+    monkeypatch.setattr(flex_kernel, "SERVING_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(flex_kernel, "SERVING_BACKEND", count_and_trace)
+    return FLEX_COMPILES

@@ -80,16 +80,17 @@ def test_gpu_memory_does_not_grow_over_a_run(tiny_checkpoint):
 
 
 def test_cuda_graphs_replay_what_eager_steps_compute(tiny_checkpoint):
-    """Decode steps replayed from CUDA graphs (the default on a GPU) against --enforce-eager: the same
-    greedy tokens, in fp32, over batches that pad up to the captured sizes."""
+    """Decode steps replayed from CUDA graphs (the default on a GPU: FlexAttention, whatever
+    $MINFER_ATTENTION_BACKEND gives the other tests) against --enforce-eager: the same greedy tokens, in
+    fp32, over batches that pad up to the captured sizes."""
     prompts = random_prompts(11, 512, seed=9, max_len=120)
     params = [SamplingParams(max_tokens=12 + i, temperature=0) for i in range(len(prompts))]
     eager = LLM(tiny_checkpoint, num_kv_blocks=64, enforce_eager=True)
     assert eager.scheduler.runner.compiled is None
     expected = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
-    llm = LLM(tiny_checkpoint, num_kv_blocks=64, max_num_seqs=11)
+    llm = LLM(tiny_checkpoint, num_kv_blocks=64, max_num_seqs=11, attention_backend="auto")
     graphs = llm.scheduler.runner.compiled.graphs
-    assert graphs is not None and all(graph is not None for graph, _ in graphs.graphs.values())
+    assert graphs is not None and all(graph is not None for graph in graphs.graphs.values())
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     assert graphs.num_steps > 20
     llm.close()

@@ -99,6 +99,24 @@ def test_values_are_normalised_and_frozen(tmp_path):
         config.block_size = 0  # checked once: it cannot go bad afterwards
 
 
+def test_no_dtype_means_auto_on_a_gpu_and_fp32_on_a_cpu(monkeypatch):
+    """What a GPU user expects, bf16 there; the CPU, where bf16 is fast only on some machines, stays fp32. The
+    banner says which default ran. (The tests set $MINFER_DTYPE to float32, a GPU's too: their references
+    are fp32.)"""
+    from minfer.assembly.build import resolve_dtype
+    from minfer.server.banner import dtype_reason
+
+    monkeypatch.delenv("MINFER_DTYPE")
+    assert EngineConfig().dtype is None and EngineConfig(dtype="auto").dtype == "auto"
+    assert resolve_dtype(None, torch.device("cpu")) == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
+    assert dtype_reason(None, torch.bfloat16, torch.device("cuda")).startswith("bfloat16 (the GPU's default, auto: ")
+    assert dtype_reason(None, torch.float32, torch.device("cpu")).startswith("float32 (the CPU's default; ")
+    monkeypatch.setenv("MINFER_DTYPE", "bfloat16")
+    assert EngineConfig().dtype == "bfloat16"
+
+
 @pytest.mark.parametrize(
     "text, size",
     [("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1e9", 10**9), ("1.5GB", 1_500_000_000), ("4096", 4096),

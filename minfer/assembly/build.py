@@ -34,6 +34,7 @@ from ..speculative.speculation import Speculation
 from ..speculative.speculator import Speculator
 from ..structured.structured import Structured
 from ..text.tokenizer import Tokenizer
+from .memory import with_profiled_budget
 from .prepare import prepare_model
 
 
@@ -47,14 +48,19 @@ def build_engine(
     tokenizer = tokenizer or Tokenizer.from_dir(model.model_dir)
     model, attention = prepare_model(model, config)  # quantized, packed, its attention chosen and warmed up
     context_len = config.max_model_len or model.config.max_positions
+    draft = prepared_draft(config, model, context_len) if config.speculative_method == "draft" else None
+    if model.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory is None:
+        config = with_profiled_budget(config, model, attention, context_len)  # every weight loaded; no cache yet
     speculation = None
     if config.speculative_method is not None:
-        config, speculation = with_speculation(config, model, context_len)
+        config, speculation = with_speculation(config, model, context_len, draft)
     step = None
     if config.compile_decode_step or config.compile_model:
         step = CompiledDecodeStep(model, whole=config.compile_model)
     graphs = cuda_graphs.wants_decode_graphs(model.device, config.enforce_eager, attention)
-    compiled = CompiledForward(step, graphs, config.max_num_seqs, context_len) if step or graphs else None
+    compiled = None
+    if step or graphs or attention.compiles_per_shape:  # compiled/forward.py: warm-ups, graphs, fallbacks
+        compiled = CompiledForward(step, graphs, config.max_num_seqs, context_len, config.max_num_batched_tokens)
     threads = model.device.type == "cpu" and not threads_chosen(config.num_threads)
     features = Features(
         scoring=Scoring(model.config.vocab_size),
@@ -71,15 +77,26 @@ def build_engine(
     return OnlineScheduler(model, tokenizer, config, attention=attention, features=features)
 
 
-def with_speculation(config: EngineConfig, model: torch.nn.Module, context_len: int) -> tuple[EngineConfig, Speculation]:
-    """The speculative decoding config.speculative_method asks for. A draft model's cache shares the
-    target's blocks, so the budget buys fewer of them: the config comes back with their number fixed."""
+def prepared_draft(config: EngineConfig, model: torch.nn.Module, context_len: int) -> tuple[torch.nn.Module, object]:
+    """The draft model of --speculative-method draft, loaded and prepared, and its attention backend:
+    unquantized and uncompiled, a draft being small already. On a GPU on the plain backend too: its steps run
+    outside the target's (compiled/forward.py), where flex could not compile them all before serving."""
+    draft = load_draft_model(config, model, context_len)
+    eager_attention = config.attention_backend if draft.device.type == "cpu" else "eager"
+    plain = replace(config, quantization=None, quantization_group_size=None, quantize_activations=False,
+                    compile_model=False, compile_decode_step=False, attention_backend=eager_attention)
+    return prepare_model(draft, plain)
+
+
+def with_speculation(
+    config: EngineConfig, model: torch.nn.Module, context_len: int, draft: tuple | None = None
+) -> tuple[EngineConfig, Speculation]:
+    """The speculative decoding config.speculative_method asks for (`draft`: prepared_draft's, for "draft").
+    A draft model's cache shares the target's blocks, so the budget buys fewer of them: the config comes
+    back with their number fixed."""
     proposer = None
-    if config.speculative_method == "draft":
-        draft = load_draft_model(config, model, context_len)
-        plain = replace(config, quantization=None, quantization_group_size=None, quantize_activations=False,
-                        compile_model=False, compile_decode_step=False)
-        draft, draft_attention = prepare_model(draft, plain)  # as the target, unquantized: a draft is small already
+    if draft is not None:
+        draft, draft_attention = draft
         extra = DraftProposer.bytes_per_block(draft, config.block_size)
         num_blocks = config.num_kv_blocks or kv_blocks(config, model, context_len, extra)
         config = replace(config, num_kv_blocks=num_blocks, kv_cache_memory=None, gpu_memory_utilization=None)
@@ -109,10 +126,14 @@ def load_for(config: EngineConfig) -> torch.nn.Module:
     return load_model(config.model, device=device, dtype=resolve_dtype(config.dtype, device), weights=QuantizedWeights(spec))
 
 
-def resolve_dtype(dtype: torch.dtype | str, device: torch.device = torch.device("cpu")) -> torch.dtype:
-    """A torch dtype from a dtype or a name; "auto" picks bf16 where it is fast, else fp32."""
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device = torch.device("cpu")) -> torch.dtype:
+    """A torch dtype from a dtype or a name; "auto" picks bf16 where it is fast, else fp32. None (no --dtype)
+    is "auto" on a GPU, where every user wants half precision, and fp32 on a CPU, where bf16 is fast only on
+    some machines."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype is None:
+        dtype = "auto" if device.type == "cuda" else "float32"
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

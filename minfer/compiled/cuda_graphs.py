@@ -10,6 +10,9 @@ at position 0 of the null block: they write only there and read only there.
 What the step's attention needs is the backend's business: `graph_metadata` builds it from the
 static buffers with device ops alone, inside the graph (FlexBackend: the block mask). Only steps
 where every row decodes, each sampled once, replay; prefill and mixed steps run eager, as in vLLM.
+Every graph writes its logits into one shared buffer, (max_num_seqs, V): kept per graph, 256 Qwen3 rows
+of them would hold about 0.67 GB across the batch sizes. The graphs share one memory pool too: they never
+run at once.
 
 `capture=False` runs the same padded steps without recording them: how the tests check, on a CPU,
 everything here but the recording itself.
@@ -69,8 +72,9 @@ class DecodeGraphs:
         self.tables = torch.full((rows, self.max_blocks), self.null_block, dtype=long, device=device)
         self.context_lens = torch.ones(rows, dtype=long, device=device)
         self.sample_rows = torch.arange(rows, device=device)  # every row samples: logits (B, V)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
-        self.pool = None  # one memory pool for every graph: they never run at once
+        self.logits: torch.Tensor | None = None  # (rows, V): every graph's output, made by the first capture
+        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}  # batch size -> its graph (None: not recorded)
+        self.pool = None  # one memory pool for every graph
         self.capture_seconds: float | None = None
         self.num_steps = 0  # steps served
 
@@ -112,12 +116,12 @@ class DecodeGraphs:
             self.positions[S:size] = 0
             self.slot_mapping[S:size] = self.null_block * B
             self.context_lens[S:size] = 1
-        graph, logits = self.graphs.get(size) or self._capture(size)
+        graph = self.graphs[size] if size in self.graphs else self._capture(size)
         if graph is None:  # not recorded (capture=False): run the padded step itself
-            logits = self._step(size)
+            self.logits[:size].copy_(self._step(size))
         else:
             graph.replay()
-        return logits[:S]
+        return self.logits[:S]
 
     def _step(self, size: int) -> torch.Tensor:
         """The step a graph records: the first `size` rows of the static buffers -> logits (size, V)."""
@@ -127,23 +131,27 @@ class DecodeGraphs:
         batch = PagedBatch(self.positions[:size], self.kv_cache, meta, self.sample_rows[:size])
         return self.model(self.input_ids[:size], batch)
 
-    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]:
+    def _capture(self, size: int) -> torch.cuda.CUDAGraph | None:
         """Run the step once (compiling what it compiles, outside the recording), then record it."""
-        self._step(size)
-        if not self.capture:
-            self.graphs[size] = (None, None)
-            return self.graphs[size]
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._step(size)  # (size, V), in the graph's memory: each replay rewrites it
-        self.pool = graph.pool()
-        self.graphs[size] = (graph, logits)
-        return self.graphs[size]
+        logits = self._step(size)  # (size, V)
+        if self.logits is None:  # the first capture is the largest size's
+            self.logits = logits.new_empty((self.sizes[-1], logits.shape[-1]))
+        del logits
+        graph = None
+        if self.capture:
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                # The step's own logits are freed within the recording: the pool reuses them for the next graph.
+                self.logits[:size].copy_(self._step(size))
+            self.pool = graph.pool()
+        self.graphs[size] = graph
+        return graph
 
     def release(self) -> None:
-        """Free the graphs and their memory pool (the engine's close())."""
+        """Free the graphs, their memory pool and the logits buffer (the engine's close())."""
         self.graphs.clear()
         self.pool = None
+        self.logits = None
         if self.capture:
             torch.cuda.empty_cache()

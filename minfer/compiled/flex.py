@@ -15,15 +15,18 @@ position 0), so one tensor over all blocks, `block_index`, gives any slot's posi
 - Prefill chunks with earlier context (chunked prefill, a prefix-cache hit): one call each.
 - Fresh prompts: sdpa over their own keys, causal, as the plain backend does (no cache read).
 
-flex_attention runs fast only compiled (Triton kernels on a GPU, C++ loops on a CPU): compiled
-once, with dynamic shapes. `warm_up` compiles before the engine starts and checks the results
-against the plain backend; if anything fails, the engine runs the plain backend and says why.
+flex_attention runs fast only compiled (Triton kernels on a GPU, C++ loops on a CPU): flex_kernel.py
+says how, and for which shapes. `warm_up` compiles before the engine starts and checks the results
+against the plain backend; if anything fails, the engine runs the plain backend and says why. Where
+flex serves (a GPU) it `compiles_per_shape`: the engine then runs one step of each kind through it
+before the first request (warm_up.py), and a recompile after that is a path failure (forward.py).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +34,8 @@ import torch
 from ..host_to_device import to_device
 from ..step_parts import part
 from .attention import check_within
+from .flex_kernel import QUERY_TILE, compiled_flex_attention, compiling_for_serving, kernel_options, serves_on
+from .flex_kernel import torch_too_old
 from ..attention.kv_cache import KVCache, cdiv, padded_tables
 from ..attention.backend import AttentionMetadata, StepLayout
 from ..attention.torch_sdpa import TorchBackend
@@ -38,22 +43,7 @@ from ..attention.torch_sdpa import TorchBackend
 if TYPE_CHECKING:  # flex_attention loads the compiler: imported where first used (importing minfer stays light)
     from torch.nn.attention.flex_attention import BlockMask
 
-QUERY_TILE = 128  # query rows per tile of a BlockMask (FlexAttention's own default)
 WARM_UP_BUDGET_S = 120.0  # longest the start-up compile may take before the engine gives up on it
-# Compiled once for every engine in the process: with dynamic shapes for a GPU's Triton kernels. On a CPU, where
-# flex is the tests' (selector.py), torch 2.13's C++ template failed to build with dynamic sizes and this mask,
-# so there each new shape compiles anew, and past Dynamo's recompile limit runs unfused: slow, still exact.
-_flex_compiled: dict = {}  # "dynamic" or "static" -> the compiled flex_attention, made on first use
-
-
-def compiled_flex_attention(dynamic: bool):
-    """torch.compile(flex_attention), with dynamic shapes or not: one of each per process."""
-    key = "dynamic" if dynamic else "static"
-    if key not in _flex_compiled:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _flex_compiled[key] = torch.compile(flex_attention, dynamic=dynamic)
-    return _flex_compiled[key]
 
 
 @dataclass
@@ -77,6 +67,8 @@ def paged_block_mask(
     """The BlockMask of S sequences of T queries each, reading their blocks of the paged cache."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    if tables.shape[1] < 2:  # a width of 1 would compile a kernel of its own: pad with the null block
+        tables = torch.nn.functional.pad(tables, (0, 1), value=num_slots // block_size - 1)
     S, W = tables.shape
     T = query_positions.shape[1]
     tiles = cdiv(T, QUERY_TILE)
@@ -109,6 +101,15 @@ def paged_block_mask(
     )
 
 
+def offset_memory(shape, device, dtype, zeroed: bool) -> torch.Tensor:
+    """A cache's tensor 128 bytes into its allocation, so that no layer's key view starts at offset 0: Dynamo
+    specialises an offset of 0 (or 1), and layer 0 would compile a kernel of its own for every kind of step.
+    128 bytes keep every view as aligned as at offset 0: Inductor copies an input it finds misaligned."""
+    offset = 128 // torch.empty((), dtype=dtype).element_size()
+    memory = (torch.zeros if zeroed else torch.empty)(offset + math.prod(shape), device=device, dtype=dtype)
+    return memory[offset:].view(shape)
+
+
 class FlexBackend(TorchBackend):
     """The plain backend's cache ("slots": a slot's key beside its value) and fresh-prompt path; decode
     rows and prefill chunks with context through FlexAttention over the block tables."""
@@ -119,11 +120,16 @@ class FlexBackend(TorchBackend):
     def __init__(self, device: torch.device | str, dtype: torch.dtype):
         super().__init__(device, dtype)
         self.block_index: torch.Tensor | None = None  # (null_block + 1,): sized by the first step
+        self.compiles_per_shape = serves_on(self.device)  # the engine's warm-up runs each kind of step (warm_up.py)
 
     def new_cache(self, config, num_blocks: int, block_size: int, device, dtype) -> KVCache:
-        """The plain cache, zeroed: a masked key's weight is 0, but its value is still multiplied, and 0 x NaN
-        is NaN (kv_cache.py)."""
-        return KVCache(config, num_blocks, block_size, device, dtype, zeroed=True)
+        """The plain cache (KVCache itself: the same layout as the plain backend's), zeroed: a masked key's weight
+        is 0, but its value is still multiplied, and 0 x NaN is NaN (kv_cache.py). Its memory starts 128 bytes
+        into its allocation (`offset_memory`), through the allocation KVCache.__init__ calls, `self.allocate`."""
+        cache = KVCache.__new__(KVCache)
+        cache.allocate = offset_memory
+        cache.__init__(config, num_blocks, block_size, device, dtype, zeroed=True)
+        return cache
 
     # ---- once per step ----------------------------------------------------------------------
 
@@ -213,17 +219,12 @@ class FlexBackend(TorchBackend):
                 out[start:end] = y.transpose(0, 1)  # (T, H, D)
             return out
 
-    @staticmethod
-    def _attend(q, keys, values, mask: BlockMask, scale: float, gqa: bool) -> torch.Tensor:
+    def _attend(self, q, keys, values, mask: BlockMask, scale: float, gqa: bool) -> torch.Tensor:
         """q (S, H, T, D) over keys and values (1, Hkv, num_slots, D), through the mask -> (S, H, T, D)."""
-        if q.device.type == "cpu":
+        q = q.contiguous()  # one layout, whatever the model made (GPT-2's q is a strided slice): Dynamo guards on it
+        if not self.compiles_per_shape:  # a CPU, where flex is the tests' (selector.py)
             return compiled_flex_attention(dynamic=False)(q, keys, values, block_mask=mask, scale=scale, enable_gqa=gqa)
-        # Triton's tiles: a key tile must divide a block (torch refuses otherwise; its defaults are 64 and up,
-        # minfer's blocks 16), and a decode query needs no 128-row tile.
-        options = {"BLOCK_N": math.gcd(mask.BLOCK_SIZE[1], 64)}
-        if q.shape[2] <= 16:
-            options["BLOCK_M"] = 16
-        compiled = compiled_flex_attention(dynamic=True)
+        compiled, options = compiled_flex_attention(dynamic=True), kernel_options(q.shape[2], mask.BLOCK_SIZE[1])
         return compiled(q, keys, values, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=options)
 
     # ---- before the engine starts -----------------------------------------------------------
@@ -235,9 +236,14 @@ class FlexBackend(TorchBackend):
         else why not (the engine then runs the plain backend)."""
         if block_size < 16:
             return f"FlexAttention reads blocks of at least 16 tokens, not {block_size}"
-        why_not, self.warm_up_seconds = check_within(
-            lambda: self._check(num_heads, num_kv_heads, head_dim, block_size), budget_s
-        )
+        if self.compiles_per_shape and (too_old := torch_too_old()):
+            return too_old
+
+        def check():
+            with compiling_for_serving():
+                return self._check(num_heads, num_kv_heads, head_dim, block_size)
+
+        why_not, self.warm_up_seconds = check_within(check, budget_s)
         return why_not
 
     @torch.inference_mode()
@@ -250,6 +256,7 @@ class FlexBackend(TorchBackend):
         # Unwritten slots hold what an old sequence left there: large, finite (the cache starts zeroed).
         cache = 100 * torch.randn((num_blocks + 1) * B, 2, num_kv_heads, head_dim, generator=gen).to(self.dtype)
         cache[num_blocks * B :] = 0  # the null block
+        two_layers = SimpleNamespace(num_layers=2, num_kv_heads=num_kv_heads, head_dim=head_dim)
         # (contexts, new tokens): decode batches, a chunk over earlier context, all three kinds in one step
         cases = [([1], [1]), ([37, 5, 20], [1, 1, 1]), ([40], [7]), ([9, 30, 6], [1, 12, 6])]
         tolerance = 1e-5 if self.dtype in (torch.float32, torch.float64) else 2e-2
@@ -267,8 +274,14 @@ class FlexBackend(TorchBackend):
             k, v = kv[slot_mapping, 0], kv[slot_mapping, 1]  # (N, Hkv, D)
             q = torch.randn(N, num_heads, head_dim, generator=gen).to(self.dtype).to(self.device)
             layout = StepLayout(slot_mapping, starts, news, lens, tables, B, num_blocks)
-            got = self.forward(q, k, v, kv.clone(), self.build_metadata(layout), head_dim**-0.5)
-            want = plain.forward(q, k, v, kv.clone(), plain.build_metadata(layout), head_dim**-0.5)
+            # flex reads layer 1 of a cache made as the engine's is (a normal tensor: Dynamo guards on the kind,
+            # the view's base and its offset); the plain backend a copy of it.
+            with torch.inference_mode(False):
+                ours = self.new_cache(two_layers, num_blocks, B, self.device, self.dtype)
+                ours.kv[1].copy_(kv)
+                theirs = kv.clone()
+            got = self.forward(q, k, v, ours.kv[1], self.build_metadata(layout), head_dim**-0.5)
+            want = plain.forward(q, k, v, theirs, plain.build_metadata(layout), head_dim**-0.5)
             error = (got.float() - want.float()).abs().max().item()
             if not error <= tolerance:
                 return f"its results differ from the plain backend's by {error:.2g} (contexts {lens}, new {news})"

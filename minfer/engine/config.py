@@ -138,11 +138,13 @@ class EngineConfig:
         "cpu, cuda, cuda:1, ... (default: $MINFER_DEVICE, else cpu)",
         convert=lambda v: str(torch.device(v)),
     )
-    dtype: str = setting(
-        "float32",
+    # Unset, the device decides (assembly/build.py's resolve_dtype): a GPU runs "auto", a CPU float32.
+    dtype: str | None = setting(
+        (settings.DTYPE, None),
         str,
         Check(lambda v: v == "auto" or v in DTYPES, f"'auto' or one of {sorted(DTYPES)}"),
-        "float32, bfloat16, float16, float64, or auto (bf16 where it is fast, else fp32)",
+        "float32, bfloat16, float16, float64, or auto (bf16 where it is fast, else fp32) (default: $MINFER_DTYPE, "
+        "else auto on a GPU and float32 on a CPU)",
         convert=dtype_name,
     )
     # Seeds torch's global RNG when the engine starts: what sampling draws from for requests without a seed.
@@ -168,7 +170,8 @@ class EngineConfig:
         None,
         float,
         Check(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1, "a fraction in (0, 1]"),
-        "CUDA only: the share of free GPU memory the KV cache takes (default: 0.9)",
+        "CUDA only: the share of the GPU's total memory the engine may hold: weights, its largest step (measured "
+        "by a profiling step at start-up) and the KV cache, which takes the rest (default: 0.9)",
         metavar="FRACTION",
     )
     enable_prefix_caching: bool = setting(True, bool, BOOL, "reuse the KV blocks of prompt prefixes seen before")

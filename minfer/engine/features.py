@@ -79,6 +79,7 @@ class Compiled(Protocol):
     def warm_up(self, runner: ModelRunner) -> None: ...
     def forward(self, rows: StepRows) -> torch.Tensor | None: ...  # None: not served, run eager
     def running(self) -> dict: ...  # EngineConfig fields as they run
+    def stats(self) -> dict: ...  # paths switched off (counted) and what runs now: /metrics, /health
     def describe(self) -> str: ...  # for the start-up banner
     def close(self) -> None: ...
 

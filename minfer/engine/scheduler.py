@@ -376,8 +376,9 @@ class OnlineScheduler:
         return True
 
     def stats(self) -> dict:
-        speculation = self.features.speculation  # speculative/: vLLM's spec_decode counters
-        return (speculation.stats() if speculation is not None else {}) | {
+        speculation, compiled = self.features.speculation, self.features.compiled
+        return (speculation.stats() if speculation is not None else {}) | {  # speculative/: vLLM's spec_decode counters
+            **(compiled.stats() if compiled is not None else {}),  # compiled/: paths switched off, what runs now
             "num_kv_blocks_total": self.allocator.num_blocks,
             "num_kv_blocks_free": self.allocator.num_free_blocks,
             "num_kv_blocks_shared": self.allocator.num_shared_blocks,  # held by several sequences, stored once

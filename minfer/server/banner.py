@@ -14,13 +14,16 @@ from ..engine.scheduler import OnlineScheduler
 from ..cpu.openmp import wait_policy
 
 
-def dtype_reason(asked: str, dtype: torch.dtype, device: torch.device) -> str:
-    """Why the model runs in `dtype`: what was asked, and what auto saw."""
+def dtype_reason(asked: str | None, dtype: torch.dtype, device: torch.device) -> str:
+    """Why the model runs in `dtype`: what was asked (None: nothing), and what auto saw."""
     name = dtype_name(dtype)
-    if asked != "auto":
+    if asked is None and device.type != "cuda":
+        return f"{name} (the CPU's default; --dtype auto picks bf16 where this CPU computes it natively)"
+    if asked not in ("auto", None):
         return f"{name} (as asked)"
     if device.type == "cuda":
-        return f"{name} (auto: this GPU's fastest half-precision type)"
+        default = "the GPU's default, " if asked is None else ""
+        return f"{name} ({default}auto: this GPU's fastest half-precision type)"
     if dtype == torch.bfloat16:
         return f"{name} (auto: this CPU computes bf16 natively: AVX512-BF16 or AMX)"
     return f"{name} (auto: no native bf16 on this CPU, where torch would emulate bf16 matmuls, slower than fp32)"
@@ -37,7 +40,7 @@ def banner_lines(scheduler: OnlineScheduler, asked_dtype: str, address: str, api
         adapts = " (fewer while other processes use these cores)" if sharing else ""
         threads = f", {torch.get_num_threads()} threads{adapts}"
     attention = ran.attention_backend
-    if scheduler.attention.name == "flex":
+    if scheduler.attention.name == "flex" and attention == "compiled":  # not where it fell back (compiled/forward.py)
         attention += ", FlexAttention over the block tables"
     if scheduler.attention.warm_up_seconds is not None:
         attention += f" (warm-up compile {scheduler.attention.warm_up_seconds:.1f} s)"

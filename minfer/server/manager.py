@@ -12,6 +12,11 @@ calls it. HTTP handler threads talk to the worker through two things only:
   RequestOutput, or Error with a status and message. messages.py defines both
   kinds of message.
 
+A step that fails fails the requests in flight, and the worker serves on: the next request may well
+work. A sticky CUDA error (errors.py) is different: no later step can run, so the worker stops, as it
+does if it dies any other way; `/health` then answers 503 and `on_death` tells the server's main thread,
+which exits non-zero for a supervisor to restart the process.
+
 A handler that stops early (client gone, write failed) calls `release()`,
 which queues a discard: the worker drops the request and frees its KV blocks
 before its next step. For /metrics the worker publishes a snapshot of
@@ -26,9 +31,11 @@ import itertools
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 
 from ..engine.sampling_params import SamplingParams
 from ..engine.scheduler import CheckedRequest, OnlineScheduler
+from ..errors import is_sticky_device_error
 from .engine_events import EngineFeed, EventRecorder
 from .messages import Accepted, AddRequest, DiscardRequest, Done, Error, RequestHandle
 from .metrics import Metrics
@@ -60,6 +67,8 @@ class SchedulerManager:
         self._in_flight = 0  # submitted and not yet released by their handler
         self._stopping = False
         self._dead = False
+        self.died_because: str | None = None  # why the worker stopped without being asked to
+        self.on_death: Callable[[], None] | None = None  # called once the worker has died (serve.py exits)
         self._ids = itertools.count()
         self._active: dict[str, RequestHandle] = {}  # worker thread only: requests in the scheduler
         self._stats = scheduler.stats()  # replaced (never mutated) by the worker
@@ -137,8 +146,9 @@ class SchedulerManager:
                     continue
                 self._step()
                 self._stats = self.scheduler.stats()
-        except BaseException:
+        except BaseException as e:
             log.exception("the engine worker died")
+            self.died_because = self.died_because or f"the engine worker died: {type(e).__name__}"
         finally:
             with self._lock:
                 self._dead = not self._stopping
@@ -150,7 +160,17 @@ class SchedulerManager:
                 self._fail_all(503, message)
                 self._stats = self.scheduler.stats()
                 self.events.close()
-                self.scheduler.close()  # CUDA graphs and their memory, by the thread that ran them
+                self._close_scheduler()
+                if self._dead and self.on_death is not None:
+                    self.on_death()
+
+    def _close_scheduler(self) -> None:
+        """CUDA graphs and their memory, freed by the thread that ran them; after a sticky CUDA error that may
+        fail too, and the process is on its way out anyway."""
+        try:
+            self.scheduler.close()
+        except Exception:
+            log.exception("closing the engine failed")
 
     def _drain_inbox(self, refuse: str | None = None) -> bool:
         """Admit new requests (or refuse them with a 503 `refuse` message) and carry out discards.
@@ -181,7 +201,10 @@ class SchedulerManager:
     def _step(self) -> None:
         try:
             sampled = self.scheduler.step()
-        except Exception:
+        except Exception as e:
+            if is_sticky_device_error(e):  # no later step can run: the worker stops (see the module's docstring)
+                self.died_because = f"a sticky CUDA error: {str(e).strip().splitlines()[0]}"
+                raise
             # Fail what was in flight, free it, and keep serving: the next request may well work.
             log.exception("engine step failed; failing %d in-flight requests", len(self._active))
             self._fail_all(500, "the engine failed while running this request")

@@ -44,6 +44,9 @@ def render(metrics: Metrics, stats: dict) -> str:
             lines += metric("minfer_" + name, kind, help_text, stats.get(key, 0))
         if "spec_decode_num_drafts" in stats:
             lines += spec_decode_metrics(stats)
+        if "num_path_fallbacks" in stats:  # compiled/forward.py: where a compiled path can fail
+            help_text = "Compiled paths (attention, CUDA graphs, compiled steps) switched off for eager ones."
+            lines += metric("minfer_path_fallbacks_total", "counter", help_text, stats["num_path_fallbacks"])
         for name, help_text, value in [
             ("requests_finished_total", "Requests that finished (stop or length).", metrics.finished),
             ("requests_aborted_total", "Requests discarded before finishing.", metrics.aborted),

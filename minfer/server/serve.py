@@ -83,9 +83,12 @@ class MinferServer(CappedHTTPServer):
 
     def health(self) -> tuple[int, dict]:
         """(status, body) of GET /health; also answered at the connection cap."""
+        paths = self.manager.stats().get("compiled_paths")  # compiled/: what runs now, what fell back
+        running = {"engine": self.engine} | ({"compiled_paths": paths} if paths is not None else {})
         if self.manager.is_alive():
-            return 200, {"status": "ok", "engine": self.engine}
-        return 503, {"status": "unavailable", "reason": "the engine worker is not running", "engine": self.engine}
+            return 200, {"status": "ok", **running}
+        reason = self.manager.died_because or "the engine worker is not running"
+        return 503, {"status": "unavailable", "reason": reason, **running}
 
     def stop(self, grace: float = 3.0) -> None:
         """Graceful shutdown: fail in-flight requests (streams get an error chunk), stop accepting, and
@@ -234,12 +237,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") ->
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.set())
+    server.manager.on_death = stop.set  # a dead engine never serves again: exit, for a supervisor to restart
     threading.Thread(target=server.serve_forever, name="minfer-http", daemon=True).start()
     host, port = server.server_address[:2]
     print(f"minfer: serving {server.info.name!r} on http://{host}:{port} (Ctrl-C to stop)", flush=True)
-    stop.wait()  # the main thread only waits for a signal
-    log.info("shutting down")
+    stop.wait()  # the main thread only waits for a signal, or the engine's death
+    died_because = server.manager.died_because
+    log.info("shutting down" + (f": {died_because}" if died_because else ""))
     server.stop(grace=3.0)
+    if died_because:
+        print(f"minfer: the engine stopped ({died_because}); exiting with status 1", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
