@@ -15,13 +15,14 @@ choose_num_blocks) and checks the engine frees every block it used.
 """
 
 import torch
-from _common import model_path, section
+from _common import exercise, model_path, section
 from minfer.models.config import GPT2Config
 from minfer.engine.block_allocator import BlockAllocator
 from minfer.attention.kv_cache import KVCache, cdiv, choose_num_blocks, slot_of
 
 from minfer import LLM, SamplingParams
 
+graded = exercise("07")  # --exercise: your allocate and free (tutorials/exercises/) run instead
 path = model_path()
 cfg = GPT2Config.from_json(path)
 fp32 = torch.float32
@@ -174,4 +175,5 @@ outs = llm.generate(
 print(f"generated {[len(o.token_ids) for o in outs]} tokens; stats: {llm.stats()}")
 assert llm.stats()["num_kv_blocks_free"] == 40, "finished requests must free every block"
 sched.check_invariants()
+graded.graded()
 print("\nOK: blocks on demand, scattered tables, slot arithmetic, ref counts, cache sizing, no leak.")

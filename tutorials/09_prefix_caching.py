@@ -13,11 +13,12 @@ while the greedy output stays the same.
     python tutorials/09_prefix_caching.py   # MINFER_MODEL=/path to choose the checkpoint
 """
 
-from _common import model_path, section
+from _common import exercise, model_path, section
 
 from minfer import LLM, OnlineScheduler, SamplingParams
 from minfer.engine.block_allocator import BlockAllocator, block_hash
 
+graded = exercise("09")  # --exercise: your register_full_blocks and match_prefix (tutorials/exercises/) run instead of minfer's
 # ---------------------------------------------------------------------------------------
 section("part 1: the prefix index, by hand (blocks of 4 tokens)")
 BLOCK_SIZE = 4
@@ -135,6 +136,7 @@ print(
 assert stats["prefix_cache_hit_tokens"] == RUNS * sum(expected)
 assert stats["num_kv_blocks_free"] == 48, "cached blocks are free blocks: nothing is held"
 llm.scheduler.check_invariants()
+graded.graded()
 print(
     "\nOK: chained hashes, shared blocks, LRU eviction tail first, and cache hits that skip prefill "
     "without changing the output."

@@ -19,7 +19,7 @@ import random
 import time
 
 import torch
-from _common import model_path, section
+from _common import exercise, model_path, section
 
 from minfer import OnlineScheduler, SamplingParams
 from minfer.attention.kv_cache import KVCache, cdiv
@@ -31,6 +31,7 @@ from minfer.engine.sequence import ScheduledChunk, Sequence, Status
 from minfer.models.gpt2 import GPT2
 from minfer.text.tokenizer import Tokenizer
 
+graded = exercise("10")  # --exercise: your admit and preempt (tutorials/exercises/) run instead of minfer's
 path = model_path()
 model = GPT2.from_pretrained(path)
 tokenizer = Tokenizer.from_dir(path)
@@ -246,6 +247,7 @@ for s in (seq, x, y, z, w):
     alloc.free(s.block_table)
 alloc.check_invariants([])
 
+graded.graded()
 print(
     "\nOK: requests join and leave every step, prompts are chunked, preemption recomputes, "
     "outputs never change, every block comes back, and the runner's paged forward equals the plain one."

@@ -11,10 +11,12 @@ look like.
     python tutorials/11_scheduler_manager.py   # MINFER_MODEL=/path to choose the checkpoint
 """
 
+import sys
 import threading
 import time
+import traceback
 
-from _common import model_path, section
+from _common import exercise, model_path, section
 
 from minfer import OnlineScheduler, SamplingParams
 from minfer.errors import InvalidParameter
@@ -24,6 +26,7 @@ from minfer.server.messages import Accepted, CompletionDelta, Done, Error
 from minfer.server.metrics import Metrics
 from minfer.text.tokenizer import Tokenizer
 
+graded = exercise("11")  # --exercise: your worker loop (tutorials/exercises/) run instead of minfer's
 path = model_path()
 model = GPT2.from_pretrained(path)
 tokenizer = Tokenizer.from_dir(path)
@@ -67,6 +70,12 @@ time.sleep(0.5)
 idle_cpu, wall = time.clock_gettime(clock) - cpu0, time.perf_counter() - wall0
 print(f"worker CPU time over {wall:.2f} s idle: {1e3 * idle_cpu:.2f} ms")
 assert idle_cpu < 0.1 * wall, "an idle worker must not spin"  # a polling loop would burn ~100%
+idle_stack = traceback.extract_stack(sys._current_frames()[worker.ident])  # where the worker is, right now
+assert any(f.name == "wait" and f.filename == threading.__file__ for f in idle_stack), (
+    "an idle worker must sleep in its Event's wait(), woken by submit(): it is in\n" + "".join(idle_stack.format())
+)
+caller = next(f.name for f in reversed(idle_stack) if f.filename != threading.__file__)
+print(f"the idle worker is inside threading's wait(), called from {caller}()")
 t0 = time.perf_counter()
 handle = manager.submit(manager.check(tokenizer.encode(prompts[0]), GREEDY))  # appends to the inbox, then wake.set()
 event = handle.next_event(timeout=30)
@@ -187,4 +196,5 @@ except EngineError as e:
 # The worker has exited, so touching the scheduler from this thread is safe again.
 assert sched.allocator.num_free_blocks == total and not sched.has_unfinished()
 sched.check_invariants()
+graded.graded()
 print("\nOK: one worker thread, event wake-up, per-request event queues, early release frees blocks, clean shutdown.")
