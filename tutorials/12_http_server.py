@@ -130,7 +130,7 @@ section("the OpenAI Python SDK")
 try:
     from openai import OpenAI
 except ImportError:
-    print("the openai package is not installed (pip install openai); skipping this part")
+    print("the openai package is not installed (pip install -e \".[tutorials]\"); skipping this part")
 else:
     client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     sdk = client.completions.create(
