@@ -264,3 +264,29 @@ def test_relative_links_in_chapters_point_to_files():
             if "://" in target or target.startswith("mailto:"):
                 continue
             assert (md.parent / target).exists(), f"{md.name} links {target}, which does not exist"
+
+
+def test_figures_redraw_as_committed(tmp_path):
+    """tutorials/figures/draw.py still draws every figure from the engine's state, and the ones a fixed
+    state draws alike every time come out as committed: a picture cannot drift from the engine it shows."""
+    sys.path.insert(0, str(TUTORIALS / "figures"))
+    try:
+        from draw import FIGURES
+    finally:
+        sys.path.remove(str(TUTORIALS / "figures"))
+    result = subprocess.run(
+        [sys.executable, str(TUTORIALS / "figures" / "draw.py"), "--out", str(tmp_path)],
+        cwd=TUTORIALS.parent, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, f"draw.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    stale = []
+    for stage, (name, _, same_every_run) in FIGURES.items():
+        drawn = (tmp_path / name).read_text(encoding="utf-8")
+        assert drawn.startswith("<svg"), f"figure {stage} ({name}) is no SVG"
+        if same_every_run and drawn != (TUTORIALS / "figures" / name).read_text(encoding="utf-8"):
+            stale.append(name)
+    assert not stale, (
+        f"the engine now draws {', '.join(stale)} differently from the committed files: redraw them with "
+        "`python tutorials/figures/draw.py` and look at them before committing"
+    )
