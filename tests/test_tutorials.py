@@ -1,6 +1,8 @@
 """Every tutorial script runs to the end (its own asserts pass) on two random GPT-2 shapes, one
 with a short context, and on minfer-tiny; every stage has its chapter and its script, and the index
-links them all."""
+links them all. The stages with an exercise run on minfer-tiny through the exercise's plug with minfer's
+own code, and each unfilled stub must stop its stage with a clear sentence; the optional stage (08b)
+runs once; the figures redraw from the engine as committed."""
 
 import json
 import os
@@ -64,6 +66,11 @@ TEST_NAMES = ("test_tutorial_script_runs", "test_optional_stage_runs", "test_unf
 
 def exercise_of(script: Path) -> str | None:
     return next((n for n, (stem, _, _) in EXERCISES.items() if stem == script.stem), None)
+
+
+def run_key_of(shape: str, script: Path) -> tuple[str, Path, str | None]:
+    """A stage's run on a shape: with the reference through its exercise's plug on EXERCISE_SHAPE."""
+    return shape, script, "reference" if shape == EXERCISE_SHAPE and exercise_of(script) else None
 
 
 def run_key(item) -> tuple[str, Path, str | None]:
@@ -156,10 +163,6 @@ def test_tutorial_script_runs(script_runs, shape, script):
     if key[2]:
         graded = f"exercise {exercise_of(script)} graded (the reference)"
         assert graded in result.stdout, f"{script.name}{how} never printed {graded!r}: the plug did not run"
-
-
-def run_key_of(shape: str, script: Path) -> tuple[str, Path, str | None]:
-    return shape, script, "reference" if shape == EXERCISE_SHAPE and exercise_of(script) else None
 
 
 @pytest.mark.parametrize("stage", OPTIONAL_STAGES)

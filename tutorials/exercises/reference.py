@@ -1,8 +1,5 @@
 """minfer's own code under the exercise stubs' names: what the tests plug in, through the same path as a
-learner's file, so that every stage passes with it and the plug itself is tested.
-
-Taken when this module is first imported, which the plug does before it replaces anything.
-"""
+learner's file, so that every stage passes with it and the plug itself is tested."""
 
 from __future__ import annotations
 
@@ -36,16 +33,28 @@ def attention_with_cache(attn, x: torch.Tensor, past: tuple | None):
     return attn.c_proj(y.transpose(0, 1).reshape(B, T, C)), (k, v)
 
 
-_SOLUTIONS = {
-    "03": {"attention_with_cache": attention_with_cache},
-    "07": {"allocate": BlockAllocator.allocate, "free": BlockAllocator.free},
-    "08": {"forward": TorchBackend.forward},
-    "09": {"register_full_blocks": BlockAllocator.register_full_blocks, "match_prefix": BlockAllocator.match_prefix},
-    "10": {"admit": ContinuousBatcher._admit, "preempt": ContinuousBatcher._preempt},
-    "11": {"run": SchedulerManager._run},
+def minfer_own(owner: type, name: str):
+    """minfer's own `owner.name`, or a sentence saying it moved (the exercise must follow it)."""
+    if name not in vars(owner):
+        raise SystemExit(f"the reference for an exercise is {owner.__name__}.{name}, which minfer no longer defines: "
+                         "tutorials/exercises/plug.py, reference.py and the stub must follow it")
+    return vars(owner)[name]
+
+
+_SOLUTIONS = {  # stage -> the stub's function names -> minfer's own, looked up when the stage asks
+    "03": lambda: {"attention_with_cache": attention_with_cache},
+    "07": lambda: {"allocate": minfer_own(BlockAllocator, "allocate"), "free": minfer_own(BlockAllocator, "free")},
+    "08": lambda: {"forward": minfer_own(TorchBackend, "forward")},
+    "09": lambda: {
+        "register_full_blocks": minfer_own(BlockAllocator, "register_full_blocks"),
+        "match_prefix": minfer_own(BlockAllocator, "match_prefix"),
+    },
+    "10": lambda: {"admit": minfer_own(ContinuousBatcher, "_admit"), "preempt": minfer_own(ContinuousBatcher, "_preempt")},
+    "11": lambda: {"run": minfer_own(SchedulerManager, "_run")},
 }
 
 
 def solutions(stage: str) -> dict:
-    """The functions exercise `stage` asks for, by the stub's names: minfer's own."""
-    return _SOLUTIONS[stage]
+    """The functions exercise `stage` asks for, by the stub's names: minfer's own. Called before the plug
+    replaces anything, so these are minfer's functions, not the plugged ones."""
+    return _SOLUTIONS[stage]()
