@@ -9,6 +9,7 @@ same tokens. At the end minfer's engine (paged KV cache, later stages) runs the
 same request and must agree too.
 
     python tutorials/03_kv_cache_generation.py   # MINFER_MODEL=/path to choose the checkpoint
+    python tutorials/03_kv_cache_generation.py --exercise   # with your attention_with_cache (tutorials/exercises/)
 """
 
 import torch

@@ -12,6 +12,7 @@ tables, then sizes real KV tensors for the checkpoint's config (KVCache,
 choose_num_blocks) and checks the engine frees every block it used.
 
     python tutorials/07_block_allocator.py   # MINFER_MODEL=/path to choose the checkpoint
+    python tutorials/07_block_allocator.py --exercise   # with your allocate and free (tutorials/exercises/)
 """
 
 import torch

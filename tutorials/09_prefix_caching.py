@@ -11,6 +11,7 @@ RequestOutput.num_cached_tokens and in the prefill tokens each step computes,
 while the greedy output stays the same.
 
     python tutorials/09_prefix_caching.py   # MINFER_MODEL=/path to choose the checkpoint
+    python tutorials/09_prefix_caching.py --exercise   # with your register_full_blocks and match_prefix (tutorials/exercises/)
 """
 
 from _common import exercise, model_path, section

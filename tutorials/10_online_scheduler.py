@@ -13,6 +13,7 @@ PagedBatch), and its logits must equal the plain GPT2.forward of stage 01: a
 prompt run in chunks, and a step that mixes decodes and prefills of four sequences.
 
     python tutorials/10_online_scheduler.py   # MINFER_MODEL=/path to choose the checkpoint
+    python tutorials/10_online_scheduler.py --exercise   # with your admit and preempt (tutorials/exercises/)
 """
 
 import random

@@ -9,6 +9,7 @@ its KV blocks freed, and what a refused request, a full queue and a shutdown
 look like.
 
     python tutorials/11_scheduler_manager.py   # MINFER_MODEL=/path to choose the checkpoint
+    python tutorials/11_scheduler_manager.py --exercise   # with your worker loop (tutorials/exercises/)
 """
 
 import sys
