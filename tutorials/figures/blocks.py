@@ -18,6 +18,7 @@ from minfer.attention.torch_sdpa import TorchBackend
 from minfer.engine.block_allocator import BlockAllocator
 
 A, B, C, D = SEQUENCE_COLOURS[:4]
+PLAIN = dict(dtype="float32", attention_backend="eager")  # the same engine on any CPU: no compile, no bf16
 
 
 def block_row(svg: Svg, x, y, ids, fill, label, w=40, h=26, gap=4, top=None, bottom=None) -> dict[int, tuple]:
@@ -174,7 +175,7 @@ def paged_read(out) -> None:
 # ---------------------------------------------------------------------------------------------------
 def shared_prefix(out) -> None:
     """Stage 09: two requests sharing a system prompt's cached blocks, while a third's blocks sit cached."""
-    llm = LLM("minfer-tiny", num_kv_blocks=20, max_num_seqs=4)
+    llm = LLM("minfer-tiny", num_kv_blocks=20, max_num_seqs=4, **PLAIN)
     sched, alloc = llm.scheduler, llm.scheduler.allocator
     size = sched.block_size
     words = llm.tokenizer.encode("You are a helpful assistant. Answer briefly, politely and truthfully. ")
@@ -236,7 +237,7 @@ def shared_prefix(out) -> None:
 # ---------------------------------------------------------------------------------------------------
 def copy_on_write(out) -> None:
     """Stage 16: n = 4 completions of one prompt after their fork: full blocks shared, the partial one copied."""
-    llm = LLM("minfer-tiny", num_kv_blocks=24, max_num_seqs=8)
+    llm = LLM("minfer-tiny", num_kv_blocks=24, max_num_seqs=8, **PLAIN)
     sched, alloc = llm.scheduler, llm.scheduler.allocator
     size = sched.block_size
     copies: list[tuple[int, int]] = []

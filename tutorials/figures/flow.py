@@ -246,7 +246,7 @@ def http_path(out) -> None:
 
     threading.setprofile(profile)
     sys.setprofile(profile)
-    server = create_server("minfer-tiny", port=0, log_requests=False)
+    server = create_server("minfer-tiny", port=0, log_requests=False, dtype="float32", attention_backend="eager")
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     body = {"model": "minfer-tiny", "prompt": "Once upon a time", "max_tokens": 4, "stream": True}
 
