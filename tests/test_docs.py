@@ -428,3 +428,72 @@ def test_tables_have_as_many_cells_as_their_header():
 )
 def test_github_slug(heading, slug):
     assert github_slug(heading) == slug
+
+
+IMAGE = re.compile(r"!\[[^\]]*\]\(\s*<?([^)\s>]+)>?")
+# Stages that show the engine's own state: each chapter embeds a figure drawn from it (tutorials/figures/draw.py).
+FIGURE_STAGES = ["07", "08", "09", "10", "11", "12", "16"]
+
+
+def test_every_image_a_chapter_names_exists():
+    """Each `![...](path)` in the docs and tutorials names a non-empty SVG or PNG that is there."""
+    broken, seen = [], 0
+    for md in ALL_MARKDOWN:
+        for start, text in paragraphs(md):
+            for m in IMAGE.finditer(text):
+                image, number = m.group(1), line_at(start, text, m.start())
+                if "://" in image:
+                    continue
+                seen += 1
+                path = (md.parent / image).resolve()
+                if not path.is_file() or path.stat().st_size == 0:
+                    broken.append(f"{rel(md)}:{number}: {image} is missing or empty")
+                elif path.suffix == ".svg" and not path.read_text(encoding="utf-8").lstrip().startswith("<svg"):
+                    broken.append(f"{rel(md)}:{number}: {image} is no SVG")
+    assert seen, "no image found: the pattern is broken"
+    assert not broken, "images the docs name that are not there:\n" + "\n".join(broken)
+
+
+@pytest.mark.parametrize("stage", FIGURE_STAGES)
+def test_engine_chapters_have_a_figure(stage):
+    (chapter,) = (ROOT / "tutorials").glob(f"{stage}_*.md")
+    images = IMAGE.findall(chapter.read_text(encoding="utf-8"))
+    assert any(i.startswith("figures/") for i in images), (
+        f"{rel(chapter)} embeds no figure from tutorials/figures/ (python tutorials/figures/draw.py draws them)"
+    )
+
+
+@cache
+def reading_maps():
+    """scripts/reading_maps.py, the check and its fixer."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("reading_maps", ROOT / "scripts" / "reading_maps.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["reading_maps"] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reading_map_anchors_point_at_their_def():
+    """`[`Class.method`](../minfer/x.py#L48)`: line 48 of x.py must be that method's `def` line. Code
+    moves under the names; `python scripts/reading_maps.py --fix` re-anchors every map at once."""
+    anchors = reading_maps().find_anchors()
+    assert len(anchors) > 50, f"only {len(anchors)} reading-map anchors found: the pattern is broken"
+    stale = [f"{a.where()}: line {a.line}, its def is at line {a.found}" for a in anchors if a.found not in (None, a.line)]
+    missing = [f"{a.where()}: {rel(a.target)} defines no {a.name}" for a in anchors if a.found is None]
+    assert not stale, (
+        f"{len(stale)} reading-map anchor(s) no longer point at their def; run `python scripts/reading_maps.py "
+        "--fix` to re-anchor them:\n" + "\n".join(stale)
+    )
+    assert not missing, "reading maps name functions that are gone (edit these chapters):\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("stage", ["03", "07", "08", "09", "10", "11", "12", "16"])
+def test_core_chapters_have_a_reading_map(stage):
+    (chapter,) = (ROOT / "tutorials").glob(f"{stage}_*.md")
+    anchors = [a for a in reading_maps().find_anchors([chapter])]
+    assert "## Reading map" in chapter.read_text(encoding="utf-8") and len(anchors) >= 3, (
+        f"{rel(chapter)} has no reading map (a `## Reading map` of anchored functions, in reading order)"
+    )

@@ -74,7 +74,7 @@ section("parity with transformers' GPT2LMHeadModel")
 try:
     import transformers
 except ImportError:
-    print("transformers is not installed: skipping the comparison (pip install transformers to run it)")
+    print("transformers is not installed: skipping the comparison (pip install -e \".[tutorials]\" to run it)")
 else:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()

@@ -12,10 +12,11 @@ tables, then sizes real KV tensors for the checkpoint's config (KVCache,
 choose_num_blocks) and checks the engine frees every block it used.
 
     python tutorials/07_block_allocator.py   # MINFER_MODEL=/path to choose the checkpoint
+    python tutorials/07_block_allocator.py --exercise   # with your allocate and free (tutorials/exercises/)
 """
 
 import torch
-from _common import model_path, section
+from _common import exercise, model_path, section
 from minfer.models.config import GPT2Config
 from minfer.engine.block_allocator import BlockAllocator
 from minfer.attention.cache_budget import choose_num_blocks
@@ -23,6 +24,7 @@ from minfer.attention.kv_cache import KVCache, cdiv, slot_of
 
 from minfer import LLM, SamplingParams
 
+graded = exercise("07")  # --exercise: your allocate and free (tutorials/exercises/) run instead
 path = model_path()
 cfg = GPT2Config.from_json(path)
 fp32 = torch.float32
@@ -175,4 +177,5 @@ outs = llm.generate(
 print(f"generated {[len(o.token_ids) for o in outs]} tokens; stats: {llm.stats()}")
 assert llm.stats()["num_kv_blocks_free"] == 40, "finished requests must free every block"
 sched.check_invariants()
+graded.graded()
 print("\nOK: blocks on demand, scattered tables, slot arithmetic, ref counts, cache sizing, no leak.")

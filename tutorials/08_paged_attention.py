@@ -1,45 +1,45 @@
 """Stage 08: paged attention: attention that reads keys and values through block tables.
 
-Part 1 calls minfer.attention.paged.paged_attention by hand, on a small cache
-whose blocks are handed out in shuffled order, for every kind of row the engine
-schedules: fresh prompts, single-token decodes (batched, padded, masked) and
-a prompt continued in a later chunk. Each output is compared with
-F.scaled_dot_product_attention over the same keys and values laid out
-contiguously. Last, the attention backend builds the same metadata from a plain
-description of the step (a StepLayout), the way the engine does it.
+Calls minfer.attention.paged.paged_attention by hand, on a small cache whose blocks are handed out
+in shuffled order, for every kind of row the engine schedules: fresh prompts, single-token decodes
+(batched, padded, masked, the padding pointed at the null block) and a prompt continued in a later
+chunk. Each output is compared with F.scaled_dot_product_attention over the same keys and values laid
+out contiguously. Then the attention backend builds the same metadata from a plain description of
+the step (a StepLayout), the way the engine does it, and last the whole engine generates on this
+attention and must match the model run without any cache.
 
-Part 2 reads a decode group's context a tile at a time (the CPU backend's way)
-and checks it against gathering everything at once (the plain backend's way),
-then times both against the floor. Who describes a real step (ModelRunner) comes
-in stage 10, after the scheduler that decides the step.
+How the CPU reads the context faster (a tile at a time, or compiled to read in place) is the
+optional stage 08b. Who describes a real step (ModelRunner) comes in stage 10.
 
     python tutorials/08_paged_attention.py   # MINFER_MODEL=/path to choose the checkpoint
+    python tutorials/08_paged_attention.py --exercise   # with your forward (tutorials/exercises/)
 """
 
 import math
 import random
-import time
 
 import torch
 import torch.nn.functional as F
-from _common import model_path, section
+from _common import exercise, model_path, section
 
-from minfer.attention.kv_cache import cdiv, slot_of
+from minfer import LLM, SamplingParams
 from minfer.attention.backend import StepLayout
+from minfer.attention.kv_cache import cdiv, slot_of
 from minfer.attention.paged import paged_attention
-from minfer.assembly.selector import choose_attention_backend
-from minfer.attention.torch_sdpa import DecodeGroup, GatheredMetadata, PrefillChunk
+from minfer.attention.torch_sdpa import DecodeGroup, GatheredMetadata, PrefillChunk, TorchBackend
 from minfer.models.gpt2 import GPT2
 
+graded = exercise("08")  # --exercise: your TorchBackend.forward runs instead of minfer's
 torch.manual_seed(0)
 path = model_path()
 model = GPT2.from_pretrained(path)
 cfg = model.config
 H, D = cfg.n_head, cfg.head_dim
 scale = 1 / math.sqrt(D)
-# The engine picks one attention backend per model, from its device: on a CPU the compiled one
-# (part 3) where it compiles. Parts 1 and 2 use the eager one, "cpu_tiled", whose steps we can see.
-backend = choose_attention_backend("cpu", torch.float32, "eager")  # the gather-then-attend backend; part 3 compiles
+# The plain backend: gather each sequence's context, then sdpa (any device). The engine picks a
+# backend per model and device (stage 08b shows the CPU's faster ones); they all build and read the
+# metadata below.
+backend = TorchBackend("cpu", torch.float32)
 print(f"attention backend: {backend.name}")
 
 
@@ -50,7 +50,7 @@ def check(name: str, paged: torch.Tensor, dense: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-section("part 1: paged_attention by hand, on a cache with shuffled blocks")
+section("paged_attention by hand, on a cache with shuffled blocks")
 BLOCK_SIZE, NUM_BLOCKS = 4, 16
 # (num_slots, 2, H, D): one layer's keys and values, each slot's key next to its value (one row per
 # slot, so one gather reads both). The engine allocates it with torch.empty, whose memory may hold
@@ -141,102 +141,25 @@ assert torch.equal(built.decode_groups[0].slots, b_grid) and torch.equal(built.p
 assert torch.equal(built.prefills[0].context_slots, chunk.context_slots)
 check("the same step from the built metadata", step([("B", 6, 7), ("A", 11, 16)], built), out)
 
-# ---------------------------------------------------------------------------------------
-section("part 2: reading the context a tile at a time (attention/cpu_tiled.py's ContextReader)")
-BLOCK_SIZE = 16
-# A decode step of many sequences: gather every context at once, then attend, and the gathered
-# keys/values (tens of MB) go out to DRAM and come back. Gather a few sequences at a time and
-# each tile is still in cache when sdpa reads it. Same result; only the memory traffic differs.
-from minfer.cpu.tiled_attention import tile_bytes  # noqa: E402
-
-L = min(cfg.n_positions, 192) // BLOCK_SIZE * BLOCK_SIZE  # context length of each sequence
-S = max(32, cdiv(4 * tile_bytes(), 2 * L * H * D * 4))  # sequences: keys+values of 4 tiles at least
-blocks = torch.randperm(S * L // BLOCK_SIZE + 1)[: S * L // BLOCK_SIZE].view(
-    S, L // BLOCK_SIZE
-)  # scattered block tables
-grid = slot_of(blocks, torch.arange(L), BLOCK_SIZE)  # (S, L) slots
-big_kv = torch.randn((S * L // BLOCK_SIZE + 2) * BLOCK_SIZE, 2, H, D)  # (num_slots, 2, H, D): one layer's cache
-q_dec = torch.randn(S, H, D)
-group = DecodeGroup(torch.arange(S), grid, None)
-
-
-def gather_all() -> torch.Tensor:
-    """The plain backend's way (torch_sdpa.py, on any device): gather the whole group, then attend."""
-    kv = big_kv[grid]  # (S, L, 2, H, D), in fresh memory
-    ks, vs = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (S, H, L, D) each
-    return F.scaled_dot_product_attention(q_dec.unsqueeze(2), ks, vs, scale=scale).squeeze(2)
-
-
-tiled = lambda: backend.decode_attention(q_dec, big_kv, group, scale)  # noqa: E731  the CPU backend's way
-reader = backend.reader  # the tiles' buffers, reused across layers and steps
-dense_k = big_kv[grid, 0].transpose(1, 2).contiguous()  # (S, H, L, D)
-dense_v = big_kv[grid, 1].transpose(1, 2).contiguous()
-contiguous = lambda: F.scaled_dot_product_attention(q_dec.unsqueeze(2), dense_k, dense_v, scale=scale).squeeze(2)  # noqa: E731
-check("tiled read vs gather-everything", tiled(), gather_all())
-per_tile = reader.seqs_per_tile(big_kv, L)
-context_bytes = 2 * S * L * H * D * 4
-print(
-    f"  {S} sequences x {L} positions: {context_bytes / 1e6:.1f} MB of keys+values; a tile holds {per_tile} "
-    f"sequences ({tile_bytes() / 2**20:.1f} MiB budget: a quarter of this CPU's last-level cache)"
-)
-assert reader.largest_buffer_bytes <= 2 * tile_bytes() < context_bytes, "buffers are bounded by a tile, not the batch"
-
-
-def best_ms(fn, repeats: int = 5) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
-with torch.inference_mode():
-    timings = {
-        "gather everything, then sdpa": best_ms(gather_all),
-        "tiled: gather a tile, sdpa, next tile": best_ms(tiled),
-        "sdpa over already-contiguous K/V (the floor)": best_ms(contiguous),
-    }
-for name, ms in timings.items():
-    print(f"  {name:<46} {ms:7.2f} ms")
-print("  (timings depend on the machine and its load; bench.py --profile shows the same split for a real step)")
-
-print("\nOK: paged attention equals dense attention, gathered at once or a tile at a time.")
 
 # ---------------------------------------------------------------------------------------
-section("part 3: reading the cache in place, compiled (attention/compiled.py)")
-# Eager torch cannot attend through a slot table: it must gather (and, in bf16, upcast) first.
-# The same attention in plain torch, indexing the cache by block table, compiled with torch.compile:
-# Inductor writes loops that read each key and value where they lie, upcast, score, and add into the
-# softmax-weighted sum. The gathered context is never stored.
-# The compiled backend's cache is laid out in blocks, and each block's keys are stored transposed,
-# (H, D, BLOCK_SIZE) per head (kv_cache.py, layout "blocks"): the score q . k sums over D, and with
-# a block's positions side by side the compiler scores BLOCK_SIZE positions at once, as plain vector
-# multiply-adds. Over rows of slots, each position's score would end in a sum across one vector's
-# lanes, the slow kind; that version ran about half as fast on a Zen 4.
-from minfer.compiled.attention import paged_decode_attention  # noqa: E402
-from minfer.compiled.attention import slots_to_blocks  # noqa: E402
+section("the whole engine on this attention")
+# Every layer of every step of LLM.generate calls paged_attention, and so the backend's forward. The
+# plain backend runs narrow caches on a CPU ("eager" picks it; wider caches take its tiled version,
+# stage 08b, with the same forward). Greedy tokens must be those of the model without any cache.
+llm = LLM(path, attention_backend="eager", dtype="float32", num_kv_blocks=32, max_num_seqs=4)
+assert isinstance(llm.scheduler.attention, TorchBackend), llm.scheduler.attention
+prompts = [llm.tokenizer.encode(text) for text in ("The cat sat on the", "Once upon a time, there was a little")]
+NEW = 12
+outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True), use_tqdm=False)
+with torch.inference_mode():
+    for prompt, out in zip(prompts, outs):
+        seq = torch.tensor([prompt])  # (1, T): stage 03's loop without a cache, the reference
+        for _ in range(NEW):
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert out.token_ids == seq[0, len(prompt) :].tolist(), "the paged engine must match the plain model"
+print(f"LLM.generate, {len(prompts)} prompts batched, paged: the same {NEW} greedy tokens each as the model without a cache")
+assert llm.stats()["num_kv_blocks_free"] == 32
 
-lens = torch.full((S,), L)  # (S,): every sequence's context length (all L here: nothing padded)
-big_blocks = slots_to_blocks(big_kv, BLOCK_SIZE)  # the same keys and values: (num_blocks, 2, H, D * BLOCK_SIZE)
-compiled = torch.compile(paged_decode_attention, dynamic=True)
-start = time.perf_counter()
-with torch.inference_mode():
-    in_place = compiled(q_dec, big_blocks, blocks, lens, scale, BLOCK_SIZE)
-print(f"  compiled in {time.perf_counter() - start:.1f} s (a second run reads Inductor's on-disk cache)")
-check("compiled, read in place vs gather-everything", in_place, gather_all())
-# Timed in both dtypes beside the tiled read. In bf16 the tiled read must gather and then upcast
-# (two passes and a buffer); the compiled loop upcasts as it reads. In fp32 there is nothing to
-# upcast: on a Zen 4 the engine's fp32 decode steps measured alike, so fp32 compiles only on AMX CPUs.
-kv16, blocks16, q16 = big_kv.bfloat16(), big_blocks.bfloat16(), q_dec.bfloat16()
-with torch.inference_mode():
-    print(f"  {'':<30}{'fp32':>10}{'bf16':>10}")
-    for name, fn in (("tiled (part 2)", tiled), ("compiled: read in place, fused", compiled)):
-        if fn is tiled:
-            ms = [best_ms(tiled), best_ms(lambda: backend.decode_attention(q16, kv16, group, scale))]
-        else:
-            ms = [best_ms(lambda: compiled(q_dec, big_blocks, blocks, lens, scale, BLOCK_SIZE))]
-            ms.append(best_ms(lambda: compiled(q16, blocks16, blocks, lens, scale, BLOCK_SIZE)))  # compiles once more
-        print(f"  {name:<30}{ms[0]:>7.2f} ms{ms[1]:>7.2f} ms")
-print("  (one layer, its cache warm from the last repeat; bench.py --profile times all layers in a real step)")
-print("  (the engine runs this backend on a CPU in bf16, and in fp32 with AMX, if it compiles: attention_backend auto)")
+graded.graded()
+print("\nOK: paged attention equals dense attention, for prefills, padded decodes and continued chunks.")

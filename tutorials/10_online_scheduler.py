@@ -13,13 +13,13 @@ PagedBatch), and its logits must equal the plain GPT2.forward of stage 01: a
 prompt run in chunks, and a step that mixes decodes and prefills of four sequences.
 
     python tutorials/10_online_scheduler.py   # MINFER_MODEL=/path to choose the checkpoint
+    python tutorials/10_online_scheduler.py --exercise   # with your admit and preempt (tutorials/exercises/)
 """
 
 import random
-import time
 
 import torch
-from _common import model_path, section
+from _common import exercise, model_path, section
 
 from minfer import OnlineScheduler, SamplingParams
 from minfer.attention.kv_cache import KVCache, cdiv
@@ -31,6 +31,7 @@ from minfer.engine.sequence import ScheduledChunk, Sequence, Status
 from minfer.models.gpt2 import GPT2
 from minfer.text.tokenizer import Tokenizer
 
+graded = exercise("10")  # --exercise: your admit and preempt (tutorials/exercises/) run instead of minfer's
 path = model_path()
 model = GPT2.from_pretrained(path)
 tokenizer = Tokenizer.from_dir(path)
@@ -124,9 +125,8 @@ requests = {
     3: [("D", prompt(8, 3), greedy(5))],  # arrives while A, B, C run: waits for a free slot
     5: [("E", prompt(9, 4), greedy(3))],
 }
-t0 = time.perf_counter()
 outs, history = run(sched, requests)
-print(f"{len(history)} steps, {time.perf_counter() - t0:.2f} s")
+print(f"{len(history)} steps")
 
 # Chunked prefill: C's 70-token prompt does not fit the 32-token budget, so it is split over
 # several steps, and A and B keep decoding in those same steps instead of stalling behind it.
@@ -246,6 +246,7 @@ for s in (seq, x, y, z, w):
     alloc.free(s.block_table)
 alloc.check_invariants([])
 
+graded.graded()
 print(
     "\nOK: requests join and leave every step, prompts are chunked, preemption recomputes, "
     "outputs never change, every block comes back, and the runner's paged forward equals the plain one."

@@ -9,12 +9,16 @@ its KV blocks freed, and what a refused request, a full queue and a shutdown
 look like.
 
     python tutorials/11_scheduler_manager.py   # MINFER_MODEL=/path to choose the checkpoint
+    python tutorials/11_scheduler_manager.py --exercise   # with your worker loop (tutorials/exercises/)
 """
 
+import sys
 import threading
 import time
+import traceback
 
-from _common import model_path, section
+from _common import exercise, model_path, section
+from _timing import Timing
 
 from minfer import OnlineScheduler, SamplingParams
 from minfer.errors import InvalidParameter
@@ -24,6 +28,7 @@ from minfer.server.messages import Accepted, CompletionDelta, Done, Error
 from minfer.server.metrics import Metrics
 from minfer.text.tokenizer import Tokenizer
 
+graded = exercise("11")  # --exercise: your worker loop (tutorials/exercises/) run instead of minfer's
 path = model_path()
 model = GPT2.from_pretrained(path)
 tokenizer = Tokenizer.from_dir(path)
@@ -67,10 +72,26 @@ time.sleep(0.5)
 idle_cpu, wall = time.clock_gettime(clock) - cpu0, time.perf_counter() - wall0
 print(f"worker CPU time over {wall:.2f} s idle: {1e3 * idle_cpu:.2f} ms")
 assert idle_cpu < 0.1 * wall, "an idle worker must not spin"  # a polling loop would burn ~100%
-t0 = time.perf_counter()
-handle = manager.submit(manager.check(tokenizer.encode(prompts[0]), GREEDY))  # appends to the inbox, then wake.set()
+idle_stack = traceback.extract_stack(sys._current_frames()[worker.ident])  # where the worker is, right now
+assert any(f.name == "wait" and f.filename == threading.__file__ for f in idle_stack), (
+    "an idle worker must sleep in its Event's wait(), woken by submit(): it is in\n" + "".join(idle_stack.format())
+)
+caller = next(f.name for f in reversed(idle_stack) if f.filename != threading.__file__)
+print(f"the idle worker is inside threading's wait(), called from {caller}()")
+first_ids = tokenizer.encode(prompts[0])  # in this (client) thread, once
+wake_ups = []  # submit -> Accepted, each time from an idle worker
+for _ in range(5):
+    t0 = time.perf_counter()
+    handle = manager.submit(manager.check(first_ids, SamplingParams(max_tokens=1)))
+    assert handle.next_event(timeout=30) == Accepted()  # submit appended to the inbox, then wake.set()
+    wake_ups.append(time.perf_counter() - t0)
+    while not isinstance(handle.next_event(timeout=30), Done):
+        pass
+    manager.release(handle)
+    wait_for(lambda: manager.stats()["num_running"] == 0, "the worker to be idle again")
+print(f"submit -> Accepted, from an idle worker: {Timing(wake_ups)} (the worker wakes at once; not asserted)")
+handle = manager.submit(manager.check(first_ids, GREEDY))
 event = handle.next_event(timeout=30)
-print(f"submit -> Accepted in {1e3 * (time.perf_counter() - t0):.2f} ms (the worker woke up at once)")
 assert event == Accepted()
 while not isinstance(event, Done):
     event = handle.next_event(timeout=30)
@@ -134,11 +155,11 @@ print(
 )
 assert stats["num_running"] == 1 and stats["num_kv_blocks_free"] < total
 manager.release(handle)  # not finished: queues a discard for the worker
-took = wait_for(
+wait_for(
     lambda: manager.stats()["num_kv_blocks_free"] == total and manager.stats()["num_running"] == 0,
     "the blocks to come back",
 )
-print(f"released; {total}/{total} blocks free {1e3 * took:.1f} ms later; aborted requests: {manager.metrics.aborted}")
+print(f"released; {total}/{total} blocks free again; aborted requests: {manager.metrics.aborted}")
 assert manager.metrics.aborted == 1
 
 section("a request that could never run is refused by check(), in the client's thread, before submit()")
@@ -187,4 +208,5 @@ except EngineError as e:
 # The worker has exited, so touching the scheduler from this thread is safe again.
 assert sched.allocator.num_free_blocks == total and not sched.has_unfinished()
 sched.check_invariants()
+graded.graded()
 print("\nOK: one worker thread, event wake-up, per-request event queues, early release frees blocks, clean shutdown.")

@@ -130,7 +130,7 @@ section("the OpenAI Python SDK")
 try:
     from openai import OpenAI
 except ImportError:
-    print("the openai package is not installed (pip install openai); skipping this part")
+    print("the openai package is not installed (pip install -e \".[tutorials]\"); skipping this part")
 else:
     client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     sdk = client.completions.create(
@@ -185,7 +185,7 @@ while True:
     assert time.perf_counter() - start < 60, f"the disconnected request was not freed: {m}"
     time.sleep(0.02)
 print(
-    f"{1e3 * (time.perf_counter() - start):.0f} ms later: aborted {m['minfer_requests_aborted_total']:.0f}, "
+    f"soon after: aborted {m['minfer_requests_aborted_total']:.0f}, "
     f"kv blocks free {m['minfer_kv_blocks_free']:.0f}/{total:.0f}, "
     f"finished {m['minfer_requests_finished_total']:.0f}"
 )

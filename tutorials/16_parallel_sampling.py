@@ -5,8 +5,10 @@ the block tables: the prompt is prefilled once, the four choices then hold the s
 reference each), and each choice but the first gets its own copy of the partial last block.
 Each choice draws exactly what a request with its own seed (seed + index) draws alone.
 
-Part 2 serves n = 4 in a cache too small for four copies of the prompt, without a preemption,
-where four separate requests (prefix caching off) must preempt.
+Part 2 serves n = 4 in a cache too small for four copies of the prompt: all four run at once, without
+a preemption. Four separate requests (prefix caching off) hold a copy of the prompt each: only two fit,
+and the other two wait to be admitted (admission checks the blocks first, so none is preempted), which
+takes twice the steps.
 
     python tutorials/16_parallel_sampling.py   # MINFER_MODEL=/path to choose the checkpoint
 """
@@ -84,8 +86,14 @@ separate = [(prompt, SamplingParams(max_tokens=NEW, temperature=1.0, seed=42 + i
 separate_outs, separate_most, separate_steps = run(separate)
 print(f"n = {N}: {shared_most} sequences at once, {shared_steps} steps, "
       f"{sum(o.num_preemptions for o in shared_outs)} preemptions")
-print(f"{N} separate requests: {separate_most} at once (a copy of the prompt each), {separate_steps} steps")
+separate_preemptions = sum(o.num_preemptions for o in separate_outs)
+print(f"{N} separate requests: {separate_most} at once (a copy of the prompt each), {separate_steps} steps, "
+      f"{separate_preemptions} preemptions")
 assert shared_most == N and sum(o.num_preemptions for o in shared_outs) == 0
-assert separate_most < N and separate_steps > shared_steps
+# Separately, each needs all 4 of its blocks to be admitted (its prompt fits the token budget in one chunk):
+# two are admitted, the other two wait for their blocks. Nobody is preempted; the run takes twice the steps.
+assert small.scheduler.max_num_batched_tokens >= len(prompt)
+assert separate_most == small.scheduler.allocator.num_blocks // 4 == 2 and separate_preemptions == 0
+assert separate_steps == 2 * shared_steps
 assert [o.token_ids for o in shared_outs] == [o.token_ids for o in separate_outs]  # the same draws, either way
 print("the same text either way; sharing the prompt is what lets all four run at once")

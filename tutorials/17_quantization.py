@@ -10,11 +10,11 @@ and runs the engine with --quantization int8.
     python tutorials/17_quantization.py   # MINFER_MODEL=/path to choose the checkpoint
 """
 
-import time
 
 import torch
 import torch.nn.functional as F
 from _common import model_path, section
+from _timing import BUSY_MACHINE, claim, interleaved, show
 
 from minfer import LLM, SamplingParams
 from minfer.models.registry import load_model
@@ -30,11 +30,9 @@ params = sum(p.numel() for p in model.parameters())
 
 section("1. at batch 1, bytes are the bound")
 source = torch.ones(32 * 2**20 // 4)
-start = time.perf_counter()
-for _ in range(5):
-    source.sum()
-bandwidth = 5 * source.numel() * 4 / (time.perf_counter() - start)
-print(f"{params:,} weights; reading memory at ~{bandwidth / 1e9:.1f} GB/s here (a 32 MiB sum)")
+read = interleaved({"a 32 MiB sum": source.sum}, rounds=7)["a 32 MiB sum"]
+bandwidth = source.numel() * 4 / read.median
+print(f"{params:,} weights; reading memory at ~{bandwidth / 1e9:.1f} GB/s here (a 32 MiB sum: {read})")
 for name, bits in (("fp32", 32), ("bf16", 16), ("int8", 8 + 32 / 768), ("int4, group 64", 4 + 64 / 64)):
     nbytes = params * bits / 8  # scales included: int8 one fp32 per row of ~768, int4 two per 64 weights
     print(f"  {name:<15} {nbytes / 1e6:8.1f} MB  -> floor {nbytes / bandwidth * 1e3:7.3f} ms/token")
@@ -82,15 +80,17 @@ for name, layer in (("int8", Int8Linear.from_float(linear)), ("int4", Int4Linear
         y_kernel, y_dequant = layer.kernel(x), x @ layer.dequantized(x.dtype).t()
         # the same matmul, two ways, to bf16's rounding: the kernel reads fp32 rows as bf16 (its fast path)
         assert (y_kernel - y_dequant).abs().max() <= 1e-2 * y_dequant.abs().max()
-        timings = []
-        for run in (lambda layer=layer, x=x: layer.kernel(x), lambda layer=layer, x=x: x @ layer.dequantized(x.dtype).t()):
-            run()
-            start = time.perf_counter()
-            for _ in range(5):
-                run()
-            timings.append((time.perf_counter() - start) / 5 * 1e3)
-        print(f"  {name} {rows:>2} rows: kernel {timings[0]:.3f} ms, dequantize + matmul {timings[1]:.3f} ms")
-print("  (the kernel re-reads the weight every few rows: past a few rows, dequantizing once wins)")
+        print(f"  {name}, {rows} row{'s' * (rows > 1)}:")
+        timings = interleaved(
+            {"kernel": lambda layer=layer, x=x: layer.kernel(x),
+             "dequantize + matmul": lambda layer=layer, x=x: x @ layer.dequantized(x.dtype).t()},
+            rounds=7,
+        )
+        show(timings, width=22, indent="    ")
+        if rows > 1:  # the kernel re-reads the weight every few rows: past a few rows, dequantizing once wins
+            claim(timings, "dequantize + matmul", "kernel", f"at {rows} rows dequantizing once beats the kernel",
+                  "On a small layer the weight stays in cache however often the kernel reads it, which hides "
+                  "its re-reads. " + BUSY_MACHINE, indent="    ")
 
 section("5. the engine, quantized")
 prompt, greedy = "Once upon a time", SamplingParams(temperature=0, max_tokens=16)

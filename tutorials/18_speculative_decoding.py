@@ -2,7 +2,7 @@
 forward pass, keep the ones it agrees with: more than one token per step, with the same output.
 
 It loads the model of the other stages and: times one forward over 1 row and over k + 1 rows of one
-sequence (printed, not asserted: timings are noisy), with the bytes and FLOPs each must move; checks
+sequence (in turns, median and spread, never asserted), with the bytes and FLOPs each must move; checks
 on a six-token distribution that the acceptance rule samples exactly the target distribution; runs
 the engine with n-gram (prompt lookup) speculation on a text that repeats, beside plain decoding; and
 then with a draft model (the model itself, unless a trained draft ships beside it). On minfer-tiny,
@@ -11,11 +11,11 @@ which seldom copies, the last two run on minfer-tiny-llama, which does.
     python tutorials/18_speculative_decoding.py   # MINFER_MODEL=/path to choose the checkpoint
 """
 
-import time
 from pathlib import Path
 
 import torch
 from _common import model_path, section
+from _timing import BUSY_MACHINE, claim, interleaved, show
 
 from minfer import LLM, SamplingParams
 from minfer.speculative.speculation import VerifyChunk
@@ -36,15 +36,17 @@ request = sched.add_request(prompt_token_ids=prompt, sampling_params=SamplingPar
 sched.step()  # the prefill, and the first token
 seq = sched.running[0]
 sched.batcher.grow(seq, seq.num_tokens + 8)  # room for the proposals' keys and values
+forwards = {}
 for k in (0, 4, 8):
     chunk = VerifyChunk(seq, seq.num_computed_tokens, 1, draft=[7] * k)  # k made-up proposals: k + 1 rows
-    sched.runner.execute([chunk])  # once to warm up
-    start = time.perf_counter()
-    for _ in range(10):
-        sched.runner.execute([chunk])
-    ms = (time.perf_counter() - start) / 10 * 1e3
-    print(f"  {1 + k} row(s): {ms:6.2f} ms per forward; reads {4 * params / 1e6:.0f} MB of fp32 weights, "
-          f"computes {2 * params * (1 + k) / 1e6:.0f} MFLOP")
+    forwards[f"{1 + k} row{'s' * (k > 0)}"] = lambda chunk=chunk: sched.runner.execute([chunk])
+    print(f"  {1 + k} row(s) read {4 * params / 1e6:.0f} MB of fp32 weights and compute "
+          f"{2 * params * (1 + k) / 1e6:.0f} MFLOP")
+timings = interleaved(forwards, rounds=7)
+show(timings, width=10)
+claim(timings, "9 rows", "1 row", "checking 8 proposals costs less than twice generating one token",
+      "On a model this small a forward is mostly fixed costs either way, but a busy CPU can stretch any one "
+      "round. " + BUSY_MACHINE, factor=2.0)
 sched.discard_request(request)
 assert sched.allocator.num_free_blocks == sched.allocator.num_blocks
 
@@ -81,16 +83,20 @@ greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 spec = LLM(path, speculative_method="ngram", num_speculative_tokens=4)
 for name, engine in (("plain", llm), ("ngram", spec)):
     steps = engine.scheduler.num_steps
-    start = time.perf_counter()
     out = engine.generate([ids], greedy, use_tqdm=False)[0]
-    seconds = time.perf_counter() - start
-    print(f"  {name:<6} {len(out.token_ids)} tokens in {engine.scheduler.num_steps - steps} steps, {seconds * 1e3:.0f} ms")
+    print(f"  {name:<6} {len(out.token_ids)} tokens in {engine.scheduler.num_steps - steps} steps")
     if name == "plain":
         plain = out
 assert out.token_ids == plain.token_ids  # greedy: speculation changes the speed, never the tokens
 stats = spec.scheduler.features.speculation.speculator.stats
 print(f"  acceptance rate {stats.acceptance_rate:.2f}, mean accepted length {stats.mean_accepted_length:.2f} "
       f"tokens per verification")
+timings = interleaved({name: lambda engine=engine: engine.generate([ids], greedy, use_tqdm=False)
+                       for name, engine in (("plain", llm), ("ngram", spec))}, rounds=3, warmup=0)
+show(timings, width=8)
+claim(timings, "ngram", "plain", "n-gram speculation generates the text faster",
+      "Fewer steps win only while a step costs about the same with proposals as without; on a busy machine "
+      "one slow round can outweigh that. " + BUSY_MACHINE)
 
 section("5. n-gram vs a draft model")
 # A draft is a smaller model with the same vocabulary that proposes its own greedy tokens: it guesses
@@ -102,13 +108,18 @@ for name in ("minfer-tiny", "minfer-tiny-llama"):
     if Path(path).resolve() == BUILTIN_MODELS[name].resolve():
         draft = str(BUILTIN_MODELS[name + "-draft"])
 drafted = LLM(path, speculative_method="draft", speculative_model=str(draft), num_speculative_tokens=4)
-for name, engine in (("ngram", LLM(path, speculative_method="ngram")), ("draft", drafted)):
-    start = time.perf_counter()
+engines = {"ngram": LLM(path, speculative_method="ngram"), "draft": drafted}
+for name, engine in engines.items():
     out = engine.generate([ids], greedy, use_tqdm=False)[0]
-    seconds = time.perf_counter() - start
     stats = engine.scheduler.features.speculation.speculator.stats
-    print(f"  {name:<6} {engine.scheduler.num_steps - 1} decode steps, {seconds * 1e3:.0f} ms; acceptance rate "
+    print(f"  {name:<6} {engine.scheduler.num_steps - 1} decode steps; acceptance rate "
           f"{stats.acceptance_rate:.2f}, mean accepted length {stats.mean_accepted_length:.2f}")
     assert out.token_ids == plain.token_ids  # either way, plain decoding's tokens
+timings = interleaved({name: lambda engine=engine: engine.generate([ids], greedy, use_tqdm=False)
+                       for name, engine in engines.items()}, rounds=3, warmup=0)
+show(timings, width=8)
+claim(timings, "ngram", "draft", "the n-gram proposer is the faster here",
+      "A draft's forwards cost a share of the model's each (all of it, when the model is its own draft), "
+      "which the n-gram lookup does not pay; how much that weighs depends on this CPU. " + BUSY_MACHINE)
 if draft == path:
     assert drafted.scheduler.features.speculation.speculator.stats.acceptance_rate > 0.99  # its own draft is always right

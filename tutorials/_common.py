@@ -2,6 +2,7 @@
 so this folder is on sys.path and `from _common import model_path` works)."""
 
 import os
+import sys
 
 
 def model_path() -> str:
@@ -34,3 +35,25 @@ def model_path() -> str:
 def section(title: str) -> None:
     """Print a heading, so a script's output reads as the chapter does."""
     print(f"\n== {title} ==")
+
+
+def exercise_source() -> str | None:
+    """Whose code a stage with an exercise runs in place of minfer's (tutorials/exercises/):
+    None, minfer's own (the default); "yours", the stub you filled in (`--exercise`, or
+    MINFER_EXERCISE=1); "reference", minfer's own through the exercise's plug (`--exercise=reference`,
+    or MINFER_EXERCISE=reference: what the tests run)."""
+    flags = [arg for arg in sys.argv[1:] if arg == "--exercise" or arg.startswith("--exercise=")]
+    value = (flags[-1].partition("=")[2] or "yours") if flags else os.environ.get("MINFER_EXERCISE", "")
+    value = {"": None, "0": None, "1": "yours", "yours": "yours", "reference": "reference"}.get(value.lower(), value)
+    if value not in (None, "yours", "reference"):
+        raise SystemExit(f"--exercise / MINFER_EXERCISE must be 1 (your code) or reference, got {value!r}")
+    return value
+
+
+def exercise(stage: str, namespace: dict | None = None):
+    """Plug the stage's exercise into the engine if --exercise or MINFER_EXERCISE asks (else do nothing);
+    call .graded() on the result at the stage's end. namespace: the script's globals, for an exercise
+    that replaces one of the script's own functions."""
+    from exercises.plug import plug
+
+    return plug(stage, namespace, exercise_source())

@@ -15,8 +15,9 @@ Worker -> handler, through the request's own queue (RequestHandle.events), in th
  or Error(status, message)   it failed (or the server is stopping): an HTTP status and a sentence
 
 Only the worker calls the scheduler; these are all the two sides say to each other. CompletionDelta
-is the engine's own record (engine/sequence.py), sent as it is: what the engine learns to say per
-token later (logprobs) reaches the handler as new fields of it.
+is the engine's own record (engine/sequence.py), sent as it is, with everything the engine says per
+step: the tokens' logprobs when asked (scoring/), and, for a request with n > 1, which completion it
+is (index), one delta per completion that sampled.
 """
 
 from __future__ import annotations
