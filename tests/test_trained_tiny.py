@@ -18,7 +18,7 @@ from minfer.bench.perplexity import perplexity, windows
 from minfer.checkpoints.tokenizer_training import train_tokenizer
 from minfer.models.loader import BUILTIN_MODELS, resolve_model_dir
 from minfer.training.stories import parses, split_sentences, stories
-from minfer.training.train_tiny import TrainOptions, parse_args, train
+from minfer.training.train_tiny import STORY_CHAT_TEMPLATE, TrainOptions, parse_args, train
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = BUILTIN_MODELS["minfer-tiny"]
@@ -90,6 +90,29 @@ def test_greedy_stories_end_and_do_not_loop(greedy_outputs):
         sentences, rest = split_sentences(text)
         assert not rest.strip(), text  # finished: the last sentence is whole, then <|endoftext|>
         assert all(a != b for a, b in zip(sentences, sentences[1:])), text
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
+def test_a_chat_with_a_shipped_model_gets_a_story_back(name):
+    """The shipped models carry the trainer's story chat template: whatever the user writes, the reply
+    is a story in sentences the grammar makes, served through the OpenAI chat endpoint."""
+    import http.client
+    import json
+
+    from minfer.engine.config import EngineConfig
+    from serving import serving
+
+    template = json.loads((BUILTIN_MODELS[name] / "tokenizer_config.json").read_text())["chat_template"]
+    assert template == STORY_CHAT_TEMPLATE  # what the trainer writes is what ships
+    with serving(EngineConfig(model=name, num_kv_blocks=64)) as srv:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
+        messages = [{"role": "user", "content": "Tell me a story."}]
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": name, "messages": messages, "max_tokens": 60, "temperature": 0}))
+        reply = json.loads(conn.getresponse().read())["choices"][0]["message"]["content"]
+    sentences = split_sentences(reply)[0]  # the complete ones: max_tokens may cut the last
+    assert reply.startswith("Once upon a time") and len(sentences) >= 2, reply
+    assert sum(map(parses, sentences)) >= 0.75 * len(sentences), reply  # the drafts are smaller, and slip
 
 
 def test_heldout_perplexity_reproduces_the_card(capsys):

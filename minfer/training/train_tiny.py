@@ -96,6 +96,11 @@ def make_optimizer(model: nn.Module, opts: TrainOptions) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95), foreach=True)
 
 
+# A story model's chat: each message a line of its own, and the reply the next line. A new line is
+# where the stories it learned begin, so whatever is asked, the reply is a story.
+STORY_CHAT_TEMPLATE = "{%- for message in messages %}{{ message['content'] | trim }}{{ '\\n' }}{%- endfor %}"
+
+
 def write_checkpoint(model: nn.Module, config: dict, tokenizer: Tokenizer, out: Path, dtype: torch.dtype) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_safetensors(checkpoint_tensors(model, dtype), out / "model.safetensors")
@@ -104,7 +109,7 @@ def write_checkpoint(model: nn.Module, config: dict, tokenizer: Tokenizer, out: 
     tokenizer.save(str(out / "tokenizer.json"))
     eos, context = config["eos_token_id"], config.get("n_positions") or config["max_position_embeddings"]
     tok_config = dict(tokenizer_class="GPT2Tokenizer", model_max_length=context,
-                      bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, unk_token=EOS_TOKEN)
+                      bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, unk_token=EOS_TOKEN, chat_template=STORY_CHAT_TEMPLATE)
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(dict(bos_token_id=eos, eos_token_id=eos), indent=2) + "\n")
 
