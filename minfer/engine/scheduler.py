@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Iterator
 
 import torch
 
 from ..attention.cache_budget import choose_num_blocks
-from ..attention.kv_cache import cdiv
 from ..attention.backend import AttentionBackend
 from ..attention.torch_sdpa import TorchBackend
-from ..errors import InvalidParameter, is_int
+from ..errors import InvalidParameter
 from ..step_parts import part
 from ..text.text_stream import TextStream
 from ..text.tokenizer import Tokenizer
@@ -41,20 +40,13 @@ from .config import EngineConfig, dtype_name
 from .continuous_batcher import ContinuousBatcher
 from .features import BUILDER, Features
 from .model_runner import ModelRunner, StepOutput
+from .request_check import CheckedRequest, RequestLimits, check_limits
 from .request_state import Choice, Request
 from .sampling import make_generator
 from .sampling_params import SamplingParams
 from .outputs import CompletionDelta, RequestOutput
 from .sequence import ScheduledChunk, Sequence, Status
 from .step_stats import StepStats
-
-
-@dataclass(frozen=True)
-class CheckedRequest:
-    """A request check_request found runnable: add_request takes it as it is, without checking it again."""
-
-    prompt_token_ids: list[int]
-    params: SamplingParams
 
 
 class OnlineScheduler:
@@ -109,6 +101,7 @@ class OnlineScheduler:
             max_model_len=min(self.context_len, num_kv_blocks * block_size),
             **features.running(),  # what the features run as: the attention, a compiled step whose warm-up failed
         )
+        self.limits = RequestLimits(model.config.vocab_size, config.max_num_seqs, self.context_len, block_size, num_kv_blocks)
         self.requests: dict[str, Request] = {}  # every request not yet popped or discarded
         self.finished_ids: list[str] = []  # finished since the last pop_finished_ids()
         self._ids = itertools.count()
@@ -159,19 +152,9 @@ class OnlineScheduler:
     ) -> str:
         """Queue a request: a prompt's text, its token ids, or a CheckedRequest (check_request's verdict, which
         is not checked again). Refuses what could never run."""
-        if isinstance(prompt, CheckedRequest):
-            ids, params = prompt.prompt_token_ids, prompt.params
-        else:
-            params = sampling_params or SamplingParams()
-            if (prompt is None) == (prompt_token_ids is None):
-                raise ValueError("give exactly one of prompt or prompt_token_ids")
-            if prompt is not None:
-                if not isinstance(prompt, str):
-                    raise InvalidParameter(
-                        "prompt", f"prompt must be a string, got {type(prompt).__name__}", "invalid_type"
-                    )
-                prompt_token_ids = self.tokenizer.encode_prompt(prompt)
-            ids = self.check_request(prompt_token_ids, params).prompt_token_ids
+        if not isinstance(prompt, CheckedRequest):
+            prompt = self._checked(prompt, prompt_token_ids, sampling_params or SamplingParams())
+        ids, params = prompt.prompt_token_ids, prompt.params
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -188,6 +171,16 @@ class OnlineScheduler:
             self.batcher.add(seq)
         return request_id
 
+    def _checked(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams) -> CheckedRequest:
+        """A request given as text or token ids, checked."""
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise InvalidParameter("prompt", f"prompt must be a string, got {type(prompt).__name__}", "invalid_type")
+            prompt_token_ids = self.tokenizer.encode_prompt(prompt)
+        return self.check_request(prompt_token_ids, params)
+
     def _choice(self, request_id: str, ids: list[int], params: SamplingParams, index: int) -> Choice:
         """Completion `index` of a request. With a seed, its own generator seeded seed + index (as vLLM
         does): reproducible, and the same whatever else runs."""
@@ -201,42 +194,13 @@ class OnlineScheduler:
         """The request, checked, if it could ever run; else InvalidParameter naming the field at fault. It
         reads only fixed limits, so any thread may call it (the server does, once, before handing the
         request to the engine thread)."""
-        ids = list(prompt_token_ids)
         if params.wants_logprobs and self.features.scoring is None:  # never accepted and then not applied
             raise ValueError(f"logprobs need an engine built by {BUILDER}, which attaches scoring/")
         if params.structured_outputs is not None:  # structured/: the grammar compiles, or InvalidParameter
             if self.features.structured is None:
                 raise ValueError(f"structured outputs need an engine built by {BUILDER}, which attaches structured/")
             self.features.structured.check(params)
-        if not ids:
-            raise InvalidParameter("prompt", "the prompt is empty: it must have at least one token")
-        vocab = self.config.vocab_size
-        bad = next((t for t in ids if not is_int(t) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidParameter("prompt", f"prompt token id {bad!r} is not in the vocabulary [0, {vocab})")
-        if params.n > self.max_num_seqs:
-            raise InvalidParameter(
-                "n", f"n = {params.n} is more completions than this engine runs at once (max_num_seqs {self.max_num_seqs})"
-            )
-        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
-        if bad is not None:
-            raise InvalidParameter("logit_bias", f"logit_bias token id {bad} is not in the vocabulary [0, {vocab})")
-        context = self.context_len  # the model's, or --max-model-len
-        if len(ids) + params.max_tokens > context:
-            raise InvalidParameter(
-                "max_tokens" if len(ids) < context else "prompt",
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {context} tokens",
-                "context_length_exceeded",
-            )
-        blocks = cdiv(len(ids) + params.max_tokens, self.block_size)
-        if blocks > self.allocator.num_blocks:
-            raise InvalidParameter(
-                "max_tokens",
-                f"the request needs {blocks} KV blocks but the cache has only {self.allocator.num_blocks}",
-                "context_length_exceeded",
-            )
-        return CheckedRequest(ids, params)
+        return check_limits(prompt_token_ids, params, self.limits)
 
     # ---- stepping --------------------------------------------------------------------
 

@@ -34,7 +34,8 @@ from collections import deque
 from collections.abc import Callable
 
 from ..engine.sampling_params import SamplingParams
-from ..engine.scheduler import CheckedRequest, OnlineScheduler
+from ..engine.request_check import CheckedRequest
+from ..engine.scheduler import OnlineScheduler
 from ..errors import is_sticky_device_error
 from .engine_events import EngineFeed, EventRecorder
 from .messages import Accepted, AddRequest, DiscardRequest, Done, Error, RequestHandle

@@ -25,7 +25,7 @@ from __future__ import annotations
 import queue
 from dataclasses import dataclass
 
-from ..engine.scheduler import CheckedRequest
+from ..engine.request_check import CheckedRequest
 from ..engine.outputs import CompletionDelta, RequestOutput
 
 

@@ -23,10 +23,13 @@ from ..text.chat_template import ChatTemplate
 from ..text.tokenizer import Tokenizer
 from .chat_messages import render_messages, show
 from .request_fields import FIELDS, OPENAI_CHAT, OPENAI_COMPLETIONS, SAMPLING, STRUCTURED, TOOLS, VLLM
+
 from .structured_fields import read_constraint, without_thinking
 from .tools import Tools, read_tools
 
 log = logging.getLogger("minfer.serve")
+
+SCORING = {"logprobs", "echo", "prompt_logprobs"}  # the completions fields scoring/ serves
 
 KINDS = {  # kind -> (description for the error message, check)
     "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
@@ -159,19 +162,25 @@ def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
     prompt_logprobs for scoring."""
     body = _opened(body, info, COMPLETIONS)
     prompts, texts = _prompt_batch(body.get("prompt"), info.tokenizer)
+    scoring, asks = _scoring(body) if SCORING & body.keys() or body.get("max_tokens") == 0 else (None, {})
+    score_only = scoring is not None and scoring.score_only
+    max_tokens = 1 if score_only else _max_tokens(body, "max_tokens", max(map(len, prompts)), info, default=16)
+    constraint, source = read_constraint(body) if STRUCTURED & body.keys() else (None, None)
+    fields = {"structured_outputs": source} if source else {}
+    params = _params(body, max_tokens, get(body, "ignore_eos", False, "bool"), fields, structured_outputs=constraint,
+                     **asks)
+    return ParsedRequest(prompts, params, *_stream(body, COMPLETIONS), fields, texts, scoring)
+
+
+def _scoring(body: dict) -> tuple[Scoring, dict]:
+    """What a completions request asks of scoring, and the SamplingParams fields that ask it of the engine."""
     logprobs, echo, asked = body.get("logprobs"), get(body, "echo", False), body.get("prompt_logprobs")
     numbers = all(KINDS["int"][1](v) for v in (logprobs, asked or 0))  # else SamplingParams says which is bad
     prompt_logprobs = max(asked or 0, logprobs) if echo and logprobs is not None and numbers else asked
     score_only = body.get("max_tokens") == 0 and type(body.get("max_tokens")) is int
     if score_only and not echo:
         raise invalid("max_tokens", "'max_tokens' may be 0 only with 'echo': true (to score the prompt)")
-    scoring = Scoring(logprobs, echo, asked is not None, score_only)
-    max_tokens = 1 if score_only else _max_tokens(body, "max_tokens", max(map(len, prompts)), info, default=16)
-    constraint, source = read_constraint(body) if STRUCTURED & body.keys() else (None, None)
-    fields = {"structured_outputs": source} if source else {}
-    extra = dict(logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
-    params = _params(body, max_tokens, get(body, "ignore_eos", False, "bool"), fields, **extra)
-    return ParsedRequest(prompts, params, *_stream(body, COMPLETIONS), fields, texts, scoring)
+    return Scoring(logprobs, echo, asked is not None, score_only), dict(logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:

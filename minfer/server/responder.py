@@ -111,24 +111,34 @@ class Responder:
         chunks), and on its last delta its final chunk."""
         index = prompt * self.n + delta.index
         chunks = []
-        if not self.echoed[index]:
-            self.echoed[index] = True
-            text, logprobs, asked = self._prompt_parts(index, delta.prompt_logprobs)
-            if text or asked is not None:
-                chunks.append(self._chunk([self._with(self._choice(text, None, index=index), logprobs, asked)]))
-        if not self.score_only:
-            if self.formatters:
-                self.pending[index] += zip(delta.token_ids, delta.logprobs or [])
-            text, calls = delta.text, []
-            if self.calls:  # what the reply adds to the content, and to its calls, now that this is in
-                text, calls = self.calls[index].add(delta.text, final=delta.finish_reason is not None)
-            if text:
-                chunks.append(self._chunk([self._with(self._choice(text, None, index=index), self._flush(index))]))
-            if calls:
-                choice = {"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}
-                chunks.append(self._chunk([self._with(choice, self._flush(index) if self.pending[index] else None)]))
+        if self.scoring is not None and not self.echoed[index]:  # scoring: the prompt's echo and logprobs
+            chunks += self._echo_chunks(index, delta.prompt_logprobs)
+        if self.formatters and not self.score_only:  # the tokens' logprobs wait for a chunk with their text
+            self.pending[index] += zip(delta.token_ids, delta.logprobs or [])
+        if self.calls:  # tools: the reply read for calls as it streams
+            chunks += self._tool_chunks(index, delta)
+        elif delta.text and not self.score_only:
+            chunks.append(self._chunk([self._with(self._choice(delta.text, None, index=index), self._flush(index))]))
         if delta.finish_reason is not None:
             chunks.append(self._final_chunk(delta.finish_reason, index))
+        return chunks
+
+    def _echo_chunks(self, index: int, prompt_logprobs) -> list[dict]:
+        self.echoed[index] = True
+        text, logprobs, asked = self._prompt_parts(index, prompt_logprobs)
+        if not text and asked is None:
+            return []
+        return [self._chunk([self._with(self._choice(text, None, index=index), logprobs, asked)])]
+
+    def _tool_chunks(self, index: int, delta: CompletionDelta) -> list[dict]:
+        """What the reply adds to the content, and to its calls, now that this delta is in."""
+        text, calls = self.calls[index].add(delta.text, final=delta.finish_reason is not None)
+        chunks = []
+        if text:
+            chunks.append(self._chunk([self._with(self._choice(text, None, index=index), self._flush(index))]))
+        if calls:
+            choice = {"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}
+            chunks.append(self._chunk([self._with(choice, self._flush(index) if self.pending[index] else None)]))
         return chunks
 
     def _final_chunk(self, finish_reason: str | None, index: int) -> dict:
@@ -172,6 +182,8 @@ class Responder:
         return fmt.chat(entries, k) if self.chat else fmt.completion(token_ids, entries, k)
 
     def _flush(self, index: int) -> dict | None:
+        if not self.formatters:
+            return None
         pending, self.pending[index] = self.pending[index], []
         return self._logprobs(index, [t for t, _ in pending], [e for _, e in pending])
 

@@ -1,0 +1,61 @@
+"""Whether a request could ever run on this engine: its prompt's ids against the vocabulary, prompt +
+max_tokens against the context and the KV cache, n against the sequences run at once. Only fixed
+limits are read, so any thread may check (the server does, once, before handing a request to the
+engine's thread); a refusal is an InvalidParameter naming the field at fault."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..attention.kv_cache import cdiv
+from ..errors import InvalidParameter, is_int
+from .sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request found runnable: add_request takes it as it is, without checking it again."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """An engine's fixed limits, as OnlineScheduler sets them up."""
+
+    vocab_size: int
+    max_num_seqs: int
+    context_len: int  # the model's, or --max-model-len
+    block_size: int
+    num_blocks: int
+
+
+def check_limits(prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> CheckedRequest:
+    """The request, checked against the limits; else InvalidParameter naming the field at fault."""
+    ids, vocab, context = list(prompt_token_ids), limits.vocab_size, limits.context_len
+    if not ids:
+        raise InvalidParameter("prompt", "the prompt is empty: it must have at least one token")
+    bad = next((t for t in ids if not is_int(t) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidParameter("prompt", f"prompt token id {bad!r} is not in the vocabulary [0, {vocab})")
+    if params.n > limits.max_num_seqs:
+        raise InvalidParameter(
+            "n", f"n = {params.n} is more completions than this engine runs at once (max_num_seqs {limits.max_num_seqs})"
+        )
+    bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+    if bad is not None:
+        raise InvalidParameter("logit_bias", f"logit_bias token id {bad} is not in the vocabulary [0, {vocab})")
+    if len(ids) + params.max_tokens > context:
+        raise InvalidParameter(
+            "max_tokens" if len(ids) < context else "prompt",
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of {context} tokens",
+            "context_length_exceeded",
+        )
+    blocks = cdiv(len(ids) + params.max_tokens, limits.block_size)
+    if blocks > limits.num_blocks:
+        raise InvalidParameter(
+            "max_tokens", f"the request needs {blocks} KV blocks but the cache has only {limits.num_blocks}",
+            "context_length_exceeded",
+        )
+    return CheckedRequest(ids, params)
