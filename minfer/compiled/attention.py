@@ -103,6 +103,9 @@ def failure_line(error: Exception) -> str:
     return f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
 
 
+_ONE_COMPILE_AT_A_TIME = threading.Lock()
+
+
 def check_within(check: Callable[[], str | None], budget_s: float) -> tuple[str | None, float | None]:
     """Run a backend's compile-and-check in a thread, so that a compile slower than `budget_s` cannot hold
     the start-up longer than that: (None, or why the backend may not serve; seconds taken, or None). An
@@ -110,10 +113,11 @@ def check_within(check: Callable[[], str | None], budget_s: float) -> tuple[str 
     result: dict = {}
 
     def run():
-        try:
-            result["why_not"] = check()
-        except Exception as e:
-            result["why_not"] = failure_line(e)
+        with _ONE_COMPILE_AT_A_TIME:  # an abandoned compile still running holds it: Dynamo is not thread-safe
+            try:
+                result["why_not"] = check()
+            except Exception as e:
+                result["why_not"] = failure_line(e)
 
     start = time.perf_counter()
     thread = threading.Thread(target=run, name="minfer-compile", daemon=True)
