@@ -18,6 +18,7 @@ from _common import model_path, section
 from _timing import BUSY_MACHINE, claim, interleaved, show
 
 from minfer import LLM, SamplingParams
+from minfer.bench.workload import copy_prompt
 from minfer.speculative.speculation import VerifyChunk
 from minfer.speculative.ngram import NgramProposer
 from minfer.speculative.verify import VerifyRows, verify
@@ -74,7 +75,7 @@ if Path(path).resolve() == BUILTIN_MODELS["minfer-tiny"].resolve():
 heldout = Path(path) / "heldout.txt"
 if heldout.is_file():  # the shipped models: two held-out stories, then the first one's opening again
     stories = [s for s in heldout.read_text(encoding="utf-8").split("<|endoftext|>") if s.strip()]
-    text = stories[0] + "<|endoftext|>" + stories[1] + "<|endoftext|>" + stories[0].split(". ")[0] + "."
+    text = copy_prompt(stories[0], stories[1])  # the benchmark's copy prompt (bench/workload.py)
     ids = llm.tokenizer.encode_prompt(text)
 else:  # a random model copies nothing it read, but its greedy output loops: lookup finds the loop
     ids = prompt + prompt[:8]
