@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch._dynamo
+from engine_checks import generate_varied_batches
 
 from minfer import LLM, SamplingParams
 from minfer.compiled import attention as compiled_module
@@ -140,20 +141,6 @@ def test_no_recompile_after_warm_up(tiny_checkpoint, monkeypatch):
     # compiles in the process fail.
     with torch._dynamo.config.patch(error_on_recompile=True):
         generate_varied_batches(llm)
-
-
-def generate_varied_batches(llm: LLM) -> None:
-    """Steps where every row decodes (q a strided view) and mixed ones (q a copy); 2 sequences (the
-    cache's K/V axis is 2 too); contexts of 1 token and several blocks; one thread and two, as
-    CpuShare switches between them beside a busy process."""
-    threads = torch.get_num_threads()
-    try:
-        for turn, (n, length) in enumerate([(1, 1), (2, 3), (5, 40), (1, 100), (8, 7), (3, 150), (2, 2)]):
-            torch.set_num_threads(1 + turn % 2)
-            prompts = [[(7 * i + j) % 500 for j in range(length + i)] for i in range(n)]
-            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_falls_back_to_eager_when_compiling_fails(tiny_checkpoint, monkeypatch, caplog):

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 from serving import serving
-from test_engine import assert_all_free
+from engine_checks import assert_all_free
 
 from minfer import LLM, SamplingParams
 from minfer.compiled import cuda_graphs, flex, forward, warm_up

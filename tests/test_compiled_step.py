@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 import torch._dynamo
-from test_compiled_attention import generate_varied_batches
+from engine_checks import generate_varied_batches
 
 from minfer import LLM, EngineConfig, SamplingParams
 from minfer.compiled import step as compiled_step

@@ -3,7 +3,7 @@ feature attached. It serves what tutorials 01-13 teach exactly as the whole engi
 what only a feature could do, naming the function that attaches it."""
 
 import pytest
-from test_engine import assert_all_free, random_prompts
+from engine_checks import assert_all_free, random_prompts
 
 from minfer import LLM, EngineConfig, OnlineScheduler, SamplingParams
 from minfer.attention.backend import AttentionBackend

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 from conftest import TEST_DEVICE
-from test_engine import assert_all_free, random_prompts
+from engine_checks import assert_all_free, random_prompts
 
 from minfer import LLM, SamplingParams, StructuredOutputsParams
 

@@ -3,7 +3,7 @@ them. On a CPU nothing is recorded (capture=False): the padded steps run as they
 everything but the recording. tests/test_cuda.py and scripts/gpu_check.sh run them on a GPU."""
 
 import pytest
-from test_engine import assert_all_free, random_prompts
+from engine_checks import assert_all_free, random_prompts
 
 from minfer import LLM, SamplingParams
 from minfer.assembly.selector import backend_name

@@ -4,6 +4,7 @@ never change a greedy result, and every KV block must come back."""
 import pytest
 import torch
 from conftest import only_on_cpu
+from engine_checks import assert_all_free, random_prompts
 
 from minfer import LLM, SamplingParams
 from minfer.cpu import packing as cpu_packing
@@ -13,27 +14,6 @@ from minfer.models.gpt2 import GPT2
 transformers = pytest.importorskip("transformers")
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0)
-
-
-def random_prompts(n, vocab, seed=0, min_len=1, max_len=200, shared_prefix=48):
-    """Mixed lengths; a third share a common prefix so the prefix cache has something to find."""
-    g = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(0, vocab - 1, (shared_prefix,), generator=g).tolist()
-    prompts = []
-    for i in range(n):
-        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
-        ids = torch.randint(0, vocab - 1, (length,), generator=g).tolist()
-        prompts.append(prefix + ids[: max(1, length - shared_prefix)] if i % 3 == 0 else ids)
-    return prompts
-
-
-def assert_all_free(llm):
-    stats = llm.stats()
-    assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
-    assert stats["num_running"] == stats["num_waiting"] == 0
-    assert all(b.ref_count == 0 for b in llm.scheduler.allocator.blocks)
-    assert not llm.scheduler.requests
-    llm.scheduler.check_invariants()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from dataclasses import asdict, fields
 
 import pytest
 import torch
-from test_serve import ServerProcess, call
+from serving import ServerProcess, call
 
 from minfer import LLM, EngineConfig, OnlineScheduler, SamplingParams
 from minfer.attention.kv_cache import KVCache

@@ -4,7 +4,7 @@ The fused kernels themselves (Triton) run on a GPU: scripts/gpu_check.sh runs th
 
 import pytest
 import torch
-from test_engine import assert_all_free, random_prompts
+from engine_checks import assert_all_free, random_prompts
 
 from minfer import LLM, SamplingParams
 from minfer.attention.kv_cache import KVCache

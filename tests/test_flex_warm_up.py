@@ -5,7 +5,7 @@ compiled/forward.py), so the test asserts neither a compile nor a fallback over 
 
 import random
 
-from test_engine import assert_all_free
+from engine_checks import assert_all_free
 
 from minfer import LLM, SamplingParams
 from minfer.compiled import cuda_graphs

@@ -7,8 +7,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_engine import assert_all_free, random_prompts
-from test_model import greedy_without_cache
+from engine_checks import assert_all_free, greedy_without_cache, random_prompts
 
 from minfer import LLM, SamplingParams
 from minfer.attention.kv_cache import KVCache

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from engine_checks import greedy_without_cache
 
 from minfer.models.gpt2 import GPT2
 
@@ -19,16 +20,6 @@ def load_pair(make_checkpoint, shape, layout, device):
     ours = GPT2.from_pretrained(path, device=device)
     ref = transformers.GPT2LMHeadModel.from_pretrained(path, torch_dtype=torch.float32).eval()
     return ours, ref
-
-
-def greedy_without_cache(model, ids, n):
-    """The simplest generation loop: rerun the whole sequence, take the argmax of the last position.
-    On the model's device; ids (B, T) come back on the CPU."""
-    ids = ids.to(model.device)
-    for _ in range(n):
-        next_id = model(ids)[:, -1].argmax(-1, keepdim=True)
-        ids = torch.cat([ids, next_id], dim=1)
-    return ids.cpu()
 
 
 @pytest.mark.parametrize("layout", ["hub", "transformers"])

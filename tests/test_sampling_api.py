@@ -6,11 +6,10 @@ import http.client
 import json
 import socket
 import threading
-import time
 
 import openai
 import pytest
-from serving import serving
+from serving import serving, texts_by_index, wait_all_free
 
 from minfer import LLM, EngineConfig, SamplingParams
 from minfer.server.serve import create_server
@@ -44,29 +43,6 @@ def post(server, path, body, timeout=60):
         return resp.status, json.loads(raw)
     return resp.status, [json.loads(line[6:]) if line[6:] != "[DONE]" else "[DONE]"
                          for line in raw.splitlines() if line.startswith("data: ")]
-
-
-def wait_all_free(server):
-    deadline = time.monotonic() + 10
-    while True:
-        stats = server.manager.stats()
-        if stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"] and stats["num_running"] == 0:
-            assert stats["num_kv_blocks_shared"] == 0
-            return
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.02)
-
-
-def texts_by_index(events):
-    """Each choice's streamed text and finish_reason, from a stream's events ("[DONE]" last)."""
-    texts, finishes = {}, {}
-    for e in events[:-1]:
-        for c in e["choices"]:
-            texts[c["index"]] = texts.get(c["index"], "") + (c.get("text") or c.get("delta", {}).get("content") or "")
-            if c["finish_reason"]:
-                assert c["index"] not in finishes, "one finish_reason per choice"
-                finishes[c["index"]] = c["finish_reason"]
-    return texts, finishes
 
 
 def test_n_choices_streamed_and_not_equal_the_engine(server, llm):

@@ -3,9 +3,8 @@ every KV block comes back, including those that held proposals still being verif
 
 import time
 
-from serving import serving
-from test_serve import AUTH, call, metrics, open_stream
-from test_speculative import SPEC, copy_prompts
+from serving import AUTH, call, metrics, open_stream, serving
+from speculation_checks import SPEC, copy_prompts
 
 from minfer import EngineConfig
 

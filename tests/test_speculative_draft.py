@@ -6,7 +6,7 @@ distribution; every block comes back."""
 
 import pytest
 import torch
-from test_speculative import (
+from speculation_checks import (
     assert_all_free,
     assert_cache_holds_only_kept_tokens,
     assert_seeded_ignores_batch_neighbours,

@@ -8,9 +8,8 @@ import json
 import openai
 import pydantic
 import pytest
-from serving import serving
+from serving import serving, texts_by_index, wait_all_free
 from structured_constraints import meets
-from test_sampling_api import texts_by_index, wait_all_free
 
 from minfer import EngineConfig
 from minfer.server.requests import ModelInfo, parse_chat, parse_completion

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 from structured_constraints import CONSTRAINTS, meets
-from test_engine import assert_all_free
+from engine_checks import assert_all_free
 
 from minfer import LLM, SamplingParams
 from minfer.engine.structured_outputs_params import StructuredOutputsParams

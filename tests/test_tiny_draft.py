@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import torch
+from model_cards import card_copy_figures
 from tokenizers import Tokenizer
 
 from minfer.models.gpt2 import GPT2
@@ -19,13 +20,6 @@ TINY, DRAFT = BUILTIN_MODELS["minfer-tiny"], BUILTIN_MODELS["minfer-tiny-draft"]
 def params(path: Path) -> int:
     model = GPT2.from_pretrained(path)
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def card_copy_figures(path: Path) -> tuple[float, float]:
-    card = (path / "README.md").read_text(encoding="utf-8")
-    forced, greedy = re.search(r"([\d.]+)% are the model's greedy choice .*?\swrites\s+([\d.]+)% of them", card,
-                               re.DOTALL).groups()
-    return float(forced) / 100, float(greedy) / 100
 
 
 def test_the_draft_resolves_and_shares_minfer_tinys_tokenizer():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_tiny_draft import card_copy_figures  # the card's copy figures, as its twin test reads them
+from model_cards import card_copy_figures
 from tokenizers import Tokenizer
 
 from minfer.models.llama import Llama

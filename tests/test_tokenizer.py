@@ -11,21 +11,12 @@ import pytest
 import tokenizers
 from tokenizers import decoders, pre_tokenizers
 from tokenizers.decoders import DecodeStream
+from tokenizer_texts import TEXTS, stream
 
 from minfer.checkpoints import EOS_TOKEN, write_random_checkpoint
 from minfer.text import tokenizer as tokenizer_module
 from minfer.text.token_bytes import bytes_to_unicode
 from minfer.text.tokenizer import IncrementalDetokenizer, Tokenizer
-
-TEXTS = {
-    "ascii": "Hello, world! The quick brown fox jumps over the lazy dog 0123456789.",
-    "cjk": "日本語のテキストと中文字符，한국어도 있습니다。",
-    "emoji": "👩‍💻 codes; flags 🇯🇵🇫🇷🏳️‍🌈, thumbs 👍🏽, family 👨‍👩‍👧‍👦 🤖",
-    "accented": "Café naïve façade Ångström Dvořák ñandú Øresund żółć",
-    "whitespace": "  leading\tand\ttabs\n\nnewlines\r\n \u00a0 nbsp  trailing   \n",
-    "mixed": "GPT-2 says: 你好 🌍! naïve\n\tcode 👩‍💻 ok\n",
-    "empty": "",
-}
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +27,6 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tok(ckpt):
     return Tokenizer.from_dir(ckpt)
-
-
-def stream(tok: Tokenizer, ids) -> tuple[list[str], str]:
-    d = tok.detokenizer()
-    pieces = [d.add(i) for i in ids]
-    pieces.append(d.flush())
-    return pieces, "".join(pieces)
 
 
 def checkpoint_copy(ckpt, dest, files=("tokenizer.json",)):

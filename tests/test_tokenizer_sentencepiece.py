@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_tokenizer import TEXTS, stream
+from tokenizer_texts import TEXTS, stream
 
 from minfer.checkpoints.tokenizer_training import BYTE_TOKENS, SENTENCEPIECE_SPECIALS
 from minfer.text.tokenizer import Tokenizer

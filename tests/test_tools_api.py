@@ -10,8 +10,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from serving import serving
-from test_sampling_api import wait_all_free
+from serving import serving, wait_all_free
 
 from minfer import EngineConfig
 from minfer.server.tool_calls import HERMES, LLAMA3_JSON, CallStream, read
