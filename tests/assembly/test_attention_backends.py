@@ -105,7 +105,7 @@ def test_the_attention_ab_script_times_each_backend(monkeypatch, capsys):
 
     argv = ["attention_ab.py", "--seqs", "3", "--context", "40", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
     monkeypatch.setattr(sys, "argv", [*argv, "--dtype", "float32", "--backends", "torch,cpu_tiled", "--repeats", "2"])
-    runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "attention_ab.py"), run_name="__main__")
+    runpy.run_path(str(Path(__file__).parents[2] / "scripts" / "attention_ab.py"), run_name="__main__")
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "3 sequences x 40 tokens, 4/2 heads of 16, float32, cpu:"
     for name, line in zip(("torch", "cpu_tiled"), lines[2:]):

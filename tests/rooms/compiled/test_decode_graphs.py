@@ -1,6 +1,6 @@
 """Decode steps through static buffers and padded batches (engine/cuda_graphs.py), as CUDA graphs replay
 them. On a CPU nothing is recorded (capture=False): the padded steps run as they are, which checks
-everything but the recording. tests/test_cuda.py and scripts/gpu_check.sh run them on a GPU."""
+everything but the recording. tests/rooms/gpu/test_cuda.py and scripts/gpu_check.sh run them on a GPU."""
 
 import pytest
 from engine_checks import assert_all_free, random_prompts

@@ -17,7 +17,7 @@ from minfer.bench.metrics import percentile
 from minfer.bench.workload import arrival_times, build_workload, parse_length, sampleable_token_ids
 from minfer.text.tokenizer import Tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKLOAD = ["--num-requests", "6", "--input-len", "8:24", "--output-len", "4:12", "--disable-tqdm"]
 
 

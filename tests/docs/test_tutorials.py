@@ -18,7 +18,7 @@ import pytest
 
 from minfer.models.loader import ModelNotFoundError
 
-TUTORIALS = Path(__file__).resolve().parent.parent / "tutorials"
+TUTORIALS = Path(__file__).resolve().parents[2] / "tutorials"
 SCRIPTS = sorted(TUTORIALS.glob("[0-9][0-9]_*.py"))
 STAGES = [
     "01_gpt2_forward",
@@ -118,7 +118,7 @@ def script_runs(request, make_checkpoint, tmp_path_factory):
         "OMP_NUM_THREADS": "1",  # two scripts at once on a small machine: don't oversubscribe it
     }
     forks = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("script_forks.py")), str(out / "jobs.json")],
+        [sys.executable, str(Path(__file__).parents[1] / "script_forks.py"), str(out / "jobs.json")],
         cwd=TUTORIALS.parent, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True,
     )
     futures = {key: Future() for key in keys}

@@ -10,7 +10,7 @@ other, but for the exceptions listed, each with its reason.
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "minfer"
 
 # Bottom up. A module's layer is the first entry that its dotted name starts with.

@@ -1,6 +1,6 @@
 """The soak and fault suite (minfer.stress) against a real server process: a short run for CI.
 
-For the long run: MINFER_SOAK_SECONDS=60 pytest tests/test_stress.py, or `python -m minfer.stress`."""
+For the long run: MINFER_SOAK_SECONDS=60 pytest tests/clients/test_stress.py, or `python -m minfer.stress`."""
 
 import glob
 import os

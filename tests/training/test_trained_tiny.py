@@ -20,7 +20,7 @@ from minfer.models.loader import BUILTIN_MODELS, resolve_model_dir
 from minfer.training.stories import parses, split_sentences, stories
 from minfer.training.train_tiny import STORY_CHAT_TEMPLATE, TrainOptions, parse_args, train
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = BUILTIN_MODELS["minfer-tiny"]
 DRAFT = BUILTIN_MODELS["minfer-tiny-draft"]
 FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",

@@ -13,7 +13,7 @@ from minfer.server import responder
 from minfer.server.requests import ModelInfo, parse_completion
 from minfer.text.tokenizer import Tokenizer
 
-PACKAGE = Path(__file__).resolve().parent.parent / "minfer"
+PACKAGE = Path(__file__).resolve().parents[2] / "minfer"
 
 
 def files_run(fn) -> set[str]:
