@@ -72,9 +72,13 @@ step flex $((90 * scale)) "$OUT/02_flex.log" $PY scripts/gpu_check.py flex
 step engines $((120 * scale)) "$OUT/03_engines.log" $PY scripts/gpu_check.py engines
 
 tests=(tests/rooms/gpu/test_cuda.py tests/rooms/compiled/test_decode_graphs.py tests/rooms/compiled/test_flex_attention.py
-    tests/core/test_gpt2.py tests/core/test_llama.py tests/core/test_model_contract.py tests/core/test_scheduler.py
-    tests/core/test_allocator.py tests/core/test_sampler.py tests/rooms/scoring/test_logprobs.py
-    tests/rooms/parallel_sampling/test_parallel_sampling.py tests/rooms/speculative/test_speculative_draft.py)
+    tests/core/test_gpt2.py tests/core/test_llama.py tests/core/test_model_contract.py tests/core/test_allocator.py
+    tests/core/test_prefix_cache.py tests/core/test_paged_attention.py tests/core/test_batcher.py
+    tests/core/test_scheduler.py tests/core/test_runner.py tests/core/test_sampler.py tests/core/test_sampling_params.py
+    tests/rooms/scoring/test_logprobs.py tests/rooms/parallel_sampling/test_parallel_sampling.py
+    tests/rooms/speculative/test_speculative_draft.py
+    tests/architecture/test_entry_points.py::test_generate_cli_streams_the_engine_output
+    tests/assembly/test_engine_config.py::test_auto_dtype_follows_the_hardware)
 if $dry; then  # the CPU runs these files in CI: here only whether they collect
     start=$SECONDS
     $PY -m pytest -q -p no:cacheprovider --collect-only "${tests[@]}" >"$OUT/04_tests.log" 2>&1

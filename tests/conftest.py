@@ -64,7 +64,7 @@ def only_on_cpu(reason: str):
 def tiled_attention_on_narrow_caches(monkeypatch):
     """The test checkpoints' caches are narrower than any real model's (tiny: 4 heads x 16), where a CPU
     would run the plain backend (assembly/selector.py): the engine tests run the CPU's tiled backend on
-    them, as real models do. tests/core/test_plain_core.py runs the plain one through the engine."""
+    them, as real models do. tests/assembly/test_attention_backends.py runs the plain one through the engine."""
     from minfer.assembly import selector
 
     monkeypatch.setattr(selector, "MIN_CPU_KV_WIDTH", 0)

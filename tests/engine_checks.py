@@ -1,9 +1,12 @@
 """What many test files check an engine with: prompts that exercise the prefix cache, the check that every
-KV block came back, the plainest greedy loop as a reference, and a run of steps of every shape."""
+KV block came back, two references (the plainest greedy loop, transformers' generate), and a run of steps of
+every shape."""
 
 import torch
 
 from minfer import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0)  # what most engine tests ask for
 
 
 def random_prompts(n, vocab, seed=0, min_len=1, max_len=200, shared_prefix=48):
@@ -35,6 +38,19 @@ def greedy_without_cache(model, ids, n):
         next_id = model(ids)[:, -1].argmax(-1, keepdim=True)
         ids = torch.cat([ids, next_id], dim=1)
     return ids.cpu()
+
+
+def hf_greedy(hf_model, prompt, max_new_tokens=32):
+    """transformers' greedy continuation of one prompt (token ids), the reference for the engine's."""
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=hf_model.config.eos_token_id,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def generate_varied_batches(llm: LLM) -> None:

@@ -1,5 +1,5 @@
 """The commands users have in their scripts keep working after the package moved into layers,
-and the `minfer` command runs each of them."""
+and the `minfer` command runs each of them; `python -m minfer.generate` streams what the engine generates."""
 
 import os
 import shutil
@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from minfer import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD_COMMANDS = [
@@ -75,3 +77,23 @@ def test_minfer_subcommands_run(tmp_path):
 def test_minfer_refuses_an_unknown_subcommand():
     done = run([*minfer_command(), "launch"])
     assert done.returncode == 2 and "unknown subcommand 'launch'" in done.stderr
+
+
+def test_generate_cli_streams_the_engine_output(tiny_checkpoint):
+    cmd = [
+        sys.executable,
+        "-m",
+        "minfer.generate",
+        "--model",
+        str(tiny_checkpoint),
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "12",
+        "The cache",
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    llm = LLM(tiny_checkpoint, num_kv_blocks=32)
+    expected = llm.generate(["The cache"], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+    assert result.stdout == "The cache" + expected.text + "\n"

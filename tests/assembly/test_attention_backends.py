@@ -1,4 +1,5 @@
-"""Attention backends are chosen once, agree with each other, and prepare_model leaves a prepared model alone."""
+"""Attention backends are chosen once, agree with each other, and prepare_model leaves a prepared model alone;
+below the narrowest cache the tiled backend pays on, a CPU's assembled engine runs the plain one."""
 
 import types
 from pathlib import Path
@@ -6,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from engine_checks import assert_all_free
 
+from minfer import LLM, SamplingParams
 from minfer.cpu import tiled_attention as cpu_tiled
 from minfer.cpu.tiled_attention import CPUTiledBackend
 from minfer.compiled.flex import FlexBackend
@@ -111,3 +114,15 @@ def test_the_attention_ab_script_times_each_backend(monkeypatch, capsys):
     for name, line in zip(("torch", "cpu_tiled"), lines[2:]):
         words = line.split()
         assert words[0] == name and float(words[1]) > 0 and words[2] == "ms" and float(words[-1].rstrip(")")) < 1e-5
+
+
+def test_the_assembled_engine_runs_the_plain_backend_on_a_narrow_cache(monkeypatch, tiny_checkpoint):
+    """Below MIN_CPU_KV_WIDTH a CPU runs the plain backend (measured as fast there; assembly/selector.py):
+    the conftest fixture that keeps the tiled one on the tests' tiny caches is undone here."""
+    from minfer.assembly import selector
+
+    monkeypatch.setattr(selector, "MIN_CPU_KV_WIDTH", 512)
+    llm = LLM(tiny_checkpoint, num_kv_blocks=16)
+    assert type(llm.scheduler.attention) is TorchBackend
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)[0].token_ids
+    assert_all_free(llm)

@@ -117,6 +117,18 @@ def test_no_dtype_means_auto_on_a_gpu_and_fp32_on_a_cpu(monkeypatch):
     assert EngineConfig().dtype == "bfloat16"
 
 
+def test_auto_dtype_follows_the_hardware(monkeypatch):
+    from minfer.assembly import build as engine
+
+    monkeypatch.setattr(engine, "cpu_has_native_bf16", lambda: True)
+    assert engine.resolve_dtype("auto") == torch.bfloat16
+    monkeypatch.setattr(engine, "cpu_has_native_bf16", lambda: False)
+    assert engine.resolve_dtype("auto") == torch.float32
+    assert engine.resolve_dtype("bf16") == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
+        engine.resolve_dtype("int8")
+
+
 @pytest.mark.parametrize(
     "text, size",
     [("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1e9", 10**9), ("1.5GB", 1_500_000_000), ("4096", 4096),

@@ -3,7 +3,7 @@ feature attached. It serves what tutorials 01-13 teach exactly as the whole engi
 what only a feature could do, naming the function that attaches it."""
 
 import pytest
-from engine_checks import assert_all_free, random_prompts
+from engine_checks import random_prompts
 
 from minfer import LLM, EngineConfig, OnlineScheduler, SamplingParams
 from minfer.attention.backend import AttentionBackend
@@ -78,13 +78,3 @@ def test_a_backend_declares_every_capability_with_a_default():
         backend.traced_lone_decode(None, None, None, None, None, 1.0)
 
 
-def test_the_assembled_engine_runs_the_plain_backend_on_a_narrow_cache(monkeypatch, tiny_checkpoint):
-    """Below MIN_CPU_KV_WIDTH a CPU runs the plain backend (measured as fast there; assembly/selector.py):
-    the conftest fixture that keeps the tiled one on the tests' tiny caches is undone here."""
-    from minfer.assembly import selector
-
-    monkeypatch.setattr(selector, "MIN_CPU_KV_WIDTH", 512)
-    llm = LLM(tiny_checkpoint, num_kv_blocks=16)
-    assert type(llm.scheduler.attention) is TorchBackend
-    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)[0].token_ids
-    assert_all_free(llm)
