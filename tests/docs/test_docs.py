@@ -1,9 +1,9 @@
-"""The prose stays true to the tree: README.md, docs/*.md and tutorials/*.md name files, folders,
-modules, anchors and `Class.method`s, and each of them must exist.
+"""The prose stays true to the tree: README.md, docs/*.md, tutorials/*.md and tests/README.md name files,
+folders, modules, anchors and `Class.method`s, and each of them must exist.
 
 - every relative link resolves to a file or folder, and a `#anchor` into a markdown file to one of
   its headings (GitHub's slugs);
-- every `minfer/...` path and every dotted `minfer.x.y` module name exists;
+- every `minfer/...` path and every dotted `minfer.x.y` module name exists, and every `tests/...` path;
 - every backticked `Name.attr` in docs/ and tutorials/ whose Name is a class defined in minfer/
   names something that class (or a minfer class it derives from) defines;
 - the `python bench.py` lines in docs/ use flags bench.py accepts (test_readme checks the README's);
@@ -31,7 +31,8 @@ README_MAX_LINES = 170
 MAX_PARAGRAPH_LINES = 6  # the README's prose paragraphs: a newcomer reads them, not skims them
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 TUTORIALS = sorted((ROOT / "tutorials").glob("*.md"))
-ALL_MARKDOWN = [README, *DOCS, *TUTORIALS]
+TESTS_README = ROOT / "tests" / "README.md"  # the map from tutorial stages to their tests
+ALL_MARKDOWN = [README, *DOCS, *TUTORIALS, TESTS_README]
 
 FENCE = re.compile(r"^(```|~~~)")
 INLINE_CODE = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.DOTALL)
@@ -41,6 +42,7 @@ HTML_ANCHOR = re.compile(r"""<a\s+(?:name|id)=["']([^"']+)["']""")
 # A path into the package, or a dotted module name: not part of a longer word, path or URL.
 MINFER_PATH = re.compile(r"(?<![\w/.-])minfer/[\w./-]*")
 MINFER_MODULE = re.compile(r"(?<![\w/.-])minfer(?:\.[A-Za-z_]\w*)+")
+TESTS_PATH = re.compile(r"(?<![\w/.-])tests/[\w./-]*")  # a test file or folder: tests move between folders
 BARE_FILE = re.compile(r"^[\w.-]+\.(?:py|md|js|css|html)$")  # `kv_cache.py`: a file name without its folder
 CLASS_ATTR = re.compile(r"(?<![\w.])([A-Za-z_]\w*)\.([A-Za-z_]\w*)")
 
@@ -122,7 +124,7 @@ def anchors(path: Path) -> frozenset[str]:
 
 
 def test_markdown_files_are_found():
-    assert README.exists() and DOCS and TUTORIALS, (DOCS, TUTORIALS)
+    assert README.exists() and DOCS and TUTORIALS and TESTS_README.exists(), (DOCS, TUTORIALS)
 
 
 def test_relative_links_resolve():
@@ -183,16 +185,14 @@ def test_minfer_paths_and_modules_exist():
     missing = []
     for md in ALL_MARKDOWN:
         for number, line, _ in lines_of(md):
-            for m in MINFER_PATH.finditer(line):
+            for m in [*MINFER_PATH.finditer(line), *TESTS_PATH.finditer(line)]:
                 path = m.group(0).rstrip(".,;:")
                 if not (ROOT / path).exists():
                     missing.append(f"{rel(md)}:{number}: {path} does not exist")
             for m in MINFER_MODULE.finditer(line):
                 if not dotted_name_exists(m.group(0)):
                     missing.append(f"{rel(md)}:{number}: {m.group(0)} is no module, nor a name in one")
-    assert not missing, f"{len(missing)} minfer path(s) or module(s) named in the docs do not exist:\n" + "\n".join(
-        missing
-    )
+    assert not missing, f"{len(missing)} path(s) or module(s) named in the docs do not exist:\n" + "\n".join(missing)
 
 
 @cache
