@@ -2,7 +2,7 @@
 
 Every step builds small tensors from Python lists (token ids, slots, block tables, sampling settings).
 `torch.tensor(values, device="cuda")` copies synchronously: the CPU waits until the GPU has run all it
-was given, once per call, where the engine allows one wait a step (tests/test_cuda.py). An asynchronous
+was given, once per call, where the engine allows one wait a step (tests/rooms/gpu/test_cuda.py). An asynchronous
 copy from ordinary (pageable) memory is no better: the driver waits on the stream first. So on a GPU the
 list goes through pinned memory, which torch's caching host allocator keeps until the copy is done.
 On a CPU it is just the tensor.

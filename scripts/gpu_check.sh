@@ -16,7 +16,7 @@
 #   5. qwen3    Qwen3-0.6B's shape: batch-1 TPOT (graphs, eager, roofline), attention A/B at
 #               256 x 1024 (flex against gather + sdpa), 64 requests of nano-vllm's workload         150 s
 # A dry run (MINFER_DEVICE=cpu) runs each on tiny shapes, flex traced by Dynamo's eager backend; step 4,
-# which needs CUDA, only collects its tests and prints SKIP. tests/test_gpu_check.py runs the dry run.
+# which needs CUDA, only collects its tests and prints SKIP. tests/rooms/gpu/test_gpu_check.py runs the dry run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export MINFER_DEVICE=${MINFER_DEVICE:-cuda}
@@ -71,9 +71,14 @@ step env $((10 * scale)) "$OUT/01_env.log" $PY scripts/gpu_check.py env
 step flex $((90 * scale)) "$OUT/02_flex.log" $PY scripts/gpu_check.py flex
 step engines $((120 * scale)) "$OUT/03_engines.log" $PY scripts/gpu_check.py engines
 
-tests=(tests/test_cuda.py tests/test_decode_graphs.py tests/test_flex_attention.py tests/test_model.py
-    tests/test_llama.py tests/test_engine.py tests/test_kv_cache.py tests/test_sampling.py tests/test_logprobs.py
-    tests/test_parallel_sampling.py tests/test_speculative_draft.py tests/test_model_contract.py)
+tests=(tests/rooms/gpu/test_cuda.py tests/rooms/compiled/test_decode_graphs.py tests/rooms/compiled/test_flex_attention.py
+    tests/core/test_gpt2.py tests/core/test_llama.py tests/core/test_model_contract.py tests/core/test_allocator.py
+    tests/core/test_prefix_cache.py tests/core/test_paged_attention.py tests/core/test_batcher.py
+    tests/core/test_scheduler.py tests/core/test_runner.py tests/core/test_sampler.py tests/core/test_sampling_params.py
+    tests/rooms/scoring/test_logprobs.py tests/rooms/parallel_sampling/test_parallel_sampling.py
+    tests/rooms/speculative/test_speculative_draft.py
+    tests/architecture/test_entry_points.py::test_generate_cli_streams_the_engine_output
+    tests/assembly/test_engine_config.py::test_auto_dtype_follows_the_hardware)
 if $dry; then  # the CPU runs these files in CI: here only whether they collect
     start=$SECONDS
     $PY -m pytest -q -p no:cacheprovider --collect-only "${tests[@]}" >"$OUT/04_tests.log" 2>&1

@@ -10,7 +10,7 @@ os.environ.setdefault("MINFER_ATTENTION_BACKEND", "eager")
 os.environ.setdefault("MINFER_DTYPE", "float32")
 # And a fixed thread count: CpuShare (minfer/cpu/thread_share.py) would follow the machine's load (CI runs
 # the tutorials beside the suite), and fp32 results change in their last bits with the thread count.
-# tests/test_cpu_share.py tests the adaptation itself. One thread: the test models are small, so a
+# tests/rooms/cpu/test_cpu_share.py tests the adaptation itself. One thread: the test models are small, so a
 # second thread saves no time (measured: the same wall time, 30% more CPU time), and CI's cores are
 # busy with the tutorials too, where a waiting OpenMP thread spins on a core another process needs.
 os.environ.setdefault("MINFER_NUM_THREADS", "1")
@@ -64,7 +64,7 @@ def only_on_cpu(reason: str):
 def tiled_attention_on_narrow_caches(monkeypatch):
     """The test checkpoints' caches are narrower than any real model's (tiny: 4 heads x 16), where a CPU
     would run the plain backend (assembly/selector.py): the engine tests run the CPU's tiled backend on
-    them, as real models do. tests/test_core.py runs the plain one through the engine."""
+    them, as real models do. tests/assembly/test_attention_backends.py runs the plain one through the engine."""
     from minfer.assembly import selector
 
     monkeypatch.setattr(selector, "MIN_CPU_KV_WIDTH", 0)

@@ -6,7 +6,7 @@ benchmark...). Running ones go through a few substitutions, each said below, and
 print something, print no warning and no error; a `python -m minfer.serve` line is started
 in the background, and every later snippet that talks to it must get status 200 in its log.
 
-tests/test_readme.py runs this under pytest; .ci/run also runs it in a virtual environment
+tests/docs/test_readme.py runs this under pytest; .ci/run also runs it in a virtual environment
 holding minfer's runtime dependencies only (standard library here, nothing else):
 
     python tests/readme_commands.py [--config-as-written] [--record FILE]
@@ -160,11 +160,14 @@ def skip_reason(snippet: Snippet) -> str | None:
         if "pytest" in text:
             return "runs the test suite, which this test is part of"
         if "bench.py" in text:
-            return "a benchmark that runs for minutes: test_readme checks its flags, tests/test_bench.py runs bench.py"
+            return ("a benchmark that runs for minutes: test_readme checks its flags, tests/clients/test_bench.py runs "
+                    "bench.py")
         if text.startswith("lm_eval"):
-            return "an evaluation that runs for minutes on Hub datasets: tests/test_lm_eval.py runs lm-eval on a local task"
+            return ("an evaluation that runs for minutes on Hub datasets: tests/clients/test_lm_eval.py runs lm-eval "
+                    "on a local task")
         if "minfer.stress" in text:
-            return "a soak that runs for a minute and sends bad requests on purpose: tests/test_stress.py runs it"
+            return ("a soak that runs for a minute and sends bad requests on purpose: tests/clients/test_stress.py "
+                    "runs it")
         if re.fullmatch(r"\w+=\S*", text):
             return "only sets a shell variable"
         if hub_model(snippet):

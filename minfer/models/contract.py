@@ -4,7 +4,7 @@ The engine never asks which model it runs. Any `CausalLM` will do: it runs one f
 forward per step and reads `.config`, `.device`, `.dtype`, `.lm_head` and `.model_dir`,
 nothing else. A new architecture is a model file whose class is also an `Architecture`:
 it builds from its config and names its checkpoint's tensors, and loader.from_pretrained
-does the rest. tests/test_model_contract.py checks every class in registry.ARCHITECTURES.
+does the rest. tests/core/test_model_contract.py checks every class in registry.ARCHITECTURES.
 """
 
 from __future__ import annotations

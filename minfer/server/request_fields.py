@@ -76,8 +76,9 @@ SAMPLING = {"temperature", "top_p", "seed", "stop", "presence_penalty", "frequen
             "skip_special_tokens", "n", "best_of", "ignore_eos"}
 
 
-# OpenAI's fields, per endpoint, as the openai SDK's CompletionCreateParams name them (tests/test_request_fields.py
-# keeps these in step with the installed SDK). vLLM's extension fields apply to both.
+# OpenAI's fields, per endpoint, as the openai SDK's CompletionCreateParams name them
+# (tests/server/test_request_fields.py keeps these in step with the installed SDK). vLLM's extension fields apply
+# to both.
 OPENAI_COMPLETIONS = frozenset(
     "best_of echo frequency_penalty logit_bias logprobs max_tokens model n presence_penalty prompt seed stop "
     "stream stream_options suffix temperature top_p user".split()

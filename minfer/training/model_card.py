@@ -166,7 +166,7 @@ Greedy continuations (temperature 0):
 Training took {r['train_seconds'] / 60:.1f} minutes ({r['total_seconds'] / 60:.1f} with data and evaluation) on
 {threads} of an {r['cpu']} ({os.cpu_count()} cores seen), torch {torch.__version__}.
 Every random choice comes from `--seed`, so the same command with the same `--threads` on the same
-machine writes bit-identical weights (tests/test_trained_tiny.py checks that on a shortened run).
+machine writes bit-identical weights (tests/training/test_trained_tiny.py checks that on a shortened run).
 A quick check that a machine follows the same path: `{check}`
 prints `step 5/5: train loss {first:.4f}`, the mean of this run's first five steps (neither warm-up,
 of the learning rate or of copying, depends on `--steps`). Another CPU or thread count rounds matmuls differently and the weights

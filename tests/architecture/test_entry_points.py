@@ -1,0 +1,99 @@
+"""The commands users have in their scripts keep working after the package moved into layers,
+and the `minfer` command runs each of them; `python -m minfer.generate` streams what the engine generates."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minfer import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+OLD_COMMANDS = [
+    ["-m", "minfer.serve", "--help"],
+    ["-m", "minfer.generate", "--help"],
+    ["-m", "minfer.random_model", "--help"],
+    ["-m", "minfer.stress", "--help"],
+    ["bench.py", "--help"],
+]
+
+
+def run(argv, **kw):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, **kw)
+
+
+@pytest.mark.parametrize("argv", OLD_COMMANDS, ids=lambda a: " ".join(a[:2]))
+def test_old_entry_points_still_run(argv):
+    done = run([sys.executable, *argv])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: "), done.stdout
+
+
+def test_old_random_model_writes_a_checkpoint(tmp_path):
+    done = run([sys.executable, "-m", "minfer.random_model", str(tmp_path / "m")])
+    assert done.returncode == 0, done.stderr
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "m").iterdir()}
+
+
+def test_package_names():
+    done = run([sys.executable, "-c", "from minfer import LLM, SamplingParams, __version__; print(LLM.__name__)"])
+    assert done.returncode == 0 and done.stdout.strip() == "LLM", done.stderr
+
+
+def minfer_command() -> list[str]:
+    """The installed console script if it is on PATH (pip install -e .), else the same code via -m."""
+    script = shutil.which("minfer", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "minfer"]
+
+
+def test_minfer_help_lists_every_subcommand():
+    done = run([*minfer_command(), "--help"])
+    assert done.returncode == 0, done.stderr
+    for name in ("serve", "generate", "random-model", "stress", "bench", "eval-ppl", "train-tiny"):
+        assert f"  {name} " in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("name", ["serve", "generate", "random-model", "stress", "bench", "eval-ppl", "train-tiny"])
+def test_minfer_subcommand_help(name):
+    done = run([*minfer_command(), name, "--help"])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: minfer {name} "), done.stdout
+
+
+def test_minfer_subcommands_run(tmp_path):
+    """random-model writes a checkpoint and generate reads it: both through the `minfer` command."""
+    out = tmp_path / "tiny"
+    done = run([*minfer_command(), "random-model", str(out)])
+    assert done.returncode == 0 and "wrote a random tiny checkpoint" in done.stdout, done.stderr
+    done = run([*minfer_command(), "generate", "--model", str(out), "--max-tokens", "4", "--temperature", "0", "hi"])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("hi"), done.stdout
+
+
+def test_minfer_refuses_an_unknown_subcommand():
+    done = run([*minfer_command(), "launch"])
+    assert done.returncode == 2 and "unknown subcommand 'launch'" in done.stderr
+
+
+def test_generate_cli_streams_the_engine_output(tiny_checkpoint):
+    cmd = [
+        sys.executable,
+        "-m",
+        "minfer.generate",
+        "--model",
+        str(tiny_checkpoint),
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "12",
+        "The cache",
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    llm = LLM(tiny_checkpoint, num_kv_blocks=32)
+    expected = llm.generate(["The cache"], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+    assert result.stdout == "The cache" + expected.text + "\n"

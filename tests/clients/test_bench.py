@@ -1,0 +1,464 @@
+"""bench.py end to end on a tiny random checkpoint: offline and online, the JSON summary checked
+against its own per-request records, the trace, the transformers baseline and the roofline."""
+
+import itertools
+import json
+import math
+import random
+import statistics
+import threading
+from pathlib import Path
+
+import pytest
+
+from minfer import EngineConfig
+from minfer.bench import cli as bench
+from minfer.bench.metrics import percentile
+from minfer.bench.workload import arrival_times, build_workload, parse_length, sampleable_token_ids
+from minfer.text.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKLOAD = ["--num-requests", "6", "--input-len", "8:24", "--output-len", "4:12", "--disable-tqdm"]
+
+
+def run_bench(capsys, *argv):
+    assert bench.main([str(a) for a in argv]) == 0
+    return capsys.readouterr().out
+
+
+def check_summary(summary, records, exact_itl_count):
+    """Recompute the summary from the per-request records."""
+    assert summary["completed"] == len(records) and summary["failed"] == 0
+    for r in records:
+        assert 4 <= r["expected_output_len"] <= 12 and 8 <= r["input_len"] <= 24
+        assert r["output_len"] == r["expected_output_len"]  # ignore_eos: exactly the asked length
+        assert r["ttft"] == pytest.approx(r["first_token_time"] - r["submit_time"])
+        assert r["tpot"] == pytest.approx((r["latency"] - r["ttft"]) / (r["output_len"] - 1))
+        if exact_itl_count:  # offline every token is timed; online only chunks that carry text
+            assert len(r["itl"]) == r["output_len"] - 1
+    ttfts = [r["ttft"] * 1000 for r in records]
+    assert summary["mean_ttft_ms"] == pytest.approx(statistics.fmean(ttfts))
+    assert summary["median_ttft_ms"] == pytest.approx(statistics.median(ttfts))
+    assert summary["p99_ttft_ms"] == pytest.approx(percentile(ttfts, 99))
+    assert min(ttfts) <= summary["p90_ttft_ms"] <= max(ttfts)
+    assert summary["mean_tpot_ms"] == pytest.approx(statistics.fmean(r["tpot"] * 1000 for r in records))
+    itls = [g * 1000 for r in records for g in r["itl"]]
+    assert summary["median_itl_ms"] == pytest.approx(statistics.median(itls))
+    assert summary["mean_e2el_ms"] == pytest.approx(statistics.fmean(r["latency"] * 1000 for r in records))
+    out = sum(r["output_len"] for r in records)
+    assert summary["total_output_tokens"] == out
+    assert summary["total_input_tokens"] == sum(r["input_len"] for r in records)
+    assert summary["output_throughput"] == pytest.approx(out / summary["duration"])
+    assert summary["request_throughput"] == pytest.approx(len(records) / summary["duration"])
+    assert max(r["finish_time"] for r in records) <= summary["duration"]
+
+
+def check_table(out, mode="offline"):
+    """The header echoes the configuration before the figures; the title and memory name the mode."""
+    header = out[: out.index("Benchmark Result")]
+    for field in ("model:", "mode:", "device:", "dtype:", "threads:", "attention:", "workload:", "arrivals:"):
+        assert field in header
+    assert f"mode:      {mode}" in header
+    title = "Serving Benchmark Result (online)" if mode == "online" else "Offline Benchmark Result"
+    assert title in out
+    assert ("Memory (the minfer server process)" if mode == "online" else "Memory (this process") in out
+    for line in [
+        "Benchmark Result",
+        "Successful requests:",
+        "Benchmark duration (s):",
+        "Output token throughput (tok/s):",
+        "Total Token throughput (tok/s):",
+        "Mean TTFT (ms):",
+        "P99 TPOT (ms):",
+        "Median ITL (ms):",
+        "P90 E2EL (ms):",
+        "Peak RSS (MiB):",
+    ]:
+        assert line in out
+
+
+def spans(trace, name):
+    return [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == name]
+
+
+# ---- end to end ------------------------------------------------------------------------
+
+
+def test_offline_rate_concurrency_repeats_json_trace(tiny_checkpoint, tmp_path, capsys):
+    out = run_bench(
+        capsys,
+        "--model",
+        tiny_checkpoint,
+        *WORKLOAD,
+        "--request-rate",
+        "300",
+        "--max-concurrency",
+        "3",
+        "--repeat-runs",
+        "2",
+        "--json",
+        tmp_path / "b.json",
+        "--trace",
+        tmp_path / "t.json",
+    )
+    check_table(out)
+    assert "median of 2 runs" in out and "run 1:" in out
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["config"]["mode"] == "offline" and len(report["runs"]) == 2
+    for k, summary in enumerate(report["runs"]):
+        records = [r for r in report["requests"] if r["run"] == k]
+        check_summary(summary, records, exact_itl_count=True)
+        # The concurrency cap holds: never more than 3 requests between submit and finish.
+        edges = sorted([(r["submit_time"], 1) for r in records] + [(r["finish_time"], -1) for r in records])
+        assert max(itertools.accumulate(d for _, d in edges)) <= 3
+        assert all(r["submit_time"] <= r["scheduled_time"] <= r["first_token_time"] for r in records)
+    medians = statistics.median(s["mean_ttft_ms"] for s in report["runs"])
+    assert report["summary"]["mean_ttft_ms"] == pytest.approx(medians)
+    assert report["runs"][0]["total_output_tokens"] == report["runs"][1]["total_output_tokens"]  # same lengths
+
+    trace = json.loads((tmp_path / "t.json").read_text())  # the last run
+    last = [r for r in report["requests"] if r["run"] == 1]
+    for name in ("queued", "prefill", "decode"):
+        assert sorted(e["tid"] for e in spans(trace, name)) == [r["index"] + 1 for r in last]
+    decode = {e["tid"]: e for e in spans(trace, "decode")}
+    for r in last:
+        assert decode[r["index"] + 1]["ts"] == pytest.approx(r["first_token_time"] * 1e6, abs=1)
+        assert decode[r["index"] + 1]["args"]["output_len"] == r["output_len"]
+    steps = spans(trace, "step")
+    decoded = sum(e["args"]["num_decode_tokens"] for e in steps)
+    assert steps and decoded == sum(r["output_len"] - 1 for r in last)  # one decode per token after the first
+    counters = [e for e in trace["traceEvents"] if e["ph"] == "C"]
+    assert {e["name"] for e in counters} == {"batch size", "tokens", "kv blocks in use", "preemptions"}
+    assert max(e["args"]["seqs"] for e in counters if e["name"] == "batch size") <= 3
+    assert sum(e["args"]["prefill"] for e in counters if e["name"] == "tokens") >= sum(r["input_len"] for r in last)
+
+
+def test_offline_text_prompts_pretok(tiny_checkpoint, tmp_path, capsys):
+    texts = ["The quick brown fox", "Hello, my name is"]
+    (tmp_path / "prompts.txt").write_text("\n".join(texts) + "\n\n")
+    for pretok in ([], ["--pretok"]):
+        run_bench(
+            capsys,
+            "--model",
+            tiny_checkpoint,
+            "--prompts-file",
+            tmp_path / "prompts.txt",
+            *pretok,
+            "--num-requests",
+            "3",
+            "--output-len",
+            "5",
+            "--warmup-runs",
+            "0",
+            "--disable-tqdm",
+            "--json",
+            tmp_path / "b.json",
+        )
+        records = json.loads((tmp_path / "b.json").read_text())["requests"]
+        tok = Tokenizer.from_dir(tiny_checkpoint)
+        assert [r["input_len"] for r in records] == [len(tok.encode(texts[i % 2])) for i in range(3)]
+        assert [r["output_len"] for r in records] == [5, 5, 5]
+
+
+def test_online_starts_minfer_serve(tiny_checkpoint, tmp_path, capsys):
+    out = run_bench(
+        capsys,
+        "--mode",
+        "online",
+        "--model",
+        tiny_checkpoint,
+        *WORKLOAD,
+        "--request-rate",
+        "100",
+        "--json",
+        tmp_path / "b.json",
+        "--trace",
+        tmp_path / "t.json",
+    )
+    check_table(out, "online")
+    report = json.loads((tmp_path / "b.json").read_text())
+    check_summary(report["summary"], report["requests"], exact_itl_count=False)
+    assert report["summary"]["peak_rss_mib"] > 0  # the server's
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert len(spans(trace, "queued+prefill")) == len(spans(trace, "decode")) == 6
+    steps = spans(trace, "step")  # from the server's /engine/events
+    assert sum(e["args"]["num_decode_tokens"] for e in steps) == sum(r["output_len"] - 1 for r in report["requests"])
+    assert max(e["args"]["kv_blocks_used"] for e in steps) > 0
+
+
+def test_online_base_url(tiny_checkpoint, tmp_path, capsys):
+    """Any OpenAI-compatible server, here minfer's run in this process; the name comes from /v1/models."""
+    serve = pytest.importorskip("minfer.serve")
+    server = serve.create_server(EngineConfig(str(tiny_checkpoint)), port=0, served_model_name="tiny")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        host, port = server.server_address[:2]
+        run_bench(
+            capsys,
+            "--base-url",
+            f"http://{host}:{port}/v1",
+            "--model",
+            "whatever",
+            "--tokenizer",
+            tiny_checkpoint,
+            *WORKLOAD,
+            "--max-concurrency",
+            "2",
+            "--warmup-runs",
+            "0",
+            "--json",
+            tmp_path / "b.json",
+        )
+    finally:
+        server.stop()
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["config"]["mode"] == "online"
+    check_summary(report["summary"], report["requests"], exact_itl_count=False)
+    edges = sorted(
+        [(r["submit_time"], 1) for r in report["requests"]] + [(r["finish_time"], -1) for r in report["requests"]]
+    )
+    assert max(itertools.accumulate(d for _, d in edges)) <= 2
+    assert "peak_rss_mib" not in report["summary"]  # someone else's process: not ours to report
+
+
+def test_baseline_hf_and_roofline(tiny_checkpoint, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = run_bench(
+        capsys,
+        "--model",
+        tiny_checkpoint,
+        *WORKLOAD,
+        "--baseline",
+        "hf",
+        "--hf-batch-size",
+        "4",
+        "--roofline",
+        "--json",
+        tmp_path / "b.json",
+    )
+    assert "transformers generate, batch 4" in out and "minfer vs transformers (batch 4)" in out and "minfer is " in out
+    assert "Decode roofline (batch 1)" in out
+    report = json.loads((tmp_path / "b.json").read_text())
+    base = report["baseline"]
+    check_summary(base["summary"], base["requests"], exact_itl_count=True)
+    assert [r["output_len"] for r in base["requests"]] == [r["output_len"] for r in report["requests"]]
+    # Requests 0-3 form the first static batch, 4-5 the second: a batch shares its first-token time.
+    firsts = [r["first_token_time"] for r in base["requests"]]
+    assert len(set(firsts[:4])) == 1 and len(set(firsts[4:])) == 1 and firsts[4] > firsts[0]
+    minfer, hf, ratio = report["summary"], base["summary"], base["minfer_over_hf"]
+    assert ratio["output_throughput"] == pytest.approx(minfer["output_throughput"] / hf["output_throughput"])
+    assert ratio["mean_tpot_ms"] == pytest.approx(minfer["mean_tpot_ms"] / hf["mean_tpot_ms"])
+
+    roof = report["roofline"]
+    C, V, P, L = 64, 512, 512, 2  # the tiny preset; the tied LM head counted once
+    params = V * C + P * C + L * (4 * C + 3 * C * C + 3 * C + C * C + C + 4 * C * C + 4 * C + 4 * C * C + C) + 2 * C
+    assert roof["weight_bytes"] == params * 4 and roof["dtype"] == "float32"
+    assert roof["bandwidth_gb_s"] > 0.1
+    assert roof["floor_tpot_ms"] == pytest.approx(roof["weight_bytes"] / (roof["bandwidth_gb_s"] * 1e9) * 1e3)
+    assert roof["measured_over_floor"] == pytest.approx(roof["measured_tpot_ms"] / roof["floor_tpot_ms"])
+    assert roof["matmul_floor_ms"] > 0  # the weight matmuls alone, timed
+
+
+def test_baseline_on_the_first_requests_only(tiny_checkpoint, tmp_path, capsys):
+    """--hf-num-requests: a slow baseline runs a subset of a big workload (a GPU run's, say)."""
+    pytest.importorskip("transformers")
+    args = ("--model", tiny_checkpoint, *WORKLOAD, "--baseline", "hf", "--hf-batch-size", "2")
+    out = run_bench(capsys, *args, "--hf-num-requests", "3", "--json", tmp_path / "b.json")
+    assert "transformers generate, batch 2, its first 3 requests" in out
+    report = json.loads((tmp_path / "b.json").read_text())
+    base = report["baseline"]
+    assert base["num_requests"] == 3 and len(base["requests"]) == 3 < len(report["requests"])
+    assert [r["output_len"] for r in base["requests"]] == [r["output_len"] for r in report["requests"][:3]]
+    with pytest.raises(SystemExit):
+        run_bench(capsys, *args, "--hf-num-requests", "0")
+    assert "--hf-num-requests must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_profile_splits_a_step_into_parts(tiny_checkpoint, tmp_path, capsys, dtype):
+    out = run_bench(
+        capsys,
+        "--model",
+        tiny_checkpoint,
+        "--num-requests",
+        "6",
+        "--input-len",
+        "40",
+        "--output-len",
+        "24",
+        "--disable-tqdm",
+        "--dtype",
+        dtype,
+        "--profile",
+        "--json",
+        tmp_path / "p.json",
+    )
+    assert f"Step-time breakdown ({dtype})" in out
+    prof = json.loads((tmp_path / "p.json").read_text())["profile"]
+    assert prof["peaks"]["read_gb_s"] > 0 and prof["peaks"]["matmul_gflop_s"] > 0
+    prefill, decode = prof["phases"]["prefill"], prof["phases"]["decode"]
+    assert prefill["prefill_tokens"] > 0 and decode["prefill_tokens"] == 0 and decode["decode_tokens"] == 6
+    C, V, L, elem = 64, 512, 2, 4 if dtype == "float32" else 2
+    for phase in (prefill, decode):
+        rows = {r["part"]: r for r in phase["rows"]}
+        assert set(rows) == {
+            "host: schedule",
+            "host: prepare",
+            "KV write",
+            "context read",
+            "attention",
+            "linears",
+            "LM head",
+            "sampling",
+            "host: bookkeeping",
+            "speculation: propose",
+            "speculation: verify",
+            "norms, GELU, residuals, Python",
+        }
+        # Every part ran and the parts add up to the step: nothing counted twice.
+        unused = ("context read", "speculation: propose", "speculation: verify")  # no speculation in this run
+        assert all(r["ms_per_step"] > 0 for name, r in rows.items() if name not in unused)
+        assert sum(r["share"] for r in rows.values()) == pytest.approx(1.0, abs=0.02)
+        assert rows["linears"]["mb_per_step"] == pytest.approx(L * 12 * C * C * elem / 1e6)  # weights once a step
+        assert rows["LM head"]["mb_per_step"] == pytest.approx(V * C * elem / 1e6)
+    rows = {r["part"]: r for r in decode["rows"]}
+    # Six sequences decode at context 41..64: every token's K/V (2 x layers x C) read from the cache.
+    assert rows["context read"]["ms_per_step"] > 0
+    per_token = 2 * L * C * elem
+    assert rows["context read"]["mb_per_step"] == pytest.approx(decode["context_tokens"] * per_token / 1e6)
+    assert 6 * 41 <= decode["context_tokens"] <= 6 * 64
+    assert rows["KV write"]["mb_per_step"] == pytest.approx(6 * per_token / 1e6)
+
+
+def test_without_a_model_says_how_to_get_one(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    assert bench.main(["--disable-tqdm"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--model DIR" in err and "python -m minfer.random_model DIR --config gpt2" in err
+
+
+def test_bad_flags_are_one_line_errors(tiny_checkpoint, capsys):
+    assert bench.main(["--model", str(tiny_checkpoint), "--input-len", "500", "--output-len", "100"]) == 1
+    assert "context of 512" in capsys.readouterr().err
+    assert bench.main(["--model", str(tiny_checkpoint), "--input-len", "9:3"]) == 1
+    assert "input-len" in capsys.readouterr().err
+
+
+# ---- the pieces ------------------------------------------------------------------------
+
+
+def test_lengths_prompts_and_arrivals(tiny_checkpoint):
+    assert parse_length("7") == (7, 7) and parse_length("32:256") == (32, 256)
+    tok = Tokenizer.from_dir(tiny_checkpoint)
+    assert tok.eos_token_id not in sampleable_token_ids(tok, 512)
+    reqs = build_workload(
+        200, "3:9", "2", texts=[], tokenizer=tok, vocab_size=512, context=512, rate=50.0, seed=1, pretok=False
+    )
+    assert {len(r.prompt_token_ids) for r in reqs} == set(range(3, 10))  # uniform over the whole range
+    assert all(r.input_len == len(r.prompt_token_ids) and tok.eos_token_id not in r.prompt_token_ids for r in reqs)
+    again = build_workload(
+        200, "3:9", "2", texts=[], tokenizer=tok, vocab_size=512, context=512, rate=50.0, seed=1, pretok=False, run=1
+    )
+    assert [r.input_len for r in again] == [r.input_len for r in reqs]  # same shape,
+    assert [r.prompt_token_ids for r in again] != [r.prompt_token_ids for r in reqs]  # fresh contents
+    gaps = [b - a for a, b in zip(*[arrival_times(4000, 50.0, random.Random(0))[i:] for i in (0, 1)])]
+    assert statistics.fmean(gaps) == pytest.approx(1 / 50, rel=0.1)  # Poisson: exponential gaps, mean 1/rate
+    assert arrival_times(3, math.inf, random.Random(0)) == [0.0, 0.0, 0.0]
+
+
+def test_percentile_interpolates_like_numpy():
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert percentile(xs, 50) == 3.0 and percentile(xs, 0) == 1.0 and percentile(xs, 100) == 5.0
+    assert percentile(xs, 90) == pytest.approx(4.6) and percentile([7.0], 99) == 7.0
+
+
+def test_comparison_reads_in_one_direction():
+    """Throughput and latency ratios both say 'minfer is N x faster/slower', never a bare ratio."""
+    from minfer.bench.hf_baseline import verdict
+
+    assert verdict(200.0, 100.0, higher_is_better=True) == "minfer is 2.00x faster"
+    assert verdict(50.0, 100.0, higher_is_better=True) == "minfer is 2.00x slower"
+    assert verdict(10.0, 40.0, higher_is_better=False) == "minfer is 4.00x faster"  # a lower TPOT wins
+    assert verdict(52.4, 10.0, higher_is_better=False) == "minfer is 5.24x slower"
+    assert verdict(None, 10.0, higher_is_better=False) == "n/a"
+
+
+def test_logprobs_flag_asks_every_request_for_logprobs(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """--logprobs k: offline, and online against a server in this process, every step computes them."""
+    from minfer.scoring.logprobs import StepLogprobs
+
+    fetched = []
+    real_packed = StepLogprobs.packed
+    monkeypatch.setattr(
+        StepLogprobs, "packed", lambda self, *a: fetched.append(self.sample_k) or real_packed(self, *a)
+    )
+    run_bench(capsys, "--model", tiny_checkpoint, *WORKLOAD, "--logprobs", "3", "--json", tmp_path / "b.json")
+    assert fetched and set(fetched) == {3}
+    assert json.loads((tmp_path / "b.json").read_text())["config"]["logprobs"] == 3
+    serve = pytest.importorskip("minfer.serve")
+    server = serve.create_server(EngineConfig(str(tiny_checkpoint)), port=0, served_model_name="tiny")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    fetched.clear()
+    try:
+        host, port = server.server_address[:2]
+        url = f"http://{host}:{port}/v1"
+        run_bench(
+            capsys, "--base-url", url, "--model", "tiny", "--tokenizer", tiny_checkpoint, *WORKLOAD, "--logprobs", "1"
+        )
+    finally:
+        server.stop()
+    assert fetched and set(fetched) == {1}
+    with pytest.raises(SystemExit):
+        bench.main(["--model", str(tiny_checkpoint), "--logprobs", "21"])
+
+
+def test_n_counts_every_choice_offline_and_online(tiny_checkpoint, tmp_path, capsys):
+    """--n 3: each request's output_len is its three choices' tokens, its TPOT per choice; the server
+    gets n and answers with usage for all three."""
+    serve = pytest.importorskip("minfer.serve")
+    server = serve.create_server(EngineConfig(str(tiny_checkpoint)), port=0, served_model_name="tiny")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        host, port = server.server_address[:2]
+        online = ["--base-url", f"http://{host}:{port}/v1", "--tokenizer", tiny_checkpoint]
+        for mode, extra in (("offline", ["--model", tiny_checkpoint]), ("online", online)):
+            path = tmp_path / f"{mode}.json"
+            run_bench(capsys, *extra, *WORKLOAD, "--n", 3, "--warmup-runs", 0, "--json", path)
+            report = json.loads(path.read_text())
+            for r in report["requests"]:
+                assert r["num_choices"] == 3 and r["output_len"] == r["expected_output_len"]
+                assert r["output_len"] % 3 == 0 and 12 <= r["output_len"] <= 36
+                assert r["tpot"] == pytest.approx((r["latency"] - r["ttft"]) / (r["output_len"] / 3 - 1))
+            assert report["summary"]["total_output_tokens"] == sum(r["output_len"] for r in report["requests"])
+    finally:
+        server.stop()
+    stats = server.manager.stats()
+    assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
+    with pytest.raises(SystemExit):
+        bench.main(["--model", str(tiny_checkpoint), "--n", "0"])
+
+
+def test_structured_output_holds_every_request_to_the_schema(tiny_checkpoint, tmp_path, capsys):
+    """--structured-output json-schema: every request is masked, offline and online, and still makes exactly
+    its output length (the schema's array never ends first); offline, the masks' cost per row is reported."""
+    path = tmp_path / "offline.json"
+    out = run_bench(capsys, "--model", tiny_checkpoint, *WORKLOAD, "--structured-output", "json-schema",
+                    "--json", path)
+    assert "held to a json-schema" in out and "masked rows" in out
+    report = json.loads(path.read_text())
+    assert all(r["output_len"] == r["expected_output_len"] for r in report["requests"])
+    masks = report["structured_masks"]
+    assert masks["rows"] >= report["summary"]["total_output_tokens"] and masks["fill_us_per_row"] > 0
+    serve = pytest.importorskip("minfer.serve")
+    server = serve.create_server(EngineConfig(str(tiny_checkpoint)), port=0, served_model_name="tiny")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        host, port = server.server_address[:2]
+        online = ["--base-url", f"http://{host}:{port}/v1", "--tokenizer", tiny_checkpoint]
+        run_bench(capsys, *online, *WORKLOAD, "--structured-output", "json-schema", "--json", tmp_path / "on.json")
+    finally:
+        server.stop()
+    report = json.loads((tmp_path / "on.json").read_text())
+    assert all(r["output_len"] == r["expected_output_len"] for r in report["requests"])
+    assert server.manager.scheduler.features.structured.stats["rows"] >= report["summary"]["total_output_tokens"]

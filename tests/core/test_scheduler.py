@@ -1,0 +1,112 @@
+"""OnlineScheduler (engine/scheduler.py, tutorial stage 10) as a server drives it: requests added, steps run
+with the invariants checked after each, finished ones popped once, any request discarded at any point, stop
+tokens and stop strings (held back while they may still match a stream), and requests that could never run
+refused; after each, every KV block is free."""
+
+import pytest
+from engine_checks import GREEDY, assert_all_free, random_prompts
+
+from minfer import LLM, SamplingParams
+
+
+def test_invariants_hold_after_every_step(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, num_kv_blocks=30, max_num_seqs=8, max_num_batched_tokens=40)
+    sched = llm.scheduler
+    prompts = random_prompts(12, 512, seed=1, max_len=120)
+    ids = [sched.add_request(prompt_token_ids=p, sampling_params=GREEDY) for p in prompts]
+    finished = []
+    while sched.has_unfinished():
+        sched.step()
+        sched.check_invariants()
+        finished += sched.pop_finished_ids()
+    assert sorted(finished) == sorted(ids) and sched.num_preemptions > 0
+    assert sched.pop_finished_ids() == []  # finished events are handed out once
+    for i in ids:
+        assert sched.is_finished(i) and len(sched.get_generated_ids(i)) <= 32
+        sched.pop_response(i)
+    assert_all_free(llm)
+
+
+def test_discard_frees_blocks_at_once(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, num_kv_blocks=64, max_num_seqs=4)
+    sched = llm.scheduler
+    ids = [sched.add_request(prompt_token_ids=p, sampling_params=GREEDY) for p in random_prompts(8, 512, seed=2)]
+    for _ in range(3):
+        sched.step()
+    running = [i for i in ids if sched.get_step_count(i) > 0 and not sched.is_finished(i)]
+    waiting = [i for i in ids if sched.get_step_count(i) == 0]
+    assert running and waiting
+    for i in running[:2] + waiting[:2]:
+        assert sched.discard_request(i)
+        sched.check_invariants()
+    assert not sched.discard_request(running[0])  # already gone
+    assert not sched.discard_request("no-such-request")
+    with pytest.raises(KeyError, match="unknown request id"):
+        sched.get_generated_ids(running[0])
+    for i in ids:  # discard everything else mid-flight too
+        sched.discard_request(i)
+    assert_all_free(llm)
+
+
+def test_stops(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, num_kv_blocks=64)
+    prompt = "The cache is cut into blocks"
+    free_run = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert free_run.finish_reason == "length" and len(free_run.token_ids) == 40
+    assert free_run.text == llm.tokenizer.decode(free_run.token_ids)
+
+    stop_token = free_run.token_ids[10]
+    first = free_run.token_ids.index(stop_token)
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop_token]), use_tqdm=False
+    )[0]
+    assert out.finish_reason == "stop" and out.token_ids == free_run.token_ids[: first + 1]
+    assert out.text == llm.tokenizer.decode(free_run.token_ids[:first])  # the stop token's text is left out
+
+    text = free_run.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=40, temperature=0, stop=["\x00never", stop]), use_tqdm=False
+    )[0]
+    assert out.finish_reason == "stop" and out.text == text[: text.index(stop)]
+
+
+def test_streamed_text_holds_back_a_possible_stop_string(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, num_kv_blocks=64)
+    free_run = llm.generate(["Hello"], SamplingParams(max_tokens=30, temperature=0), use_tqdm=False)[0]
+    stop = free_run.text[-6:-1]
+    sched = llm.scheduler
+    rid = sched.add_request("Hello", sampling_params=SamplingParams(max_tokens=30, temperature=0, stop=stop))
+    pieces = []
+    while sched.has_unfinished():
+        sched.step()
+        pieces.append(sched.get_new_output(rid).text)
+        assert stop not in "".join(pieces)
+    response = sched.pop_response(rid)
+    assert "".join(pieces) == response.text == free_run.text[: free_run.text.index(stop)]
+    assert response.first_token_time >= response.arrival_time
+    assert len(response.token_times) == len(response.token_ids) and response.finish_time >= response.token_times[-1]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompt_token_ids=[]), "prompt is empty"),
+        (dict(prompt=""), "prompt is empty"),
+        (dict(prompt_token_ids=[1, 512]), "token id 512 is not in the vocabulary"),
+        (dict(prompt_token_ids=[-1]), "token id -1"),
+        (dict(prompt="a", prompt_token_ids=[1]), "exactly one of"),
+        (
+            dict(prompt_token_ids=[1] * 500, sampling_params=SamplingParams(max_tokens=13)),
+            "exceeds the model's context",
+        ),
+        (dict(prompt_token_ids=[1] * 300, sampling_params=SamplingParams(max_tokens=100)), "needs 25 KV blocks"),
+    ],
+)
+
+
+def test_requests_that_can_never_run_are_refused(tiny_checkpoint, kwargs, message):
+    llm = LLM(tiny_checkpoint, num_kv_blocks=24)
+    with pytest.raises(ValueError, match=message):
+        llm.scheduler.add_request(**kwargs)
+    assert_all_free(llm)

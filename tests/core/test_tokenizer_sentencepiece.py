@@ -1,0 +1,104 @@
+"""A SentencePiece-style tokenizer (Llama 2's kind: `▁` for a space, byte fallback <0x0A>, <s> before each
+prompt), as `minfer random-model --config llama2-tiny` writes it: loading, streaming exactly decode(), and
+each token's bytes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizer_texts import TEXTS, stream
+
+from minfer.checkpoints.tokenizer_training import BYTE_TOKENS, SENTENCEPIECE_SPECIALS
+from minfer.text.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(make_checkpoint):
+    return Tokenizer.from_dir(make_checkpoint("llama2-tiny"))
+
+
+def byte_id(tok: Tokenizer, b: int) -> int:
+    return tok.token_to_id(f"<0x{b:02X}>")
+
+
+def test_the_vocabulary_is_laid_out_like_llama_2s(tok):
+    assert tok.vocab_size == 512 and tok.eos_token_ids == [2]
+    assert [tok.id_to_token(i) for i in range(3)] == SENTENCEPIECE_SPECIALS
+    assert [tok.id_to_token(i) for i in range(3, 259)] == BYTE_TOKENS
+    assert tok.encode_prompt("Hi")[0] == 1 and 1 not in tok.encode("Hi")  # <s> before a prompt only
+    assert tok.encode("a\nb")[1:-1] == [byte_id(tok, 0x0A)]  # a newline falls back to its byte
+    assert len(tok.encode("🤖")) == 2 and tok.encode("🤖")[0] == tok.token_to_id("▁")  # a whole emoji, after ▁
+    assert [tok.id_to_token(i) for i in tok.encode("日")[1:]] == ["<0xE6>", "<0x97>", "<0xA5>"]
+
+
+@pytest.mark.parametrize("name", TEXTS)
+def test_streaming_matches_decode(tok, name):
+    ids = tok.encode(TEXTS[name])
+    pieces, streamed = stream(tok, ids)
+    assert streamed == tok.decode(ids)
+    if not TEXTS[name].startswith(" "):  # Llama 2's decoder drops the first space: a leading one is lost
+        assert streamed == TEXTS[name]
+    assert not any("\ufffd" in p for p in pieces)  # valid text never shows U+FFFD mid-stream
+
+
+def test_a_character_in_byte_tokens_comes_out_when_its_run_ends(tok):
+    """The bytes of 日 come out together, once a token that is not a byte ends their run (a later byte could
+    still make decode() render the whole run as U+FFFD), or at the end of the stream."""
+    ids = tok.encode("a日b")
+    d = tok.detokenizer()
+    assert [d.add(i) for i in ids] == ["a", "", "", "", "日b"]
+    d = tok.detokenizer()
+    assert [d.add(i) for i in ids[:-1]] == ["a", "", "", ""] and d.flush() == "日" and d.text == "a日"
+
+
+def test_an_invalid_run_renders_as_decode_renders_it(tok):
+    """decode() shows a run of byte tokens holding an invalid byte as one U+FFFD per byte, even the valid
+    ones before it: the stream never shows them as anything else first."""
+    ids = [tok.token_to_id("▁w"), byte_id(tok, 0x41), byte_id(tok, 0xFF), tok.token_to_id("▁w")]
+    assert tok.decode(ids) == "w\ufffd\ufffd w"
+    assert stream(tok, ids) == (["w", "", "", "\ufffd\ufffd w", ""], "w\ufffd\ufffd w")
+    assert stream(tok, ids[:3]) == (["w", "", "", "\ufffd\ufffd"], "w\ufffd\ufffd")
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_random_id_streams_match_decode(tok, skip_special_tokens):
+    """Random ids are half byte tokens here: runs of invalid bytes, specials and ids outside the vocabulary."""
+    rng = random.Random(2024)
+    for _ in range(400):
+        ids = [rng.randrange(-2, tok.vocab_size + 3) for _ in range(rng.randint(0, 40))]
+        d = tok.detokenizer(skip_special_tokens)
+        streamed = "".join(d.add(i) for i in ids) + d.flush()
+        valid = [i for i in ids if 0 <= i < tok.vocab_size]
+        assert streamed == tok.backend.decode(valid, skip_special_tokens=skip_special_tokens), ids
+
+
+def test_special_tokens_are_skipped_without_moving_a_space(tok):
+    """A skipped <s> between words leaves the words as decode() joins them (the decoder never sees it)."""
+    ids = tok.encode("a b") + [1] + tok.encode("c d")
+    assert stream(tok, ids)[1] == tok.decode(ids) == "a b c d"
+    d = tok.detokenizer(skip_special_tokens=False)
+    assert "".join(d.add(i) for i in ids) + d.flush() == tok.backend.decode(ids, skip_special_tokens=False)
+
+
+def test_token_bytes_read_spaces_and_byte_fallback(tok):
+    table = tok.token_bytes
+    assert table[byte_id(tok, 0x0A)] == b"\n" and table[byte_id(tok, 0xE6)] == b"\xe6"
+    assert table[tok.token_to_id("▁w")] == b" w" and table[tok.token_to_id("🤖")] == "🤖".encode()
+    assert table[0] == table[1] == table[2] == b""  # <unk>, <s>, </s> add no text
+    text = "x = 1\nnaïve 日本 🤖"
+    assert b"".join(table[i] for i in tok.encode(text)) == b" " + text.encode()  # the ▁ put first
+
+
+def test_logprobs_show_each_tokens_text_and_bytes(tok):
+    """Chat logprobs' `token` and `bytes`, and completions' `tokens`, for `▁`, byte and special tokens."""
+    from minfer.scoring.logprobs import TokenLogprob
+    from minfer.server.logprobs_format import LogprobFormatter
+
+    newline, w, e_acute_lead = byte_id(tok, 0x0A), tok.token_to_id("▁w"), byte_id(tok, 0xC3)
+    entries = [TokenLogprob(t, -1.0, 1, ((t, -1.0), (2, -2.0))) for t in (w, newline, e_acute_lead)]
+    chat = LogprobFormatter(tok).chat(entries, 2)["content"]
+    assert [(c["token"], c["bytes"]) for c in chat] == [(" w", [32, 119]), ("\n", [10]), ("\ufffd", [0xC3])]
+    assert chat[0]["top_logprobs"][1]["token"] == "</s>"  # a special token shows its name
+    completion = LogprobFormatter(tok).completion([w, newline], entries[:2], 1)
+    assert completion["tokens"] == [" w", "\n"] and completion["text_offset"] == [0, 2]

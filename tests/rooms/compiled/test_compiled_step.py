@@ -1,0 +1,205 @@
+"""--compile-decode-step: all-decode steps through the compiled block graph (or, with --compile-model,
+most steps through the whole forward with frozen weights) give eager's tokens, never recompile while serving, and fall back
+to eager when compiling fails."""
+
+import logging
+
+import pytest
+import torch
+import torch._dynamo
+from engine_checks import generate_varied_batches
+
+from minfer import LLM, EngineConfig, SamplingParams
+from minfer.compiled import step as compiled_step
+from minfer.compiled.step import CompiledDecodeStep, _placeholder_sequence, frozen_gemm_backends
+from minfer.engine.sequence import ScheduledChunk
+from minfer.quantization import QuantizedLinear, int4_kernel_available
+from minfer.server.banner import banner_lines
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def prompts_with_a_shared_prefix(seed=1, num=20):
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, 300, (40,), generator=g).tolist()
+    return [shared + torch.randint(0, 300, (int(n),), generator=g).tolist() for n in torch.randint(1, 90, (num,))]
+
+
+def graph_of(llm: LLM) -> CompiledDecodeStep:
+    return llm.scheduler.runner.compiled.step
+
+
+@pytest.mark.parametrize("preset, attention", [("tiny", "eager"), ("qwen3-tiny", "compiled")])  # each model, each backend
+def test_greedy_output_equals_eager(make_checkpoint, preset, attention):
+    """fp32: batching, chunked prefill, prefix hits and preemption, with and without the compiled step."""
+    path = make_checkpoint(preset)
+    prompts = prompts_with_a_shared_prefix()
+    settings = dict(num_kv_blocks=40, max_num_seqs=16, max_num_batched_tokens=64, attention_backend=attention)
+    compiled = LLM(path, compile_decode_step=True, **settings)
+    # A mixed load (where prefill chunks share most steps), then a batch whose prompts fit one step (every
+    # later step decodes all four) and a lone sequence: each graph surely serves.
+    workloads = [prompts, [p[:3] for p in prompts[:4]], prompts[:1]]
+    got = [o.token_ids for w in workloads for o in compiled.generate(w, GREEDY, use_tqdm=False)]
+    stats = compiled.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    step = graph_of(compiled)
+    assert step.off_because is None and step.compiled_batches == {True, False}  # both graphs served
+    eager = LLM(path, **settings)
+    assert got == [o.token_ids for w in workloads for o in eager.generate(w, GREEDY, use_tqdm=False)]
+
+
+def test_int8_activations_and_speculation_equal_eager(tiny_checkpoint):
+    """int8 x int8's activation rounding fuses into the graph, and n-gram verification rows (all-decode
+    steps of k + 1 rows a sequence) run through it: still eager's tokens."""
+    g = torch.Generator().manual_seed(3)
+    passages = [torch.randint(0, 400, (int(n),), generator=g).tolist() for n in (30, 55, 80)]
+    prompts = [p + p[:10] for p in passages]  # a passage, then its first tokens again
+    settings = dict(quantization="int8", quantize_activations=True, num_kv_blocks=64,
+                    speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3)
+    compiled = LLM(tiny_checkpoint, compile_decode_step=True, **settings)
+    got = compiled.generate(prompts, GREEDY, use_tqdm=False)
+    assert compiled.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert graph_of(compiled).off_because is None and graph_of(compiled).compiled_batches
+    want = LLM(tiny_checkpoint, **settings).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_warm_up_compiles_both_graphs_and_serving_never_recompiles(tiny_checkpoint):
+    """The engine compiles a lone sequence's graph and a batch's before its first request; after that
+    (dynamic=True) no batch size or context length recompiles."""
+    torch._dynamo.reset()
+    llm = LLM(tiny_checkpoint, compile_decode_step=True, attention_backend="compiled", num_kv_blocks=64,
+              max_num_seqs=8)
+    step = graph_of(llm)
+    assert step.compiled_batches == {True, False} and step.warm_up_seconds > 0  # before any request
+    # Every layer shares the block's two graphs (a lone sequence's, a batch's): none per layer.
+    block_code = type(step.layers[0]).forward.__code__
+    assert len(step.layers) > 1 and len(torch._dynamo.eval_frame._debug_get_cache_entry_list(block_code)) == 2
+    assert llm.scheduler.engine_config.compile_decode_step is True
+    assert "; decode steps compiled (warm-up compile " in "\n".join(banner_lines(llm.scheduler, "auto", "-", False))
+    with torch._dynamo.config.patch(error_on_recompile=True):  # see test_compiled_attention's twin
+        generate_varied_batches(llm)
+    assert step.off_because is None  # a recompile would have turned it off
+
+
+@pytest.mark.parametrize("flag", ["compile_decode_step", "compile_model"])
+def test_falls_back_to_eager_when_compiling_fails(tiny_checkpoint, monkeypatch, caplog, flag):
+    """A compile that fails at start-up, or later, leaves the engine running eager, with one log line
+    (under --compile-model, on the plain linears it kept for the graph)."""
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: broken)
+    with caplog.at_level(logging.WARNING, logger="minfer"):
+        llm = LLM(tiny_checkpoint, num_kv_blocks=32, **{flag: True})
+    step = graph_of(llm)
+    assert "compiled decode step is off" in caplog.text and "no C++ compiler found" in caplog.text
+    assert step.off_because.startswith("RuntimeError") and step.warm_up_seconds is None
+    ran = llm.scheduler.engine_config  # what /health reports
+    assert ran.compile_decode_step is False and ran.compile_model is False
+    banner = "\n".join(banner_lines(llm.scheduler, "auto", "-", False))
+    assert "; decode step eager (its compile failed: RuntimeError: no C++ compiler found)" in banner
+    got = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
+    assert got == LLM(tiny_checkpoint, num_kv_blocks=32).generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
+
+
+def test_whole_graph_with_frozen_weights_equals_eager(make_checkpoint):
+    """--compile-model: the whole forward, its weights frozen in for Inductor's own GEMMs, serving decode,
+    prefill and mixed steps (a lone sequence's prefill runs eager). fp32 greedy tokens equal eager's under
+    batching, chunked prefill, prefix hits and preemption; no batch size, token count or context length
+    recompiles after warm-up; the linears stay plain, for Inductor to pack."""
+    path = make_checkpoint("qwen3-tiny")
+    prompts = prompts_with_a_shared_prefix(seed=2)
+    settings = dict(num_kv_blocks=40, max_num_seqs=16, max_num_batched_tokens=64, attention_backend="compiled")
+    torch._dynamo.reset()
+    compiled = LLM(path, compile_model=True, **settings)
+    step = graph_of(compiled)
+    assert step.whole and step.compiled_batches == {True, False} and step.warm_up_seconds > 0
+    ran = compiled.scheduler.engine_config
+    assert ran.compile_model is True and ran.compile_decode_step is False
+    assert "; steps compiled whole, weights frozen (warm-up" in "\n".join(banner_lines(compiled.scheduler, "auto", "-", False))
+    linears = [m for m in step.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is torch.nn.Linear for m in linears)  # none prepacked by oneDNN
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = [o.token_ids for o in compiled.generate(prompts, GREEDY, use_tqdm=False)]
+        generate_varied_batches(compiled)
+    assert step.off_because is None
+    stats = compiled.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    eager = LLM(path, **settings)
+    assert got == [o.token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
+
+    # A lone sequence: its prompt goes through the batch graph (its sampled row padded to two), and its
+    # decode's attention is traced into the lone graph, so the backend's own forward runs for the prompt's
+    # layers only, never for a decode step, as contexts grow across blocks (14 + 40 tokens). Two completions
+    # forking from a one-token prompt (one row, two sampled) run eager: no third graph.
+    backend = compiled.scheduler.runner.attention
+    assert backend.lone_decode_in_graph and not eager.scheduler.runner.attention.lone_decode_in_graph
+    calls = []  # the rows of each layer's call of the backend's forward
+    backend.forward = lambda *args: calls.append(args[0].shape[0]) or type(backend).forward(backend, *args)
+    lone = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    layers = step.model.config.num_layers
+    eager_steps = step.num_eager_steps
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = compiled.generate([prompts[0][:14]], lone, use_tqdm=False)[0].token_ids
+        assert calls == [14] * layers and step.num_eager_steps == eager_steps
+        calls.clear()
+        forks = compiled.generate([prompts[1][:1]], SamplingParams(n=2, max_tokens=3, seed=3), use_tqdm=False)
+        assert calls[:layers] == [1] * layers and len(forks) == 2  # the prompt eager; then two rows, in the op
+        assert step.num_eager_steps == eager_steps + 1
+    assert step.off_because is None
+    assert got == eager.generate([prompts[0][:14]], lone, use_tqdm=False)[0].token_ids
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_whole_graph_quantized_step_matches_eager(tiny_checkpoint, method):
+    """Quantized linears in the frozen graph: every row count goes through the kernel's op, which Inductor
+    lowers to a GEMM of its own (it rounds differently: bf16 rows, its own order), so a decode step's
+    logits match eager's within bf16's rounding rather than bit for bit; a lone sequence and a batch."""
+    if method == "int4" and not int4_kernel_available():
+        pytest.skip("this torch has no CPU int4 kernel")
+    llm = LLM(tiny_checkpoint, compile_model=True, quantization=method, num_kv_blocks=32)
+    step, runner = graph_of(llm), llm.scheduler.runner
+    assert step.off_because is None and step.compiled_batches == {True, False}
+    quantized = [m for m in step.model.modules() if isinstance(m, QuantizedLinear)]
+    assert quantized and all(m.kernel_when_compiled for m in quantized)
+    runner.kv_cache.kv.zero_()  # the placeholders' contexts all lie in block 0, read before most is written
+    for contexts in ((5,), (5, 9, 17, 33) * 5):  # 20 rows: above int8's kernel_max_rows, eager dequantizes
+        chunks = [ScheduledChunk(_placeholder_sequence(n, runner.block_size), n - 1, 1) for n in contexts]
+        with torch.inference_mode():
+            rows = runner.prepare(chunks)
+            input_ids, batch = rows.input_ids, runner.batch(rows)
+            want = runner.model(input_ids, batch)  # (S, V)
+            got = step(input_ids, batch)
+        assert step.off_because is None and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("amx, dtype, quantize, want", [
+    (True, torch.bfloat16, False, "CPP"),
+    (True, torch.float32, True, "CPP"),  # no float GEMM left: every linear and the head are quantized
+    (True, torch.float32, False, "CPP,ATEN"),  # oneDNN's fp32 GEMM won at 16 rows
+    (False, torch.bfloat16, False, "CPP,ATEN"),  # templates alone: measured on AMX only
+])
+def test_frozen_graph_gemm_choices_follow_the_cpu_and_the_weights(monkeypatch, amx, dtype, quantize, want):
+    from minfer.quantization.transform import quantized_linear
+
+    monkeypatch.setattr(compiled_step, "cpu_has_amx", lambda: amx)
+    linears = [torch.nn.Linear(64, 32, dtype=dtype), torch.nn.Linear(32, 16, dtype=dtype)]
+    model = torch.nn.Sequential(*(quantized_linear(m, "int8") if quantize else m for m in linears))
+    assert frozen_gemm_backends(model) == want
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(compile_decode_step=True, enforce_eager=True), "--enforce-eager never does"),
+    (dict(compile_decode_step=True, device="cuda"), "for --device cpu for now"),
+    (dict(compile_model=True, enforce_eager=True), "--enforce-eager never does"),
+    (dict(compile_model=True, device="cuda"), "for --device cpu for now"),
+    (dict(compile_model=True, compile_decode_step=True), "give one"),
+    (dict(compile_model=True, quantization="int8", quantize_activations=True), "does not compile under --compile-model"),
+])
+def test_refused_where_it_cannot_apply(settings, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="minfer-tiny", **settings)

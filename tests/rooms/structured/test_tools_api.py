@@ -1,0 +1,220 @@
+"""Tool calling through the openai SDK on random Qwen3 and Llama checkpoints whose chat templates render
+tools (minfer's random-checkpoint writer, tools=True): tool_choice "required" and a named function are held
+to a grammar, so their calls parse and their arguments validate, streamed and not, greedy and sampled; a
+conversation with a tool message continues; "none" is content; "auto" is content or calls, never half of
+one; every bad input is a 400 naming its field."""
+
+import http.client
+import json
+
+import jsonschema
+import openai
+import pytest
+from serving import serving, wait_all_free
+
+from minfer import EngineConfig
+from minfer.server.tool_calls import HERMES, LLAMA3_JSON, CallStream, read
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit", "days"], "properties": {
+    "city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                      "b": {"type": "integer", "minimum": 0, "maximum": 99}}}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The forecast", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "add", "parameters": ADD}},
+    {"type": "function", "function": {"name": "now"}},  # no parameters: an empty object
+]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD, "now": {"type": "object", "maxProperties": 0}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+SAMPLING = [{"temperature": 0}, {"temperature": 0.9, "seed": 3}]
+
+
+@pytest.fixture(scope="module", params=["qwen3-tiny", "llama-tiny"])
+def server(request, make_checkpoint):
+    path = make_checkpoint(request.param, tools=True, max_position_embeddings=2048)
+    with serving(EngineConfig(str(path), num_kv_blocks=256, max_num_batched_tokens=512)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x", max_retries=0)
+
+
+def create(client, server, **fields):
+    return client.chat.completions.create(model=server.info.name, **{"messages": ASK, "max_tokens": 120, **fields})
+
+
+def streamed(client, server, **fields) -> tuple[str, list[tuple[str, str, str]], str]:
+    """A streamed reply as the SDK's chunks carry it: (content, [(id, name, arguments)], finish_reason)."""
+    content, calls, finish = "", {}, None
+    for chunk in create(client, server, stream=True, **fields):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                if d.id is not None:  # the header comes first: index, id and name
+                    assert d.index not in calls and d.function.name
+                    calls[d.index] = [d.id, d.function.name, d.function.arguments or ""]
+                else:
+                    calls[d.index][2] += d.function.arguments
+            finish = c.finish_reason or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def assert_valid(calls, names):
+    assert calls
+    for name, arguments in calls:
+        assert name in names
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("sampling", SAMPLING, ids=["greedy", "sampled"])
+@pytest.mark.parametrize("choice", ["required", "add"])
+def test_enforced_calls_parse_and_validate_streamed_and_not(client, server, choice, sampling):
+    tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    names = [t["function"]["name"] for t in TOOLS] if choice == "required" else [choice]
+    reply = create(client, server, tools=TOOLS, tool_choice=tool_choice, **sampling).choices[0]
+    assert reply.finish_reason == "tool_calls" and reply.message.content is None
+    calls = [(c.function.name, c.function.arguments) for c in reply.message.tool_calls]
+    assert_valid(calls, names)
+    assert all(c.type == "function" and c.id.startswith("call_") for c in reply.message.tool_calls)
+    content, stream_calls, finish = streamed(client, server, tools=TOOLS, tool_choice=tool_choice, **sampling)
+    assert content == "" and finish == "tool_calls"
+    assert [(name, arguments) for _, name, arguments in stream_calls] == calls  # the same, fragment by fragment
+    wait_all_free(server)
+
+
+def test_parallel_tool_calls_false_holds_one_call_each(client, server):
+    out = create(client, server, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=3,
+                 temperature=1.0, seed=7)
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        assert_valid([(c.function.name, c.function.arguments) for c in choice.message.tool_calls], SCHEMAS)
+
+
+def test_a_conversation_with_a_tool_message_renders_and_continues(client, server):
+    first = create(client, server, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                   temperature=0).choices[0].message
+    call = first.tool_calls[0]
+    history = [*ASK, first.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny"}'}]
+    reply = create(client, server, messages=history, tools=TOOLS, temperature=0, max_tokens=8)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert reply.usage.prompt_tokens > create(client, server, tools=TOOLS, max_tokens=1).usage.prompt_tokens
+    again = create(client, server, messages=history, tools=TOOLS, tool_choice="required", temperature=0)
+    assert_valid([(c.function.name, c.function.arguments) for c in again.choices[0].message.tool_calls], SCHEMAS)
+
+
+def test_none_renders_no_tools_and_returns_content(client, server):
+    reply = create(client, server, tools=TOOLS, tool_choice="none", max_tokens=10, temperature=0)
+    plain = create(client, server, max_tokens=10, temperature=0)
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content == \
+        plain.choices[0].message.content
+    assert reply.usage.prompt_tokens == plain.usage.prompt_tokens  # the tools were not rendered
+
+
+@pytest.mark.parametrize("sampling", SAMPLING, ids=["greedy", "sampled"])
+def test_auto_is_content_or_calls_never_half_a_call(client, server, sampling):
+    reply = create(client, server, tools=TOOLS, tool_choice="auto", max_tokens=40, **sampling).choices[0]
+    content, calls, finish = streamed(client, server, tools=TOOLS, tool_choice="auto", max_tokens=40, **sampling)
+    if reply.message.tool_calls:
+        assert_valid([(c.function.name, c.function.arguments) for c in reply.message.tool_calls], SCHEMAS)
+    else:
+        assert reply.message.content == content and not calls
+    assert finish == reply.finish_reason
+
+
+def post(server, body):
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    out = json.loads(resp.read())
+    conn.close()
+    return resp.status, out
+
+
+BAD = [  # (fields, the param the 400 names, words in its message)
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name", "letters"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", "letters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "an object"}}]},
+     "tools[0].function.parameters", "JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+     "tools[0].function.parameters", "JSON schema"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0]", "function"),
+    ({"tools": [TOOLS[1], TOOLS[1]]}, "tools", "two tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice", "fly"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
+    ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
+    ({"functions": [{"name": "f"}]}, "functions", "'tools'"),
+    ({"function_call": "auto"}, "function_call", "'tools'"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                              "properties": {"x": {"type": "nope"}}}}}],
+      "tool_choice": "required"}, "tools", "nope"),
+    ({"messages": [*ASK, {"role": "tool", "content": "sunny"}], "tools": TOOLS}, "messages[1].tool_call_id",
+     "tool_call_id"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"function": {"name": "add"}}]}], "tools": TOOLS},
+     "messages[1].tool_calls[0]", "arguments"),
+]
+
+
+@pytest.mark.parametrize("fields, param, words", BAD, ids=[f"{p}-{i}" for i, (_, p, _) in enumerate(BAD)])
+def test_bad_input_is_a_400_naming_the_field(server, fields, param, words):
+    status, out = post(server, {"messages": ASK, "max_tokens": 4, **fields})
+    assert status == 400 and out["error"]["param"] == param, out
+    assert words in out["error"]["message"], out["error"]["message"]
+    assert post(server, {"messages": ASK, "max_tokens": 2})[0] == 200  # and it keeps serving
+    wait_all_free(server)
+
+
+def test_a_template_without_tools_says_so(make_checkpoint):
+    with serving(EngineConfig(str(make_checkpoint("qwen3-tiny")), num_kv_blocks=64)) as srv:
+        status, out = post(srv, {"messages": ASK, "tools": TOOLS, "max_tokens": 4})
+        assert status == 400 and out["error"]["param"] == "tools" and "template" in out["error"]["message"]
+        assert post(srv, {"messages": ASK, "tools": TOOLS, "tool_choice": "none", "max_tokens": 2})[0] == 200
+
+
+# ---- reading calls back, without a model ----------------------------------------------------------
+
+NAMES = {"get_weather", "add"}
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": "}"}}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", [
+    (HERMES, "Just text.", "Just text.", []),
+    (HERMES, CALL, "", [("add", '{"a": 1, "b": {"c": "}"}}')]),
+    (HERMES, "Let me add.\n" + CALL + "\n" + CALL, "Let me add.", [("add", '{"a": 1, "b": {"c": "}"}}')] * 2),
+    (HERMES, '<tool_call>\n{"name": "fly", "arguments": {}}\n</tool_call>',  # no such tool: content, whole
+     '<tool_call>\n{"name": "fly", "arguments": {}}\n</tool_call>', []),
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1\n</tool_call>',  # bad JSON: content
+     '<tool_call>\n{"name": "add", "arguments": {"a": 1\n</tool_call>', []),
+    (HERMES, 'Hi <tool_call>\n{"name": "add", "argu', 'Hi <tool_call>\n{"name": "add", "argu', []),  # cut by length
+    (LLAMA3_JSON, '{"name": "add", "parameters": {"a": 2}}; {"name": "get_weather", "parameters": {}}', "",
+     [("add", '{"a": 2}'), ("get_weather", "{}")]),
+    (LLAMA3_JSON, 'The answer is {"name": "add", "parameters": {}}', 'The answer is {"name": "add", "parameters": {}}',
+     []),
+])
+def test_auto_replies_read_the_same_whole_and_streamed(fmt, text, content, calls):
+    whole = read(fmt, text, NAMES, final=True, partial=False)
+    assert (whole.content, [(c.name, c.arguments) for c in whole.calls]) == (content, calls)
+    stream, got_content, got = CallStream(fmt, NAMES, partial=False), "", {}
+    for i, char in enumerate(text):  # a character at a time: every prefix is read
+        piece, deltas = stream.add(char, final=i == len(text) - 1)
+        got_content += piece
+        if deltas and fmt is HERMES:  # a call goes out once it has closed: never half of one
+            assert text[: i + 1].count("</tool_call>") > len(got)
+        for d in deltas:
+            got.setdefault(d["index"], [d["function"].get("name"), ""])[1] += d["function"]["arguments"]
+    assert got_content == content and [tuple(v) for v in got.values()] == calls
+
+
+def test_content_that_may_open_a_call_is_held_back():
+    stream = CallStream(HERMES, NAMES, partial=False)
+    assert stream.add("Sure <tool", final=False) == ("Sure", [])  # the space waits too: a reply is stripped
+    assert stream.add("kit", final=False) == (" <toolkit", [])
+    stream = CallStream(LLAMA3_JSON, NAMES, partial=False)
+    assert stream.add('  {"name": "add", ', final=False) == ("", [])  # a Llama 3 reply that opens with { waits
