@@ -73,7 +73,7 @@ def tiled_attention_on_narrow_caches(monkeypatch):
 @pytest.fixture
 def flex_as_on_a_gpu(monkeypatch):
     """Engines built in the test choose their attention as on a GPU: "auto" and "compiled" are FlexBackend
-    (attention/flex.py); "eager" stays the CPU's eager backend. flex_attention runs unfused: on a CPU each new shape would compile
+    (compiled/flex.py); "eager" stays the CPU's eager backend. flex_attention runs unfused: on a CPU each new shape would compile
     C++ anew, tens of seconds the suite can't spare. Unfused, every key of the cache is scored and the
     mask_mod decides alone; the fused kernels run on a GPU (scripts/gpu_check.sh)."""
     from torch.nn.attention.flex_attention import flex_attention

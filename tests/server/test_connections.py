@@ -1,4 +1,4 @@
-"""Connection limits (minfer/connections.py): request, keep-alive and write timeouts, and the connection cap,
+"""Connection limits (minfer/server/connections.py, connection_limits.py): request, keep-alive and write timeouts, and the connection cap,
 on an in-process server with short limits."""
 
 import json

@@ -160,7 +160,7 @@ def test_one_prompt_draws_no_progress_bar(tiny_checkpoint, capsys):
 
 def test_importing_minfer_leaves_the_compiler_unloaded():
     """Importing Dynamo costs ~1.3 s, on every `minfer` command and `python -m minfer.serve --help`
-    alike: only compiling loads it (attention/compiled.py and engine/compiled_step.py import it late)."""
+    alike: only compiling loads it (compiled/attention.py and compiled/step.py import it late)."""
     code = (
         "import sys, minfer, minfer.serve, minfer.bench.cli\n"
         "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor'))))"

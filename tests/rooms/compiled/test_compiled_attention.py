@@ -1,4 +1,4 @@
-"""The compiled attention backend (attention/compiled.py): the same results as eager attention,
+"""The compiled attention backend (compiled/attention.py): the same results as eager attention,
 no recompiles while serving, and a clean fall back to eager when it cannot run."""
 
 import logging

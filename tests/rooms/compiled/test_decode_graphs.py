@@ -1,4 +1,4 @@
-"""Decode steps through static buffers and padded batches (engine/cuda_graphs.py), as CUDA graphs replay
+"""Decode steps through static buffers and padded batches (compiled/cuda_graphs.py), as CUDA graphs replay
 them. On a CPU nothing is recorded (capture=False): the padded steps run as they are, which checks
 everything but the recording. tests/rooms/gpu/test_cuda.py and scripts/gpu_check.sh run them on a GPU."""
 

@@ -1,4 +1,4 @@
-"""The FlexAttention backend (attention/flex.py), GPUs' default, checked here on the CPU: its results
+"""The FlexAttention backend (compiled/flex.py), GPUs' default, checked here on the CPU: its results
 through flex_attention's unfused path (the mask_mod alone), and the block lists a fused kernel reads.
 The fused kernels themselves (Triton) run on a GPU: scripts/gpu_check.sh runs this file there."""
 

@@ -1,4 +1,4 @@
-"""The per-request pause rule (engine/speculative/speculator.py): a request whose proposals keep failing
+"""The per-request pause rule (speculative/speculator.py): a request whose proposals keep failing
 stops speculating for a cool-down that doubles, and a draft model's cost raises the bar it must clear."""
 
 from dataclasses import dataclass, field

@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculative/): the n-gram proposer, verification of k + 1 rows in one forward,
+"""Speculative decoding (speculative/): the n-gram proposer, verification of k + 1 rows in one forward,
 greedy and rejection-sampling acceptance, rollback. Speculation may change speed, never results: greedy
 output is token for token what plain decoding gives, in batches, under chunked prefill, prefix hits and
 preemption; sampling draws from the target's distribution (a chi-square test); every block comes back."""

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (engine/speculative/draft.py): a smaller checkpoint with the
+"""Speculative decoding with a draft model (speculative/draft.py): a smaller checkpoint with the
 target's vocabulary proposes greedily, its KV cache on the target's blocks. Greedy output stays token for
 token plain decoding's, in batches, under chunked prefill, prefix hits and preemption; a draft that is the
 target itself is always right, which holds only while its K/V stays in step; sampling stays the target's
