@@ -43,6 +43,7 @@ class Target:
     max_prompt_tokens: int = 40
     max_tokens: int = 96
     long_tokens: int = 460  # a stream long enough to fill the socket buffers of a client that stops reading
+    slow_tokens: int = 120  # more events than a slow reader's 4 KiB receive window holds, short enough to end
 
     def connection(self, timeout: float = 120.0, rcvbuf: int | None = None) -> http.client.HTTPConnection:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
@@ -169,7 +170,7 @@ def slow_reader(target: Target, tally: Tally, end: float, seed: int) -> None:
     """Streams read a line at a time with a tiny receive window: slow, but never cut off."""
     rng = random.Random(seed)
     while time.monotonic() < end:
-        body = stream_body(rng, target, target.long_tokens)
+        body = stream_body(rng, target, target.slow_tokens)
         if run_stream(target, body, tally, rcvbuf=4096, line_delay=0.002, until=end):
             tally.count("slow streams finished")
 

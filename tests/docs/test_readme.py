@@ -81,7 +81,7 @@ def test_hub_snippets_stop_only_at_the_hub(tmp_path):
     """With no Hub and an empty cache, each Hub snippet gets as far as fetching the model and says
     so: its flags and code are fine, and it fails with the loader's message (the CLI without a traceback)."""
     hub = [s for s in SNIPPETS if hub_model(s) and not s.text.startswith("pip")]
-    assert any(s.lang == "bash" for s in hub) and any(s.lang == "python" for s in hub)
+    assert hub, "the README names no Hub model: the Qwen3 serve line should"
     env = {**script_env(), "HF_HOME": str(tmp_path / "empty-hf-home")}
     for s in hub:
         argv = ["bash", "-c", s.text] if s.lang == "bash" else [sys.executable, "-c", s.text]
