@@ -22,7 +22,8 @@ from _common import model_path, section
 
 from minfer import LLM, SamplingParams, StructuredOutputsParams
 from minfer.checkpoints import write_random_checkpoint
-from minfer.server.requests import ModelInfo, parse_chat
+from minfer.server.chat_requests import parse_chat
+from minfer.server.requests import ModelInfo
 from minfer.server.responder import Responder
 from minfer.structured.masks import unpack
 from minfer.text.chat_template import ChatTemplate

@@ -18,11 +18,12 @@ from contextlib import contextmanager
 from ..engine.outputs import RequestOutput
 from ..errors import InvalidParameter
 from .api_errors import APIError
+from .chat_requests import parse_chat
 from .http_handler import ClientGone
 from .info_endpoints import InfoEndpoints, ServerState
 from .manager import EngineError
 from .messages import Accepted, CompletionDelta, Done, Error, RequestEvent, RequestHandle
-from .requests import ParsedRequest, invalid_request, parse_chat, parse_completion, parse_generate
+from .requests import ParsedRequest, invalid_request, parse_completion, parse_generate
 from .responder import Responder, generate_response, usage
 
 

@@ -1,12 +1,11 @@
-"""One request path: an HTTP body becomes a ParsedRequest here, for /v1/completions, /v1/chat/completions
-and /generate.
+"""One request path: an HTTP body becomes a ParsedRequest here, for /v1/completions and /generate, and
+in chat_requests.py, with the helpers below, for /v1/chat/completions.
 
 Which fields each endpoint reads, refuses or only logs is the table's to say (request_fields.py);
 `Endpoint.check` applies its one rule. What a value may be is SamplingParams' rule
 (engine/sampling_params.py); what needs the model (a prompt's ids against the vocabulary and the
 context) is the engine's check, run once at the edge (endpoints.py). Each raises InvalidParameter
-naming the field, which `invalid_request` turns into the 400 naming the request's own field. Chat
-messages render through the checkpoint's template (chat_messages.py).
+naming the field, which `invalid_request` turns into the 400 naming the request's own field.
 """
 
 from __future__ import annotations
@@ -21,11 +20,10 @@ from ..engine.sampling_params import SamplingParams
 from .api_errors import APIError, invalid
 from ..text.chat_template import ChatTemplate
 from ..text.tokenizer import Tokenizer
-from .chat_messages import render_messages, show
-from .request_fields import FIELDS, OPENAI_CHAT, OPENAI_COMPLETIONS, SAMPLING, STRUCTURED, TOOLS, VLLM
-
-from .structured_fields import read_constraint, without_thinking
-from .tools import Tools, read_tools
+from .chat_messages import show
+from .request_fields import FIELDS, OPENAI_COMPLETIONS, SAMPLING, STRUCTURED, VLLM
+from .structured_fields import read_constraint
+from .tools import Tools
 
 log = logging.getLogger("minfer.serve")
 
@@ -72,9 +70,6 @@ class Endpoint:
 
 COMPLETIONS = Endpoint("/v1/completions", SAMPLING | STRUCTURED | {"model", "prompt", "max_tokens", "stream",
                        "stream_options", "echo", "logprobs", "prompt_logprobs"}, OPENAI_COMPLETIONS | VLLM)
-CHAT = Endpoint("/v1/chat/completions", SAMPLING | STRUCTURED | TOOLS | {"model", "messages", "max_tokens",
-                "max_completion_tokens", "stream", "stream_options", "chat_template_kwargs", "logprobs",
-                "top_logprobs"}, OPENAI_CHAT | VLLM)
 GENERATE = Endpoint("/generate", (SAMPLING - {"ignore_eos", "best_of"}) | {"prompt", "max_new_tokens", "stop_on_eos",
                                                                            "stream"}, None)
 
@@ -154,22 +149,22 @@ def get(body: dict, name: str, default=None, kind: str | None = None):
     return value
 
 
-# ---- the three endpoints ---------------------------------------------------------------
+# ---- /v1/completions and /generate (chat_requests.py parses /v1/chat/completions) -------------
 
 
 def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
     """POST /v1/completions: one prompt or a batch (strings or token ids), with logprobs, echo and
     prompt_logprobs for scoring."""
-    body = _opened(body, info, COMPLETIONS)
+    body = opened_body(body, info, COMPLETIONS)
     prompts, texts = _prompt_batch(body.get("prompt"), info.tokenizer)
     scoring, asks = _scoring(body) if SCORING & body.keys() or body.get("max_tokens") == 0 else (None, {})
     score_only = scoring is not None and scoring.score_only
-    max_tokens = 1 if score_only else _max_tokens(body, "max_tokens", max(map(len, prompts)), info, default=16)
+    max_tokens = 1 if score_only else output_budget(body, "max_tokens", max(map(len, prompts)), info, default=16)
     constraint, source = read_constraint(body) if STRUCTURED & body.keys() else (None, None)
     fields = {"structured_outputs": source} if source else {}
-    params = _params(body, max_tokens, get(body, "ignore_eos", False, "bool"), fields, structured_outputs=constraint,
-                     **asks)
-    return ParsedRequest(prompts, params, *_stream(body, COMPLETIONS), fields, texts, scoring)
+    params = sampling_params(body, max_tokens, get(body, "ignore_eos", False, "bool"), fields,
+                             structured_outputs=constraint, **asks)
+    return ParsedRequest(prompts, params, *stream_flags(body, COMPLETIONS), fields, texts, scoring)
 
 
 def _scoring(body: dict) -> tuple[Scoring, dict]:
@@ -183,29 +178,38 @@ def _scoring(body: dict) -> tuple[Scoring, dict]:
     return Scoring(logprobs, echo, asked is not None, score_only), dict(logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
-def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
-    """POST /v1/chat/completions: messages rendered through the checkpoint's chat template."""
-    body = _opened(body, info, CHAT)
-    tools = read_tools(body, info.chat_template) if TOOLS & body.keys() else None
-    constraint, source = read_constraint(body) if STRUCTURED & body.keys() else (None, None)
-    if tools is not None and tools.enforced:  # "required" or a named function: the grammar of its calls
-        constraint, source = tools.constraint(constraint, source), "tools"
-    if constraint is not None:  # a constrained reply starts with what its grammar wants: no <think> block first
-        body = without_thinking(body)
-    ids = info.tokenizer.encode(render_messages(body, info.chat_template, tools=tools and tools.rendered))  # BOS too
-    # max_completion_tokens is the current name; max_tokens the deprecated one. No limit: up to the context.
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    wanted, top = get(body, "logprobs", kind="bool"), body.get("top_logprobs")
-    if top is not None and not wanted:
-        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    fields = {"prompt": "messages", "max_tokens": name, "logprobs": "top_logprobs", "structured_outputs": source}
-    logprobs = (0 if top is None else top) if wanted else None
-    params = _params(body, _max_tokens(body, name, len(ids), info, None), get(body, "ignore_eos", False, "bool"),
-                     fields, logprobs=logprobs, structured_outputs=constraint)
-    stops = info.chat_template.stop_token_ids
-    if stops and not params.ignore_eos:  # the reply ends at the end of its turn
-        params.stop_token_ids = [*(params.stop_token_ids or ()), *stops]
-    return ParsedRequest([ids], params, *_stream(body, CHAT), fields, tools=tools)
+def _prompt_batch(prompt, tokenizer: Tokenizer) -> tuple[list[list[int]], list[str | None]]:
+    """`prompt` as a batch: its token ids and its text (None where it came as ids), one per prompt."""
+    if isinstance(prompt, str):  # one prompt, as text
+        return [tokenizer.encode_prompt(prompt)], [prompt]
+    if prompt is None:
+        raise invalid("prompt", "'prompt' is required", "missing_required_parameter")
+    if isinstance(prompt, list) and prompt and _is_ids(prompt):
+        return [list(prompt)], [None]  # one prompt, as token ids
+    return _prompt_list(prompt, tokenizer)
+
+
+def _prompt_list(prompt, tokenizer: Tokenizer) -> tuple[list[list[int]], list[str | None]]:
+    """A non-empty list of strings, or of token-id lists."""
+    if not isinstance(prompt, list):
+        raise invalid("prompt", f"'prompt' must be a string or a list, got {type(prompt).__name__}", "invalid_type")
+    if not prompt:
+        raise invalid("prompt", "'prompt' is an empty list: give at least one prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [tokenizer.encode_prompt(p) for p in prompt], list(prompt)
+    if not all(isinstance(p, list) for p in prompt):
+        raise invalid(
+            "prompt", "'prompt' must be a string, a list of token ids, a list of strings or a list of token-id lists; "
+            "a list may not mix them", "invalid_type",
+        )
+    for i, p in enumerate(prompt):
+        if not _is_ids(p):
+            raise invalid(f"prompt[{i}]", f"'prompt[{i}]' must be a list of token ids", "invalid_type")
+    return [list(p) for p in prompt], [None] * len(prompt)
+
+
+def _is_ids(prompt: list) -> bool:
+    return all(KINDS["int"][1](t) for t in prompt)
 
 
 def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:
@@ -219,35 +223,35 @@ def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:
         raise invalid("prompt", f"'prompt' must be a string, got {show(prompt)}", "invalid_type")
     ids = info.tokenizer.encode_prompt(prompt)
     fields = {"max_tokens": "max_new_tokens"}
-    max_tokens = _max_tokens(body, "max_new_tokens", len(ids), info, default=64)
+    max_tokens = output_budget(body, "max_new_tokens", len(ids), info, default=64)
     if body.get("n") not in (None, 1):
         raise invalid("n", f"'n' must be 1 on this endpoint, got {show(body['n'])}")
-    params = _params(body, max_tokens, not get(body, "stop_on_eos", True), fields)
+    params = sampling_params(body, max_tokens, not get(body, "stop_on_eos", True), fields)
     return ParsedRequest([ids], params, get(body, "stream", False), fields=fields)
 
 
 # ---- what the endpoints share ------------------------------------------------------------
 
 
-def _opened(body: dict, info: ModelInfo, endpoint: Endpoint) -> dict:
+def opened_body(body: dict, info: ModelInfo, endpoint: Endpoint) -> dict:
     """The body with the checkpoint's sampling defaults under the fields it left out; the model it names
     checked, and its fields checked against the contract."""
     body = {**info.sampling_defaults, **body}
     model = get(body, "model")
     if model is not None and model != info.name:
-        raise APIError(
-            404, f"the model {model!r} does not exist; this server serves {info.name!r}", param="model",
-            code="model_not_found",
-        )
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {info.name!r}", param="model",
+                       code="model_not_found")
     endpoint.check(body)
     return body
 
 
-def _stream(body: dict, endpoint: Endpoint) -> tuple[bool, bool]:
+def stream_flags(body: dict, endpoint: Endpoint) -> tuple[bool, bool]:
     """(stream, include_usage)."""
     stream, options = get(body, "stream", False), get(body, "stream_options")
-    if options is None:
-        return stream, False
+    return stream, False if options is None else _include_usage(options, stream, endpoint)
+
+
+def _include_usage(options: dict, stream: bool, endpoint: Endpoint) -> bool:
     if not stream:
         raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
     for key in options:
@@ -256,11 +260,11 @@ def _stream(body: dict, endpoint: Endpoint) -> tuple[bool, bool]:
     include_usage = options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise invalid("stream_options.include_usage", "'include_usage' must be a boolean", "invalid_type")
-    return stream, bool(include_usage)
+    return bool(include_usage)
 
 
-def _max_tokens(body: dict, name: str, num_prompt_tokens: int, info: ModelInfo, default: int | None):
-    """The output budget as sent; if absent, `default` clipped to the room the prompt leaves (None: all of it).
+def output_budget(body: dict, name: str, num_prompt_tokens: int, info: ModelInfo, default: int | None):
+    """max_tokens as sent; if absent, `default` clipped to the room the prompt leaves (None: all of it).
     The engine judges it (SamplingParams, then its check against the context)."""
     value = body.get(name)
     if value is not None:
@@ -269,60 +273,31 @@ def _max_tokens(body: dict, name: str, num_prompt_tokens: int, info: ModelInfo, 
     return room if default is None else min(default, room)
 
 
-def _params(body: dict, max_tokens, ignore_eos, fields: dict[str, str], **extra: Any) -> SamplingParams:
-    """The request's SamplingParams: JSON's conventions applied (null is the default, logit_bias keys come
-    as strings, top_k -1 is vLLM's "off", best_of may only equal n); SamplingParams judges the values."""
+def sampling_params(body: dict, max_tokens, ignore_eos, fields: dict[str, str], **extra: Any) -> SamplingParams:
+    """The request's SamplingParams, JSON's conventions applied (null is the default, top_k -1 is vLLM's
+    "off", best_of may only equal n); SamplingParams judges the values."""
     kwargs = {f.sets: body[name] for name, f in FIELDS.items() if f.sets and body.get(name) is not None}
     if kwargs.get("top_k") == -1 and type(kwargs["top_k"]) is int:
         kwargs["top_k"] = 0
-    bias = body.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise invalid("logit_bias", f"'logit_bias' must be an object {{token id: bias}}, got {show(bias)}",
-                          "invalid_type")
-        try:
-            kwargs["logit_bias"] = {int(token): value for token, value in bias.items()}
-        except ValueError:
-            raise invalid("logit_bias", f"'logit_bias' keys must be token ids, got {show(list(bias))}") from None
-    n = body.get("n")
-    n = 1 if n is None else n
-    best_of = body.get("best_of")
+    if body.get("logit_bias") is not None:
+        kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
+    n, best_of = 1 if body.get("n") is None else body["n"], body.get("best_of")
     if best_of is not None and best_of != n:
-        raise invalid(
-            "best_of", f"'best_of' = {best_of!r} is not supported: this server returns every sample it draws, so "
-            f"best_of may only equal n ({n}); ask for n = {best_of!r} and pick yourself", "unsupported_parameter",
-        )
+        raise invalid("best_of", f"'best_of' = {best_of!r} is not supported: this server returns every sample it "
+                      f"draws, so best_of may only equal n ({n}); ask for n = {best_of!r} and pick yourself",
+                      "unsupported_parameter")
     try:
         return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, n=n, **kwargs, **extra)
     except ValueError as e:
         raise invalid_request(e, fields) from None
 
 
-def _prompt_batch(prompt, tokenizer: Tokenizer) -> tuple[list[list[int]], list[str | None]]:
-    """`prompt` as a batch: its token ids and its text (None where it came as ids), one per prompt.
-    A string, a list of token ids, or a non-empty list of strings or of token-id lists."""
-    is_ids = lambda p: isinstance(p, list) and all(KINDS["int"][1](t) for t in p)  # noqa: E731
-    if prompt is None:
-        raise invalid("prompt", "'prompt' is required", "missing_required_parameter")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and is_ids(prompt)):
-        prompt = [prompt]  # one prompt
-    if not isinstance(prompt, list):
-        raise invalid("prompt", f"'prompt' must be a string or a list, got {type(prompt).__name__}", "invalid_type")
-    if not prompt:
-        raise invalid("prompt", "'prompt' is an empty list: give at least one prompt")
-    if not (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
-        raise invalid(
-            "prompt", "'prompt' must be a string, a list of token ids, a list of strings or a list of token-id lists; "
-            "a list may not mix them", "invalid_type",
-        )
-    ids, texts = [], []
-    for i, p in enumerate(prompt):
-        if isinstance(p, str):
-            ids.append(tokenizer.encode_prompt(p))
-            texts.append(p)
-        elif is_ids(p):
-            ids.append(list(p))
-            texts.append(None)
-        else:
-            raise invalid(f"prompt[{i}]", f"'prompt[{i}]' must be a list of token ids", "invalid_type")
-    return ids, texts
+def _logit_bias(bias) -> dict[int, float]:
+    """JSON's object keys are strings: {"50256": -100} biases token 50256."""
+    if not isinstance(bias, dict):
+        raise invalid("logit_bias", f"'logit_bias' must be an object {{token id: bias}}, got {show(bias)}",
+                      "invalid_type")
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise invalid("logit_bias", f"'logit_bias' keys must be token ids, got {show(list(bias))}") from None

@@ -8,7 +8,8 @@ import pytest
 
 from minfer import EngineConfig
 from minfer.server.api_errors import APIError
-from minfer.server.requests import ModelInfo, parse_chat
+from minfer.server.chat_requests import parse_chat
+from minfer.server.requests import ModelInfo
 from minfer.server.serve import create_server
 from minfer.text.chat_template import ChatTemplate
 from minfer.text.tokenizer import Tokenizer

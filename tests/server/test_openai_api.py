@@ -12,11 +12,11 @@ from minfer.server.requests import (
     ModelInfo,
     ParsedRequest,
     invalid_request,
-    parse_chat,
     parse_completion,
     parse_generate,
     parse_json_body,
 )
+from minfer.server.chat_requests import parse_chat
 from minfer.server.responder import Responder
 from minfer.server.metrics import Histogram, Metrics
 from minfer.server.prometheus import histogram_lines, render

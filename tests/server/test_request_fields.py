@@ -9,8 +9,9 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from minfer.server.api_errors import APIError
-from minfer.server import request_fields, requests
-from minfer.server.requests import ModelInfo, parse_chat, parse_completion, parse_generate
+from minfer.server import chat_requests, request_fields, requests
+from minfer.server.chat_requests import parse_chat
+from minfer.server.requests import ModelInfo, parse_completion, parse_generate
 from minfer.text.tokenizer import Tokenizer
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -31,7 +32,7 @@ def test_the_tables_know_every_field_of_the_installed_openai_sdk():
     assert sdk_fields(chat_create_params) <= request_fields.OPENAI_CHAT
     # Every field an endpoint reads is a field of the API it serves.
     assert requests.COMPLETIONS.reads <= requests.COMPLETIONS.api
-    assert requests.CHAT.reads <= requests.CHAT.api
+    assert chat_requests.CHAT.reads <= chat_requests.CHAT.api
 
 
 @pytest.mark.parametrize(
@@ -72,7 +73,7 @@ def test_the_values_that_ask_for_nothing_pass(info, parse, extra):
 
 
 def test_fields_of_neither_api_and_account_fields_are_logged_once(info, caplog, monkeypatch):
-    for rules in (requests.COMPLETIONS, requests.CHAT):  # as in a fresh server process
+    for rules in (requests.COMPLETIONS, chat_requests.CHAT):  # as in a fresh server process
         monkeypatch.setattr(rules, "_logged", set())
     body = {"prompt": "a", "my_trace_id": "t-1", "user": "u-7", "metadata": {"k": "v"}, "store": False}
     with caplog.at_level(logging.WARNING, logger="minfer.serve"):

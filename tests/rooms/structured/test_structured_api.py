@@ -12,7 +12,8 @@ from serving import serving, texts_by_index, wait_all_free
 from structured_constraints import meets
 
 from minfer import EngineConfig
-from minfer.server.requests import ModelInfo, parse_chat, parse_completion
+from minfer.server.chat_requests import parse_chat
+from minfer.server.requests import ModelInfo, parse_completion
 from minfer.text.chat_template import ChatTemplate
 from minfer.text.tokenizer import Tokenizer
 
