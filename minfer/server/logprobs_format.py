@@ -9,6 +9,11 @@
 - `prompt_logprobs: k` (vLLM's extension): per prompt token, null for the first, then
   {token_id: {"logprob", "rank", "decoded_token"}}.
 
+ScoredChoices adds them to one response's choices (the Responder builds the choices): each choice's
+logprobs and, with `echo`, its prompt ahead of its text; streamed, the logprobs of exactly the tokens
+whose text a chunk carries (tokens whose text is held back wait for the next chunk with text, or the
+choice's final chunk), and the echo in a choice's first chunk.
+
 A token's text is its own bytes decoded alone; a token that ends mid-character shows U+FFFD there,
 and chat's `bytes` gives its exact bytes. JSON has no -inf: it is written as -9999.0, as vLLM does.
 """
@@ -17,8 +22,10 @@ from __future__ import annotations
 
 import math
 
+from ..engine.outputs import CompletionDelta, RequestOutput
 from ..scoring.logprobs import TokenLogprob, keep_top
 from ..text.tokenizer import Tokenizer
+from .requests import ParsedRequest
 
 NO_PROBABILITY = -9999.0  # stands in for -inf, which JSON cannot carry
 
@@ -95,3 +102,81 @@ class LogprobFormatter:
 def _trimmed(entries: list[TokenLogprob | None], k: int) -> list[TokenLogprob | None]:
     """Each entry with its k likeliest tokens only (a step computes the largest k any request asked for)."""
     return [None if e is None else keep_top(e, k) for e in entries]
+
+
+class ScoredChoices:
+    """What scoring adds to the choices of one response (`logprobs`; completions' `echo` and
+    `prompt_logprobs`), per choice index."""
+
+    def __init__(self, req: ParsedRequest, tokenizer: Tokenizer, chat: bool, num_choices: int):
+        self.req, self.tokenizer, self.chat = req, tokenizer, chat
+        self.scoring = None if chat else req.scoring  # echo and prompt_logprobs: completions' only
+        self.score_only = self.scoring is not None and self.scoring.score_only
+        asked = req.params.logprobs is not None  # else only echo or prompt_logprobs
+        self.formatters = [LogprobFormatter(tokenizer) for _ in range(num_choices)] if asked else []
+        self.pending: list[list] = [[] for _ in range(num_choices)]  # (token id, logprob) awaiting text
+        self.echoed = [False] * num_choices
+
+    def whole(self, choice: dict, index: int, out: RequestOutput) -> dict:
+        """A whole choice with its logprobs, and with echo the prompt (and its logprobs) ahead of its text."""
+        token_ids, entries = ([], []) if self.score_only else (out.token_ids, out.logprobs or [])
+        if self.scoring is None:
+            return _with(choice, self._logprobs(index, token_ids, entries))
+        # The prompt's tokens first, then the completion's (the formatter counts text_offset on).
+        echo_text, echo_logprobs, asked = self._prompt_parts(index, out.prompt_logprobs)
+        logprobs = self._logprobs(index, token_ids, entries)
+        if echo_logprobs is not None:
+            logprobs = {key: echo_logprobs[key] + logprobs[key] for key in logprobs}
+        choice["text"] = echo_text + ("" if self.score_only else out.text)
+        return _with(choice, logprobs, asked)
+
+    def echo(self, choice: dict, index: int, prompt_logprobs) -> dict | None:
+        """A stream's first chunk of a choice with echo or prompt_logprobs: the prompt; else None."""
+        if self.scoring is None or self.echoed[index]:
+            return None
+        self.echoed[index] = True
+        text, logprobs, asked = self._prompt_parts(index, prompt_logprobs)
+        if not text and asked is None:
+            return None
+        choice["text"] = text
+        return _with(choice, logprobs, asked)
+
+    def hold(self, index: int, delta: CompletionDelta) -> None:
+        """The delta's tokens wait for the chunk that carries their text."""
+        if self.formatters and not self.score_only:
+            self.pending[index] += zip(delta.token_ids, delta.logprobs or [])
+
+    def flush(self, choice: dict, index: int, only_if_held: bool = False) -> dict:
+        """The chunk's choice with the logprobs of the tokens that waited for it (with only_if_held, none
+        when none waited)."""
+        if self.formatters and (self.pending[index] or not only_if_held):
+            pending, self.pending[index] = self.pending[index], []
+            choice["logprobs"] = self._logprobs(index, [t for t, _ in pending], [e for _, e in pending])
+        return choice
+
+    def _logprobs(self, index: int, token_ids: list[int], entries: list) -> dict | None:
+        if not self.formatters:
+            return None
+        k, fmt = self.req.params.logprobs, self.formatters[index]
+        return fmt.chat(entries, k) if self.chat else fmt.completion(token_ids, entries, k)
+
+    def _prompt_parts(self, index: int, prompt_logprobs) -> tuple[str, dict | None, list | None]:
+        """The echoed prompt: its text, its completions logprobs, and vLLM's prompt_logprobs field."""
+        s, n = self.scoring, self.req.params.n
+        asked = None
+        if s.return_prompt_logprobs:
+            asked = LogprobFormatter(self.tokenizer).prompt_logprobs(prompt_logprobs, self.req.params.prompt_logprobs)
+        if not s.echo:
+            return "", None, asked
+        prompt = index // n
+        text = self.req.prompt_texts[prompt] if self.req.prompt_texts else None
+        text = text if text is not None else self.tokenizer.decode(self.req.prompts[prompt])
+        entries = prompt_logprobs if prompt_logprobs is not None else [None] * len(self.req.prompts[prompt])
+        return text, self._logprobs(index, self.req.prompts[prompt], entries), asked
+
+
+def _with(choice: dict, logprobs, prompt_logprobs=None) -> dict:
+    choice["logprobs"] = logprobs
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
+    return choice

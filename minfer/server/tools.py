@@ -10,7 +10,10 @@
   so the call's name is a tool's and its arguments validate against that tool's parameters.
 - `parallel_tool_calls` (default true): enforced replies hold one call, or with it one or more; an
   "auto" reply without it gives back its first call only.
-OpenAI's older `functions` and `function_call` are refused (requests.py), pointing here.
+OpenAI's older `functions` and `function_call` are refused, pointing here.
+The replies are read back for calls (ToolReplies, with tool_calls.py's parser): a call comes back in
+`message.tool_calls`, with finish_reason "tool_calls"; streamed, as OpenAI's tool-call deltas (index, id
+and name, then fragments of the arguments), content that could still open a call held back until it cannot.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..engine.outputs import CompletionDelta
 from ..engine.structured_outputs_params import StructuredOutputsParams
 from .api_errors import invalid
 from ..text.chat_template import ChatTemplate
 from .chat_messages import show
-from .tool_calls import ToolFormat, format_of
+from .tool_calls import CallStream, ToolFormat, call_id, format_of, read
 
 READ = frozenset({"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"})  # chat's fields
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
@@ -58,6 +62,32 @@ class Tools:
                           "a call's format is the tool's")
         names = [self.named] if self.named else self.names
         return StructuredOutputsParams(grammar=self.format.grammar(self.tools, names, self.parallel))
+
+
+class ToolReplies:
+    """One response's chat replies, read for calls to the request's tools: every call, or without
+    parallel_tool_calls the first."""
+
+    def __init__(self, tools: Tools, num_choices: int):
+        self.tools, self.names, self.limit = tools, set(tools.names), None if tools.parallel else 1
+        self.streams = [CallStream(tools.format, self.names, tools.enforced, self.limit) for _ in range(num_choices)]
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A whole reply as the assistant's message: its content, and the calls read out of it."""
+        reading = read(self.tools.format, text, self.names, final=True, partial=self.tools.enforced)
+        calls = [{"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                 for c in reading.calls[: self.limit]]
+        if not calls:
+            return {"role": "assistant", "content": reading.content}, finish_reason
+        message = {"role": "assistant", "content": reading.content or None, "tool_calls": calls}
+        return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+    def add(self, index: int, delta: CompletionDelta) -> tuple[str, list[dict]]:
+        """A streamed reply's delta: (content to send, tool-call deltas to send)."""
+        return self.streams[index].add(delta.text, final=delta.finish_reason is not None)
+
+    def finish_reason(self, index: int, finish_reason: str | None) -> str | None:
+        return "tool_calls" if self.streams[index].called and finish_reason == "stop" else finish_reason
 
 
 def read_tools(body: dict, template: ChatTemplate) -> Tools | None:
