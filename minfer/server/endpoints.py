@@ -1,13 +1,10 @@
 """The server's endpoints, and how a handler thread talks to the engine.
 
-A request to /v1/completions, /v1/chat/completions or /generate goes:
-parse it (requests.py) -> the engine's check, once, in this thread (`manager.check`:
-a 400 naming the field before anything is streamed) -> `manager.submit`, which the
-worker takes -> read the request's events (messages.py: Accepted,
-CompletionDelta..., Done or Error) -> write them out (responder.py), as one JSON
-body, Server-Sent Events (the OpenAI endpoints) or plain chunked text (/generate).
-Whatever happens, the request is released at the end: if it has not finished
-(the client left, a write failed), the worker discards it and frees its KV
+A request to /v1/completions, /v1/chat/completions or /generate is parsed (requests.py,
+chat_requests.py), checked by the engine once, in this thread (a 400 naming the field before anything
+is streamed), submitted, and its events (messages.py) written out by the Responder as one JSON body or
+Server-Sent Events (/generate: plain chunked text). Whatever happens, the request is released at the
+end: if it has not finished (the client left, a write failed), the worker discards it and frees its KV
 blocks before its next step.
 """
 
@@ -16,20 +13,20 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from ..engine.outputs import RequestOutput
+from ..engine.request_check import CheckedRequest
 from ..errors import InvalidParameter
 from .api_errors import APIError
 from .chat_requests import parse_chat
 from .http_handler import ClientGone
 from .info_endpoints import InfoEndpoints, ServerState
-from .manager import EngineError
-from .messages import Accepted, CompletionDelta, Done, Error, RequestEvent, RequestHandle
+from .messages import CompletionDelta, Done, Error, RequestEvent, RequestHandle
 from .requests import ParsedRequest, invalid_request, parse_completion, parse_generate
 from .responder import Responder, generate_response, usage
 
 
-def _at_index(e: APIError, index: int | None) -> APIError:
+def _at_index(e: APIError, index: int) -> APIError:
     """An error about one prompt of a batch names which: param 'prompt[3]'."""
-    if index is None or e.param != "prompt":
+    if e.param != "prompt":
         return e
     return APIError(e.status, f"prompt[{index}]: {e.message}", param=f"prompt[{index}]", code=e.code)
 
@@ -66,43 +63,41 @@ class APIHandler(InfoEndpoints):
 
     @contextmanager
     def _submitted(self, req: ParsedRequest):
-        """Check every prompt of the request against the engine, once, here (one it refuses refuses them all,
-        with a 400 before anything is streamed); submit each as an engine request of its own and wait until
-        all are admitted; always release them afterwards."""
-        manager, batch = self.server.manager, len(req.prompts) > 1
-        checked = []
-        for i, ids in enumerate(req.prompts):
-            try:
-                checked.append(manager.check(ids, req.params))
-            except InvalidParameter as e:  # the prompt does not fit the model
-                raise _at_index(invalid_request(e, req.fields), i if batch else None) from None
+        """Check every prompt of the request against the engine (one it refuses refuses them all), submit
+        each as an engine request of its own, wait until all are admitted; always release them afterwards."""
+        manager = self.server.manager
+        checked = [self._checked(req, i) for i in range(len(req.prompts))]  # before anything is streamed
         handles = []
         try:
             for request in checked:
-                handles.append(manager.submit(request))
+                handles.append(manager.submit(request))  # EngineError (an APIError) when it cannot take it
             for handle in handles:
-                event = self._next_event(handle)
-                if isinstance(event, Error):
-                    raise APIError(event.status, event.message)
-                assert isinstance(event, Accepted), event
+                self._next_event(handle)  # Accepted (a refusal raises)
             yield handles
-        except EngineError as e:
-            raise APIError(e.status, e.message) from None
         finally:
             for handle in handles:
                 manager.release(handle)  # discards it if it has not finished
 
+    def _checked(self, req: ParsedRequest, i: int) -> CheckedRequest:
+        try:
+            return self.server.manager.check(req.prompts[i], req.params)
+        except InvalidParameter as e:  # the prompt does not fit the model: a 400 naming the field
+            error = invalid_request(e, req.fields)
+            raise (_at_index(error, i) if len(req.prompts) > 1 else error) from None
+
     def _next_event(self, handle: RequestHandle) -> RequestEvent:
+        """The request's next event (an Error raises APIError), checking between waits whether the client left."""
         while True:
             event = handle.next_event(timeout=CLIENT_CHECK_SECONDS)
+            if isinstance(event, Error):
+                raise APIError(event.status, event.message)
             if event is not None:
                 return event
             if self.client_gone():
                 raise ClientGone()
 
     def _events(self, handle: RequestHandle):
-        """Yield each CompletionDelta as it comes, then the RequestOutputs (a tuple, one per choice); an
-        Error event raises APIError."""
+        """Yield each CompletionDelta as it comes, then the RequestOutputs (a tuple, one per choice)."""
         while True:
             match self._next_event(handle):
                 case CompletionDelta() as delta:
@@ -111,14 +106,10 @@ class APIHandler(InfoEndpoints):
                     self.log_note = "tokens={prompt_tokens}+{completion_tokens} ".format(**usage(list(done.outputs)))
                     yield done.outputs
                     return
-                case Error(status, message):
-                    raise APIError(status, message)
 
     def _collect(self, handle: RequestHandle) -> tuple[RequestOutput, ...]:
-        for item in self._events(handle):
-            if isinstance(item, tuple):  # their texts are the whole texts: the pieces are not needed
-                return item
-        raise AssertionError("the event stream ended without Done")
+        *_, outputs = self._events(handle)  # their texts are the whole texts: the deltas are not needed
+        return outputs
 
     # ---- endpoints -----------------------------------------------------------------
 
@@ -131,31 +122,34 @@ class APIHandler(InfoEndpoints):
     def _openai(self, req: ParsedRequest, chat: bool) -> None:
         r = Responder(self.server.info.name, chat, req, self.server.info.tokenizer)
         with self._submitted(req) as handles:
-            if not req.stream:
+            if req.stream:
+                self._send_stream(r, req, handles)
+            else:
                 self.send_json(200, r.response([self._collect(h) for h in handles]))
-                return
-            # The engine's id for this request, as /engine/events names it: the live view's playground
-            # highlights its own request's blocks with it.
-            self.begin_stream("text/event-stream", {"X-Engine-Request-Id": handles[0].request_id})
-            for chunk in r.first_chunks():
-                self.send_event(chunk)
-            outs = []
-            try:
-                # The engine runs every prompt together; the stream gives each prompt's choices in turn.
-                for prompt_index, handle in enumerate(handles):
-                    for item in self._events(handle):
-                        if isinstance(item, CompletionDelta):  # a choice's text; its finish_reason on its last
-                            for chunk in r.delta_chunks(item, prompt_index):
-                                self.send_event(chunk)
-                        else:
-                            outs.append(item)  # the prompt's choices, one RequestOutput each
-                if req.include_usage:
-                    self.send_event(r.usage_chunk(outs))
-            except APIError as e:  # the engine failed or is shutting down: say so, then end the stream
-                self.note_cut_stream(e)
-                self.send_event(e.body())
-            self.send_event("[DONE]")
-            self.end_stream()
+
+    def _send_stream(self, r: Responder, req: ParsedRequest, handles: list[RequestHandle]) -> None:
+        # The engine's id for this request, as /engine/events names it: the live view's playground
+        # highlights its own request's blocks with it.
+        self.begin_stream("text/event-stream", {"X-Engine-Request-Id": handles[0].request_id})
+        for chunk in r.first_chunks():
+            self.send_event(chunk)
+        outs = []
+        try:
+            # The engine runs every prompt together; the stream gives each prompt's choices in turn.
+            for prompt_index, handle in enumerate(handles):
+                for item in self._events(handle):
+                    if isinstance(item, CompletionDelta):  # a choice's text; its finish_reason on its last
+                        for chunk in r.delta_chunks(item, prompt_index):
+                            self.send_event(chunk)
+                    else:
+                        outs.append(item)  # the prompt's choices, one RequestOutput each
+            if req.include_usage:
+                self.send_event(r.usage_chunk(outs))
+        except APIError as e:  # the engine failed or is shutting down: say so, then end the stream
+            self.note_cut_stream(e)
+            self.send_event(e.body())
+        self.send_event("[DONE]")
+        self.end_stream()
 
     def handle_generate(self) -> None:
         req = parse_generate(self.read_json(), self.server.info)

@@ -37,6 +37,7 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.request_check import CheckedRequest
 from ..engine.scheduler import OnlineScheduler
 from ..errors import is_sticky_device_error
+from .api_errors import APIError
 from .engine_events import EngineFeed, EventRecorder
 from .messages import Accepted, AddRequest, DiscardRequest, Done, Error, RequestHandle
 from .metrics import Metrics
@@ -44,13 +45,8 @@ from .metrics import Metrics
 log = logging.getLogger("minfer.serve")
 
 
-class EngineError(Exception):
-    """A request the manager could not take (queue full: 429; engine stopped: 503)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
+class EngineError(APIError):
+    """A request the manager could not take (queue full: 429; engine stopped: 503): the HTTP error as it is."""
 
 
 class SchedulerManager:
