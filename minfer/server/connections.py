@@ -9,6 +9,7 @@ little, and a small buffer lets the write timeout notice a client that stopped r
 
 from __future__ import annotations
 
+import contextlib
 import io
 import socket
 import threading
@@ -76,8 +77,8 @@ class RequestReader(io.RawIOBase):
         self.sock = sock
         self.limits = limits
         self.stats = stats
-        self.idle_until: float | None = None  # waiting for a request's first byte until then
-        self.deadline: float | None = None  # the whole request must have arrived by then
+        self.deadline = 0.0  # the current wait ends then
+        self.idle = False  # waiting for a kept-alive connection's next request, under the keep-alive timeout
         self.started = False  # has any byte of the current request arrived?
 
     def readable(self) -> bool:
@@ -85,32 +86,23 @@ class RequestReader(io.RawIOBase):
 
     def next_request(self, first: bool) -> None:
         """A new connection's first request is due within the request timeout; a later one may idle first."""
-        now = time.monotonic()
-        self.started = False
-        if first:
-            self.idle_until, self.deadline = None, now + self.limits.request_timeout
-        else:
-            self.idle_until, self.deadline = now + self.limits.keepalive_timeout, None
+        self.started, self.idle = False, not first
+        timeout = self.limits.request_timeout if first else self.limits.keepalive_timeout
+        self.deadline = time.monotonic() + timeout
 
     def readinto(self, buf) -> int:
-        idle = not self.started and self.idle_until is not None
-        limit = self.idle_until if idle else self.deadline
+        left = self.deadline - time.monotonic()
         try:
-            if limit is not None:
-                left = limit - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError()
-                self.sock.settimeout(left)
-            else:
-                self.sock.settimeout(None)
+            if left <= 0:
+                raise TimeoutError()
+            self.sock.settimeout(left)
             n = self.sock.recv_into(buf)
         except TimeoutError:
-            self.stats.on_timeout("idle" if idle else "request")
-            raise IdleTimeout() if idle else RequestTimeout(self.limits.request_timeout) from None
-        if n and not self.started:
-            self.started = True
-            if self.deadline is None:
-                self.deadline = time.monotonic() + self.limits.request_timeout
+            self.stats.on_timeout("idle" if self.idle else "request")
+            raise IdleTimeout() if self.idle else RequestTimeout(self.limits.request_timeout) from None
+        if n and self.idle:  # the next request began: all of it is due within the request timeout
+            self.idle, self.deadline = False, time.monotonic() + self.limits.request_timeout
+        self.started = self.started or n > 0
         return n
 
 
@@ -161,17 +153,13 @@ class TimedHandler(BaseHTTPRequestHandler):
         self.command, self.requestline, self.request_version = None, "", self.default_request_version
         try:
             super().handle_one_request()
-        except IdleTimeout:
+        except (IdleTimeout, OSError):  # idle past keep-alive, or the client vanished or stopped reading
             self.close_connection = True
         except RequestTimeout as e:  # in the request line or headers (the body's is the handler's to answer)
             self.close_connection = True
             if self.reader.started:  # a request began: tell the client why it gets no answer
-                try:
+                with contextlib.suppress(OSError):
                     self.send_error(408, e.message)
-                except OSError:
-                    pass
-        except OSError:  # the client vanished or stopped reading: nobody left to answer
-            self.close_connection = True
 
 
 class CappedHTTPServer(ThreadingHTTPServer):
