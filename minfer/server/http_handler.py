@@ -44,23 +44,18 @@ class RoutingHandler(TimedHandler):
 
     def route_request(self) -> None:
         """Serve one request, whatever its method: find its route, check method and key, run the endpoint."""
-        self._start = time.perf_counter()
+        start, path = time.perf_counter(), urlsplit(self.path).path
         self._status: int | str = "-"
         self.log_note = ""  # words for this request's log line: the endpoint adds the token counts
         self._streaming = False  # the handler serves every request of a keep-alive connection
-        path = urlsplit(self.path).path
         try:
             route = self.route_of(path)
             if route not in self.ROUTES:
                 raise APIError(404, f"no such endpoint: {path}", code="not_found")
             method, name, needs_key = self.ROUTES[route]
             if self.command != method:
-                raise APIError(
-                    405,
-                    f"{path} accepts {method} only, not {self.command}",
-                    code="method_not_allowed",
-                    headers={"Allow": method},
-                )
+                raise APIError(405, f"{path} accepts {method} only, not {self.command}", code="method_not_allowed",
+                               headers={"Allow": method})
             if needs_key:
                 self.authorize(self.server.api_key)
             getattr(self, "handle_" + name)()
@@ -73,11 +68,9 @@ class RoutingHandler(TimedHandler):
             log.exception("error while handling %s %s", self.command, path)
             self._send_error_json(APIError(500, "internal server error"))
         finally:
-            took = time.perf_counter() - self._start
             if getattr(self.server, "log_requests", True):
-                log.info(
-                    '%s "%s %s" %s %s%.3fs', self.client_address[0], self.command, path, self._status, self.log_note, took
-                )
+                log.info('%s "%s %s" %s %s%.3fs', self.client_address[0], self.command, path, self._status,
+                         self.log_note, time.perf_counter() - start)
 
     def route_of(self, path: str) -> str:
         """The ROUTES key serving `path`: the path itself, unless a subclass maps a family of paths."""
@@ -144,25 +137,21 @@ class RoutingHandler(TimedHandler):
         self.send_body(status, json.dumps(obj).encode(), "application/json", headers)
 
     def send_body(self, status: int, data: bytes, content_type: str, headers: dict | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
+        close = {"Connection": "close"} if self.close_connection else {}
+        self._send_headers(status, {"Content-Type": content_type, "Content-Length": str(len(data)), **(headers or {}),
+                                    **close})
         self.wfile.write(data)
 
     def begin_stream(self, content_type: str, headers: dict | None = None) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Cache-Control", "no-cache")
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
+        self._send_headers(200, {"Content-Type": content_type, "Cache-Control": "no-cache", **(headers or {}),
+                                 "Transfer-Encoding": "chunked"})
         self._streaming = True
+
+    def _send_headers(self, status: int, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
 
     def note_cut_stream(self, error: APIError) -> None:
         """A stream the server ended early (shutdown, engine failure) went out as a 200: its log line
