@@ -1,28 +1,17 @@
 """SchedulerManager: the one engine worker thread between HTTP handlers and the OnlineScheduler.
 
-The scheduler is not thread-safe, so exactly one thread — the worker — ever
-calls it. HTTP handler threads talk to the worker through two things only:
-
-- the inbox, a deque of AddRequest and DiscardRequest messages, followed
-  by `wake.set()`. When nothing is running the worker sleeps in `wake.wait()`:
-  no polling, no CPU, and it wakes the moment a handler sets the event;
-- each request's own queue of events, which the worker fills and the handler
-  drains: Accepted (admitted to the scheduler), a CompletionDelta (new token
-  ids and text) after each step that sampled for it, then Done with the
-  RequestOutput, or Error with a status and message. messages.py defines both
-  kinds of message.
+The scheduler is not thread-safe, so exactly one thread, the worker, ever calls it. Handler threads
+talk to it through two things only (messages.py): the inbox of AddRequest and DiscardRequest, followed
+by `wake.set()` (an idle worker sleeps in `wake.wait()`: no polling), and each request's own queue of
+events, Accepted, a CompletionDelta per step that sampled for it, then Done or Error. A handler that
+stops early calls `release()`, which queues a discard: the worker frees the request's KV blocks before
+its next step. Handlers read the scheduler's stats as the worker's snapshot after each step; while
+someone watches /engine/events, the worker publishes an event per step (engine_events.py).
 
 A step that fails fails the requests in flight, and the worker serves on: the next request may well
 work. A sticky CUDA error (errors.py) is different: no later step can run, so the worker stops, as it
 does if it dies any other way; `/health` then answers 503 and `on_death` tells the server's main thread,
 which exits non-zero for a supervisor to restart the process.
-
-A handler that stops early (client gone, write failed) calls `release()`,
-which queues a discard: the worker drops the request and frees its KV blocks
-before its next step. For /metrics the worker publishes a snapshot of
-`scheduler.stats()` after every step, so handlers never touch the scheduler.
-While someone watches (/engine/events), it also publishes an event per step to
-`manager.events` (engine_events.py); with no viewer that costs one flag check.
 """
 
 from __future__ import annotations
@@ -199,16 +188,10 @@ class SchedulerManager:
         try:
             sampled = self.scheduler.step()
         except Exception as e:
-            if is_sticky_device_error(e):  # no later step can run: the worker stops (see the module's docstring)
-                self.died_because = f"a sticky CUDA error: {str(e).strip().splitlines()[0]}"
-                raise
-            # Fail what was in flight, free it, and keep serving: the next request may well work.
-            log.exception("engine step failed; failing %d in-flight requests", len(self._active))
-            self._fail_all(500, "the engine failed while running this request")
-            if self.events.active:
-                self.events.publish(self._recorder.update())
+            self._step_failed(e)
             return
-        self.metrics.on_tokens(self.scheduler.last_step.num_sampled if sampled else 0)  # n per request with n > 1
+        num_tokens = self.scheduler.last_step.num_sampled if sampled else 0  # n per request, accepted proposals too
+        self.metrics.on_tokens(num_tokens)
         for request_id in sampled:  # text "" too: the handler still gets the step's token ids
             for delta in self.scheduler.get_new_outputs(request_id):  # one per choice that sampled
                 self._active[request_id].events.put(delta)
@@ -219,8 +202,18 @@ class SchedulerManager:
             self._active.pop(request_id).events.put(Done(outs[0], tuple(outs)))
             finished += outs
         if self.events.active:
-            num_tokens = self.scheduler.last_step.num_sampled if sampled else 0  # accepted proposals too
             self.events.publish(self._recorder.step(num_tokens, finished))
+
+    def _step_failed(self, e: Exception) -> None:
+        """Fail what was in flight, free it, and keep serving: the next request may well work. After a sticky
+        CUDA error no later step can run: the worker stops (see the module's docstring)."""
+        if is_sticky_device_error(e):
+            self.died_because = f"a sticky CUDA error: {str(e).strip().splitlines()[0]}"
+            raise e
+        log.exception("engine step failed; failing %d in-flight requests", len(self._active))
+        self._fail_all(500, "the engine failed while running this request")
+        if self.events.active:
+            self.events.publish(self._recorder.update())
 
     def _publish_between_steps(self, queues_changed: bool) -> None:
         """A snapshot when a viewer waits for one (it holds the queue changes too), else an update
