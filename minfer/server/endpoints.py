@@ -20,7 +20,8 @@ from .chat_requests import parse_chat
 from .http_handler import ClientGone
 from .info_endpoints import InfoEndpoints, ServerState
 from .messages import CompletionDelta, Done, Error, RequestEvent, RequestHandle
-from .requests import ParsedRequest, invalid_request, parse_completion, parse_generate
+from .generate_requests import parse_generate
+from .requests import ParsedRequest, invalid_request, parse_completion
 from .responder import Responder, generate_response, usage
 
 

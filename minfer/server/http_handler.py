@@ -56,7 +56,7 @@ class RoutingHandler(TimedHandler):
             if self.command != method:
                 raise APIError(405, f"{path} accepts {method} only, not {self.command}", code="method_not_allowed",
                                headers={"Allow": method})
-            if needs_key:
+            if needs_key and self.server.api_key is not None:
                 self.authorize(self.server.api_key)
             getattr(self, "handle_" + name)()
         except APIError as e:
@@ -108,10 +108,8 @@ class RoutingHandler(TimedHandler):
 
     # ---- reading and writing ---------------------------------------------------------
 
-    def authorize(self, key: str | None) -> None:
-        """With a key set, the request must carry `Authorization: Bearer <key>`; else a 401."""
-        if key is None:
-            return
+    def authorize(self, key: str) -> None:
+        """The request must carry `Authorization: Bearer <key>`; else a 401."""
         scheme, _, token = self.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")

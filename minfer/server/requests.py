@@ -1,5 +1,5 @@
-"""One request path: an HTTP body becomes a ParsedRequest here, for /v1/completions and /generate, and
-in chat_requests.py, with the helpers below, for /v1/chat/completions.
+"""One request path: an HTTP body becomes a ParsedRequest here, for /v1/completions, and with the
+helpers below in chat_requests.py (/v1/chat/completions) and generate_requests.py (/generate).
 
 Which fields each endpoint reads, refuses or only logs is the table's to say (request_fields.py);
 `Endpoint.check` applies its one rule. What a value may be is SamplingParams' rule
@@ -48,17 +48,20 @@ class Endpoint:
 
     def check(self, body: dict) -> None:
         for name, value in body.items():
-            if name in self.reads:
-                continue
-            if self.api is None:
-                hint = " (it takes 'max_new_tokens')" if name == "max_tokens" else ""
-                raise invalid(name, f"'{name}' is not a field of {self.path}{hint}", "unknown_parameter")
-            nothing = FIELDS[name].asks_nothing if name in self.api else None
-            if nothing is not None:  # a field of the API that minfer does not implement
-                if value is None or any(value == v and type(value) is type(v) for v in nothing):
-                    continue
-                raise invalid(name, f"'{name}' is not supported by this server", "unsupported_parameter")
+            if name not in self.reads:
+                self._judge_unread(name, value)
+
+    def _judge_unread(self, name: str, value) -> None:
+        """The rule for a field this endpoint does not read: minfer's own API refuses it; an API's field
+        minfer does not implement is refused unless its value asks for nothing; any other is logged once."""
+        if self.api is None:
+            hint = " (it takes 'max_new_tokens')" if name == "max_tokens" else ""
+            raise invalid(name, f"'{name}' is not a field of {self.path}{hint}", "unknown_parameter")
+        nothing = FIELDS[name].asks_nothing if name in self.api else None
+        if nothing is None:
             self.log_once(name)
+        elif value is not None and not any(value == v and type(value) is type(v) for v in nothing):
+            raise invalid(name, f"'{name}' is not supported by this server", "unsupported_parameter")
 
     def log_once(self, name: str) -> None:
         with self._lock:
@@ -70,8 +73,6 @@ class Endpoint:
 
 COMPLETIONS = Endpoint("/v1/completions", SAMPLING | STRUCTURED | {"model", "prompt", "max_tokens", "stream",
                        "stream_options", "echo", "logprobs", "prompt_logprobs"}, OPENAI_COMPLETIONS | VLLM)
-GENERATE = Endpoint("/generate", (SAMPLING - {"ignore_eos", "best_of"}) | {"prompt", "max_new_tokens", "stop_on_eos",
-                                                                           "stream"}, None)
 
 
 @dataclass
@@ -149,7 +150,7 @@ def get(body: dict, name: str, default=None, kind: str | None = None):
     return value
 
 
-# ---- /v1/completions and /generate (chat_requests.py parses /v1/chat/completions) -------------
+# ---- /v1/completions ---------------------------------------------------------------------
 
 
 def parse_completion(body: dict, info: ModelInfo) -> ParsedRequest:
@@ -210,24 +211,6 @@ def _prompt_list(prompt, tokenizer: Tokenizer) -> tuple[list[list[int]], list[st
 
 def _is_ids(prompt: list) -> bool:
     return all(KINDS["int"][1](t) for t in prompt)
-
-
-def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:
-    """POST /generate: {prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, stop_on_eos, stream}."""
-    GENERATE.check(body)  # minfer's own API: a field it does not read is a mistake
-    body = {**info.sampling_defaults, **body}
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise invalid("prompt", "'prompt' is required", "missing_required_parameter")
-    if not isinstance(prompt, str):
-        raise invalid("prompt", f"'prompt' must be a string, got {show(prompt)}", "invalid_type")
-    ids = info.tokenizer.encode_prompt(prompt)
-    fields = {"max_tokens": "max_new_tokens"}
-    max_tokens = output_budget(body, "max_new_tokens", len(ids), info, default=64)
-    if body.get("n") not in (None, 1):
-        raise invalid("n", f"'n' must be 1 on this endpoint, got {show(body['n'])}")
-    params = sampling_params(body, max_tokens, not get(body, "stop_on_eos", True), fields)
-    return ParsedRequest([ids], params, get(body, "stream", False), fields=fields)
 
 
 # ---- what the endpoints share ------------------------------------------------------------

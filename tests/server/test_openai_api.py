@@ -13,10 +13,10 @@ from minfer.server.requests import (
     ParsedRequest,
     invalid_request,
     parse_completion,
-    parse_generate,
     parse_json_body,
 )
 from minfer.server.chat_requests import parse_chat
+from minfer.server.generate_requests import parse_generate
 from minfer.server.responder import Responder
 from minfer.server.metrics import Histogram, Metrics
 from minfer.server.prometheus import histogram_lines, render

@@ -11,7 +11,8 @@ from openai.types.chat import completion_create_params as chat_create_params
 from minfer.server.api_errors import APIError
 from minfer.server import chat_requests, request_fields, requests
 from minfer.server.chat_requests import parse_chat
-from minfer.server.requests import ModelInfo, parse_completion, parse_generate
+from minfer.server.generate_requests import parse_generate
+from minfer.server.requests import ModelInfo, parse_completion
 from minfer.text.tokenizer import Tokenizer
 
 CHAT = [{"role": "user", "content": "hi"}]
