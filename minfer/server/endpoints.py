@@ -104,7 +104,7 @@ class APIHandler(InfoEndpoints):
                 case CompletionDelta() as delta:
                     yield delta
                 case Done() as done:
-                    self.log_note = "tokens={prompt_tokens}+{completion_tokens} ".format(**usage(list(done.outputs)))
+                    self.log_note = "tokens={prompt_tokens}+{completion_tokens} ".format(**usage([done.outputs]))
                     yield done.outputs
                     return
 

@@ -19,15 +19,17 @@ from .requests import ParsedRequest
 from .tools import ToolReplies
 
 
-def usage(outs: list[RequestOutput]) -> dict:
-    """One prompt's usage: the prompt counted once, every completion's tokens (OpenAI's and vLLM's rule)."""
-    prompt, completion = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
+def usage(outs: list[tuple[RequestOutput, ...]], score_only: bool = False) -> dict:
+    """outs: per prompt, its completions. Each prompt counted once, every completion's tokens (OpenAI's and
+    vLLM's rule); none when the request only scores its prompt."""
+    prompt = sum(len(choices[0].prompt_token_ids) for choices in outs)
+    completion = 0 if score_only else sum(len(out.token_ids) for choices in outs for out in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def generate_response(out: RequestOutput) -> dict:
     """/generate's body: minfer's own, plain shape."""
-    return {"text": out.text, "finish_reason": out.finish_reason, "usage": usage([out])}
+    return {"text": out.text, "finish_reason": out.finish_reason, "usage": usage([(out,)])}
 
 
 class Responder:
@@ -47,7 +49,8 @@ class Responder:
     def response(self, outs: list[tuple[RequestOutput, ...]]) -> dict:
         """The whole response; outs: per prompt, its n completions."""
         choices = [self._full_choice(i * self.n + out.index, out) for i, prompt in enumerate(outs) for out in prompt]
-        return self._envelope("chat.completion" if self.chat else "text_completion", choices, usage=self.usage(outs))
+        obj = "chat.completion" if self.chat else "text_completion"
+        return self._envelope(obj, choices, usage=usage(outs, self.score_only))
 
     def _full_choice(self, index: int, out: RequestOutput) -> dict:
         finish_reason = "length" if self.score_only else out.finish_reason
@@ -59,13 +62,6 @@ class Responder:
         else:
             choice = self._choice(out.text, finish_reason, index=index)
         return choice if self.scored is None else self.scored.whole(choice, index, out)
-
-    def usage(self, outs: list[tuple[RequestOutput, ...]]) -> dict:
-        """Each prompt counted once, every completion's tokens."""
-        counts = [usage(list(prompt)) for prompt in outs]
-        prompt = sum(c["prompt_tokens"] for c in counts)
-        completion = 0 if self.score_only else sum(c["completion_tokens"] for c in counts)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     # ---- a stream --------------------------------------------------------------------
 
@@ -118,7 +114,7 @@ class Responder:
         return self._chunk([choice if self.scored is None else self.scored.flush(choice, index, True)])
 
     def usage_chunk(self, outs: list[tuple[RequestOutput, ...]]) -> dict:
-        return self._chunk([], usage=self.usage(outs))
+        return self._chunk([], usage=usage(outs, self.score_only))
 
     # ---- the parts ---------------------------------------------------------------------
 
