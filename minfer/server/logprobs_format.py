@@ -162,13 +162,13 @@ class ScoredChoices:
 
     def _prompt_parts(self, index: int, prompt_logprobs) -> tuple[str, dict | None, list | None]:
         """The echoed prompt: its text, its completions logprobs, and vLLM's prompt_logprobs field."""
-        s, n = self.scoring, self.req.params.n
+        s = self.scoring
         asked = None
         if s.return_prompt_logprobs:
             asked = LogprobFormatter(self.tokenizer).prompt_logprobs(prompt_logprobs, self.req.params.prompt_logprobs)
         if not s.echo:
             return "", None, asked
-        prompt = index // n
+        prompt = index // self.req.params.n
         text = self.req.prompt_texts[prompt] if self.req.prompt_texts else None
         text = text if text is not None else self.tokenizer.decode(self.req.prompts[prompt])
         entries = prompt_logprobs if prompt_logprobs is not None else [None] * len(self.req.prompts[prompt])

@@ -11,9 +11,11 @@
 - `parallel_tool_calls` (default true): enforced replies hold one call, or with it one or more; an
   "auto" reply without it gives back its first call only.
 OpenAI's older `functions` and `function_call` are refused, pointing here.
-The replies are read back for calls (ToolReplies, with tool_calls.py's parser): a call comes back in
-`message.tool_calls`, with finish_reason "tool_calls"; streamed, as OpenAI's tool-call deltas (index, id
-and name, then fragments of the arguments), content that could still open a call held back until it cannot.
+
+Unless tool_choice is "none", the replies are read back for calls (ToolReplies, with tool_calls.py's
+parser): a call comes back in `message.tool_calls`, with finish_reason "tool_calls"; streamed, as
+OpenAI's tool-call deltas (index, id and name, then fragments of the arguments), content that could
+still open a call held back until it cannot.
 """
 
 from __future__ import annotations
