@@ -5,7 +5,7 @@ what transforms them. Everything that makes a model fast on the machine at hand 
 here, once, after loading, and is chosen from the device and the config:
 - weight-only int8/int4 (config.quantization, quantization/): every linear, the LM head and the
   token embedding, before the CPU packing (which then packs what is left in full precision);
-- on a CPU, prepacked linears and LM head, or bf16 kept as storage only (cpu/packing.py);
+- on a CPU, prepacked linears and LM head, or bf16 kept as storage only (cpu/linears.py);
 - the attention backend (selector.py): on a CPU in bf16 the compiled one, warmed up and
   checked against eager here (or the tiled eager one, with one log line saying why); plain
   torch elsewhere. `enforce_eager` (or attention_backend="eager") keeps everything eager.
@@ -23,7 +23,7 @@ import logging
 import torch
 
 from ..attention.backend import AttentionBackend
-from ..cpu.packing import optimize_for_cpu
+from ..cpu.linears import optimize_for_cpu
 from ..engine.config import EngineConfig
 from ..quantization import QuantizedLinear, quantize_model
 from .selector import choose_attention_backend

@@ -18,7 +18,7 @@ from minfer.attention.backend import StepLayout
 from minfer.attention.paged import paged_attention
 from minfer.assembly.selector import choose_attention_backend
 from minfer.attention.torch_sdpa import TorchBackend
-from minfer.cpu.packing import packing_available
+from minfer.cpu.linears import packing_available
 from minfer.assembly.prepare import prepare_model
 from minfer.engine.config import EngineConfig
 from minfer.models.gpt2 import GPT2

@@ -11,7 +11,8 @@ from engine_checks import assert_all_free, greedy_without_cache, random_prompts
 
 from minfer import LLM, SamplingParams
 from minfer.attention.kv_cache import KVCache
-from minfer.cpu.packing import LMHead, packing_available
+from minfer.cpu.linears import packing_available
+from minfer.cpu.packing import LMHead
 from minfer.models.llama import Llama
 from minfer.models.registry import load_model, read_config
 

@@ -7,8 +7,8 @@ from conftest import only_on_cpu
 from engine_checks import GREEDY, assert_all_free, random_prompts
 
 from minfer import LLM, SamplingParams
-from minfer.cpu import packing as cpu_packing
-from minfer.cpu.packing import Bf16StorageLinear
+from minfer.cpu import linears as cpu_linears
+from minfer.cpu.linears import Bf16StorageLinear
 
 transformers = pytest.importorskip("transformers")
 
@@ -82,9 +82,9 @@ def test_bf16_engine_matches_a_bf16_reference(tiny_checkpoint, hf_model, monkeyp
     hf_bf16 = transformers.GPT2LMHeadModel.from_pretrained(tiny_checkpoint, torch_dtype=torch.bfloat16).eval()
     reference_error = (hf_bf16(torch.tensor([prompt])).logits[0, 89:].float() - exact).abs().max().item()
     if path != "this CPU's":  # what a CPU without native bf16 runs (e.g. AVX2-only)
-        monkeypatch.setattr(cpu_packing, "packing_available", lambda dtype: False)
+        monkeypatch.setattr(cpu_linears, "packing_available", lambda dtype: False)
     llm = LLM(tiny_checkpoint, dtype="bfloat16", num_kv_blocks=32, max_num_batched_tokens=37)
-    expected = cpu_packing.PackedLinear if cpu_packing.packing_available(torch.bfloat16) else Bf16StorageLinear
+    expected = cpu_linears.PackedLinear if cpu_linears.packing_available(torch.bfloat16) else Bf16StorageLinear
     assert type(llm.model.h[0].mlp.c_fc) is expected
     ours = engine_logits(llm, prompt, 90)
     assert llm.scheduler.kv_cache.k.dtype == torch.bfloat16

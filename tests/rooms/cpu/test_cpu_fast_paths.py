@@ -7,11 +7,12 @@ import torch.nn.functional as F
 
 from minfer.cpu import tiled_attention as cpu_tiled
 from minfer.cpu.tiled_attention import ContextReader
-from minfer.cpu import packing as cpu_packing
-from minfer.cpu.packing import LMHead, PackedLinear, optimize_for_cpu, padded_rows
+from minfer.cpu import linears as cpu_linears
+from minfer.cpu.linears import optimize_for_cpu
+from minfer.cpu.packing import LMHead, PackedLinear, padded_rows
 
 needs_packing = pytest.mark.skipif(
-    not cpu_packing.packing_available(torch.float32),
+    not cpu_linears.packing_available(torch.float32),
     reason="this torch build has no oneDNN (mkldnn) to pack weights with",
 )
 

@@ -1,0 +1,90 @@
+"""CPU linears: faster equivalents of nn.Linear, each chosen from what the CPU has.
+
+models/gpt2.py is plain GPT-2 with nn.Linear; nothing in it knows about CPUs. For a model on
+the CPU, prepare_model (prepare.py) calls `optimize_for_cpu(model)`, which swaps in faster
+equivalents (paths 1-3); paged attention has CPU paths of its own (cpu/tiled_attention.py,
+paths 4-5, the CPU's attention backend). Each path below
+says why it exists and how to measure it: `python bench.py --profile` splits an
+engine step into KV write, context read, attention, linears, LM head, sampling and
+host time, so running it with and without a path shows what the path is worth.
+Figures go stale and differ between CPUs; bench.py prints them for the machine at hand.
+
+1. Prepacked linears (`PackedLinear`, cpu/packing.py). Eager `F.linear` hands the weight to
+   MKL/oneDNN in its plain (out, in) layout every call, and their kernels for a
+   decode step's few rows read it well below memory speed. oneDNN can reorder a
+   weight once into its own blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
+   the path torch.compile's CPU backend uses); the same matmul then runs faster
+   at every row count, one row (memory-bound) or hundreds (compute-bound). The
+   packed copy replaces the plain weight, so memory does not grow.
+2. The LM head, prepacked the same way (`LMHead`). Its weight is tied to the token
+   embedding, which the input lookup still needs, so this is a second copy of the
+   (V, C) matrix: worth it, the LM head is a third of GPT-2 small's weight bytes.
+   In fp32 a one-row step uses a third copy, sliced per thread (see LMHead).
+3. bf16, by hardware. With AVX512-BF16 or AMX, bf16 matmuls run natively, several
+   times faster than fp32, and get packed like fp32. Without them (e.g. AVX2-only
+   CPUs) torch emulates bf16 matmuls, several times slower than fp32: there
+   `Bf16StorageLinear` keeps bf16 only as storage and computes batches in fp32.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .features import cpu_has_native_bf16
+from .packing import PACKING_BATCH_HINT, LMHead, PackedLinear
+
+
+@lru_cache(maxsize=None)
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU can prepack `dtype` weights: fp32 anywhere oneDNN runs, bf16
+    only with native bf16 (oneDNN would emulate it elsewhere, or refuse). A trial pack decides."""
+    if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), PACKING_BATCH_HINT)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+class Bf16StorageLinear(nn.Linear):
+    """bf16 weights on a CPU without native bf16 (path 3): a few rows are memory-bound and stay bf16
+    (half the bytes to read); more rows would be emulated bf16 matmuls, so they compute in fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.numel() < 4 * x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+
+
+def optimize_for_cpu(model: nn.Module, pack: bool = True) -> None:
+    """Swap every nn.Linear of `model` for its fast CPU equivalent, in place; `model.lm_head`, if it
+    has one, becomes an LMHead. Calling it again changes nothing. `pack=False` leaves the linears
+    that would be prepacked plain: for a graph with frozen weights, which Inductor packs itself."""
+    dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype  # a model says: its first tensor may be int8
+    if packing_available(dtype):
+        if not pack:
+            return
+        make = PackedLinear
+    elif dtype == torch.bfloat16:
+        make = _as_bf16_storage
+    else:
+        return
+    if make is PackedLinear and type(getattr(model, "lm_head", None)) is nn.Linear:
+        model.lm_head = LMHead(model.lm_head.weight)
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear and not (parent is model and name == "lm_head"):
+                setattr(parent, name, make(child))
+
+
+def _as_bf16_storage(linear: nn.Linear) -> Bf16StorageLinear:
+    linear.__class__ = Bf16StorageLinear  # same parameters, a different forward
+    return linear
