@@ -106,8 +106,9 @@ class OnlineScheduler:
         self.finished_ids: list[str] = []  # finished since the last pop_finished_ids()
         self._ids = itertools.count()
         self.num_steps = 0
-        self.last_step: StepStats | None = None
         self.last_chunks: list[ScheduledChunk] = []  # what the last step ran, for the engine event feed
+        self._last_step: StepStats | None = None
+        self._step_figures: tuple = ()  # what the last step's StepStats are figured from, besides its chunks
 
     # ---- the batcher's state, read-only for callers ----------------------------------
 
@@ -276,8 +277,16 @@ class OnlineScheduler:
     def _record_step(self, chunks: list[ScheduledChunk], start: float, end: float, num_preemptions: int) -> None:
         self.num_steps += 1
         self.last_chunks = chunks
-        kv_blocks_used = self.allocator.num_blocks - self.allocator.num_free_blocks
-        self.last_step = StepStats.of(chunks, start, end, num_preemptions, kv_blocks_used)
+        self._last_step = None
+        kv_blocks_used = self.allocator.num_blocks - self.allocator.num_free_blocks  # before any block is freed
+        self._step_figures = (start, end, num_preemptions, kv_blocks_used)
+
+    @property
+    def last_step(self) -> StepStats | None:
+        """What the last step did (step_stats.py), figured when first asked: a step nobody reads pays nothing."""
+        if self._last_step is None and self.num_steps:
+            self._last_step = StepStats.of(self.last_chunks, *self._step_figures)
+        return self._last_step
 
     def close(self) -> None:
         """Release what the engine holds beside its tensors (compiled/: CUDA graphs). Requests stay as they are."""
