@@ -38,14 +38,6 @@ class StepRows:
     layout: StepLayout  # for attention: each query run's rows, context and block table; every row's slot
 
 
-@dataclass
-class StepOutput:
-    """What one step produced: a token per sampled row, in chunk order, as each chunk's sampled_rows()
-    lists them."""
-
-    tokens: list[int]
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -71,8 +63,9 @@ class ModelRunner:
             self.compiled.warm_up(self)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
-        """Run one step: a token for every sampled row of every chunk, in chunk order."""
+    def execute(self, chunks: list[ScheduledChunk]) -> list[int]:
+        """Run one step: a token for every sampled row of every chunk, in chunk order (as each chunk's
+        sampled_rows() lists them)."""
         with part("host: prepare"):
             rows = self.prepare(chunks)
             scoring = self.scoring if self.scoring is not None and self.scoring.live else None  # scoring/
@@ -89,14 +82,16 @@ class ModelRunner:
                 tokens, accepted = self.speculation.sample(chunks, logits)
             else:
                 tokens, accepted = self.sample(chunks, logits), None
+            if scores is None and accepted is None:
+                return tokens.tolist()  # the step's single host sync
             fetched = [tokens] + (scores.tensors(tokens) if scores is not None else [])
-            host = fetch(fetched + ([accepted] if accepted is not None else []))  # the step's single host sync
+            host = fetch(fetched + ([accepted] if accepted is not None else []))  # one sync for them all
             token_list = [int(t) for t in host[0]]
             if scores is not None:
                 scores.read(host[1], token_list)
             if accepted is not None:
                 self.speculation.read(chunks, host[-1])
-            return StepOutput(token_list)
+            return token_list
 
     @staticmethod
     def sample(chunks: list[ScheduledChunk], logits: torch.Tensor) -> torch.Tensor:
@@ -149,8 +144,6 @@ class ModelRunner:
 
 def fetch(parts: list[torch.Tensor]) -> list[list[float]]:
     """Every tensor on the host in one .tolist() (ids < 2**24 are exact as floats): the step's one sync."""
-    if len(parts) == 1:
-        return [parts[0].tolist()]
     values = torch.cat([p.float().flatten() for p in parts]).tolist()
     out, at = [], 0
     for p in parts:

@@ -39,7 +39,7 @@ from .block_allocator import BlockAllocator
 from .config import EngineConfig, dtype_name
 from .continuous_batcher import ContinuousBatcher
 from .features import BUILDER, Features
-from .model_runner import ModelRunner, StepOutput
+from .model_runner import ModelRunner
 from .request_check import CheckedRequest, RequestLimits, check_limits
 from .request_state import Choice, Request
 from .sampling import make_generator
@@ -221,14 +221,14 @@ class OnlineScheduler:
                 features.speculation.fill(chunks)
         if not chunks:
             return {}
-        output = self.runner.execute(chunks)  # one forward, one sample, one host sync
+        drawn = self.runner.execute(chunks)  # one forward, one sample, one host sync: a token per sampled row
         with part("host: bookkeeping"):
             end = time.perf_counter()
             self._record_step(chunks, start, end, self.num_preemptions - preemptions_before)
             self.batcher.advance(chunks)  # count the computed tokens, register newly full blocks
             if features.forks is not None and features.forks.held:  # parallel_sampling/: forks start
                 features.forks.start(chunks, self.batcher, self.kv_cache)  # on the prompt's blocks
-            sampled = self._record_tokens(chunks, output, end)
+            sampled = self._record_tokens(chunks, drawn, end)
             if features.structured is not None and features.structured.live:  # structured/: matchers take the
                 for seq, reason in features.structured.advance(chunks):  # tokens; a completed grammar ends
                     self._end(seq, reason, end)
@@ -244,14 +244,14 @@ class OnlineScheduler:
         while self.has_unfinished():
             yield self.step()
 
-    def _record_tokens(self, chunks: list[ScheduledChunk], output: StepOutput, now: float) -> dict[str, int]:
+    def _record_tokens(self, chunks: list[ScheduledChunk], drawn: list[int], now: float) -> dict[str, int]:
         """Give each sampler of each chunk the token(s) it drew: into its sequence, text and timeline."""
         out, row = {}, 0
         for chunk in chunks:
             request = self.requests[chunk.seq.request_id]
             request.num_steps += 1
             num_sampled = len(chunk.sampled_rows())
-            for seq, tokens in chunk.emitted(output.tokens[row : row + num_sampled]):
+            for seq, tokens in chunk.emitted(drawn[row : row + num_sampled]):
                 for token in tokens:  # a stop or max_tokens among several ends the sequence there
                     finished = request.choices[seq.index].add_token(token, now)
                     out[seq.request_id] = token  # a request with n > 1 appears once, with its last choice's
