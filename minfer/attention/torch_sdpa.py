@@ -1,16 +1,14 @@
 """The plain attention backend: gather each sequence's context from the cache, then sdpa. Any device.
 
-Pure torch cannot attend through a block table: a sequence's keys and values are first
-gathered, by slot, into a contiguous tensor. The step's rows fall into two groups:
-- decode rows (one new token per sequence) are batched: their contexts are gathered
-  into a padded (S, L) grid of slots and masked. Sequences of very different lengths go
-  in separate groups (`group_by_length`), so little of the grid is padding;
-- prefill chunks (several new tokens of one sequence) attend causally, one chunk at a
-  time. A chunk with no earlier context (a fresh prompt) attends to its own new keys
-  directly and skips the gather.
-With grouped-query attention (Llama, Qwen3) the cache holds fewer key/value heads than
-there are query heads; sdpa's enable_gqa lets each group of query heads read its shared
-key/value head without copying it.
+Pure torch cannot attend through a block table: a sequence's keys and values are first gathered, by slot,
+into a contiguous tensor. The step's rows fall into two groups:
+- decode rows (one new token per sequence) are batched: their contexts are gathered into a padded (S, L)
+  grid of slots and masked. Sequences of very different lengths go in separate groups (`group_by_length`),
+  so little of the grid is padding;
+- prefill chunks (several new tokens of one sequence) attend causally, one chunk at a time. A chunk with no
+  earlier context (a fresh prompt) attends to its own new keys directly and skips the gather.
+With grouped-query attention (Llama, Qwen3) the cache holds fewer key/value heads than there are query
+heads; sdpa's enable_gqa lets each group of query heads read its shared key/value head without copying it.
 
 The CPU's tiled backend (cpu/tiled_attention.py) is this one with its own `decode_attention`,
 `chunk_context` and `prefill_attention`.

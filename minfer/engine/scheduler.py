@@ -1,17 +1,10 @@
 """OnlineScheduler: the engine's public face. Requests in, one step at a time, tokens and text out.
 
-It owns the request registry (every request not yet popped or discarded), each
-request's text stream, the step statistics, and the parts that do the work:
-- ContinuousBatcher (continuous_batcher.py), the scheduling policy: waiting and
-  running queues, admission under a token budget, chunked prefill, preemption,
-  KV block growth, prefix-cache registration;
-- ModelRunner (model_runner.py): one scheduled step -> one forward pass -> one
-  sampled token per sequence that reached its last token.
-
-Every call to `step()` asks the batcher for this step's chunks, runs them as one
-forward pass, lets the batcher count the computed tokens, and then records each
-sampled token: in its sequence (stop tokens, max_tokens), in its text stream
-(stop strings) and in its request's timeline; a finished request's blocks are
+It owns the request registry (every request not yet popped or discarded) and each request's text
+stream, and hands the work to ContinuousBatcher (continuous_batcher.py: which tokens of which
+sequences run, in which KV blocks) and ModelRunner (model_runner.py: one forward pass, one sampled
+token per sequence that reached its last token). A step's tokens then go to their sequences (stop
+tokens, max_tokens), text streams (stop strings) and timelines; a finished request's blocks are
 freed at once.
 
 Features (logprobs, n > 1 on shared blocks, speculative decoding, structured outputs, compiled steps,
@@ -183,18 +176,16 @@ class OnlineScheduler:
         return self.check_request(prompt_token_ids, params)
 
     def _choice(self, request_id: str, ids: list[int], params: SamplingParams, index: int) -> Choice:
-        """Completion `index` of a request. With a seed, its own generator seeded seed + index (as vLLM
-        does): reproducible, and the same whatever else runs."""
+        """Completion `index` of a request; with a seed, its own generator seeded seed + index (as vLLM does)."""
         seed = None if params.seed is None else params.seed + index
-        generator = make_generator(seed, self.model.device)
+        generator = make_generator(seed, self.runner.device)
         seq = Sequence(request_id, ids, params, self.tokenizer.eos_token_ids, generator, index)
         detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens)
         return Choice(seq, TextStream(detokenizer, params.stop, params.include_stop_str_in_output))
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedRequest:
-        """The request, checked, if it could ever run; else InvalidParameter naming the field at fault. It
-        reads only fixed limits, so any thread may call it (the server does, once, before handing the
-        request to the engine thread)."""
+        """The request, checked, if it could ever run; else InvalidParameter naming the field at fault. Any
+        thread may call it: it reads only fixed limits (request_check.py)."""
         if params.wants_logprobs and self.features.scoring is None:  # never accepted and then not applied
             raise ValueError(f"logprobs need an engine built by {BUILDER}, which attaches scoring/")
         if params.structured_outputs is not None:  # structured/: the grammar compiles, or InvalidParameter
@@ -210,7 +201,7 @@ class OnlineScheduler:
         features, start = self.features, time.perf_counter()
         if features.threads is not None:  # cpu/thread_share.py: as many threads as cores others leave free
             features.threads.update()
-        preemptions_before = self.num_preemptions
+        preemptions_before = self.batcher.num_preemptions
         with part("host: schedule"):
             chunks = self.batcher.schedule()
             if features.scoring is not None and features.scoring.live:  # scoring/: a bounded number of
@@ -224,7 +215,7 @@ class OnlineScheduler:
         drawn = self.runner.execute(chunks)  # one forward, one sample, one host sync: a token per sampled row
         with part("host: bookkeeping"):
             end = time.perf_counter()
-            self._record_step(chunks, start, end, self.num_preemptions - preemptions_before)
+            self._record_step(chunks, start, end, self.batcher.num_preemptions - preemptions_before)
             self.batcher.advance(chunks)  # count the computed tokens, register newly full blocks
             if features.forks is not None and features.forks.held:  # parallel_sampling/: forks start
                 features.forks.start(chunks, self.batcher, self.kv_cache)  # on the prompt's blocks
@@ -349,16 +340,16 @@ class OnlineScheduler:
         return True
 
     def stats(self) -> dict:
-        speculation, compiled = self.features.speculation, self.features.compiled
+        speculation, compiled, batcher = self.features.speculation, self.features.compiled, self.batcher
         return (speculation.stats() if speculation is not None else {}) | {  # speculative/: vLLM's spec_decode counters
             **(compiled.stats() if compiled is not None else {}),  # compiled/: paths switched off, what runs now
             "num_kv_blocks_total": self.allocator.num_blocks,
             "num_kv_blocks_free": self.allocator.num_free_blocks,
             "num_kv_blocks_shared": self.allocator.num_shared_blocks,  # held by several sequences, stored once
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            "num_preemptions": self.num_preemptions,
-            "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
+            "num_running": len(batcher.running),
+            "num_waiting": len(batcher.waiting),
+            "num_preemptions": batcher.num_preemptions,
+            "prefix_cache_hit_tokens": batcher.prefix_cache_hit_tokens,
             "num_steps": self.num_steps,
         }
 

@@ -1,10 +1,9 @@
 """TextStream: one request's generated text, built token by token, cut at a stop string, streamed in pieces.
 
-The engine works on token ids; this is where they become text. Each generated
-token goes through the request's incremental detokenizer (tokenizer.py); the
-text is searched for the request's stop strings, and cut before the first one
-found. `pop_new_text` hands out what was added since the last call, holding
-back a tail that could still turn out to be the start of a stop string.
+The engine works on token ids; this is where they become text. Each generated token goes through the
+request's incremental detokenizer (tokenizer.py); the text is searched for the request's stop strings, and
+cut before the first one found. `pop_new_text` hands out what was added since the last call, holding back a
+tail that could still turn out to be the start of a stop string.
 """
 
 from __future__ import annotations
