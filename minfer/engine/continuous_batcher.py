@@ -63,10 +63,8 @@ class ContinuousBatcher:
         seats = sum(s.seats for s in self.running)
         while not preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
-            if seats + seq.seats > self.max_num_seqs:
-                break
-            chunk = self._admit(seq, budget)
-            if chunk is None:
+            chunk = self._admit(seq, budget) if seats + seq.seats <= self.max_num_seqs else None
+            if chunk is None:  # no seat left for it, or not the blocks
                 break
             self.waiting.popleft()
             self.running.append(seq)
