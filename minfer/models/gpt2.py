@@ -105,11 +105,8 @@ class GPT2(nn.Module):
         self.lm_head.weight = self.wte.weight  # tied: the LM head reuses the token embedding matrix
 
     def forward(self, input_ids: torch.Tensor, paged: PagedBatch | None = None) -> torch.Tensor:
-        """input_ids (B, T) -> logits (B, T, vocab_size), recomputing every position.
-
-        With `paged` (the engine's step): input_ids (N,) are every token scheduled this step, at
-        positions paged.positions, and the result is (S, V): logits of the S rows that sample.
-        """
+        """input_ids (B, T) -> logits (B, T, vocab_size), recomputing every position. With `paged` (the engine's
+        step): input_ids (N,), every token scheduled, at paged.positions -> logits (S, V) of the rows that sample."""
         if paged is None:
             T = input_ids.shape[1]
             if T > self.config.n_positions:
