@@ -1,13 +1,12 @@
 """The paged KV cache's storage: preallocated tensors that attention writes and reads by slot.
 
-Every layer's keys and values live in one preallocated tensor of
-`num_blocks * block_size` token slots. A sequence owns a *block table*: the list
-of block ids that hold its tokens, in order, so token `p` of a sequence lives in
-slot `table[p // block_size] * block_size + p % block_size` (`slot_of`) — the same
-trick as virtual memory pages.
+Every layer's keys and values live in one preallocated tensor of `num_blocks * block_size` token slots. A
+sequence owns a *block table*: the list of block ids that hold its tokens, in order, so token `p` of a
+sequence lives in slot `table[p // block_size] * block_size + p % block_size` (`slot_of`) — the same trick
+as virtual memory pages.
 
-Which blocks a sequence holds is the engine's business (engine/block_allocator.py);
-this module only knows slots and tensors; cache_budget.py, how many blocks a memory budget buys.
+Which blocks a sequence holds is the engine's business (engine/block_allocator.py); this module only knows
+slots and tensors; cache_budget.py, how many blocks a memory budget buys.
 """
 
 from __future__ import annotations
@@ -44,12 +43,11 @@ class KVCache:
     head_dim) each. With grouped-query attention only the key/value heads are stored. (A backend that
     reads another layout makes its own cache: AttentionBackend.new_cache.)
 
-    Block `num_blocks` is an extra, never-allocated *null block*, kept zeroed: padded
-    positions of a batched gather read it. Everything else starts uninitialised
-    (torch.empty): a slot is always written before attention reads it unmasked, and
-    untouched memory costs no RAM until used (`zeroed`: all of it zeroed, for a backend that
-    reads unwritten slots of a sequence's last block and masks them by weight). Masked reads must still be finite
-    (0 * NaN = NaN in the attention sum), hence the zeroed null block.
+    Block `num_blocks` is an extra, never-allocated *null block*, kept zeroed: padded positions of a batched
+    gather read it. Everything else starts uninitialised (torch.empty): a slot is always written before
+    attention reads it unmasked, and untouched memory costs no RAM until used (`zeroed`: all of it zeroed,
+    for a backend that reads unwritten slots of a sequence's last block and masks them by weight). Masked
+    reads must still be finite (0 * NaN = NaN in the attention sum), hence the zeroed null block.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device, dtype, zeroed: bool = False):

@@ -1,16 +1,14 @@
 """The plain attention backend: gather each sequence's context from the cache, then sdpa. Any device.
 
-Pure torch cannot attend through a block table: a sequence's keys and values are first
-gathered, by slot, into a contiguous tensor. The step's rows fall into two groups:
-- decode rows (one new token per sequence) are batched: their contexts are gathered
-  into a padded (S, L) grid of slots and masked. Sequences of very different lengths go
-  in separate groups (`group_by_length`), so little of the grid is padding;
-- prefill chunks (several new tokens of one sequence) attend causally, one chunk at a
-  time. A chunk with no earlier context (a fresh prompt) attends to its own new keys
-  directly and skips the gather.
-With grouped-query attention (Llama, Qwen3) the cache holds fewer key/value heads than
-there are query heads; sdpa's enable_gqa lets each group of query heads read its shared
-key/value head without copying it.
+Pure torch cannot attend through a block table: a sequence's keys and values are first gathered, by slot,
+into a contiguous tensor. The step's rows fall into two groups:
+- decode rows (one new token per sequence) are batched: their contexts are gathered into a padded (S, L)
+  grid of slots and masked. Sequences of very different lengths go in separate groups (`group_by_length`),
+  so little of the grid is padding;
+- prefill chunks (several new tokens of one sequence) attend causally, one chunk at a time. A chunk with no
+  earlier context (a fresh prompt) attends to its own new keys directly and skips the gather.
+With grouped-query attention (Llama, Qwen3) the cache holds fewer key/value heads than there are query
+heads; sdpa's enable_gqa lets each group of query heads read its shared key/value head without copying it.
 
 The CPU's tiled backend (cpu/tiled_attention.py) is this one with its own `decode_attention`,
 `chunk_context` and `prefill_attention`.
@@ -92,22 +90,19 @@ class TorchBackend(AttentionBackend):
     def decode_group(self, layout: StepLayout, seqs: list[int]) -> DecodeGroup:
         """Slots of each sequence's context, padded to the group's longest, and the padding mask."""
         block_size, null = layout.block_size, layout.null_block
-        rows = [layout.query_starts[i] for i in seqs]
         lens = [layout.context_lens[i] for i in seqs]
         max_len = max(lens)
-        max_blocks = cdiv(max_len, block_size)
-        padded = padded_tables([layout.block_tables[i] for i in seqs], max_blocks, null)
-        ints = to_device([rows, lens], self.device)  # (2, S)
-        tables_t = to_device(padded, self.device)  # (S, max_blocks)
+        padded = padded_tables([layout.block_tables[i] for i in seqs], cdiv(max_len, block_size), null)
+        rows_t, lens_t = to_device([[layout.query_starts[i] for i in seqs], lens], self.device)  # 2 x (S,)
         pos = torch.arange(max_len, device=self.device)  # (L,)
-        slots = slot_of(tables_t, pos, block_size)  # (S, L)
+        slots = slot_of(to_device(padded, self.device), pos, block_size)  # (S, max_blocks) tables -> (S, L)
         if min(lens) == max_len:  # nothing padded: no mask at all (sdpa is faster without one)
-            return DecodeGroup(rows=ints[0], slots=slots, mask=None, lens=ints[1])
-        valid = pos[None, :] < ints[1][:, None]  # (S, L)
+            return DecodeGroup(rows_t, slots, mask=None, lens=lens_t)
+        valid = pos[None, :] < lens_t[:, None]  # (S, L)
         # Padding must read the zeroed null block, even inside a sequence's own last block:
         # its unwritten slots may hold NaN, and a masked NaN still poisons the sum (0 * NaN).
         slots = torch.where(valid, slots, null * block_size)
-        return DecodeGroup(ints[0], slots, mask=valid[:, None, None, :], lens=ints[1])  # mask (S, 1, 1, L)
+        return DecodeGroup(rows_t, slots, mask=valid[:, None, None, :], lens=lens_t)  # mask (S, 1, 1, L)
 
     # ---- once per layer: write this step's keys and values, then attend -----------------------
 

@@ -1,20 +1,21 @@
 """How many threads torch should use while other processes compete for this process's cores.
 
-A decode step is hundreds of short OpenMP regions, each ending at a barrier where every thread
-waits for the slowest. With as many threads as cores and one busy process beside minfer, the
-kernel's scheduler keeps one of minfer's threads off a core much of the time, and every region
-waits for it: on 2 cores minfer fell to a seventh of its quiet speed. One thread fewer
-than the cores others leave free avoids the wait: that thread always has a core.
+A decode step is hundreds of short OpenMP regions, each ending at a barrier where every thread waits for the
+slowest. With as many threads as cores and one busy process beside minfer, the kernel's scheduler keeps one
+of minfer's threads off a core much of the time, and every region waits for it: on 2 cores minfer fell to a
+seventh of its quiet speed. One thread fewer than the cores others leave free avoids the wait: that thread
+always has a core.
 
-So while the engine runs, `CpuShare.update()` measures, about twice a second, how much CPU time
-other processes took on the cores this process may use (/proc/stat minus /proc/self/stat), and
-sets torch's thread count to the cores left over (never fewer than one, never more than the count
-it started with). On a quiet machine nothing changes. It runs only where /proc exists (Linux),
-and only when nobody chose the thread count (--num-threads, MINFER_NUM_THREADS, OMP_NUM_THREADS).
+So while the engine runs, `CpuShare.update()` measures, about twice a second, how much CPU time other
+processes took on the cores this process may use (/proc/stat minus /proc/self/stat), and sets torch's thread
+count to the cores left over (never fewer than one, never more than the count it started with). On a quiet
+machine nothing changes. It runs only where /proc exists (Linux), and only when nobody chose the thread
+count (--num-threads, MINFER_NUM_THREADS, OMP_NUM_THREADS). It runs on the engine's thread, between steps:
+torch's thread count (OpenMP's) belongs to the thread that sets it.
 
-Measured with scripts/contention.py (2-core Zen 4, GPT-2 shape, 32 x (64 + 64), beside one busy
-process): 0.33x of the quiet speed with a fixed 2 threads, 0.63x with CpuShare; quiet, unchanged
-(268.5 vs 266.1 tok/s). The README's "A shared CPU" gives the command.
+Measured with scripts/contention.py (2-core Zen 4, GPT-2 shape, 32 x (64 + 64), beside one busy process):
+0.33x of the quiet speed with a fixed 2 threads, 0.63x with CpuShare; quiet, unchanged (268.5 vs 266.1
+tok/s). docs/performance.md gives the command.
 """
 
 from __future__ import annotations
@@ -76,11 +77,15 @@ class CpuShare:
 
     def update(self) -> int:
         """Called before each engine step: re-measures at most every INTERVAL_S. Returns the threads."""
-        if not self.enabled or time.monotonic() - self._last[0] < INTERVAL_S:
-            return self.threads
+        if self.enabled and time.monotonic() - self._last[0] >= INTERVAL_S:
+            self._measure()
+        return self.threads
+
+    def _measure(self) -> None:
+        """Other processes' share of these cores since the last measure -> torch's thread count."""
         now = self._sample()
         if now is None:
-            return self.threads
+            return
         elapsed_ticks = (now[0] - self._last[0]) * _TICKS_PER_S
         self.others = max(0.0, (now[1] - self._last[1]) - (now[2] - self._last[2])) / elapsed_ticks
         self._last = now
@@ -90,4 +95,3 @@ class CpuShare:
             torch.set_num_threads(wanted)
             self.threads = wanted
             self.changes += 1
-        return self.threads

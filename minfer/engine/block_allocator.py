@@ -1,19 +1,17 @@
 """The block allocator and the prefix-cache index: which KV blocks each sequence holds.
 
-A sequence owns a *block table*: the list of block ids that hold its tokens, in
-order (attention/kv_cache.py turns a table and a position into a cache slot).
+A sequence owns a *block table*: the list of block ids that hold its tokens, in order
+(attention/kv_cache.py turns a table and a position into a cache slot).
 
-Prefix caching: a full block is named by a hash chained over (parent block's
-hash, the block's token ids). When a new request starts with the same tokens,
-it reuses those blocks instead of recomputing them. A block that nobody
-references any more keeps its contents and its hash, and sits in the free queue
-until the allocator needs it (least recently freed first), so cached blocks are
-always reclaimable and the cache can never cause an out-of-blocks failure.
+Prefix caching: a full block is named by a hash chained over (parent block's hash, the block's token ids).
+When a new request starts with the same tokens, it reuses those blocks instead of recomputing them. A block
+that nobody references any more keeps its contents and its hash, and sits in the free queue until the
+allocator needs it (least recently freed first), so cached blocks are always reclaimable and the cache can
+never cause an out-of-blocks failure.
 
-This class is the one owner of the hash chain: callers hand it token ids and
-block tables (`register_full_blocks`, `match_prefix`) and never see a hash. A
-block's hash is kept on the block itself, so a sequence carries no chain state:
-nothing to reset when it is preempted, nothing to leak when it ends.
+This class is the one owner of the hash chain: callers hand it token ids and block tables
+(`register_full_blocks`, `match_prefix`) and never see a hash. A block's hash is kept on the block itself,
+so a sequence carries no chain state: nothing to reset when it is preempted, nothing to leak when it ends.
 """
 
 from __future__ import annotations
@@ -131,11 +129,8 @@ class BlockAllocator:
                 self.free_queue[b] = None
 
     def register_full_blocks(self, block_table: list[int], token_ids: list[int], num_computed_tokens: int) -> None:
-        """Make a sequence's blocks that are now full of computed K/V findable by later requests.
-
-        Cheap to call after every step: it hashes only the blocks not yet hashed. Those are the tail
-        of the table's full blocks (a prefix hit or an earlier call hashed the rest), and each one
-        chains on the hash of the block before it."""
+        """Make a sequence's blocks that are now full of computed K/V findable by later requests. Cheap after every
+        step: it hashes only the full blocks not hashed yet (a tail: a prefix hit or an earlier call did the rest)."""
         if not self.enable_prefix_caching:
             return
         block_size, blocks = self.block_size, self.blocks

@@ -1,21 +1,16 @@
 """ContinuousBatcher: the scheduling policy. Which tokens of which sequences run each step, in which KV blocks.
 
-It holds the waiting and running queues and the block allocator's side of every
-sequence. Each `schedule()`:
-1. schedules the running sequences first, oldest first: one token each for
-   decodes, a chunk for prompts still prefilling. If the KV blocks run out, the
-   most recently admitted running sequence is preempted: its blocks are freed
-   and it goes back to the front of the queue, to be recomputed later;
-2. admits waiting requests, first come first served, while there are free
-   blocks, free sequence slots (`max_num_seqs`) and token budget left
-   (`max_num_batched_tokens`); a long prompt gets a chunk of the budget now and
-   the rest in later steps, alongside the running decodes.
-After the forward pass, `advance()` counts the computed tokens and has the
-allocator register newly filled blocks in the prefix cache, and `retire()` frees
-a finished sequence's blocks at once. The prefix cache's hashes are the
-allocator's alone: this class hands it token ids and block tables, never a
-hash. What a request's text is, or who asked for it, is the OnlineScheduler's
-business (scheduler.py), not this class's.
+It holds the waiting and running queues and the block allocator's side of every sequence. Each `schedule()`:
+1. schedules the running sequences first, oldest first: one token each for decodes, a chunk for prompts still
+   prefilling. If the KV blocks run out, the most recently admitted running sequence is preempted: its blocks
+   are freed and it goes back to the front of the queue, to be recomputed later;
+2. admits waiting requests, first come first served, while there are free blocks, free sequence slots
+   (`max_num_seqs`) and token budget left (`max_num_batched_tokens`); a long prompt gets a chunk of the
+   budget now and the rest in later steps, alongside the running decodes.
+After the forward pass, `advance()` counts the computed tokens and has the allocator register newly full
+blocks in the prefix cache (the hashes are the allocator's alone: this class hands it token ids and block
+tables), and `retire()` frees a finished sequence's blocks at once. What a request's text is, or who asked
+for it, is the OnlineScheduler's business (scheduler.py).
 """
 
 from __future__ import annotations
@@ -68,10 +63,8 @@ class ContinuousBatcher:
         seats = sum(s.seats for s in self.running)
         while not preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
-            if seats + seq.seats > self.max_num_seqs:
-                break
-            chunk = self._admit(seq, budget)
-            if chunk is None:
+            chunk = self._admit(seq, budget) if seats + seq.seats <= self.max_num_seqs else None
+            if chunk is None:  # no seat left for it, or not the blocks
                 break
             self.waiting.popleft()
             self.running.append(seq)

@@ -10,7 +10,7 @@ vLLM's sampler (v1/sample/sampler.py) runs, on float32 logits:
 3. greedy rows take the argmax of that; the others divide by their temperature, then
 4. min_p: tokens whose probability is below min_p x the row's highest are dropped; then top-k, top-p.
 
-`apply_logits_controls` does steps 1 and 2, `apply_min_p` step 4 (sampling.py calls both). Each works
+`apply_logits_controls` does steps 1 and 2, `apply_min_p_rows` step 4 (sampling.py calls both). Each works
 on the rows that use it, with tensor ops over the whole vocabulary (no loop over vocabulary entries):
 a row that uses none costs nothing. Counts come from each row's token history, read fresh every step,
 so a preempted and recomputed sequence, or a forked one, gets exactly the same logits.
@@ -36,7 +36,8 @@ class TokenHistory(Protocol):
 
 def apply_logits_controls(logits: torch.Tensor, params: Sequence, histories: Sequence[TokenHistory]) -> torch.Tensor:
     """logit_bias, min_tokens and the penalties, on the rows whose params use them. logits: (B, V) float32,
-    changed in place and returned."""
+    changed in place and returned; histories: each row's tokens."""
+    assert histories is not None and len(histories) == len(params), "penalties and min_tokens need each row's tokens"
     rows = [i for i, p in enumerate(params) if p.uses_logits_controls]
     if not rows:
         return logits
@@ -122,3 +123,11 @@ def apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = scaled.softmax(dim=-1)  # (R, V)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # (R, 1)
     return scaled.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_min_p_rows(scaled: torch.Tensor, params: Sequence) -> None:
+    """apply_min_p, in place, on the rows of scaled (B, V) whose params ask for min_p. A greedy row's token
+    is taken before: min_p never drops the likeliest token anyway."""
+    rows = [i for i, p in enumerate(params) if p.min_p > 0]
+    index = to_device(rows, scaled.device)
+    scaled[index] = apply_min_p(scaled[index], to_device([params[i].min_p for i in rows], scaled.device))

@@ -1,20 +1,20 @@
 """Turn one scheduler step into one forward pass: flatten, build metadata, run, sample.
 
-The scheduler decides *what* runs (which tokens of which sequences); the runner
-decides *how*: it lays every scheduled token out as one row of an (N, C) batch,
-computes each row's position and cache slot, describes the step to the attention
-backend (a `StepLayout`, from which it builds its metadata), runs the model once,
-applies the LM head only to the rows that draw a token, samples the whole batch at
-once, and syncs with the host exactly once (`.tolist()`).
+The scheduler decides *what* runs (which tokens of which sequences); the runner decides *how*: it lays every
+scheduled token out as one row of an (N, C) batch, computes each row's position and cache slot, describes
+the step to the attention backend (a `StepLayout`, from which it builds its metadata), runs the model once,
+applies the LM head only to the rows that draw a token, samples the whole batch at once, and syncs with the
+host exactly once (`.tolist()`).
 
-Four features act here, each where its line says: scoring/ reads logprobs off the
-logits before sampling, structured/ masks what a request's grammar forbids (its masks
-computed while the forward runs), speculative/ samples its verify rows by its
-acceptance rule, and compiled/ runs the forward as a compiled graph or a CUDA graph.
+Four features act here, each where its line says: scoring/ reads logprobs off the logits before sampling,
+structured/ masks what a request's grammar forbids (its masks computed while the forward runs),
+speculative/ samples its verify rows by its acceptance rule, and compiled/ runs the forward as a compiled
+graph or a CUDA graph.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -36,14 +36,6 @@ class StepRows:
     positions: torch.Tensor  # (N,) each token's position in its sequence
     sample_rows: torch.Tensor  # (S,) the rows the LM head reads, in chunk order
     layout: StepLayout  # for attention: each query run's rows, context and block table; every row's slot
-
-
-@dataclass
-class StepOutput:
-    """What one step produced: a token per sampled row, in chunk order, as each chunk's sampled_rows()
-    lists them."""
-
-    tokens: list[int]
 
 
 class ModelRunner:
@@ -71,8 +63,8 @@ class ModelRunner:
             self.compiled.warm_up(self)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
-        """Run one step: a token for every sampled row of every chunk, in chunk order."""
+    def execute(self, chunks: list[ScheduledChunk]) -> list[int]:
+        """Run one step: a token for every sampled row, in chunk order (as each chunk's sampled_rows())."""
         with part("host: prepare"):
             rows = self.prepare(chunks)
             scoring = self.scoring if self.scoring is not None and self.scoring.live else None  # scoring/
@@ -89,14 +81,23 @@ class ModelRunner:
                 tokens, accepted = self.speculation.sample(chunks, logits)
             else:
                 tokens, accepted = self.sample(chunks, logits), None
-            fetched = [tokens] + (scores.tensors(tokens) if scores is not None else [])
-            host = fetch(fetched + ([accepted] if accepted is not None else []))  # the step's single host sync
-            token_list = [int(t) for t in host[0]]
-            if scores is not None:
-                scores.read(host[1], token_list)
-            if accepted is not None:
-                self.speculation.read(chunks, host[-1])
-            return StepOutput(token_list)
+            if scores is None and accepted is None:
+                return tokens.tolist()  # the step's single host sync
+            return self.fetch(chunks, tokens, scores, accepted)
+
+    def fetch(self, chunks: list[ScheduledChunk], tokens: torch.Tensor, scores, accepted) -> list[int]:
+        """The tokens, and what scoring/ (`scores`) and speculative/ (`accepted`) read back, in the step's
+        single host sync: one .tolist() of them all as floats (ids < 2**24 are exact)."""
+        parts = [tokens] + (scores.tensors(tokens) if scores is not None else [])
+        parts += [accepted] if accepted is not None else []
+        values = iter(torch.cat([p.float().flatten() for p in parts]).tolist())
+        host = [list(itertools.islice(values, p.numel())) for p in parts]  # each part's values
+        token_list = [int(t) for t in host[0]]
+        if scores is not None:
+            scores.read(host[1], token_list)
+        if accepted is not None:
+            self.speculation.read(chunks, host[-1])
+        return token_list
 
     @staticmethod
     def sample(chunks: list[ScheduledChunk], logits: torch.Tensor) -> torch.Tensor:
@@ -146,14 +147,3 @@ class ModelRunner:
         layout = StepLayout(slots_t, starts, lens, context_lens, tables, block_size, self.kv_cache.null_block)
         return StepRows(ids_t, pos_t, sample_t, layout)
 
-
-def fetch(parts: list[torch.Tensor]) -> list[list[float]]:
-    """Every tensor on the host in one .tolist() (ids < 2**24 are exact as floats): the step's one sync."""
-    if len(parts) == 1:
-        return [parts[0].tolist()]
-    values = torch.cat([p.float().flatten() for p in parts]).tolist()
-    out, at = [], 0
-    for p in parts:
-        out.append(values[at : at + p.numel()])
-        at += p.numel()
-    return out

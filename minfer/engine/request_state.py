@@ -1,9 +1,6 @@
-"""The scheduler's record of one request: its choices (n completions, each a sequence with its text and
-timeline), and what it hands out: a CompletionDelta per step, a RequestOutput per choice at the end.
-
-A request with n = 1 is one choice. With n > 1 (SamplingParams.n) each choice is a sequence of its own;
-the request is finished when all of them are.
-"""
+"""The scheduler's record of one request: its choices (SamplingParams.n completions, one by default, each a
+sequence with its text and timeline), and what it hands out: a CompletionDelta per step, a RequestOutput
+per choice at the end. The request is finished when all its choices are."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ class Choice:
     num_streamed_tokens: int = 0  # output tokens new_output has handed out
 
     def add_token(self, token: int, now: float) -> bool:
-        """Record a sampled token in the sequence (stop tokens, max_tokens) and the text (stop strings).
-        True if it finished the choice."""
+        """Record a sampled token in the sequence and the text. True if it finished the choice."""
         seq = self.seq
         seq.append_token(token)  # finishes it on a stop token or at max_tokens
         self.token_times.append(now)

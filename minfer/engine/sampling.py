@@ -13,7 +13,7 @@ import torch
 
 from ..host_to_device import to_device
 from .draw import draw_from
-from .logits_processors import TokenHistory, apply_logits_controls, apply_min_p
+from .logits_processors import TokenHistory, apply_logits_controls, apply_min_p_rows
 from .sampling_params import SamplingParams
 from .top_k_top_p import draw_filtered
 
@@ -43,12 +43,8 @@ def sample(
     generators: Sequence[torch.Generator | None],
     histories: Sequence[TokenHistory] | None = None,
 ) -> torch.Tensor:
-    """Pick one token per row of `logits` (B, V). Returns (B,) int64 on logits.device.
-
-    Rows that ask get logit_bias, min_tokens and the penalties first (logits_processors.py; they read
-    `histories`, each row's tokens). Greedy rows then take the argmax. The others divide by their
-    temperature, keep what min_p, top-k and top-p leave, and draw by inverse CDF: one uniform per row
-    against the cumulative probabilities (see draw_from)."""
+    """Pick one token per row of `logits` (B, V). Returns (B,) int64 on logits.device. `histories`, each
+    row's tokens, are read only by the penalties and min_tokens (logits_processors.py)."""
     assert len(params) == logits.shape[0] and len(generators) == logits.shape[0], "need one params and generator per row"
     return sample_with(logits, params, lambda: _uniforms(generators, params, logits.device), histories)
 
@@ -60,45 +56,35 @@ def sample_with(
     histories: Sequence[TokenHistory] | None = None,
 ) -> torch.Tensor:
     """`sample`, its uniforms (B,) from `uniforms()`, called only if a row samples: speculative verification
-    (speculative/verify.py) draws each row's token exactly as plain decoding would, from uniforms it
-    chose itself."""
-    B = logits.shape[0]
+    (speculative/verify.py) draws each row's token exactly as plain decoding would, from uniforms it chose."""
     device = logits.device
     controlled = any(p.uses_logits_controls for p in params)
+    if controlled:  # logits_processors.py: logit_bias, min_tokens and the penalties, on an fp32 copy
+        logits = apply_logits_controls(logits.to(torch.float32, copy=True), params, histories)
     greedy = [p.is_greedy for p in params]
-    if not controlled and all(greedy):
+    if all(greedy):
         # Widening to fp32 is exact, so the bf16 row's maximum is the fp32 one's: skip the copy (a fresh
         # (B, V) fp32 tensor, page-faulted in: 17 ms at 64 x 151,936 on a CPU).
         return greedy_tokens(logits)
-    # One fp32 copy, then in place: on a CPU each fresh (B, V) tensor is page-faulted in (glibc maps large
-    # blocks afresh), which cost more than the arithmetic (16.8 ms at 64 x 50,257 with four of them).
-    logits = logits.to(torch.float32, copy=True)  # (B, V) — bf16/fp16 are too coarse for softmax/cumsum
-    if controlled:
-        assert histories is not None and len(histories) == B, "penalties and min_tokens need each row's tokens"
-        logits = apply_logits_controls(logits, params, histories)
-    # (B,): the greedy rows' tokens; the sampled ones are overwritten below
-    tokens = greedy_tokens(logits) if any(greedy) else torch.empty(B, dtype=torch.long, device=device)
-    if all(greedy):
-        return tokens
-
-    # Greedy rows get temperature 1 so they stay finite (their draw is discarded).
-    temps = to_device([1.0 if p.is_greedy else p.temperature for p in params], device)
-    scaled = logits.div_(temps[:, None])  # (B, V)
-    with_min_p = [i for i, p in enumerate(params) if not p.is_greedy and p.min_p > 0]
-    if with_min_p:
-        index = _index(with_min_p, device)
-        min_p = to_device([params[i].min_p for i in with_min_p], device)
-        scaled[index] = apply_min_p(scaled[index], min_p)
+    # Dividing widens bf16/fp16 (too coarse for softmax/cumsum) into one fresh fp32 tensor (or the controls'
+    # copy), changed in place from then on: on a CPU each fresh (B, V) tensor is page-faulted in, which cost
+    # more than the arithmetic (16.8 ms at 64 x 50,257 with four). Greedy rows divide by 1: their draw is discarded.
+    temps = to_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], device)
+    scaled = logits.div_(temps[:, None]) if controlled else logits / temps[:, None]  # (B, V) float32
+    # (B,): the greedy rows' tokens; the drawn ones are overwritten below
+    tokens = greedy_tokens(scaled) if any(greedy) else torch.empty(len(params), dtype=torch.long, device=device)
+    if any(p.min_p for p in params):  # logits_processors.py: tokens far less likely than the likeliest go
+        apply_min_p_rows(scaled, params)
     u = uniforms()  # (B,)
-    plain = [i for i, p in enumerate(params) if not p.is_greedy and p.top_k == 0 and p.top_p == 1]
-    filtered = [i for i, p in enumerate(params) if not p.is_greedy and (p.top_k > 0 or p.top_p < 1)]
+    plain = [i for i, p in enumerate(params) if not greedy[i] and p.top_k == 0 and p.top_p == 1]
+    filtered = [i for i, p in enumerate(params) if not greedy[i] and (p.top_k > 0 or p.top_p < 1)]
     if plain:  # temperature only: the usual case
         rows = _rows(scaled, plain)  # scaled itself only when every row is plain: then none is filtered below
         weights = rows.sub_(rows.amax(dim=-1, keepdim=True)).exp_()  # softmax's numerators: draw_from normalises
-        tokens[_index(plain, device)] = draw_from(weights, _rows(u, plain))
+        tokens[to_device(plain, device)] = draw_from(weights, _rows(u, plain))
     if filtered:
         top_k, top_p = [params[i].top_k for i in filtered], [params[i].top_p for i in filtered]
-        tokens[_index(filtered, device)] = draw_filtered(_rows(scaled, filtered), _rows(u, filtered), top_k, top_p)
+        tokens[to_device(filtered, device)] = draw_filtered(_rows(scaled, filtered), _rows(u, filtered), top_k, top_p)
     return tokens
 
 
@@ -109,10 +95,6 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def _index(rows: list[int], device) -> torch.Tensor:
-    return to_device(rows, device)
-
-
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x[rows] along the first dimension, without a copy when rows are all of them."""
-    return x if len(rows) == x.shape[0] else x[_index(rows, x.device)]
+    return x if len(rows) == x.shape[0] else x[to_device(rows, x.device)]

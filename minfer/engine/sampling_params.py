@@ -18,7 +18,7 @@ from .structured_outputs_params import StructuredOutputsParams
 MAX_LOGPROBS = 20  # the most top tokens a request may ask for per position (OpenAI's limit)
 
 
-def _int(v) -> bool:
+def _int(v) -> bool:  # errors.is_int again: parsing a request runs in three files (tests/server/test_request_path.py)
     return isinstance(v, int) and not isinstance(v, bool)
 
 

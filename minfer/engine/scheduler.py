@@ -1,17 +1,10 @@
 """OnlineScheduler: the engine's public face. Requests in, one step at a time, tokens and text out.
 
-It owns the request registry (every request not yet popped or discarded), each
-request's text stream, the step statistics, and the parts that do the work:
-- ContinuousBatcher (continuous_batcher.py), the scheduling policy: waiting and
-  running queues, admission under a token budget, chunked prefill, preemption,
-  KV block growth, prefix-cache registration;
-- ModelRunner (model_runner.py): one scheduled step -> one forward pass -> one
-  sampled token per sequence that reached its last token.
-
-Every call to `step()` asks the batcher for this step's chunks, runs them as one
-forward pass, lets the batcher count the computed tokens, and then records each
-sampled token: in its sequence (stop tokens, max_tokens), in its text stream
-(stop strings) and in its request's timeline; a finished request's blocks are
+It owns the request registry (every request not yet popped or discarded) and each request's text
+stream, and hands the work to ContinuousBatcher (continuous_batcher.py: which tokens of which
+sequences run, in which KV blocks) and ModelRunner (model_runner.py: one forward pass, one sampled
+token per sequence that reached its last token). A step's tokens then go to their sequences (stop
+tokens, max_tokens), text streams (stop strings) and timelines; a finished request's blocks are
 freed at once.
 
 Features (logprobs, n > 1 on shared blocks, speculative decoding, structured outputs, compiled steps,
@@ -39,7 +32,7 @@ from .block_allocator import BlockAllocator
 from .config import EngineConfig, dtype_name
 from .continuous_batcher import ContinuousBatcher
 from .features import BUILDER, Features
-from .model_runner import ModelRunner, StepOutput
+from .model_runner import ModelRunner
 from .request_check import CheckedRequest, RequestLimits, check_limits
 from .request_state import Choice, Request
 from .sampling import make_generator
@@ -106,8 +99,9 @@ class OnlineScheduler:
         self.finished_ids: list[str] = []  # finished since the last pop_finished_ids()
         self._ids = itertools.count()
         self.num_steps = 0
-        self.last_step: StepStats | None = None
         self.last_chunks: list[ScheduledChunk] = []  # what the last step ran, for the engine event feed
+        self._last_step: StepStats | None = None
+        self._step_figures: tuple = ()  # what the last step's StepStats are figured from, besides its chunks
 
     # ---- the batcher's state, read-only for callers ----------------------------------
 
@@ -182,18 +176,16 @@ class OnlineScheduler:
         return self.check_request(prompt_token_ids, params)
 
     def _choice(self, request_id: str, ids: list[int], params: SamplingParams, index: int) -> Choice:
-        """Completion `index` of a request. With a seed, its own generator seeded seed + index (as vLLM
-        does): reproducible, and the same whatever else runs."""
+        """Completion `index` of a request; with a seed, its own generator seeded seed + index (as vLLM does)."""
         seed = None if params.seed is None else params.seed + index
-        generator = make_generator(seed, self.model.device)
+        generator = make_generator(seed, self.runner.device)
         seq = Sequence(request_id, ids, params, self.tokenizer.eos_token_ids, generator, index)
         detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens)
         return Choice(seq, TextStream(detokenizer, params.stop, params.include_stop_str_in_output))
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedRequest:
-        """The request, checked, if it could ever run; else InvalidParameter naming the field at fault. It
-        reads only fixed limits, so any thread may call it (the server does, once, before handing the
-        request to the engine thread)."""
+        """The request, checked, if it could ever run; else InvalidParameter naming the field at fault. Any
+        thread may call it: it reads only fixed limits (request_check.py)."""
         if params.wants_logprobs and self.features.scoring is None:  # never accepted and then not applied
             raise ValueError(f"logprobs need an engine built by {BUILDER}, which attaches scoring/")
         if params.structured_outputs is not None:  # structured/: the grammar compiles, or InvalidParameter
@@ -209,7 +201,7 @@ class OnlineScheduler:
         features, start = self.features, time.perf_counter()
         if features.threads is not None:  # cpu/thread_share.py: as many threads as cores others leave free
             features.threads.update()
-        preemptions_before = self.num_preemptions
+        preemptions_before = self.batcher.num_preemptions
         with part("host: schedule"):
             chunks = self.batcher.schedule()
             if features.scoring is not None and features.scoring.live:  # scoring/: a bounded number of
@@ -220,14 +212,14 @@ class OnlineScheduler:
                 features.speculation.fill(chunks)
         if not chunks:
             return {}
-        output = self.runner.execute(chunks)  # one forward, one sample, one host sync
+        drawn = self.runner.execute(chunks)  # one forward, one sample, one host sync: a token per sampled row
         with part("host: bookkeeping"):
             end = time.perf_counter()
-            self._record_step(chunks, start, end, self.num_preemptions - preemptions_before)
+            self._record_step(chunks, start, end, self.batcher.num_preemptions - preemptions_before)
             self.batcher.advance(chunks)  # count the computed tokens, register newly full blocks
             if features.forks is not None and features.forks.held:  # parallel_sampling/: forks start
                 features.forks.start(chunks, self.batcher, self.kv_cache)  # on the prompt's blocks
-            sampled = self._record_tokens(chunks, output, end)
+            sampled = self._record_tokens(chunks, drawn, end)
             if features.structured is not None and features.structured.live:  # structured/: matchers take the
                 for seq, reason in features.structured.advance(chunks):  # tokens; a completed grammar ends
                     self._end(seq, reason, end)
@@ -243,14 +235,14 @@ class OnlineScheduler:
         while self.has_unfinished():
             yield self.step()
 
-    def _record_tokens(self, chunks: list[ScheduledChunk], output: StepOutput, now: float) -> dict[str, int]:
+    def _record_tokens(self, chunks: list[ScheduledChunk], drawn: list[int], now: float) -> dict[str, int]:
         """Give each sampler of each chunk the token(s) it drew: into its sequence, text and timeline."""
         out, row = {}, 0
         for chunk in chunks:
             request = self.requests[chunk.seq.request_id]
             request.num_steps += 1
             num_sampled = len(chunk.sampled_rows())
-            for seq, tokens in chunk.emitted(output.tokens[row : row + num_sampled]):
+            for seq, tokens in chunk.emitted(drawn[row : row + num_sampled]):
                 for token in tokens:  # a stop or max_tokens among several ends the sequence there
                     finished = request.choices[seq.index].add_token(token, now)
                     out[seq.request_id] = token  # a request with n > 1 appears once, with its last choice's
@@ -276,8 +268,16 @@ class OnlineScheduler:
     def _record_step(self, chunks: list[ScheduledChunk], start: float, end: float, num_preemptions: int) -> None:
         self.num_steps += 1
         self.last_chunks = chunks
-        kv_blocks_used = self.allocator.num_blocks - self.allocator.num_free_blocks
-        self.last_step = StepStats.of(chunks, start, end, num_preemptions, kv_blocks_used)
+        self._last_step = None
+        kv_blocks_used = self.allocator.num_blocks - self.allocator.num_free_blocks  # before any block is freed
+        self._step_figures = (start, end, num_preemptions, kv_blocks_used)
+
+    @property
+    def last_step(self) -> StepStats | None:
+        """What the last step did (step_stats.py), figured when first asked: a step nobody reads pays nothing."""
+        if self._last_step is None and self.num_steps:
+            self._last_step = StepStats.of(self.last_chunks, *self._step_figures)
+        return self._last_step
 
     def close(self) -> None:
         """Release what the engine holds beside its tensors (compiled/: CUDA graphs). Requests stay as they are."""
@@ -340,16 +340,16 @@ class OnlineScheduler:
         return True
 
     def stats(self) -> dict:
-        speculation, compiled = self.features.speculation, self.features.compiled
+        speculation, compiled, batcher = self.features.speculation, self.features.compiled, self.batcher
         return (speculation.stats() if speculation is not None else {}) | {  # speculative/: vLLM's spec_decode counters
             **(compiled.stats() if compiled is not None else {}),  # compiled/: paths switched off, what runs now
             "num_kv_blocks_total": self.allocator.num_blocks,
             "num_kv_blocks_free": self.allocator.num_free_blocks,
             "num_kv_blocks_shared": self.allocator.num_shared_blocks,  # held by several sequences, stored once
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            "num_preemptions": self.num_preemptions,
-            "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
+            "num_running": len(batcher.running),
+            "num_waiting": len(batcher.waiting),
+            "num_preemptions": batcher.num_preemptions,
+            "prefix_cache_hit_tokens": batcher.prefix_cache_hit_tokens,
             "num_steps": self.num_steps,
         }
 

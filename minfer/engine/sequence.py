@@ -1,15 +1,14 @@
 """One request's engine state: its tokens, its KV blocks, and whether it is done; and ScheduledChunk,
 the part of it one step computes.
 
-A Sequence is WAITING (queued, or preempted and waiting to be recomputed), RUNNING
-(it holds KV blocks and is scheduled every step) or FINISHED. Its tokens are the
-prompt followed by everything generated; `num_computed_tokens` counts how many
-of them already have their keys and values in the cache. Prefill, chunked
-prefill, decode and recompute-after-preemption are all the same operation:
-compute the tokens from `num_computed_tokens` up to the end.
+A Sequence is WAITING (queued, or preempted and waiting to be recomputed), RUNNING (it holds KV blocks and
+is scheduled every step) or FINISHED. Its tokens are the prompt followed by everything generated;
+`num_computed_tokens` counts how many of them already have their keys and values in the cache. Prefill,
+chunked prefill, decode and recompute-after-preemption are all the same operation: compute the tokens from
+`num_computed_tokens` up to the end.
 
-Its text (detokenizing, stop strings, streaming) lives in text_stream.py: the
-engine decides on token ids alone, except that a stop string may end a request.
+Its text (detokenizing, stop strings, streaming) lives in text_stream.py: the engine decides on token ids
+alone, except that a stop string may end a request.
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
 """GPT-2, written from scratch with torch.
 
-The architecture (Radford et al., 2019): learned token and position embeddings,
-a stack of pre-LayerNorm transformer blocks (fused-QKV causal self-attention,
-then a GELU MLP), a final LayerNorm, and an LM head that reuses (is "tied to")
-the token embedding matrix.
+The architecture (Radford et al., 2019): learned token and position embeddings, a stack of pre-LayerNorm
+transformer blocks (fused-QKV causal self-attention, then a GELU MLP), a final LayerNorm, and an LM head
+that reuses (is "tied to") the token embedding matrix.
 
-There is one forward pass. Without a cache it recomputes every position of a
-padded (B, T) batch: the reference the tutorials start from and the parity tests
-check. The engine passes a `PagedBatch` (attention/paged.py): then the input is
-flat, (N,) tokens: every token scheduled this step, from many sequences side by
-side; attention reads and writes the paged KV cache, and the LM head runs only on
-the rows that draw a token. The end of the file maps a checkpoint's tensor names
-onto this module's (the loader, loader.py, asks for it).
+There is one forward pass. Without a cache it recomputes every position of a padded (B, T) batch: the
+reference the tutorials start from and the parity tests check. The engine passes a `PagedBatch`
+(attention/paged.py): then the input is flat, (N,) tokens: every token scheduled this step, from many
+sequences side by side; attention reads and writes the paged KV cache, and the LM head runs only on the
+rows that draw a token. The end of the file maps a checkpoint's tensor names onto this module's (the
+loader, loader.py, asks for it).
 """
 
 from __future__ import annotations
@@ -107,11 +105,8 @@ class GPT2(nn.Module):
         self.lm_head.weight = self.wte.weight  # tied: the LM head reuses the token embedding matrix
 
     def forward(self, input_ids: torch.Tensor, paged: PagedBatch | None = None) -> torch.Tensor:
-        """input_ids (B, T) -> logits (B, T, vocab_size), recomputing every position.
-
-        With `paged` (the engine's step): input_ids (N,) are every token scheduled this step, at
-        positions paged.positions, and the result is (S, V): logits of the S rows that sample.
-        """
+        """input_ids (B, T) -> logits (B, T, vocab_size), recomputing every position. With `paged` (the engine's
+        step): input_ids (N,), every token scheduled, at paged.positions -> logits (S, V) of the rows that sample."""
         if paged is None:
             T = input_ids.shape[1]
             if T > self.config.n_positions:

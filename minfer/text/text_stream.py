@@ -1,10 +1,9 @@
 """TextStream: one request's generated text, built token by token, cut at a stop string, streamed in pieces.
 
-The engine works on token ids; this is where they become text. Each generated
-token goes through the request's incremental detokenizer (tokenizer.py); the
-text is searched for the request's stop strings, and cut before the first one
-found. `pop_new_text` hands out what was added since the last call, holding
-back a tail that could still turn out to be the start of a stop string.
+The engine works on token ids; this is where they become text. Each generated token goes through the
+request's incremental detokenizer (tokenizer.py); the text is searched for the request's stop strings, and
+cut before the first one found. `pop_new_text` hands out what was added since the last call, holding back a
+tail that could still turn out to be the start of a stop string.
 """
 
 from __future__ import annotations
@@ -35,19 +34,22 @@ class TextStream:
             return False
         self.text += piece
         if self.stop and check_stop:
-            # Only the tail can hold a stop string that was not there before this piece.
-            longest = max(map(len, self.stop))
-            search_from = max(0, len(self.text) - len(piece) - longest + 1)
-            hits = [(i, len(s)) for i, s in ((self.text.find(s, search_from), s) for s in self.stop) if i >= 0]
-            if hits:
-                start, length = min(hits)  # the stop string that starts first
-                self.text = self.text[: start + length if self.include_stop else start]  # and all after it
-                self.hit_stop = True
+            self._cut_at_stop(len(piece))
         return self.hit_stop
+
+    def _cut_at_stop(self, num_new_chars: int) -> None:
+        """Cut the text at the first stop string, if its last num_new_chars completed one: only the tail can
+        hold a stop string that was not there before."""
+        search_from = max(0, len(self.text) - num_new_chars - max(map(len, self.stop)) + 1)
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, search_from), s) for s in self.stop) if i >= 0]
+        if hits:
+            start, length = min(hits)  # the stop string that starts first
+            self.text = self.text[: start + length if self.include_stop else start]  # and all after it
+            self.hit_stop = True
 
     def pop_new_text(self, finished: bool) -> str:
         """Text added since the last call; while not finished, minus a tail that might become a stop string."""
-        end = len(self.text) if finished else self._stable_length()
+        end = len(self.text) if finished or not self.stop else self._stable_length()
         piece = self.text[self.num_streamed_chars : end]
         self.num_streamed_chars = max(self.num_streamed_chars, end)
         return piece
