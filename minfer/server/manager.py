@@ -190,11 +190,12 @@ class SchedulerManager:
         except Exception as e:
             self._step_failed(e)
             return
-        num_tokens = self.scheduler.last_step.num_sampled if sampled else 0  # n per request, accepted proposals too
-        self.metrics.on_tokens(num_tokens)
+        num_tokens = 0
         for request_id in sampled:  # text "" too: the handler still gets the step's token ids
             for delta in self.scheduler.get_new_outputs(request_id):  # one per choice that sampled
+                num_tokens += len(delta.token_ids)  # n per request, accepted proposals too
                 self._active[request_id].events.put(delta)
+        self.metrics.on_tokens(num_tokens)
         finished = []
         for request_id in self.scheduler.pop_finished_ids():
             outs = self.scheduler.pop_responses(request_id)  # one per choice
