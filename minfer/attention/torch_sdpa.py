@@ -133,7 +133,7 @@ class TorchBackend(AttentionBackend):
     def decode_attention(self, q, kv_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
         """q (S, H, D): one query per sequence against its whole context, gathered at once. Returns (S, H, D)."""
         with part("context read"):
-            ks, vs = kv_cache[group.slots].permute(2, 0, 3, 1, 4)  # (S, L, 2, Hkv, D) -> 2 x (S, Hkv, L, D)
+            ks, vs = gather_slots(kv_cache, group.slots).permute(2, 0, 3, 1, 4)  # (S, L, 2, Hkv, D) -> 2 x (S, Hkv, L, D)
         with part("attention"):
             gqa = q.shape[1] != kv_cache.shape[2]
             y = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=group.mask, scale=scale, enable_gqa=gqa)
@@ -147,7 +147,7 @@ class TorchBackend(AttentionBackend):
 
     def chunk_context(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """A prefill chunk's context: slots (L,) -> its keys and values, (2, Hkv, L, D)."""
-        return kv_cache[slots].permute(1, 2, 0, 3)  # (L, 2, Hkv, D) -> (2, Hkv, L, D)
+        return gather_slots(kv_cache, slots).permute(1, 2, 0, 3)  # (L, 2, Hkv, D) -> (2, Hkv, L, D)
 
     def prefill_attention(self, q, k, v, mask, scale: float) -> torch.Tensor:
         """Causal attention of a prefill chunk: q (H, T, D) are the last T of the L positions in k, v
@@ -160,6 +160,12 @@ class TorchBackend(AttentionBackend):
             q.to(k.dtype)[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
         )
         return y[0].to(q.dtype)
+
+
+def gather_slots(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """kv_cache (num_slots, 2, Hkv, D), slots (...) -> (..., 2, Hkv, D): kv_cache[slots], by index_select,
+    which copies whole rows (2-4x faster on a CPU than indexing's general kernel)."""
+    return kv_cache.index_select(0, slots.flatten()).view(*slots.shape, *kv_cache.shape[1:])
 
 
 def group_by_length(lens: list[int], max_waste: float = 1.25) -> list[list[int]]:
