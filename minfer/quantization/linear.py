@@ -112,12 +112,14 @@ def widening_buffer(dtype: torch.dtype, device: torch.device, numel: int) -> tor
     """A reused (numel,) buffer for a tile of weights widened to `dtype`: a fresh tensor of a large
     weight's size would be new pages from the OS on every step, each faulted in on first touch. In a
     compiled graph (--compile-decode-step) a fresh one: the compiler plans its own buffers, and a global
-    one written there is a mutation it must keep (int8 at 64 rows ran 1.56x bf16's time, 1.40x fresh)."""
+    one written there is a mutation it must keep (int8 at 64 rows ran 1.56x bf16's time, 1.40x fresh).
+    Made outside inference mode: an inference tensor could not be written by a later call outside it."""
     if torch.compiler.is_compiling():
         return torch.empty(numel, dtype=dtype, device=device)
     key = (dtype, torch.device(device))
     buffers = _buffers.__dict__.setdefault("by_kind", {})
     buffer = buffers.get(key)
     if buffer is None or buffer.numel() < numel:
-        buffer = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        with torch.inference_mode(False):
+            buffer = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
     return buffer[:numel]

@@ -390,3 +390,20 @@ def test_the_gemm_path_in_tiles_is_the_matmul_with_the_dequantized_weight(monkey
     x = torch.randn(70, 96)
     want = x @ layer.dequantized(torch.float32).t() + linear.bias
     assert relative_error(layer.gemm(x), want) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
+def test_a_widened_weight_runs_in_and_out_of_inference_mode(method):
+    """The reused widening buffer is made by whichever call comes first: made in inference mode (an engine
+    step) it must not become an inference tensor that a later call outside it (a test, a script) may not
+    write."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 128)
+    layer = Int8Linear.from_float(linear) if method == "int8" else Int4Linear.from_float(linear, 32)
+    x = torch.randn(70, 96)  # enough rows for the widening path
+    want = x @ layer.dequantized(torch.float32).t() + linear.bias
+    with torch.inference_mode():
+        inside = layer.gemm(x)
+    with torch.no_grad():
+        outside = layer.gemm(x)
+    assert relative_error(inside, want) < 1e-5 and relative_error(outside, want) < 1e-5
