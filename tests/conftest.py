@@ -111,3 +111,26 @@ def flex_traced_as_on_a_gpu(flex_as_on_a_gpu, monkeypatch):
     monkeypatch.setattr(flex_kernel, "SERVING_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(flex_kernel, "SERVING_BACKEND", count_and_trace)
     return FLEX_COMPILES
+
+
+# The slowest test files, slowest first (each over 15 s on a quiet 2-core machine). Where xdist runs the
+# suite (.ci/run: `-n 2 --dist loadfile --no-loadscope-reorder`), they start first, so that the run never
+# ends with one worker on one of them while the other sits idle. Elsewhere the order is pytest's own.
+SLOWEST_FILES = [
+    "tests/rooms/gpu/test_gpu_check.py",
+    "tests/rooms/compiled/test_compiled_step.py",
+    "tests/clients/test_stress.py",
+    "tests/training/test_tiny_llama.py",
+    "tests/architecture/test_entry_points.py",
+    "tests/rooms/compiled/test_compiled_attention.py",
+    "tests/server/test_live_view_browser.py",
+    "tests/server/test_startup.py",
+    "tests/clients/test_lm_eval.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):  # not an xdist worker
+        return
+    rank = {path: i for i, path in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
