@@ -103,7 +103,7 @@ def script_runs(request, make_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("tutorial-runs")
     jobs = [
         {
-            "script": str(script),
+            "argv": [str(script)],
             "env": {"MINFER_MODEL": str(checkpoints[shape]), "MINFER_EXERCISE": source or ""},
             "stdout": str(out / f"{shape}-{script.stem}-{source}.out"),
             "stderr": str(out / f"{shape}-{script.stem}-{source}.err"),
@@ -128,7 +128,7 @@ def script_runs(request, make_checkpoint, tmp_path_factory):
             done = json.loads(line)
             job = jobs[done["index"]]
             futures[keys[done["index"]]].set_result(subprocess.CompletedProcess(
-                job["script"],
+                job["argv"][0],
                 done["returncode"],
                 Path(job["stdout"]).read_text(errors="replace"),
                 Path(job["stderr"]).read_text(errors="replace"),
