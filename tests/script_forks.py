@@ -159,9 +159,10 @@ def main() -> int:
 
 # ---- in a test: `run_python`, subprocess.run's twin for a Python command ---------------------------------
 
-# What a fork cannot change: variables read as the interpreter or torch's OpenMP start. A command whose
-# environment sets them differently needs a fresh interpreter: subprocess.run.
-READ_AT_START = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "LD_", "MALLOC_", "TORCH_")
+# What a fork cannot change: variables read as the interpreter or torch's OpenMP (GNU's: KMP_ variables,
+# which lm-eval sets, are Intel's) start. A command whose environment sets them differently needs a fresh
+# interpreter: subprocess.run.
+READ_AT_START = ("PYTHON", "OMP_", "GOMP_", "MKL_", "LD_", "MALLOC_", "TORCH_")
 _server: dict = {}  # this process's forking process, once started: {"proc", "jobs", "lock", "out"}
 _START_ENV = dict(os.environ)  # as the tests found it, whatever a test sets later
 
@@ -171,9 +172,9 @@ def run_python(argv: list[str], *, cwd=None, env=None, timeout=None) -> subproce
     ...]`, or a console script of this environment's), run in a fork of a process that has imported torch
     (but not minfer: the command imports minfer itself, as it would in a fresh interpreter)."""
     env = dict(os.environ if env is None else env)
-    started = {k: v for k, v in _START_ENV.items() if k.startswith(READ_AT_START)}
-    if {k: v for k, v in env.items() if k.startswith(READ_AT_START)} != started:
-        raise ValueError(f"{shlex.join(argv)}: its environment changes what a fresh interpreter reads at start")
+    changed = {k for k in {*env, *_START_ENV} if k.startswith(READ_AT_START) and env.get(k) != _START_ENV.get(k)}
+    if changed:
+        raise ValueError(f"{shlex.join(argv)}: its environment changes what an interpreter reads at start: {changed}")
     if not _server:
         _server["proc"] = subprocess.Popen(
             [sys.executable, __file__, "-", "--preload", "torch"], env=_START_ENV, stdin=subprocess.PIPE,
