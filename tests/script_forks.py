@@ -1,7 +1,7 @@
 """Run many Python commands, each in its own process, paying the imports once.
 
-`python tests/script_forks.py JOBS.json` imports torch and minfer, then forks one child per job, at
-most --parallel at a time. Each child runs its command as `python ARGV...` would: a script (as
+`python tests/script_forks.py JOBS.json` imports torch (and the --preload modules), then forks one
+child per job, at most --parallel at a time. Each child runs its command as `python ARGV...` would: a script (as
 __main__, its folder first on sys.path), `-m MODULE` or `-c CODE`, with sys.argv set, in the job's
 working folder and environment, its stdout and stderr written to the job's files. A line of JSON goes
 to stdout as each job ends: {"index", "returncode", "seconds"}. With JOBS.json `-` the jobs come one a
@@ -117,8 +117,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("jobs", help="the jobs' JSON file, or - for one job a line on stdin")
     parser.add_argument("--parallel", type=int, default=2, help="children at once")
-    parser.add_argument("--preload", default="torch,minfer,minfer.server.serve",
-                        help="the modules every command shares, imported before the first fork")
+    parser.add_argument("--preload", default="torch", help="the modules the commands share, imported before the first fork")
     args = parser.parse_args()
     for name in args.preload.split(","):
         importlib.import_module(name)
@@ -177,9 +176,8 @@ def run_python(argv: list[str], *, cwd=None, env=None, timeout=None) -> subproce
         raise ValueError(f"{shlex.join(argv)}: its environment changes what an interpreter reads at start: {changed}")
     if not _server:
         _server["proc"] = subprocess.Popen(
-            [sys.executable, __file__, "-", "--preload", "torch"], env=_START_ENV, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [sys.executable, __file__, "-"], env=_START_ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         _server.update(jobs=0, lock=threading.Lock(), out=tempfile.mkdtemp(prefix="script-forks-"))
         atexit.register(stop_server)
     with _server["lock"]:
