@@ -1,15 +1,15 @@
 """Run many Python commands, each in its own process, paying the imports once.
 
-`python tests/script_forks.py JOBS.json` imports torch (and the --preload modules), then forks one
-child per job, at most --parallel at a time. Each child runs its command as `python ARGV...` would: a script (as
-__main__, its folder first on sys.path), `-m MODULE` or `-c CODE`, with sys.argv set, in the job's
-working folder and environment, its stdout and stderr written to the job's files. A line of JSON goes
-to stdout as each job ends: {"index", "returncode", "seconds"}. With JOBS.json `-` the jobs come one a
-line on stdin, as long as it stays open: `run_python` below keeps such a process per test process.
+`python tests/script_forks.py JOBS.json` imports torch (or the --preload modules), then forks one
+child per job, at most --parallel at a time. Each child runs its command as `python ARGV...` would: a
+script (as __main__, its folder first on sys.path), `-m MODULE` or `-c CODE`, with sys.argv set, in the
+job's working folder and environment, its stdout and stderr written to the job's files. A line of JSON
+goes to stdout as each job ends: {"index", "returncode", "seconds"}. With JOBS.json `-` the jobs come
+one a line on stdin, as long as it stays open: `run_python` below keeps such a process per test process.
 
 Why: most of a short command's few seconds is importing torch. A fork shares the imported modules
-and still gives every command a process of its own. The parent never runs a torch op, so no thread
-pool exists yet when it forks.
+and still gives every command a process of its own. The parent never runs a torch op, so torch's
+thread pool does not exist yet when it forks.
 
 A job: {"argv": [...the command line after `python`], "env": {name: value}, "stdout": path,
 "stderr": path, "timeout": s}, and optionally "cwd" and "replace_env" (the job's env is the whole
@@ -117,7 +117,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("jobs", help="the jobs' JSON file, or - for one job a line on stdin")
     parser.add_argument("--parallel", type=int, default=2, help="children at once")
-    parser.add_argument("--preload", default="torch", help="the modules the commands share, imported before the first fork")
+    parser.add_argument("--preload", default="torch", help="the modules the commands share, imported first")
     args = parser.parse_args()
     for name in args.preload.split(","):
         importlib.import_module(name)
