@@ -111,3 +111,33 @@ def flex_traced_as_on_a_gpu(flex_as_on_a_gpu, monkeypatch):
     monkeypatch.setattr(flex_kernel, "SERVING_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(flex_kernel, "SERVING_BACKEND", count_and_trace)
     return FLEX_COMPILES
+
+
+# The files that start first where xdist runs the suite (.ci/run: `-n 2 --dist loadfile
+# --no-loadscope-reorder`), in this order; elsewhere the order is pytest's own.
+# - the two that call int8 linears outside inference mode, one first in each worker's process: they fail
+#   once an engine on the same thread has widened int8 weights in inference mode (the reused widening
+#   buffer of quantization/linear.py is then an inference tensor; `python -m pytest -q` shows it);
+# - then the slowest files, slowest first (each over 15 s on a quiet 2-core machine), so that the run never
+#   ends with one worker on one of them while the other sits idle (xdist's own order, most tests first,
+#   ran them last).
+FIRST_FILES = [
+    "tests/rooms/quantization/test_quantization.py",
+    "tests/rooms/quantization/test_quantized_activations.py",
+    "tests/rooms/gpu/test_gpu_check.py",
+    "tests/rooms/compiled/test_compiled_step.py",
+    "tests/clients/test_stress.py",
+    "tests/training/test_tiny_llama.py",
+    "tests/architecture/test_entry_points.py",
+    "tests/rooms/compiled/test_compiled_attention.py",
+    "tests/server/test_live_view_browser.py",
+    "tests/server/test_startup.py",
+    "tests/clients/test_lm_eval.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):  # not an xdist worker
+        return
+    rank = {path: i for i, path in enumerate(FIRST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order

@@ -1,13 +1,15 @@
 """The commands users have in their scripts keep working after the package moved into layers,
-and the `minfer` command runs each of them; `python -m minfer.generate` streams what the engine generates."""
+and the `minfer` command runs each of them; `python -m minfer.generate` streams what the engine generates.
+Each command runs in a process of its own, forked from one that has imported torch (not minfer):
+tests/script_forks.py."""
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from script_forks import run_python
 
 from minfer import LLM, SamplingParams
 
@@ -21,9 +23,8 @@ OLD_COMMANDS = [
 ]
 
 
-def run(argv, **kw):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, **kw)
+def run(argv):
+    return run_python(argv, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
 
 
 @pytest.mark.parametrize("argv", OLD_COMMANDS, ids=lambda a: " ".join(a[:2]))
@@ -92,7 +93,7 @@ def test_generate_cli_streams_the_engine_output(tiny_checkpoint):
         "12",
         "The cache",
     ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    result = run_python(cmd, timeout=120)
     assert result.returncode == 0, result.stderr
     llm = LLM(tiny_checkpoint, num_kv_blocks=32)
     expected = llm.generate(["The cache"], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]

@@ -2,13 +2,13 @@
 server, bench and generate, and reported by the server's /health as the engine runs them."""
 
 import argparse
-import subprocess
 import sys
 import threading
 from dataclasses import asdict, fields
 
 import pytest
 import torch
+from script_forks import run_python
 from serving import ServerProcess, call
 
 from minfer import LLM, EngineConfig, OnlineScheduler, SamplingParams
@@ -319,7 +319,7 @@ def test_serve_command_reports_its_flags_in_health(tiny_checkpoint, tmp_path):
 )
 def test_serve_refuses_a_bad_flag_in_one_line(tiny_checkpoint, argv, message):
     cmd = [sys.executable, "-m", "minfer.serve", "--model", str(tiny_checkpoint), "--port", "0", *argv]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = run_python(cmd, timeout=120)  # in a fork of a process that has imported torch
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.startswith(message) and done.stderr.count("\n") == 1, done.stderr
 

@@ -1,11 +1,11 @@
 """The random checkpoints everything offline depends on."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 from safetensors import safe_open
+from script_forks import run_python
 
 from minfer.checkpoints import make_config, random_state_dict, train_tokenizer, write_random_checkpoint
 from minfer.models.config import GPT2Config
@@ -16,7 +16,8 @@ from minfer.text.tokenizer import Tokenizer
 def test_cli_writes_a_complete_checkpoint(tmp_path, layout):
     out = tmp_path / "ck"
     cmd = [sys.executable, "-m", "minfer.random_model", str(out), "--config", "tiny", "--layout", layout]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    done = run_python(cmd, timeout=120)  # in a fork of a process that has imported torch
+    assert done.returncode == 0, done.stderr
     config = GPT2Config.from_json(out / "config.json")
     tokenizer = Tokenizer.from_dir(out)
     assert tokenizer.vocab_size == config.vocab_size == 512

@@ -39,7 +39,8 @@ def server(checkpoint):
 
 
 def evaluate(model: str, model_args: str, tasks_dir) -> dict:
-    manager = TaskManager(include_path=str(tasks_dir))
+    # Our tasks only: indexing lm-eval's own thousands of task files took 10 s of CPU a call.
+    manager = TaskManager(include_path=str(tasks_dir), include_defaults=False)
     out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=TASKS, task_manager=manager, device="cpu")
     return {task: [s["resps"] for s in out["samples"][task]] for task in TASKS}
 

@@ -2,12 +2,12 @@
 
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from script_forks import run_python
 
 from minfer.models.config import GPT2Config
 from minfer.models.gpt2 import GPT2
@@ -150,7 +150,7 @@ def test_hub_id_found_in_cache_offline(monkeypatch, tiny_checkpoint):
 
 def test_cli_error_is_one_line_without_traceback(tmp_path):
     env_cmd = [sys.executable, "-m", "minfer.generate", "--model", str(tmp_path), "hello"]
-    result = subprocess.run(env_cmd, capture_output=True, text=True, timeout=60)
+    result = run_python(env_cmd, timeout=60)  # in a fork of a process that has imported torch
     assert result.returncode == 1
     err = result.stderr.strip()
     assert err.startswith("error: no config.json") and "Traceback" not in err

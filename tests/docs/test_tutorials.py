@@ -88,7 +88,8 @@ def run_key(item) -> tuple[str, Path, str | None]:
 def script_runs(request, make_checkpoint, tmp_path_factory):
     """Start the selected (shape, script) runs in the background, two at a time, each in a process of
     its own forked by tests/script_forks.py: most of each script's few seconds would otherwise be
-    importing torch, once per run. Two at once keep two cores busy."""
+    importing torch and minfer, once per run (and transformers' GPT-2, for stages 01 and 15, 4 s). Two
+    at once keep two cores busy."""
     selected = [run_key(item) for item in request.session.items if getattr(item, "originalname", None) in TEST_NAMES]
     if not selected:
         yield {}
@@ -103,7 +104,7 @@ def script_runs(request, make_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("tutorial-runs")
     jobs = [
         {
-            "script": str(script),
+            "argv": [str(script)],
             "env": {"MINFER_MODEL": str(checkpoints[shape]), "MINFER_EXERCISE": source or ""},
             "stdout": str(out / f"{shape}-{script.stem}-{source}.out"),
             "stderr": str(out / f"{shape}-{script.stem}-{source}.err"),
@@ -118,7 +119,8 @@ def script_runs(request, make_checkpoint, tmp_path_factory):
         "OMP_NUM_THREADS": "1",  # two scripts at once on a small machine: don't oversubscribe it
     }
     forks = subprocess.Popen(
-        [sys.executable, str(Path(__file__).parents[1] / "script_forks.py"), str(out / "jobs.json")],
+        [sys.executable, str(Path(__file__).parents[1] / "script_forks.py"), str(out / "jobs.json"), "--preload",
+         "torch,minfer,minfer.server.serve,transformers,transformers.models.gpt2.modeling_gpt2"],
         cwd=TUTORIALS.parent, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True,
     )
     futures = {key: Future() for key in keys}
@@ -128,7 +130,7 @@ def script_runs(request, make_checkpoint, tmp_path_factory):
             done = json.loads(line)
             job = jobs[done["index"]]
             futures[keys[done["index"]]].set_result(subprocess.CompletedProcess(
-                job["script"],
+                job["argv"][0],
                 done["returncode"],
                 Path(job["stdout"]).read_text(errors="replace"),
                 Path(job["stderr"]).read_text(errors="replace"),

@@ -5,13 +5,13 @@ import http.client
 import json
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 
 import openai
 import pytest
+from script_forks import run_python
 from serving import API_KEY, AUTH, MODEL, ServerProcess, call, metrics, open_stream, stream_events
 
 from minfer import LLM, EngineConfig, SamplingParams
@@ -327,11 +327,8 @@ def test_sigterm_ends_streams_and_exits_zero(checkpoint, tmp_path):
 
 
 def test_bad_model_is_one_line_error(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "minfer.serve", "--model", str(tmp_path / "missing"), "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = run_python(  # in a fork of a process that has imported torch
+        [sys.executable, "-m", "minfer.serve", "--model", str(tmp_path / "missing"), "--port", "0"], timeout=120
     )
     assert proc.returncode == 1 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
 

@@ -4,12 +4,12 @@
 import json
 import logging
 import shutil
-import subprocess
 import sys
 import threading
 import urllib.request
 
 import pytest
+from script_forks import run_python
 
 from minfer import EngineConfig
 from minfer.engine.generation_defaults import sampling_defaults
@@ -110,10 +110,10 @@ def test_chat_template_option_replaces_the_checkpoints(tiny_checkpoint, tmp_path
 
 
 def test_a_bad_chat_template_fails_before_loading(tmp_path):
-    done = subprocess.run(
+    done = run_python(  # in a fork of a process that has imported torch
         [sys.executable, "-m", "minfer.serve", "--model", str(tmp_path / "never-loaded"), "--port", "0",
          "--chat-template", "missing.jinja"],
-        capture_output=True, text=True, timeout=120,
+        timeout=120,
     )  # fmt: skip
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [

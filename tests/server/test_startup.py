@@ -1,5 +1,6 @@
 """What an operator sees when the server starts: a banner with every choice the engine made, and
-one clean line, before the model loads, for every bad start."""
+one clean line, before the model loads, for every bad start (`python -m minfer.serve` in a fork of a
+process that has imported torch: tests/script_forks.py)."""
 
 import logging
 import socket
@@ -9,15 +10,14 @@ import threading
 import time
 
 import pytest
+from script_forks import run_python
 
 from minfer import EngineConfig
 from minfer.server.serve import create_server
 
 
 def serve(*argv, timeout=60):
-    return subprocess.run(
-        [sys.executable, "-m", "minfer.serve", *argv], capture_output=True, text=True, timeout=timeout
-    )
+    return run_python([sys.executable, "-m", "minfer.serve", *argv], timeout=timeout)
 
 
 def test_banner_names_every_choice(tiny_checkpoint, caplog):
