@@ -114,16 +114,10 @@ def flex_traced_as_on_a_gpu(flex_as_on_a_gpu, monkeypatch):
 
 
 # The files that start first where xdist runs the suite (.ci/run: `-n 2 --dist loadfile
-# --no-loadscope-reorder`), in this order; elsewhere the order is pytest's own.
-# - the two that call int8 linears outside inference mode, one first in each worker's process: they fail
-#   once an engine on the same thread has widened int8 weights in inference mode (the reused widening
-#   buffer of quantization/linear.py is then an inference tensor; `python -m pytest -q` shows it);
-# - then the slowest files, slowest first (each over 15 s on a quiet 2-core machine), so that the run never
-#   ends with one worker on one of them while the other sits idle (xdist's own order, most tests first,
-#   ran them last).
+# --no-loadscope-reorder`), slowest first (each over 15 s on a quiet 2-core machine), so that the run never
+# ends with one worker on one of them while the other sits idle (xdist's own order, most tests first, ran
+# them last); elsewhere the order is pytest's own.
 FIRST_FILES = [
-    "tests/rooms/quantization/test_quantization.py",
-    "tests/rooms/quantization/test_quantized_activations.py",
     "tests/rooms/gpu/test_gpu_check.py",
     "tests/rooms/compiled/test_compiled_step.py",
     "tests/clients/test_stress.py",
