@@ -26,8 +26,9 @@ CHOICES = ("auto", "compiled", "eager")  # what users choose from (--attention-b
 # Below this K/V width (kv heads x head dim) a CPU runs the plain backend whatever was asked: each compiled
 # call costs ~0.1 ms before any work, more than it saves on a narrow cache (minfer-tiny, width 128: 13.9 ms
 # per decode step compiled against 9.8 eager; GPT-2 124M, 768: 1.4-3.9x faster compiled), and the tiled read
-# pays for its tiles only on wide contexts (minfer-tiny, fp32, Zen 3: plain 1823-2044 tok/s at 16 streams
-# and 3.6-4.3 ms/token alone, tiled 1844-2116 and 3.8-4.9). Widths in between are unmeasured: 512 splits them.
+# pays for its tiles only on wide contexts (minfer-tiny, fp32, Zen 3, 64 x (128 + 128): plain 2887-3142 tok/s
+# at 16 streams and 2.5-2.8 ms/token alone, tiled 2559-2877 and 2.8-2.9). Widths in between are unmeasured:
+# 512 splits them.
 MIN_CPU_KV_WIDTH = 512
 
 
