@@ -15,7 +15,9 @@ Figures go stale and differ between CPUs; bench.py prints them for the machine a
    weight once into its own blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
    the path torch.compile's CPU backend uses); the same matmul then runs faster
    at every row count, one row (memory-bound) or hundreds (compute-bound). The
-   packed copy replaces the plain weight, so memory does not grow.
+   packed copy replaces the plain weight, so memory does not grow. In fp32 with several threads,
+   one row (a batch-1 decode step) runs on a second copy split along the input, a part per thread
+   (`one_row_parts`): where that copy fits in a quarter of the memory available.
 2. The LM head, prepacked the same way (`LMHead`). Its weight is tied to the token
    embedding, which the input lookup still needs, so this is a second copy of the
    (V, C) matrix: worth it, the LM head is a third of GPT-2 small's weight bytes.
@@ -28,12 +30,13 @@ Figures go stale and differ between CPUs; bench.py prints them for the machine a
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..attention.cache_budget import available_memory
 from .features import cpu_has_native_bf16
 from .packing import PACKING_BATCH_HINT, LMHead, PackedLinear
 
@@ -72,17 +75,28 @@ def optimize_for_cpu(model: nn.Module, pack: bool = True) -> None:
     if packing_available(dtype):
         if not pack:
             return
-        make = PackedLinear
+        make = partial(PackedLinear, one_row_parts=one_row_parts(model, dtype))
     elif dtype == torch.bfloat16:
         make = _as_bf16_storage
     else:
         return
-    if make is PackedLinear and type(getattr(model, "lm_head", None)) is nn.Linear:
+    if packing_available(dtype) and type(getattr(model, "lm_head", None)) is nn.Linear:
         model.lm_head = LMHead(model.lm_head.weight)
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if type(child) is nn.Linear and not (parent is model and name == "lm_head"):
                 setattr(parent, name, make(child))
+
+
+def one_row_parts(model: nn.Module, dtype: torch.dtype) -> int:
+    """How many parts a prepacked linear splits one row into (PackedLinear): one per thread, in fp32 (bf16
+    is unmeasured), where the second copy of the linears' weights fits in a quarter of the memory
+    available; else 1, no copy."""
+    threads = torch.get_num_threads()
+    if dtype != torch.float32 or threads < 2:
+        return 1
+    copy_bytes = sum(m.weight.nbytes for name, m in model.named_modules() if type(m) is nn.Linear and name != "lm_head")
+    return threads if copy_bytes <= available_memory(torch.device("cpu")) // 4 else 1
 
 
 def _as_bf16_storage(linear: nn.Linear) -> Bf16StorageLinear:

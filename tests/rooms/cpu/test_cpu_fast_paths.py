@@ -35,6 +35,35 @@ def test_packed_linear_equals_nn_linear(shape):
 
 
 @needs_packing
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("bias", [True, False])
+def test_one_row_split_along_the_input_equals_nn_linear(parts, bias):
+    """One row runs on the copy split into `parts` along the input (partial rows summed, the bias once);
+    more rows, and a width the parts do not divide, run packed."""
+    torch.manual_seed(0)
+    linear = nn.Linear(24, 40, bias=bias)
+    packed = PackedLinear(linear, one_row_parts=parts)
+    assert packed.split_weight.shape == (parts, 24 // parts, 40)
+    for shape in [(1, 24), (24,), (1, 1, 24), (3, 24)]:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(packed(x), linear(x))
+    assert PackedLinear(nn.Linear(25, 8), one_row_parts=2).split_weight is None
+
+
+@needs_packing
+def test_one_row_copies_only_in_fp32_with_threads_and_memory_to_spare(monkeypatch):
+    model = nn.Sequential(nn.Linear(8, 12))  # 384 bytes of weight
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(cpu_linears, "available_memory", lambda device: 4 * 384)
+    assert cpu_linears.one_row_parts(model, torch.float32) == 4
+    assert cpu_linears.one_row_parts(model, torch.bfloat16) == 1
+    monkeypatch.setattr(cpu_linears, "available_memory", lambda device: 4 * 384 - 1)  # the copy would not fit
+    assert cpu_linears.one_row_parts(model, torch.float32) == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert cpu_linears.one_row_parts(model, torch.float32) == 1
+
+
+@needs_packing
 @pytest.mark.parametrize("rows", [1, 3, 33])
 def test_lm_head_equals_the_tied_matmul(rows):
     torch.manual_seed(0)
@@ -96,3 +125,21 @@ def test_prefill_attention_by_matmuls_equals_sdpa(monkeypatch, heads, kv_heads, 
     assert out.dtype == dtype and out.shape == q.shape
     tolerance = {} if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)  # bf16: the output's rounding
     torch.testing.assert_close(out.float(), expected, **tolerance)
+
+
+@needs_packing
+def test_an_engine_with_one_row_copies_generates_what_one_without_does(monkeypatch, tiny_checkpoint):
+    """Batch-1 decode steps on the split copies, batches packed: greedy tokens as without the copies."""
+    from minfer import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = ["Hello there", "One two three four"]
+    plain = LLM(tiny_checkpoint)
+    want = [o.token_ids for o in plain.generate(prompts, params)] + [plain.generate(prompts[:1], params)[0].token_ids]
+    monkeypatch.setattr(cpu_linears, "one_row_parts", lambda model, dtype: 2)
+    split = LLM(tiny_checkpoint)
+    linears = [m for m in split.model.modules() if isinstance(m, PackedLinear)]
+    assert linears and all(m.split_weight is not None for m in linears)
+    got = [o.token_ids for o in split.generate(prompts, params)] + [split.generate(prompts[:1], params)[0].token_ids]
+    assert got == want
+
