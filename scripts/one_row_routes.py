@@ -6,8 +6,8 @@ A batch-1 step reads each weight once, from memory: the caches hold none of it b
 round again. So each route cycles through copies of the weight, --stream-mb of them in all (0: one
 copy, cache-hot, which flatters small matrices several times over). Routes, each checked against the
 fp32 matmul before it is timed:
-- fp32: oneDNN's prepacked linear (what minfer runs, but for the LM head: x @ W in slices a thread,
-  cpu/packing.py's LMHead), F.linear on the (out, in) weight, x @ W with W stored (in, out), and a GEMV Inductor generates from `(w * x).sum(-1)` (static shapes);
+- fp32: oneDNN's prepacked linear (what minfer runs for batches), the copy split along the input, a
+  part per thread (what it runs for one row with several threads; cpu/packing.py), F.linear on the (out, in) weight, x @ W with W stored (in, out), and a GEMV Inductor generates from `(w * x).sum(-1)` (static shapes);
 - int8 (per-channel scales): torch's weight-only kernel `_weight_int8pack_mm` with bf16 rows (what
   minfer runs), and a GEMV Inductor generates from a plain-torch reduction over the weight's bytes.
 Prints a markdown table: microseconds a call, and the weight bytes read per second.
@@ -97,6 +97,12 @@ def routes_for(k: int, n: int, stream_mb: float, compile_kernels: bool) -> dict[
     check("fp32 prepacked", packed[0][0](x), want, 1e-5)
     results["fp32 prepacked"] = best_us(lambda p: p(x), packed)
     del packed
+    parts = torch.get_num_threads()
+    split = [(PackedLinear(linear, one_row_parts=parts),) for linear in linears]
+    if parts > 1 and split[0][0].split_weight is not None:
+        check("fp32 split along the input", split[0][0](x), want, 1e-5)
+        results["fp32 split along the input"] = best_us(lambda p: p(x), split)
+    del split
     weights = [(linear.weight.detach(),) for linear in linears]
     results["fp32 F.linear"] = best_us(lambda w: F.linear(x, w), weights)
     gemv = compiled(fp32_gemv, compile_kernels)
