@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from minfer.cpu.packing import PackedLinear  # noqa: E402
+from minfer.cpu.packing import PackedLinear, SplitRowLinear  # noqa: E402
 from minfer.quantization.int8 import Int8Linear  # noqa: E402
 
 # (in, out) of each distinct linear, the LM head last
@@ -98,11 +98,11 @@ def routes_for(k: int, n: int, stream_mb: float, compile_kernels: bool) -> dict[
     results["fp32 prepacked"] = best_us(lambda p: p(x), packed)
     del packed
     parts = torch.get_num_threads()
-    split = [(PackedLinear(linear, one_row_parts=parts),) for linear in linears]
-    if parts > 1 and split[0][0].split_weight is not None:
+    if parts > 1 and k % parts == 0:
+        split = [(SplitRowLinear(linear, parts),) for linear in linears]
         check("fp32 split along the input", split[0][0](x), want, 1e-5)
         results["fp32 split along the input"] = best_us(lambda p: p(x), split)
-    del split
+        del split
     weights = [(linear.weight.detach(),) for linear in linears]
     results["fp32 F.linear"] = best_us(lambda w: F.linear(x, w), weights)
     gemv = compiled(fp32_gemv, compile_kernels)

@@ -17,7 +17,7 @@ Figures go stale and differ between CPUs; bench.py prints them for the machine a
    at every row count, one row (memory-bound) or hundreds (compute-bound). The
    packed copy replaces the plain weight, so memory does not grow. In fp32 with several threads,
    one row (a batch-1 decode step) runs on a second copy split along the input, a part per thread
-   (`one_row_parts`): where that copy fits in a quarter of the memory available.
+   (`SplitRowLinear`, where `one_row_parts` finds it worth its memory).
 2. The LM head, prepacked the same way (`LMHead`). Its weight is tied to the token
    embedding, which the input lookup still needs, so this is a second copy of the
    (V, C) matrix: worth it, the LM head is a third of GPT-2 small's weight bytes.
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ..attention.cache_budget import available_memory
 from .features import cpu_has_native_bf16
-from .packing import PACKING_BATCH_HINT, LMHead, PackedLinear
+from .packing import PACKING_BATCH_HINT, LMHead, PackedLinear, SplitRowLinear
 
 
 @lru_cache(maxsize=None)
@@ -75,7 +75,7 @@ def optimize_for_cpu(model: nn.Module, pack: bool = True) -> None:
     if packing_available(dtype):
         if not pack:
             return
-        make = partial(PackedLinear, one_row_parts=one_row_parts(model, dtype))
+        make = partial(packed_for, parts=one_row_parts(model, dtype))
     elif dtype == torch.bfloat16:
         make = _as_bf16_storage
     else:
@@ -88,15 +88,28 @@ def optimize_for_cpu(model: nn.Module, pack: bool = True) -> None:
                 setattr(parent, name, make(child))
 
 
+# The split copies pay where a step streams the weights from memory: above this many bytes of linears
+# (beyond the last-level caches seen so far; minfer-tiny's few hundred KB stay cached and plain).
+SPLIT_ROW_MIN_BYTES = 128 * 2**20
+
+
 def one_row_parts(model: nn.Module, dtype: torch.dtype) -> int:
-    """How many parts a prepacked linear splits one row into (PackedLinear): one per thread, in fp32 (bf16
-    is unmeasured), where the second copy of the linears' weights fits in a quarter of the memory
+    """How many parts a prepacked linear splits one row into (SplitRowLinear): one per thread, in fp32 (bf16
+    is unmeasured), where the linears stream from memory and their copy fits in a quarter of the memory
     available; else 1, no copy."""
     threads = torch.get_num_threads()
     if dtype != torch.float32 or threads < 2:
         return 1
     copy_bytes = sum(m.weight.nbytes for name, m in model.named_modules() if type(m) is nn.Linear and name != "lm_head")
-    return threads if copy_bytes <= available_memory(torch.device("cpu")) // 4 else 1
+    fits = copy_bytes <= available_memory(torch.device("cpu")) // 4
+    return threads if SPLIT_ROW_MIN_BYTES <= copy_bytes and fits else 1
+
+
+def packed_for(linear: nn.Linear, parts: int) -> PackedLinear:
+    """The prepacked linear, with its one-row copy split in `parts` where that divides the input."""
+    if parts > 1 and linear.in_features % parts == 0:
+        return SplitRowLinear(linear, parts)
+    return PackedLinear(linear)
 
 
 def _as_bf16_storage(linear: nn.Linear) -> Bf16StorageLinear:

@@ -59,27 +59,36 @@ def _(x, weight, bias):
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear whose weight is held in oneDNN's blocked layout (see the module docstring, path 1).
-    With `one_row_parts` > 1 (cpu/linears.py decides) one row, a batch-1 decode step, runs on a second
-    copy split along the input: part p is rows p*K/P.. of W^T, (K/P, out), contiguous, one per thread,
-    and the P partial rows are summed. Each thread streams one block of memory: 1.1-1.4x oneDNN's
-    one-row speed on GPT-2's matrices (docs/performance.md, "AVX2-only CPUs"); batches stay packed."""
+    """nn.Linear whose weight is held in oneDNN's blocked layout (see the module docstring, path 1)."""
 
-    def __init__(self, linear: nn.Linear, one_row_parts: int = 1):
+    def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = nn.Parameter(pack_weight(linear.weight), requires_grad=False)  # replaces the plain one
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.split_weight = self.split_bias = None  # plain attributes: a copy, not another parameter
-        if one_row_parts > 1 and self.in_features % one_row_parts == 0:
-            P, K, N = one_row_parts, self.in_features, self.out_features
-            self.split_weight = linear.weight.detach().t().reshape(P, K // P, N).contiguous()  # (P, K/P, N)
-            self.split_bias = torch.zeros(P, 1, N, dtype=linear.weight.dtype)  # the bias in part 0 only
-            if linear.bias is not None:
-                self.split_bias[0, 0] = linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.split_weight is None or x.numel() != self.in_features or torch.compiler.is_compiling():
+        return packed_linear(x, self.weight, self.bias)
+
+
+class SplitRowLinear(PackedLinear):
+    """A PackedLinear whose one row (a batch-1 decode step) runs on a second copy of the weight, split
+    along the input: part p is rows p*K/P.. of W^T, (K/P, out), contiguous, one per thread, and the P
+    partial rows are summed. Each thread streams one block of memory: 1.1-1.5x oneDNN's one-row speed
+    on GPT-2's matrices (docs/performance.md, "AVX2-only CPUs"). Batches stay on the packed weight,
+    where the split copy lost up to 1.5x. cpu/linears.py decides where the copy is worth its memory."""
+
+    def __init__(self, linear: nn.Linear, parts: int):
+        super().__init__(linear)
+        K, N = self.in_features, self.out_features
+        # Plain attributes, not parameters: a copy, and the model's weights stay as they were.
+        self.split_weight = linear.weight.detach().t().reshape(parts, K // parts, N).contiguous()  # (P, K/P, N)
+        self.split_bias = torch.zeros(parts, 1, N, dtype=linear.weight.dtype)  # the bias in part 0 only
+        if linear.bias is not None:
+            self.split_bias[0, 0] = linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != self.in_features or torch.compiler.is_compiling():
             return packed_linear(x, self.weight, self.bias)
         P, part, N = self.split_weight.shape
         partials = torch.baddbmm(self.split_bias, x.reshape(P, 1, part), self.split_weight)  # (P, 1, N)

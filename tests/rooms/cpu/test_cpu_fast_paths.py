@@ -9,7 +9,7 @@ from minfer.cpu import tiled_attention as cpu_tiled
 from minfer.cpu.tiled_attention import ContextReader
 from minfer.cpu import linears as cpu_linears
 from minfer.cpu.linears import optimize_for_cpu
-from minfer.cpu.packing import LMHead, PackedLinear, padded_rows
+from minfer.cpu.packing import LMHead, PackedLinear, SplitRowLinear, padded_rows
 
 needs_packing = pytest.mark.skipif(
     not cpu_linears.packing_available(torch.float32),
@@ -42,19 +42,21 @@ def test_one_row_split_along_the_input_equals_nn_linear(parts, bias):
     more rows, and a width the parts do not divide, run packed."""
     torch.manual_seed(0)
     linear = nn.Linear(24, 40, bias=bias)
-    packed = PackedLinear(linear, one_row_parts=parts)
-    assert packed.split_weight.shape == (parts, 24 // parts, 40)
+    packed = cpu_linears.packed_for(linear, parts)
+    assert type(packed) is SplitRowLinear and packed.split_weight.shape == (parts, 24 // parts, 40)
     for shape in [(1, 24), (24,), (1, 1, 24), (3, 24)]:
         x = torch.randn(*shape)
         torch.testing.assert_close(packed(x), linear(x))
-    assert PackedLinear(nn.Linear(25, 8), one_row_parts=2).split_weight is None
+    assert type(cpu_linears.packed_for(nn.Linear(25, 8), 2)) is PackedLinear
 
 
 @needs_packing
-def test_one_row_copies_only_in_fp32_with_threads_and_memory_to_spare(monkeypatch):
+def test_one_row_copies_only_in_fp32_with_threads_memory_to_spare_and_weights_beyond_the_caches(monkeypatch):
     model = nn.Sequential(nn.Linear(8, 12))  # 384 bytes of weight
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     monkeypatch.setattr(cpu_linears, "available_memory", lambda device: 4 * 384)
+    assert cpu_linears.one_row_parts(model, torch.float32) == 1  # a few bytes stay cached: no copy
+    monkeypatch.setattr(cpu_linears, "SPLIT_ROW_MIN_BYTES", 384)
     assert cpu_linears.one_row_parts(model, torch.float32) == 4
     assert cpu_linears.one_row_parts(model, torch.bfloat16) == 1
     monkeypatch.setattr(cpu_linears, "available_memory", lambda device: 4 * 384 - 1)  # the copy would not fit
@@ -138,8 +140,7 @@ def test_an_engine_with_one_row_copies_generates_what_one_without_does(monkeypat
     want = [o.token_ids for o in plain.generate(prompts, params)] + [plain.generate(prompts[:1], params)[0].token_ids]
     monkeypatch.setattr(cpu_linears, "one_row_parts", lambda model, dtype: 2)
     split = LLM(tiny_checkpoint)
-    linears = [m for m in split.model.modules() if isinstance(m, PackedLinear)]
-    assert linears and all(m.split_weight is not None for m in linears)
+    assert any(type(m) is SplitRowLinear for m in split.model.modules())
     got = [o.token_ids for o in split.generate(prompts, params)] + [split.generate(prompts[:1], params)[0].token_ids]
     assert got == want
 
