@@ -7,7 +7,9 @@ round again. So each route cycles through copies of the weight, --stream-mb of t
 copy, cache-hot, which flatters small matrices several times over). Routes, each checked against the
 fp32 matmul before it is timed:
 - fp32: oneDNN's prepacked linear (what minfer runs for batches), the copy split along the input, a
-  part per thread (what it runs for one row with several threads; cpu/packing.py), F.linear on the (out, in) weight, x @ W with W stored (in, out), and a GEMV Inductor generates from `(w * x).sum(-1)` (static shapes);
+  part per thread (what it runs for one row with several threads; cpu/packing.py), F.linear on the
+  (out, in) weight, x @ W with W stored (in, out), and a GEMV Inductor generates from `(w * x).sum(-1)`
+  (static shapes);
 - int8 (per-channel scales): torch's weight-only kernel `_weight_int8pack_mm` with bf16 rows (what
   minfer runs), and a GEMV Inductor generates from a plain-torch reduction over the weight's bytes.
 Prints a markdown table: microseconds a call, and the weight bytes read per second.
@@ -125,7 +127,8 @@ def routes_for(k: int, n: int, stream_mb: float, compile_kernels: bool) -> dict[
     if gemv is not None and k % 4 == 0:
         def planes():
             return x.view(-1, 4).t().contiguous()  # (4, K/4)
-        weights = [(layer.qweight.detach()[:, :k].contiguous().view(torch.float32), layer.scales.detach()) for layer in int8]
+        weights = [(layer.qweight.detach()[:, :k].contiguous().view(torch.float32), layer.scales.detach())
+                   for layer in int8]
         check("int8 Inductor GEMV", gemv(planes(), *weights[0]), want, 1e-5)
         results["int8 Inductor GEMV (fp32 rows)"] = best_us(lambda w, s: gemv(planes(), w, s), weights)
     return results
@@ -139,7 +142,8 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the Inductor routes (no compiler here)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"threads {args.threads}, weights streamed from {args.stream_mb:g} MB of copies; µs a call (GB/s of weight read)")
+    print(f"threads {args.threads}, weights streamed from {args.stream_mb:g} MB of copies; "
+          "µs a call (GB/s of weight read)")
     with torch.inference_mode():
         for model in args.models:
             header = None

@@ -133,7 +133,7 @@ class TorchBackend(AttentionBackend):
     def decode_attention(self, q, kv_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
         """q (S, H, D): one query per sequence against its whole context, gathered at once. Returns (S, H, D)."""
         with part("context read"):
-            ks, vs = gather_slots(kv_cache, group.slots).permute(2, 0, 3, 1, 4)  # (S, L, 2, Hkv, D) -> 2 x (S, Hkv, L, D)
+            ks, vs = gather_slots(kv_cache, group.slots).permute(2, 0, 3, 1, 4)  # 2 x (S, Hkv, L, D)
         with part("attention"):
             gqa = q.shape[1] != kv_cache.shape[2]
             y = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=group.mask, scale=scale, enable_gqa=gqa)

@@ -182,8 +182,9 @@ def format_profile(p: dict) -> str:
     peaks = p["peaks"]
     lines = [
         f"{' Step-time breakdown (' + p['dtype'] + ') ':=^100}",
-        f"machine: read bandwidth {peaks['read_gb_s']:.1f} GB/s (512 MiB, a part per thread), matmul {peaks['matmul_gflop_s']:.0f} GFLOP/s "
-        f"(a 256-row linear); 'of floor' = the part's floor time / its measured time",
+        f"machine: read bandwidth {peaks['read_gb_s']:.1f} GB/s (512 MiB, a part per thread), "
+        f"matmul {peaks['matmul_gflop_s']:.0f} GFLOP/s (a 256-row linear); "
+        "'of floor' = the part's floor time / its measured time",
     ]
     for name, ph in p["phases"].items():
         lines.append(

@@ -60,8 +60,8 @@ def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, repeats: i
     rows = 512  # each part a (rows, n / P / rows) matrix, read as one matvec: the shape of a split linear
     per_thread = src[: src.numel() // (parts * rows) * parts * rows].view(parts, rows, -1)  # (P, rows, n/P/rows)
     ones = torch.ones(parts, 1, rows, device=device)  # (P, 1, rows)
-    read_time = min(best_time(src.sum, device, repeats), best_time(lambda: torch.bmm(ones, per_thread), device, repeats))
-    read = nbytes / read_time
+    whole, split = best_time(src.sum, device, repeats), best_time(lambda: torch.bmm(ones, per_thread), device, repeats)
+    read = nbytes / min(whole, split)
     copy = 2 * nbytes / best_time(lambda: dst.copy_(src), device, repeats)
     return read, copy
 

@@ -72,7 +72,8 @@ def optimize_for_cpu(model: nn.Module, pack: bool = True) -> None:
     has one, becomes an LMHead. Calling it again changes nothing. `pack=False` leaves the linears
     that would be prepacked plain: for a graph with frozen weights, which Inductor packs itself."""
     dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype  # a model says: its first tensor may be int8
-    if packing_available(dtype):
+    packed = packing_available(dtype)
+    if packed:
         if not pack:
             return
         make = partial(packed_for, parts=one_row_parts(model, dtype))
@@ -80,7 +81,7 @@ def optimize_for_cpu(model: nn.Module, pack: bool = True) -> None:
         make = _as_bf16_storage
     else:
         return
-    if packing_available(dtype) and type(getattr(model, "lm_head", None)) is nn.Linear:
+    if packed and type(getattr(model, "lm_head", None)) is nn.Linear:
         model.lm_head = LMHead(model.lm_head.weight)
     for parent in list(model.modules()):
         for name, child in parent.named_children():

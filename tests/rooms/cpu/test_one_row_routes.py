@@ -44,7 +44,8 @@ def test_the_script_prints_a_row_a_shape_with_every_eager_route(monkeypatch, cap
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.startswith("| tiny"))
     assert [cell.strip() for cell in header.strip("|").split("|")][1:] == [
-        "fp32 prepacked", "fp32 split along the input", "fp32 F.linear", "fp32 x @ W(in, out)", "int8 torch kernel (bf16 rows)"]
+        "fp32 prepacked", "fp32 split along the input", "fp32 F.linear", "fp32 x @ W(in, out)",
+        "int8 torch kernel (bf16 rows)"]
     rows = [line for line in lines if line.startswith("| (")]
     assert [row.split("|")[1].strip() for row in rows] == ["(64, 96)", "(128, 64)"]
     for row in rows:
