@@ -15,7 +15,8 @@ Figures go stale and differ between CPUs; bench.py prints them for the machine a
    weight once into its own blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
    the path torch.compile's CPU backend uses); the same matmul then runs faster
    at every row count, one row (memory-bound) or hundreds (compute-bound). The
-   packed copy replaces the plain weight, so memory does not grow. In fp32 with several threads,
+   packed copy replaces the plain weight, so memory does not grow. A packed call costs more than
+   F.linear's (~25 us against ~8 on a Zen 3), so a small weight stays plain (PACK_MIN_WEIGHTS). In fp32 with several threads,
    one row (a batch-1 decode step) runs on a second copy split along the input, a part per thread
    (`SplitRowLinear`, where `one_row_parts` finds it worth its memory).
 2. The LM head, prepacked the same way (`LMHead`). Its weight is tied to the token
@@ -81,12 +82,24 @@ def optimize_for_cpu(model: nn.Module, pack: bool = True) -> None:
         make = _as_bf16_storage
     else:
         return
-    if packed and type(getattr(model, "lm_head", None)) is nn.Linear:
-        model.lm_head = LMHead(model.lm_head.weight)
+    lm_head = getattr(model, "lm_head", None)
+    if packed and type(lm_head) is nn.Linear and worth_packing(lm_head):
+        model.lm_head = LMHead(lm_head.weight)
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if type(child) is nn.Linear and not (parent is model and name == "lm_head"):
-                setattr(parent, name, make(child))
+                if not packed or worth_packing(child):
+                    setattr(parent, name, make(child))
+
+
+# oneDNN's packed call costs ~25 us where F.linear's costs ~8 (Zen 3, any row count): a weight smaller
+# than this is done before packing pays it back. minfer-tiny's linears (64K weights) stay plain, 1.1x
+# (64 rows) to 1.7x (one row) faster so; GPT-2's smallest (768 x 768) and every larger one are packed.
+PACK_MIN_WEIGHTS = 2**19
+
+
+def worth_packing(linear: nn.Linear) -> bool:
+    return linear.weight.numel() >= PACK_MIN_WEIGHTS
 
 
 # The split copies pay where a step streams the weights from memory: above this many bytes of linears
