@@ -25,6 +25,7 @@ import torch
 from ..attention.backend import AttentionBackend
 from ..cpu.linears import optimize_for_cpu
 from ..engine.config import EngineConfig
+from ..models.contract import mark_prepared
 from ..quantization import QuantizedLinear, quantize_model
 from .selector import choose_attention_backend
 
@@ -47,6 +48,7 @@ def prepare_model(model: torch.nn.Module, config: EngineConfig | None = None) ->
             for linear in model.modules():
                 if isinstance(linear, QuantizedLinear):
                     linear.kernel_when_compiled = True  # Inductor's template serves every row count
+    mark_prepared(model)  # quantized now or never (quantization/transform.py)
     return model, attention_for(model, config)
 
 

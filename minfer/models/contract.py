@@ -9,6 +9,7 @@ does the rest. tests/core/test_model_contract.py checks every class in registry.
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -64,3 +65,16 @@ class Architecture(Protocol):
     def convert_weights(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
         """The checked tensors -> the model's (transposed, say). Tied parameters are the loader's job."""
         ...
+
+
+_prepared: weakref.WeakSet = weakref.WeakSet()
+
+
+def mark_prepared(model: CausalLM) -> None:
+    """assembly/prepare.py's mark: the model runs in an engine now, its linears perhaps swapped for faster
+    ones. Quantizing it after that would change an engine's weights behind its back (quantization/)."""
+    _prepared.add(model)
+
+
+def is_prepared(model: CausalLM) -> bool:
+    return model in _prepared

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..models.contract import is_prepared
 from ..engine.config import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization_method
 from .embedding import QuantizedEmbedding
 from .int4 import DEFAULT_GROUP_SIZE, Int4Linear, int4_kernel_available
@@ -89,7 +90,7 @@ def _quantize_weights(model: nn.Module, method: str, group_size: int | None, qua
         if done != method:
             raise ValueError(f"this model is already quantized to {done}; load it again to quantize it to {method}")
         return model
-    if not any(type(m) is nn.Linear for m in model.modules()):
+    if is_prepared(model) or not any(type(m) is nn.Linear for m in model.modules()):
         raise ValueError("this model was prepared without quantization already; load it again to quantize it")
     dtype = model.dtype  # the activations' dtype, before the embedding that tells it is replaced
     head = getattr(model, "lm_head", None)
