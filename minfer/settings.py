@@ -34,8 +34,11 @@ OMP_NUM_THREADS = EnvVar("OMP_NUM_THREADS", "OpenMP's thread count: torch's CPU 
 API_KEY = EnvVar("MINFER_API_KEY", "the server's --api-key")
 OMP_WAIT_POLICY = EnvVar("OMP_WAIT_POLICY", "how idle OpenMP threads wait (libgomp: ACTIVE or PASSIVE)")
 GOMP_SPINCOUNT = EnvVar("GOMP_SPINCOUNT", "how long an idle libgomp thread spins before it sleeps")
+CACHE = EnvVar("MINFER_CACHE", "compiled graphs kept for the next start (off: none); default XDG_CACHE_HOME/minfer")
+XDG_CACHE_HOME = EnvVar("XDG_CACHE_HOME", "the user's cache directory, Hugging Face's cache's too; else ~/.cache")
 
-ALL = (DEVICE, ATTENTION_BACKEND, DTYPE, NUM_THREADS, OMP_NUM_THREADS, API_KEY, OMP_WAIT_POLICY, GOMP_SPINCOUNT)
+ALL = (DEVICE, ATTENTION_BACKEND, DTYPE, NUM_THREADS, OMP_NUM_THREADS, API_KEY, OMP_WAIT_POLICY, GOMP_SPINCOUNT, CACHE,
+       XDG_CACHE_HOME)
 
 
 if __name__ == "__main__":

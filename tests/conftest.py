@@ -2,6 +2,7 @@
 
 import json
 import os
+import tempfile
 
 # Tests run the eager attention backend unless they ask for the compiled one (test_compiled_attention.py):
 # compiling costs each new process (a served model, a tutorial) a few seconds. Set before minfer is imported.
@@ -14,6 +15,10 @@ os.environ.setdefault("MINFER_DTYPE", "float32")
 # second thread saves no time (measured: the same wall time, 30% more CPU time), and CI's cores are
 # busy with the tutorials too, where a waiting OpenMP thread spins on a core another process needs.
 os.environ.setdefault("MINFER_NUM_THREADS", "1")
+# And a compile cache of the tests' own (minfer/compiled/saved_graphs.py), never the user's: kept between
+# sessions, as Inductor's own cache under /tmp is, so that a session loads the graphs the last one compiled
+# (an entry is compiled afresh where the code it traced changed). The cache's own tests use other directories.
+os.environ["MINFER_CACHE"] = os.path.join(tempfile.gettempdir(), f"minfer-test-cache-{os.getuid()}")
 
 # The device the engine, model and sampling tests run on: MINFER_DEVICE=cuda runs them on a GPU
 # (EngineConfig reads it too, so every LLM() there follows). scripts/gpu_check.sh names the tests meant

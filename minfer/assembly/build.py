@@ -59,7 +59,8 @@ def build_engine(
         step = CompiledDecodeStep(model, whole=config.compile_model)
     graphs = cuda_graphs.wants_decode_graphs(model.device, config.enforce_eager, attention)
     compiled = None
-    if step or graphs or attention.compiles_per_shape:  # compiled/forward.py: warm-ups, graphs, fallbacks
+    # compiled/forward.py: warm-ups, graphs, fallbacks, and what /health says of the compile cache
+    if step or graphs or attention.compiles_per_shape or attention.name == "compiled":
         compiled = CompiledForward(step, graphs, config.max_num_seqs, context_len, config.max_num_batched_tokens)
     threads = model.device.type == "cpu" and not threads_chosen(config.num_threads)
     features = Features(

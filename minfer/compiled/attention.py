@@ -45,6 +45,8 @@ from ..cpu.tiled_attention import CPUTiledBackend
 from ..attention.kv_cache import KVCache, cdiv, padded_tables, slot_of
 from ..attention.backend import StepLayout
 from ..attention.torch_sdpa import DecodeGroup
+from .precompiled import PrecompiledFunction
+from .saved_graphs import CompileRecord, warm_up_saved
 
 WARM_UP_BUDGET_S = 60.0  # longest the start-up compile may take before the engine gives up on it
 # A lone sequence with at most this much context decodes by gather + sdpa where prefill chunks use sdpa
@@ -80,21 +82,6 @@ def paged_decode_attention(
     values = values.masked_fill(~valid[..., None], 0.0)
     per_block = (weights[..., None] * values).sum(4)  # (S, NB, Hkv, G, D): a block's rows stay in cache
     return per_block.sum(1).reshape(S, H, D).to(q.dtype)
-
-
-def compile_for_cpu(fn, **inductor_options):
-    """torch.compile(fn) as minfer serves it: dynamic shapes (batch sizes and context lengths never
-    recompile), and free to run at any thread count. CpuShare (cpu/thread_share.py) changes torch's thread
-    count while serving; the C++ loops ask OpenMP for it at run time (cpp.dynamic_threads) instead of
-    baking it in, so Dynamo's guard on the global state, which holds the thread count, is dropped:
-    otherwise each new count would compile every graph once more, mid-request. (The guards on grad
-    mode and the other settings, which are separate, stay.)"""
-    options = {"cpp.dynamic_threads": True, "guard_filter_fn": _not_global_state, **inductor_options}
-    return torch.compile(fn, dynamic=True, options=options)
-
-
-def _not_global_state(guards) -> list[bool]:
-    return [guard.guard_type != "GLOBAL_STATE" for guard in guards]
 
 
 def failure_line(error: Exception) -> str:
@@ -149,7 +136,8 @@ class CompiledBackend(CPUTiledBackend):
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype):
         super().__init__(device, dtype)
-        self.decode_kernel = compile_for_cpu(paged_decode_attention)
+        self.decode_kernel = PrecompiledFunction(paged_decode_attention, "paged_decode_attention")
+        self.compile_record: CompileRecord | None = None  # how warm_up had its graphs: loaded or compiled
         self.block_size = 16  # the engine's, from each step's layout
         self.lone_eager_max_context = LONE_EAGER_MAX_CONTEXT if self.flash_prefill else 0
         # Set by the engine under --compile-model: a lone sequence's decode attention is traced into the
@@ -192,8 +180,12 @@ class CompiledBackend(CPUTiledBackend):
                 return self.prefill_attention(q.transpose(0, 1), keys, values, None, scale).transpose(0, 1)  # (1, H, D)
         with part("attention"):  # the context read is fused into it: no "context read" part here
             # q is a strided view of the step's q/k/v projection when every row decodes, a contiguous copy
-            # otherwise: one layout, one compiled kernel (Dynamo guards on strides too).
-            return self.decode_kernel(q.contiguous(), kv_cache, group.tables, group.lens, scale, self.block_size)
+            # otherwise: one layout, one compiled kernel (Dynamo guards on strides too). Not q.contiguous(): a
+            # lone row's view counts as contiguous, keeping a stride no warm-up graph was compiled for.
+            S, H, D = q.shape
+            if q.stride() != (H * D, D, 1):
+                q = q.clone(memory_format=torch.contiguous_format)
+            return self.decode_kernel(q, kv_cache, group.tables, group.lens, scale, self.block_size)
 
     def traced_lone_decode(self, q, k, v, kv_cache, meta, scale: float) -> torch.Tensor:
         """A lone sequence's decode step, traced into the whole-forward graph (`lone_decode_in_graph`): the
@@ -246,7 +238,12 @@ class CompiledBackend(CPUTiledBackend):
             finally:
                 self.lone_eager_max_context = lone_eager_max_context
 
-        why_not, self.warm_up_seconds = check_within(check, budget_s)
+        def check_saved():  # the graphs from minfer's compile cache where it has them (saved_graphs.py)
+            shapes = {"dtype": str(self.dtype), "heads": [num_heads, num_kv_heads, head_dim], "block_size": block_size}
+            why_not, self.compile_record = warm_up_saved("attention", [self.decode_kernel], shapes, check, self.device)
+            return why_not
+
+        why_not, self.warm_up_seconds = check_within(check_saved, budget_s)
         return why_not
 
     @torch.inference_mode()  # as the engine runs it: Dynamo guards on it

@@ -29,7 +29,7 @@ from ..attention.paged import PagedBatch
 from ..attention.torch_sdpa import TorchBackend
 from ..engine.model_runner import ModelRunner, StepRows
 from ..errors import is_sticky_device_error
-from .attention import failure_line
+from .attention import CompiledBackend, failure_line
 from .cuda_graphs import DecodeGraphs
 from .flex_kernel import compiling_for_serving, sealed
 from .step import CompiledDecodeStep
@@ -171,7 +171,21 @@ class CompiledForward:
             paths["cuda_graphs"] = "replaying" if self.graphs is not None else "off"
         if self.step is not None:
             paths["compiled_step"] = "off" if self.step.off_because else "on"
+        cache = self.compile_cache()
+        if cache:
+            paths["compile_cache"] = cache
         return {"num_path_fallbacks": len(self.fallbacks), "compiled_paths": paths | {"fallbacks": list(self.fallbacks)}}
+
+    def compile_cache(self) -> dict[str, str]:
+        """How each path that compiled at start-up had its graphs: "loaded (warm, 1.2 s)" from minfer's
+        compile cache, or "compiled (cold, 31.0 s)" (saved_graphs.py)."""
+        out = {}
+        attention = self.runner.attention if self.runner is not None else None
+        if isinstance(attention, CompiledBackend) and attention.compile_record is not None:
+            out["attention"] = str(attention.compile_record)
+        if self.step is not None and self.step.compile_record is not None:
+            out["decode_step"] = str(self.step.compile_record)
+        return out
 
     def describe(self) -> str:
         """For the start-up banner: what runs compiled or replays graphs, what the warm-up took, what fell back."""
@@ -182,7 +196,7 @@ class CompiledForward:
             out += f"; decode step eager (its compile failed: {step.off_because})"
         elif step is not None and step.warm_up_seconds is not None:
             what = "steps compiled whole, weights frozen" if step.whole else "decode steps compiled"
-            out += f"; {what} (warm-up compile {step.warm_up_seconds:.1f} s)"
+            out += f"; {what}, graphs {step.compile_record}"
         if graphs is not None and graphs.capture:
             sizes, seconds = len(graphs.sizes), graphs.capture_seconds
             out += f"; decode steps replay CUDA graphs, {sizes} batch sizes (captured in {seconds:.1f} s)"

@@ -54,8 +54,11 @@ from ..cpu.features import cpu_has_amx
 from ..engine.model_runner import ModelRunner
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import ScheduledChunk, Sequence
-from .attention import compile_for_cpu, failure_line
+from .attention import failure_line
+from .cache_key import model_fingerprint
 from .paged_op import OpaqueAttention, compiled_step
+from .precompiled import PrecompiledFunction, compile_for_cpu
+from .saved_graphs import CompileRecord, warm_up_saved
 
 log = logging.getLogger("minfer")
 
@@ -77,32 +80,50 @@ class CompiledDecodeStep:
             except ValueError as e:  # a model of another shape: it runs eager
                 self.off_because = str(e)
                 log.warning("minfer: the compiled decode step is off, running eager instead: %s", e)
-            # The class's forward, called with each block as `self`: one graph for every layer.
-            self.graph = compile_for_cpu(type(self.layers[0]).forward) if self.layers else None
+            # The class's forward, called with each block as `self`: one graph for every layer, its graphs
+            # saved in minfer's compile cache and loaded by the next start (saved_graphs.py).
+            block = type(self.layers[0]) if self.layers else None
+            self.graph = PrecompiledFunction(block.forward, f"{block.__name__}.forward") if block else None
         self.compiled_batches: set[bool] = set()  # which graphs have run: one sequence, several
         self.num_eager_steps = 0  # steps the graphs did not serve
         self.warm_up_seconds: float | None = None
+        self.compile_record: CompileRecord | None = None  # how warm_up had its graphs: loaded or compiled
         self.opaque: OpaqueAttention | None = None  # the graph's view of the engine's attention (warm_up)
 
     def warm_up(self, runner: ModelRunner) -> None:
         """Compile both graphs before the first request, so that none waits on the compiler: a decode
         step of one sequence, then one of BATCH_WARM_UP_ROWS, laid out by the runner's own `prepare`, so
         the inputs are exactly a served step's (Dynamo guards on their layout). The steps write K/V into
-        block 0, which is free at start-up and is written again before any sequence reads it."""
+        block 0, which is free at start-up and is written again before any sequence reads it. The block
+        graph's graphs come from minfer's compile cache where it has them; the whole forward (its frozen
+        weights are not for torch to save) is traced again, with Inductor's own caches in minfer's."""
         start = time.perf_counter()
         self.opaque = OpaqueAttention(runner.attention)
-        # Equal lengths: one decode group in every backend. The batch's rows: see BATCH_WARM_UP_ROWS.
-        for contexts in ((3,), (4,) * BATCH_WARM_UP_ROWS):
-            chunks = [ScheduledChunk(_placeholder_sequence(n, runner.block_size), n - 1, 1) for n in contexts]
-            rows = runner.prepare(chunks)
-            batch = runner.batch(rows)
-            if self.whole:  # the cache's sizes never change. Symbolic, the views of it that a graph hands
-                torch._dynamo.mark_static(batch.kv_cache.kv)  # to store_kv all lost their offsets (torch 2.13)
-            self(rows.input_ids, batch)
-            if self.off_because:
-                return
+
+        def steps() -> str | None:
+            # Equal lengths: one decode group in every backend. The batch's rows: see BATCH_WARM_UP_ROWS.
+            for contexts in ((3,), (4,) * BATCH_WARM_UP_ROWS):
+                chunks = [ScheduledChunk(_placeholder_sequence(n, runner.block_size), n - 1, 1) for n in contexts]
+                rows = runner.prepare(chunks)
+                batch = runner.batch(rows)
+                if self.whole:  # the cache's sizes never change. Symbolic, the views of it that a graph hands
+                    torch._dynamo.mark_static(batch.kv_cache.kv)  # to store_kv all lost their offsets (torch 2.13)
+                self(rows.input_ids, batch)
+                if self.off_because:
+                    return self.off_because
+            return None
+
+        saved = [self.graph] if isinstance(self.graph, PrecompiledFunction) else []
+        parts = {
+            "model": model_fingerprint(self.model), "whole": self.whole, "block_size": runner.block_size,
+            "attention": runner.attention.name, "lone_decode_in_graph": runner.attention.lone_decode_in_graph,
+        }
+        name = "whole-forward" if self.whole else "decode-step"
+        why_not, self.compile_record = warm_up_saved(name, saved, parts, steps, runner.device)
+        if why_not:
+            return
         self.warm_up_seconds = time.perf_counter() - start
-        log.info("minfer: compiled the decode step in %.1f s", self.warm_up_seconds)
+        log.info("minfer: the decode step's graphs: %s", self.compile_record)
 
     def __call__(self, input_ids: torch.Tensor, paged: PagedBatch) -> torch.Tensor:
         meta = paged.attention
@@ -113,8 +134,8 @@ class CompiledDecodeStep:
             self.num_eager_steps += 1
             return self.model(input_ids, paged)
         lone = num_sampled == 1
-        if lone not in self.compiled_batches:
-            log.info("minfer: compiling the decode step for %s (once)", "one sequence" if lone else "batches")
+        if self.whole and lone not in self.compiled_batches:  # the block graph logs its own (precompiled.py)
+            log.info("minfer: compiling the whole forward for %s (once)", "one sequence" if lone else "batches")
         try:
             if self.whole:
                 with compiled_step(paged), _graph_settings(whole=True):

@@ -42,8 +42,10 @@ def banner_lines(scheduler: OnlineScheduler, asked_dtype: str, address: str, api
     attention = ran.attention_backend
     if scheduler.attention.name == "flex" and attention == "compiled":  # not where it fell back (compiled/forward.py)
         attention += ", FlexAttention over the block tables"
-    if scheduler.attention.warm_up_seconds is not None:
-        attention += f" (warm-up compile {scheduler.attention.warm_up_seconds:.1f} s)"
+    if scheduler.attention.warm_up_seconds is not None:  # loaded from minfer's compile cache, or compiled
+        cached = features.compiled.compile_cache().get("attention") if features.compiled is not None else None
+        seconds = scheduler.attention.warm_up_seconds
+        attention += f"; graphs {cached}" if cached else f" (warm-up compile {seconds:.1f} s)"
     if features.compiled is not None:
         attention += features.compiled.describe()  # compiled/forward.py: compiled steps, CUDA graphs
     blocks, block_size = ran.num_kv_blocks, ran.block_size

@@ -41,6 +41,9 @@ def random_case(S, H, Hkv, D, dtype, seed=0, block_size=16, num_blocks=64):
 def test_kernel_matches_eager(monkeypatch, H, Hkv, dtype, tolerance, amx):
     """The same keys and values, the compiled backend's in blocks, the eager one's in rows of slots."""
     monkeypatch.setattr(cpu_tiled, "cpu_has_amx", lambda: amx)
+    # torch.compile, as with the compile cache off: a precompile per head shape, not hitting Inductor's cache,
+    # cost the suite ~80 s whenever the compiled room changed. The engine tests check the cache's graphs.
+    monkeypatch.setenv("MINFER_CACHE", "off")
     compiled, eager = CompiledBackend("cpu", dtype), CPUTiledBackend("cpu", dtype)
     assert (compiled.lone_eager_max_context > 0) == amx
     # As the engine does: warm_up compiles with duck sizing off. Compiled on first call instead, in some

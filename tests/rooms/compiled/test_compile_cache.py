@@ -1,0 +1,266 @@
+"""Compile once, load after (minfer/compiled/saved_graphs.py): a start saves the graphs it compiled in
+minfer's compile cache, the next start with the same key loads them instead of compiling, and nothing the
+cache does can stop a start or serve a wrong graph. Most tests compile one small function; the last starts
+an engine twice with compiled attention and the compiled decode step forced on."""
+
+import errno
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_checks import GREEDY
+
+from minfer import LLM
+from minfer.compiled import artifacts
+from minfer.compiled.precompiled import PrecompiledFunction
+from minfer.compiled.saved_graphs import warm_up_saved
+from minfer.server.banner import banner_lines
+
+def scaled_sum(x, y):
+    return (x * 2 + y).sum(0)
+
+
+ARGS = (torch.arange(12.0).view(3, 4), torch.ones(4))
+WANT = scaled_sum(*ARGS)  # the plain function's
+
+
+def start(name="toy", parts=None, before=lambda: None, function=None):
+    """One start's warm-up of a fresh PrecompiledFunction(scaled_sum), `before` it runs the function: (its
+    record, the function, its result)."""
+    function = function or PrecompiledFunction(scaled_sum, "scaled_sum")
+    out = {}
+
+    @torch.inference_mode()
+    def warm_up():
+        before()
+        out["sum"] = function(*ARGS)
+        return None
+
+    why_not, record = warm_up_saved(name, [function], parts or {"test": name}, warm_up)
+    assert why_not is None
+    return record, function, out["sum"]
+
+
+@pytest.fixture(scope="module")
+def cache_root():
+    """One cache for the small function's tests (each under keys of its own), its entries emptied: beside
+    the session's (tests/conftest.py), so that Inductor's own cache in it keeps the C++ kernel from one
+    session to the next, and a test's compile only traces and generates code."""
+    root = Path(os.environ["MINFER_CACHE"] + "-of-its-tests")
+    shutil.rmtree(root / "entries", ignore_errors=True)
+    return root
+
+
+@pytest.fixture
+def cache(cache_root, monkeypatch):
+    monkeypatch.setenv("MINFER_CACHE", str(cache_root))
+    return cache_root
+
+
+def entries(root: Path, name: str) -> list[Path]:
+    return sorted((root / "entries").glob(f"{name}-*.bin"))
+
+
+def mode(path: Path) -> str:
+    return oct(path.stat().st_mode & 0o777)
+
+
+def test_a_cold_start_saves_and_a_warm_start_loads(cache):
+    cold, function, got = start("cold-warm")
+    assert cold.how == "compiled" and (cold.num_loaded, cold.num_compiled) == (0, 1)
+    assert str(cold).startswith("compiled (cold, ")
+    assert torch.equal(got, WANT) and [cold.path] == entries(cache, "cold-warm")
+    assert mode(cache) == mode(cache / "inductor") == "0o700" and mode(cold.path) == "0o600"
+    warm, function, got = start("cold-warm")
+    assert warm.how == "loaded" and (warm.num_loaded, warm.num_compiled) == (1, 0)
+    assert str(warm).startswith("loaded (warm, ")
+    assert torch.equal(got, WANT)
+
+
+def test_a_stale_key_names_another_entry(cache):
+    start("stale", {"dtype": "float32"})
+    other, _, got = start("stale", {"dtype": "bfloat16"})  # a part changed: compiled, never loaded
+    assert other.how == "compiled" and other.num_loaded == 0 and torch.equal(got, WANT)
+    assert len(entries(cache, "stale")) == 2
+
+
+def test_a_corrupt_entry_is_compiled_afresh_and_replaced(cache, caplog):
+    first, _, _ = start("corrupt")
+    first.path.write_bytes(first.path.read_bytes()[:100])  # cut short
+    with caplog.at_level(logging.WARNING, logger="minfer"):
+        again, _, got = start("corrupt")
+    assert again.how == "compiled" and torch.equal(got, WANT)
+    assert "unreadable, compiling afresh" in caplog.text
+    assert start("corrupt")[0].how == "loaded"  # replaced by a whole one
+    # A whole file of graphs torch cannot read (another build's, say): compiled afresh too.
+    first.path.write_bytes(pickle.dumps({"graphs": {"scaled_sum": pickle.dumps([b"not a graph"])}, "sources": {}}))
+    assert start("corrupt")[0].how == "compiled"
+
+
+def test_an_edit_to_the_code_a_graph_traced_compiles_it_afresh(cache, caplog):
+    first, _, _ = start("edited")
+    saved = pickle.loads(first.path.read_bytes())
+    assert list(saved["sources"]) == [__name__]  # scaled_sum's module: this file
+    saved["sources"][__name__] = "another version of this file"
+    first.path.write_bytes(pickle.dumps(saved))
+    with caplog.at_level(logging.INFO, logger="minfer"):
+        assert start("edited")[0].how == "compiled"
+    assert f"traced changed ({__name__})" in caplog.text
+    assert start("edited")[0].how == "loaded"  # saved again, with this file's hash
+
+
+def test_a_full_disk_compiles_in_memory(cache, monkeypatch, caplog):
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(artifacts, "_write_atomically", full)
+    with caplog.at_level(logging.WARNING, logger="minfer"):
+        record, function, got = start("full")
+    assert torch.equal(got, WANT) and record.how == "compiled" and "No space left on device" in record.not_saved
+    assert "not saved" in caplog.text and not entries(cache, "full")
+    assert torch.equal(function(*ARGS), WANT)  # and serves
+
+
+def test_a_graph_torch_cannot_precompile_is_compiled_in_memory(cache, caplog):
+    """Where the precompile fails (an older torch, a graph it cannot save), torch.compile serves, unsaved."""
+    function = PrecompiledFunction(scaled_sum, "scaled_sum")
+    function._compiler = types.SimpleNamespace(aot_compile=lambda inputs: 1 / 0)
+    with caplog.at_level(logging.WARNING, logger="minfer"):
+        record, _, got = start("unsaveable", function=function)
+    assert torch.equal(got, WANT) and record.how == "compiled" and "ZeroDivisionError" in record.not_saved
+    assert "compiling it in memory" in caplog.text and not entries(cache, "unsaveable")
+
+
+# The second of two starts at once, in a process of its own: it waits on the entry's lock, then loads.
+SECOND_START = """
+import logging, sys
+from pathlib import Path
+import torch
+from minfer.compiled.precompiled import PrecompiledFunction
+from minfer.compiled.saved_graphs import warm_up_saved
+
+def scaled_sum(x, y):
+    return (x * 2 + y).sum(0)
+
+class Waiting(logging.Handler):
+    def emit(self, record):
+        if "another start is compiling" in record.getMessage():
+            Path(sys.argv[1]).touch()
+
+logging.getLogger("minfer").addHandler(Waiting())
+logging.getLogger("minfer").setLevel(logging.INFO)
+function, args = PrecompiledFunction(scaled_sum, "scaled_sum"), (torch.arange(12.0).view(3, 4), torch.ones(4))
+
+@torch.inference_mode()
+def warm_up():
+    assert torch.equal(function(*args), scaled_sum(*args))
+
+print(warm_up_saved("two-processes", [function], {"test": "two-processes"}, warm_up)[1].how)
+"""
+
+
+def test_two_starts_at_once_compile_once(cache, tmp_path):
+    """Two processes, one key: this one takes the entry's lock and compiles only once the other is waiting
+    for it; the other then loads what this one wrote."""
+    waiting = tmp_path / "waiting"
+    # This file on its path: the entry records the module the graph traced, this one, and checks it is unchanged.
+    path = filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    second = subprocess.Popen([sys.executable, "-c", SECOND_START, str(waiting)], text=True, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def until_the_second_waits():
+        deadline = time.monotonic() + 60
+        while not waiting.exists():
+            assert second.poll() is None and time.monotonic() < deadline, second.communicate()
+            time.sleep(0.05)
+
+    first, _, got = start("two-processes", {"test": "two-processes"}, before=until_the_second_waits)
+    said = second.communicate(timeout=60)
+    assert second.returncode == 0 and said[0].split() == ["loaded"], said
+    assert first.how == "compiled" and torch.equal(got, WANT) and len(entries(cache, "two-processes")) == 1
+
+
+def test_kernels_inductor_cached_are_told_apart_from_a_compile(cache):
+    """A warm-up that torch.compiles for itself (the whole forward, step.py) with Inductor's cache in minfer's:
+    the second start traces again and loads every kernel, and its record says so."""
+
+    def warm_up():  # a fresh code object each time: Dynamo compiles it anew, as a new process would
+        again = types.FunctionType(scaled_sum.__code__.replace(co_name="scaled_sum_again"), globals())
+        assert torch.equal(torch.compile(again)(*ARGS), WANT)
+
+    hows = [warm_up_saved("traced", [], {}, warm_up)[1].how for _ in range(2)]
+    assert hows[0] in ("compiled", "traced") and hows[1] == "traced"  # traced: a session before compiled it
+
+
+def unused(tmp_path, monkeypatch, root) -> tuple:
+    """A warm-up that compiles nothing, under MINFER_CACHE=root: (its record's why-not-saved, whether
+    anything was written)."""
+    monkeypatch.setenv("MINFER_CACHE", str(root))
+    _, record = warm_up_saved("unused", [], {}, lambda: None)
+    return record.not_saved, any(tmp_path.rglob("*.bin"))
+
+
+def test_a_directory_others_can_write_is_refused(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    why, wrote = unused(tmp_path, monkeypatch, shared)
+    assert "writable by other users" in why and not wrote
+
+
+def test_a_directory_of_another_user_is_refused(tmp_path, monkeypatch):
+    if os.getuid() != 0:
+        pytest.skip("giving a directory to another user takes root")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, -1)
+    why, wrote = unused(tmp_path, monkeypatch, theirs)
+    assert "belongs to another user" in why and not wrote
+
+
+def test_an_unwritable_directory_compiles_in_memory(tmp_path, monkeypatch):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    why, wrote = unused(tmp_path, monkeypatch, blocked / "minfer")  # cannot be made
+    assert "cannot be used" in why and not wrote
+    monkeypatch.setenv("MINFER_CACHE", "off")
+    record, _, got = start("off")
+    assert record.how == "compiled" and "MINFER_CACHE=off" in record.not_saved and torch.equal(got, WANT)
+
+
+def test_the_default_directory_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("MINFER_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert artifacts.cache_root() == tmp_path / "minfer"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert artifacts.cache_root() == Path.home() / ".cache" / "minfer"
+
+
+def test_a_second_engine_start_loads_its_compiled_graphs(tiny_checkpoint):
+    """A tiny GPT-2 with compiled attention and the compiled decode step forced on, in the session's cache
+    (tests/conftest.py), which an earlier test of the same shapes may have filled: the first start compiles
+    or loads, the second loads every graph (its banner and /health say so), and its greedy tokens are
+    eager's."""
+    settings = dict(num_kv_blocks=64, attention_backend="compiled", compile_decode_step=True)
+    LLM(tiny_checkpoint, **settings)
+    llm = LLM(tiny_checkpoint, **settings)
+    cache = llm.stats()["compiled_paths"]["compile_cache"]
+    assert cache["attention"].startswith("loaded (warm, ") and cache["decode_step"].startswith("loaded (warm, "), cache
+    banner = "\n".join(banner_lines(llm.scheduler, "float32", "-", False))
+    assert "attention: compiled; graphs loaded (warm, " in banner
+    assert "decode steps compiled, graphs loaded (warm, " in banner
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 400, (int(n),), generator=g).tolist() for n in (3, 20, 41)]
+    eager = LLM(tiny_checkpoint, num_kv_blocks=64, attention_backend="eager")
+    want = [o.token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
