@@ -5,7 +5,8 @@ At batch 1 a CPU decode step spends a third of its time outside the weight matmu
 residual adds, activations, RoPE, int8 activation rounding, each a separate eager op with its own
 dispatch cost. Compiled, Inductor fuses everything between a block's matmuls into a few C++ loops.
 Two things stay opaque ops in the graph, called as they are: paged attention (the backend's Python
-and its own compiled kernel, compiled/paged_op.py) and the prepacked linears (cpu/packing.py).
+and its own compiled kernel, compiled/paged_op.py) and the prepacked linears (cpu/packing.py; a lone
+fp32 row's split copies are plain torch, and compile in).
 Quantized linears are plain torch, so their activation rounding fuses too.
 
 What is compiled is one block, not the whole forward ("regional compilation"): every layer runs the

@@ -11,6 +11,8 @@ from engine_checks import generate_varied_batches
 
 from minfer import LLM, EngineConfig, SamplingParams
 from minfer.compiled import step as compiled_step
+from minfer.cpu import linears as cpu_linears
+from minfer.cpu.packing import SplitRowLinear
 from minfer.compiled.step import CompiledDecodeStep, _placeholder_sequence, frozen_gemm_backends
 from minfer.engine.sequence import ScheduledChunk
 from minfer.quantization import QuantizedLinear, int4_kernel_available
@@ -30,8 +32,12 @@ def graph_of(llm: LLM) -> CompiledDecodeStep:
 
 
 @pytest.mark.parametrize("preset, attention", [("tiny", "eager"), ("qwen3-tiny", "compiled")])  # each model, each backend
-def test_greedy_output_equals_eager(make_checkpoint, preset, attention):
-    """fp32: batching, chunked prefill, prefix hits and preemption, with and without the compiled step."""
+def test_greedy_output_equals_eager(make_checkpoint, preset, attention, monkeypatch):
+    """fp32: batching, chunked prefill, prefix hits and preemption, with and without the compiled step. GPT-2's
+    linears packed, a lone row on split copies (cpu/packing.py), as a large model runs them; Qwen3's plain."""
+    if preset == "tiny":
+        monkeypatch.setattr(cpu_linears, "PACK_MIN_WEIGHTS", 0)
+        monkeypatch.setattr(cpu_linears, "one_row_parts", lambda model, dtype: 2)
     path = make_checkpoint(preset)
     prompts = prompts_with_a_shared_prefix()
     settings = dict(num_kv_blocks=40, max_num_seqs=16, max_num_batched_tokens=64, attention_backend=attention)
@@ -44,6 +50,7 @@ def test_greedy_output_equals_eager(make_checkpoint, preset, attention):
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     step = graph_of(compiled)
     assert step.off_because is None and step.compiled_batches == {True, False}  # both graphs served
+    assert (preset == "tiny") == any(type(m) is SplitRowLinear for m in compiled.model.modules())
     eager = LLM(path, **settings)
     assert got == [o.token_ids for w in workloads for o in eager.generate(w, GREEDY, use_tqdm=False)]
 
