@@ -11,7 +11,10 @@ fp32 matmul before it is timed:
   (out, in) weight, x @ W with W stored (in, out), and a GEMV Inductor generates from `(w * x).sum(-1)`
   (static shapes);
 - int8 (per-channel scales): torch's weight-only kernel `_weight_int8pack_mm` with bf16 rows (what
-  minfer runs), and a GEMV Inductor generates from a plain-torch reduction over the weight's bytes.
+  minfer runs), and a GEMV Inductor generates from a plain-torch reduction over the weight's bytes;
+- int8 x int8, the row rounded to int8 too: `torch._int_mm` with a symmetric scale per row (what
+  --quantize-activations runs), and torch's x86 quantized engine (fbgemm), `quantized::linear_dynamic`,
+  which rounds the rows of a call to uint8 with one scale and zero point (7 bits: reduce_range).
 Prints a markdown table: microseconds a call, and the weight bytes read per second.
 """
 
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from minfer.cpu.packing import PackedLinear, SplitRowLinear  # noqa: E402
-from minfer.quantization.int8 import Int8Linear  # noqa: E402
+from minfer.quantization.int8 import Int8Linear, dynamic_int8_mm  # noqa: E402
 
 # (in, out) of each distinct linear, the LM head last
 SHAPES = {
@@ -131,6 +134,24 @@ def routes_for(k: int, n: int, stream_mb: float, compile_kernels: bool) -> dict[
                    for layer in int8]
         check("int8 Inductor GEMV", gemv(planes(), *weights[0]), want, 1e-5)
         results["int8 Inductor GEMV (fp32 rows)"] = best_us(lambda w, s: gemv(planes(), w, s), weights)
+    results.update(int8_by_int8_routes(x, int8, want))
+    return results
+
+
+def int8_by_int8_routes(x: torch.Tensor, int8: list, want: torch.Tensor) -> dict[str, float]:
+    """The routes that round the row to int8 as well: their error is the row's rounding on top of the
+    weights' (checked loosely, a few % of the largest output)."""
+    results = {}
+    weights = [(layer.qweight.detach()[:, : x.shape[1]].contiguous(), layer.scales.detach().float()) for layer in int8]
+    check("int8 x int8 _int_mm", dynamic_int8_mm(x, *weights[0]), want, 5e-2)
+    results["int8 x int8 _int_mm (row rounded)"] = best_us(lambda q, s: dynamic_int8_mm(x, q, s), weights)
+    if torch.backends.quantized.engine == "x86":  # torch's default where fbgemm is built in
+        zero = torch.zeros(weights[0][0].shape[0], dtype=torch.long)
+        packed = [(torch.ops.quantized.linear_prepack(
+            torch._make_per_channel_quantized_tensor(q, s.double(), zero, 0), None),) for q, s in weights]
+        check("int8 x int8 x86", torch.ops.quantized.linear_dynamic(x, packed[0][0], True), want, 5e-2)
+        results["int8 x int8 x86 linear_dynamic"] = best_us(
+            lambda p: torch.ops.quantized.linear_dynamic(x, p, True), packed)
     return results
 
 

@@ -45,7 +45,8 @@ def test_the_script_prints_a_row_a_shape_with_every_eager_route(monkeypatch, cap
     header = next(line for line in lines if line.startswith("| tiny"))
     assert [cell.strip() for cell in header.strip("|").split("|")][1:] == [
         "fp32 prepacked", "fp32 split along the input", "fp32 F.linear", "fp32 x @ W(in, out)",
-        "int8 torch kernel (bf16 rows)"]
+        "int8 torch kernel (bf16 rows)", "int8 x int8 _int_mm (row rounded)",
+        *(["int8 x int8 x86 linear_dynamic"] if torch.backends.quantized.engine == "x86" else [])]
     rows = [line for line in lines if line.startswith("| (")]
     assert [row.split("|")[1].strip() for row in rows] == ["(64, 96)", "(128, 64)"]
     for row in rows:
