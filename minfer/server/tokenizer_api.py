@@ -2,22 +2,33 @@
 with the server's own tokenizer (lm-evaluation-harness's `tokenizer_backend=remote`, which
 `tokenizer_backend=auto` picks when /tokenizer_info and /tokenize answer).
 
-    POST /tokenize    {prompt | messages, add_special_tokens, return_token_strs}
-                      -> {count, max_model_len, tokens, token_strs}
+    POST /tokenize    {prompt | messages (with tools, chat_template_kwargs), add_special_tokens,
+                       add_generation_prompt, return_token_strs} -> {count, max_model_len, tokens, token_strs}
     POST /detokenize  {tokens} -> {prompt}
     GET  /tokenizer_info  -> {tokenizer_class, eos_token, bos_token, pad_token, chat_template,
                               model_max_length}
 
 `add_special_tokens` defaults as in vLLM: true for a prompt (what a completion's prompt gets), false
 for messages (the chat template writes its own). `add_generation_prompt` (messages only) defaults true.
+`tools` are rendered as a chat completion renders them, so the count is the prompt's the model would see.
+Fields are judged by the server's one rule (request_fields.py): a field of vLLM's tokenize API that
+minfer does not apply is refused unless it asks for nothing; any other is logged once.
 """
 
 from __future__ import annotations
 
 from ..errors import is_int
-from .api_errors import invalid
+from .api_errors import APIError, invalid
 from .chat_messages import render_messages
-from .requests import ModelInfo
+from .requests import Endpoint, ModelInfo, get
+from .tools import read_tools
+
+MESSAGES_ONLY = ("tools", "chat_template_kwargs", "add_generation_prompt")
+# vLLM's tokenize requests (TokenizeCompletionRequest, TokenizeChatRequest): the fields of that API
+TOKENIZE_API = frozenset({"model", "prompt", "messages", "add_special_tokens", "return_token_strs", *MESSAGES_ONLY,
+                          "continue_final_message", "chat_template", "mm_processor_kwargs"})
+TOKENIZE = Endpoint("/tokenize", TOKENIZE_API - {"continue_final_message", "chat_template", "mm_processor_kwargs"},
+                    TOKENIZE_API)
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -30,6 +41,11 @@ def _flag(body: dict, name: str, default: bool) -> bool:
 
 
 def tokenize(body: dict, info: ModelInfo) -> dict:
+    model = get(body, "model")
+    if model is not None and model != info.name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {info.name!r}", param="model",
+                       code="model_not_found")
+    TOKENIZE.check(body)
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
         raise invalid("prompt", "give exactly one of 'prompt' or 'messages'", "missing_required_parameter")
@@ -37,11 +53,16 @@ def tokenize(body: dict, info: ModelInfo) -> dict:
     if prompt is not None:
         if not isinstance(prompt, str):
             raise invalid("prompt", f"'prompt' must be a string, got {type(prompt).__name__}", "invalid_type")
+        chat_only = next((name for name in MESSAGES_ONLY if body.get(name) is not None), None)
+        if chat_only is not None:
+            raise invalid(chat_only, f"'{chat_only}' applies to 'messages' (a chat), not to a 'prompt'")
         special = _flag(body, "add_special_tokens", True)
         text = prompt
     else:
         special = _flag(body, "add_special_tokens", False)
-        text = render_messages(body, info.chat_template, _flag(body, "add_generation_prompt", True))
+        tools = read_tools({"tools": body.get("tools")}, info.chat_template)  # only rendered: no tool_choice here
+        text = render_messages(body, info.chat_template, _flag(body, "add_generation_prompt", True),
+                               tools and tools.rendered)
     tokens = tokenizer.encode_prompt(text) if special else tokenizer.encode(text)
     strs = None
     if _flag(body, "return_token_strs", False):

@@ -239,6 +239,9 @@ def test_tokenizer_endpoints(server, tok):
     assert status == 200 and info["eos_token"] == "<|endoftext|>" and info["model_max_length"] > 0
     eos = post(server, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})[1]["tokens"]
     assert eos == [tok.eos_token_id]  # how lm-eval's remote tokenizer finds the EOS id
+    asks_nothing = {"prompt": "Hello there", "continue_final_message": False, "mm_processor_kwargs": None}
+    assert post(server, "/tokenize", asks_nothing)[1]["tokens"] == out["tokens"]
+    assert post(server, "/tokenize", {"prompt": "a", "model": "another"})[0] == 404
 
 
 def test_lm_eval_detects_the_remote_tokenizer(server):
@@ -253,6 +256,10 @@ BAD_TOKENIZER = [
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, "add_special_tokens"),
     ("/tokenize", {"messages": [{"role": "robot", "content": "a"}]}, "messages[0].role"),
+    ("/tokenize", {"prompt": "a", "add_generation_prompt": False}, "add_generation_prompt"),  # a chat's field
+    ("/tokenize", {"prompt": "a", "continue_final_message": True}, "continue_final_message"),  # not applied: refused
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {
+        "name": "f"}}]}, "tools"),  # this template cannot render tools
     ("/detokenize", {}, "tokens"),
     ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),

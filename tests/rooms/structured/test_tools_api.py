@@ -218,3 +218,20 @@ def test_content_that_may_open_a_call_is_held_back():
     assert stream.add("kit", final=False) == (" <toolkit", [])
     stream = CallStream(LLAMA3_JSON, NAMES, partial=False)
     assert stream.add('  {"name": "add", ', final=False) == ("", [])  # a Llama 3 reply that opens with { waits
+
+
+def test_tokenize_renders_tools_as_the_chat_prompt_does(client, server):
+    """/tokenize with tools counts the prompt a chat completion with those tools runs."""
+    def tokenize(body):
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=60)
+        conn.request("POST", "/tokenize", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        data = json.loads(response.read())
+        conn.close()
+        assert response.status == 200, data
+        return data["count"]
+
+    with_tools, without = tokenize({"messages": ASK, "tools": TOOLS}), tokenize({"messages": ASK})
+    assert with_tools > without
+    assert with_tools == create(client, server, tools=TOOLS, max_tokens=1).usage.prompt_tokens
+    assert without == create(client, server, max_tokens=1).usage.prompt_tokens
