@@ -42,6 +42,17 @@ def test_greedy_is_argmax_per_row():
     assert torch.equal(out, logits.argmax(-1))
 
 
+@pytest.mark.parametrize("controls", [{}, {"top_k": 3}, {"top_p": 0.5}, {"min_p": 0.1}])
+def test_a_row_with_no_finite_logit_draws_an_id_in_the_vocabulary(controls):
+    """Nothing to draw from: an id in range, not one past the end (the next step would index with it),
+    and its neighbours draw as ever."""
+    logits = torch.full((2, 10), float("-inf"))
+    logits[1, 3] = 0.0  # the second row has exactly one finite logit
+    params = [SP(temperature=1.0, **controls)] * 2
+    out = sample(logits, params, [None] * 2)
+    assert 0 <= out[0] < 10 and out[1] == 3
+
+
 def test_top_k_1_equals_greedy():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
     params = [SP(temperature=1.0, top_k=1, seed=i) for i in range(4)]
