@@ -75,6 +75,26 @@ def tiled_attention_on_narrow_caches(monkeypatch):
     monkeypatch.setattr(selector, "MIN_CPU_KV_WIDTH", 0)
 
 
+@pytest.fixture(autouse=True)
+def packed_linears_on_small_weights(monkeypatch):
+    """The test checkpoints' weights are smaller than any real model's, which a CPU would leave plain
+    (cpu/linears.py, PACK_MIN_WEIGHTS): the engine tests pack them, as real models' are. The README's and
+    tutorials' commands, the soak tests and the core-path script run minfer-tiny's plain ones."""
+    from minfer.cpu import linears
+
+    monkeypatch.setattr(linears, "PACK_MIN_WEIGHTS", 0)
+
+
+@pytest.fixture(autouse=True)
+def thread_count_restored():
+    """A test that changes torch's thread count does not hand it to the next test in its worker (a seeded
+    draw or a timing there would change with it)."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def flex_as_on_a_gpu(monkeypatch):
     """Engines built in the test choose their attention as on a GPU: "auto" and "compiled" are FlexBackend

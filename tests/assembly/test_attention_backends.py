@@ -18,7 +18,6 @@ from minfer.attention.backend import StepLayout
 from minfer.attention.paged import paged_attention
 from minfer.assembly.selector import choose_attention_backend
 from minfer.attention.torch_sdpa import TorchBackend
-from minfer.cpu import linears as cpu_linears
 from minfer.cpu.linears import packing_available
 from minfer.assembly.prepare import prepare_model
 from minfer.engine.config import EngineConfig
@@ -76,8 +75,7 @@ def test_cpu_and_plain_backends_compute_the_same_step(monkeypatch, dtype, heads,
     torch.testing.assert_close(outs[0], outs[1], **tolerance.get(dtype, {}))
 
 
-def test_prepare_model_is_idempotent_and_picks_the_configured_backend(tiny_checkpoint, monkeypatch):
-    monkeypatch.setattr(cpu_linears, "PACK_MIN_WEIGHTS", 0)  # the tiny checkpoint's linears packed too
+def test_prepare_model_is_idempotent_and_picks_the_configured_backend(tiny_checkpoint):
     model = GPT2.from_pretrained(tiny_checkpoint)
     prepared, backend = prepare_model(model, EngineConfig(attention_backend="eager"))
     assert prepared is model and type(backend) is CPUTiledBackend

@@ -11,7 +11,6 @@ from engine_checks import assert_all_free, greedy_without_cache, random_prompts
 
 from minfer import LLM, SamplingParams
 from minfer.attention.kv_cache import KVCache
-from minfer.cpu import linears as cpu_linears
 from minfer.cpu.linears import packing_available
 from minfer.cpu.packing import LMHead
 from minfer.models.llama import Llama
@@ -65,8 +64,7 @@ def test_config_facts_the_engine_reads(make_checkpoint):
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
-def test_engine_batched_equals_alone_and_transformers(make_checkpoint, preset, monkeypatch):
-    monkeypatch.setattr(cpu_linears, "PACK_MIN_WEIGHTS", 0)  # the packed linears too, small as these are
+def test_engine_batched_equals_alone_and_transformers(make_checkpoint, preset):
     path = make_checkpoint(preset)
     ref = hf_model(path)
     prompts = random_prompts(10, 500, max_len=120)

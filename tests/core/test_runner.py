@@ -81,7 +81,6 @@ def test_bf16_engine_matches_a_bf16_reference(tiny_checkpoint, hf_model, monkeyp
     exact = hf_model(torch.tensor([prompt])).logits[0, 89:]  # (11, V) fp32 reference
     hf_bf16 = transformers.GPT2LMHeadModel.from_pretrained(tiny_checkpoint, torch_dtype=torch.bfloat16).eval()
     reference_error = (hf_bf16(torch.tensor([prompt])).logits[0, 89:].float() - exact).abs().max().item()
-    monkeypatch.setattr(cpu_linears, "PACK_MIN_WEIGHTS", 0)  # the tiny checkpoint's linears packed where bf16 is
     if path != "this CPU's":  # what a CPU without native bf16 runs (e.g. AVX2-only)
         monkeypatch.setattr(cpu_linears, "packing_available", lambda dtype: False)
     llm = LLM(tiny_checkpoint, dtype="bfloat16", num_kv_blocks=32, max_num_batched_tokens=37)

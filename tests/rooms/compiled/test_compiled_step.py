@@ -34,9 +34,8 @@ def graph_of(llm: LLM) -> CompiledDecodeStep:
 @pytest.mark.parametrize("preset, attention", [("tiny", "eager"), ("qwen3-tiny", "compiled")])  # each model, each backend
 def test_greedy_output_equals_eager(make_checkpoint, preset, attention, monkeypatch):
     """fp32: batching, chunked prefill, prefix hits and preemption, with and without the compiled step. GPT-2's
-    linears packed, a lone row on split copies (cpu/packing.py), as a large model runs them; Qwen3's plain."""
+    lone row on split copies of its packed linears (cpu/packing.py), as a large model runs it; Qwen3's on the packed op."""
     if preset == "tiny":
-        monkeypatch.setattr(cpu_linears, "PACK_MIN_WEIGHTS", 0)
         monkeypatch.setattr(cpu_linears, "one_row_parts", lambda model, dtype: 2)
     path = make_checkpoint(preset)
     prompts = prompts_with_a_shared_prefix()

@@ -74,8 +74,7 @@ def test_lm_head_equals_the_tied_matmul(rows):
     torch.testing.assert_close(LMHead(wte)(x), F.linear(x, wte))
 
 
-def test_optimize_for_cpu_swaps_every_linear_in_place(monkeypatch):
-    monkeypatch.setattr(cpu_linears, "PACK_MIN_WEIGHTS", 0)
+def test_optimize_for_cpu_swaps_every_linear_in_place():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Sequential(nn.Linear(12, 8)))
     x = torch.randn(3, 8)
@@ -86,19 +85,18 @@ def test_optimize_for_cpu_swaps_every_linear_in_place(monkeypatch):
 
 
 @needs_packing
-def test_small_linears_stay_plain_and_large_ones_are_packed():
+def test_small_linears_stay_plain_and_large_ones_are_packed(monkeypatch):
     """A packed call costs more than F.linear's: a weight below PACK_MIN_WEIGHTS would not win it back."""
-    width = cpu_linears.PACK_MIN_WEIGHTS // 512
-    model = nn.Sequential(nn.Linear(width, 512), nn.Linear(512, width - 1))  # exactly the minimum, one row fewer
+    monkeypatch.setattr(cpu_linears, "PACK_MIN_WEIGHTS", 64 * 32)  # the tests' own minimum is 0 (conftest.py)
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 63))  # exactly the minimum, one row fewer
     optimize_for_cpu(model)
     assert isinstance(model[0], PackedLinear) and type(model[1]) is nn.Linear
 
 
 @needs_packing
-def test_optimize_for_cpu_gives_a_tied_lm_head_its_own_copy(tiny_checkpoint, monkeypatch):
+def test_optimize_for_cpu_gives_a_tied_lm_head_its_own_copy(tiny_checkpoint):
     from minfer.models.gpt2 import GPT2
 
-    monkeypatch.setattr(cpu_linears, "PACK_MIN_WEIGHTS", 0)  # the tiny checkpoint's are below it
 
     model = GPT2.from_pretrained(tiny_checkpoint)
     ids = torch.tensor([[5, 6, 7]])
@@ -151,7 +149,6 @@ def test_an_engine_with_one_row_copies_generates_what_one_without_does(monkeypat
     plain = LLM(tiny_checkpoint)
     want = [o.token_ids for o in plain.generate(prompts, params)] + [plain.generate(prompts[:1], params)[0].token_ids]
     monkeypatch.setattr(cpu_linears, "one_row_parts", lambda model, dtype: 2)
-    monkeypatch.setattr(cpu_linears, "PACK_MIN_WEIGHTS", 0)  # the tiny checkpoint's linears are below it
     split = LLM(tiny_checkpoint)
     assert any(type(m) is SplitRowLinear for m in split.model.modules())
     got = [o.token_ids for o in split.generate(prompts, params)] + [split.generate(prompts[:1], params)[0].token_ids]
