@@ -66,6 +66,18 @@ def train_tokenizer(
     return tok
 
 
+def _alphabet(size: int) -> list[str]:
+    """The `size` most frequent characters of the corpus's lines (a space as `▁`, one before each line), ties
+    broken by code point, and WHOLE_CHARACTERS. Chosen here, not by the trainer, whose own choice among
+    characters of equal count follows a hash map's order and so changed from process to process."""
+    counts: dict[str, int] = {}
+    for line in _training_text(0, 0, lines=True):
+        for ch in "▁" + line.replace(" ", "▁"):
+            counts[ch] = counts.get(ch, 0) + 1
+    ranked = sorted(counts, key=lambda ch: (-counts[ch], ord(ch)))
+    return sorted(set(ranked[:size]) | set(WHOLE_CHARACTERS))
+
+
 def train_sentencepiece_tokenizer(vocab_size: int, alphabet_size: int = 100) -> Tokenizer:
     """A SentencePiece-style BPE tokenizer like Llama 2's, with exactly `vocab_size` ids: <unk>, <s>, </s>,
     then the 256 byte tokens <0x00>..<0xFF>, then the learned pieces. A space is written `▁` (Metaspace,
@@ -80,7 +92,8 @@ def train_sentencepiece_tokenizer(vocab_size: int, alphabet_size: int = 100) -> 
         raise ValueError(f"vocab_size must be at least {len(SENTENCEPIECE_SPECIALS) + len(BYTE_TOKENS) + alphabet_size} "
                          f"(the special and byte tokens and the alphabet), got {vocab_size}")
     metaspace = dict(replacement="▁", prepend_scheme="first")
-    trainer = trainers.BpeTrainer(vocab_size=learned, limit_alphabet=alphabet_size, initial_alphabet=WHOLE_CHARACTERS,
+    alphabet = _alphabet(alphabet_size)
+    trainer = trainers.BpeTrainer(vocab_size=learned, limit_alphabet=len(alphabet), initial_alphabet=alphabet,
                                   show_progress=False)
     pieces = Tokenizer(models.BPE())
     pieces.pre_tokenizer = pre_tokenizers.Metaspace(**metaspace, split=True)  # learn no piece across words

@@ -1,6 +1,7 @@
 """The random checkpoints everything offline depends on."""
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -35,6 +36,24 @@ def test_weights_are_seeded():
     a, b, c = (random_state_dict(config, "hub", seed) for seed in (0, 0, 1))
     assert all((a[k] == b[k]).all() for k in a)
     assert not (a["wte.weight"] == c["wte.weight"]).all()
+
+
+HASH_CHECKPOINTS = """
+import hashlib, pathlib, tempfile
+from minfer.checkpoints import write_random_checkpoint
+for preset in ("tiny", "llama2-tiny", "qwen3-tiny", "llama-tiny"):
+    path = pathlib.Path(write_random_checkpoint(pathlib.Path(tempfile.mkdtemp()), preset, "hub", 0))
+    print(preset, sorted((p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in path.iterdir() if p.is_file()))
+"""
+
+
+def test_a_seed_writes_the_same_files_in_every_process():
+    """Weights, configs and tokenizers alike: the tokenizer trainer's choices among equal counts follow a
+    hash map seeded per process, so two fresh processes (not forks, which inherit the seed) must agree."""
+    runs = [subprocess.run([sys.executable, "-c", HASH_CHECKPOINTS], capture_output=True, text=True, timeout=120)
+            for _ in range(2)]
+    assert all(run.returncode == 0 for run in runs), runs[0].stderr
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.count("tokenizer.json") == 4
 
 
 def test_gpt2_sized_vocabulary_is_exact():
