@@ -180,7 +180,7 @@ class OnlineScheduler:
         seed = None if params.seed is None else params.seed + index
         generator = make_generator(seed, self.runner.device)
         seq = Sequence(request_id, ids, params, self.tokenizer.eos_token_ids, generator, index)
-        detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens)
+        detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens, context=ids)  # text after the prompt
         return Choice(seq, TextStream(detokenizer, params.stop, params.include_stop_str_in_output))
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedRequest:

@@ -82,10 +82,15 @@ class Tokenizer:
         valid = [i for i in map(operator.index, ids) if 0 <= i < n]
         return self.backend.decode(valid, skip_special_tokens=True)
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
-        """A streaming decoder; with skip_special_tokens=False special tokens render as their text."""
+    def detokenizer(self, skip_special_tokens: bool = True, context: list[int] = ()) -> "IncrementalDetokenizer":
+        """A streaming decoder; with skip_special_tokens=False special tokens render as their text. `context`,
+        the ids before the first one it is fed (a prompt's), is read for how that one begins: a
+        SentencePiece decoder drops the space of a text's first token, not of a continuation's."""
         skipped = self._special_ids if skip_special_tokens else frozenset()
-        return IncrementalDetokenizer(self.backend, self.vocab_size, skipped, self._byte_ids)
+        return IncrementalDetokenizer(self.backend, self.vocab_size, skipped, self._byte_ids, context)
+
+
+CONTEXT_IDS = 6  # context a continuation's text is measured after: more than a character's bytes (4)
 
 
 class IncrementalDetokenizer:
@@ -100,15 +105,23 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, backend: tokenizers.Tokenizer, vocab_size: int, skipped: frozenset[int] = frozenset(),
-                 byte_ids: frozenset[int] = frozenset()):
+                 byte_ids: frozenset[int] = frozenset(), context: list[int] = ()):
         self._backend = backend
         self._vocab_size = vocab_size
         self._skipped = skipped
         self._byte_ids = byte_ids
-        self._stream = DecodeStream(skip_special_tokens=False)  # what is skipped never reaches it
+        # The context's last few ids, as the stream would have seen them: the text is measured after them. Its
+        # trailing byte tokens are left out (decode() renders a run of them together with the bytes fed next,
+        # which would rewrite the context's text), and so is a context that ends mid-character.
+        window = [i for i in context if 0 <= i < vocab_size and i not in skipped][-CONTEXT_IDS:]
+        while window and window[-1] in byte_ids:
+            window.pop()
+        if window and backend.decode(window, skip_special_tokens=False).endswith("\ufffd"):
+            window = []
+        self._stream = DecodeStream(ids=window or None, skip_special_tokens=False)  # what is skipped never reaches it
         self._run: list[int] = []  # byte tokens whose run has not ended
         self._held: list[int] = []  # ids the stream took without handing out their text yet
-        self._window: list[int] = []  # the ids of its last text: the stream measures the next text from them
+        self._window: list[int] = window  # the ids of its last text: the stream measures the next text from them
         self._pieces: list[str] = []
 
     def add(self, token_id: int) -> str:

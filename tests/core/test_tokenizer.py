@@ -199,8 +199,8 @@ def test_streaming_never_calls_full_decode(tok, monkeypatch):
     fed = []
 
     class RecordingStream:
-        def __init__(self, skip_special_tokens):
-            self.inner = DecodeStream(skip_special_tokens=skip_special_tokens)
+        def __init__(self, ids=None, skip_special_tokens=False):
+            self.inner = DecodeStream(ids=ids, skip_special_tokens=skip_special_tokens)
 
         def step(self, backend, ids):
             fed.append(len(ids) if isinstance(ids, list) else 1)

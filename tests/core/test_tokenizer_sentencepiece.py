@@ -102,3 +102,20 @@ def test_logprobs_show_each_tokens_text_and_bytes(tok):
     assert chat[0]["top_logprobs"][1]["token"] == "</s>"  # a special token shows its name
     completion = LogprobFormatter(tok).completion([w, newline], entries[:2], 1)
     assert completion["tokens"] == [" w", "\n"] and completion["text_offset"] == [0, 2]
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("Once upon a time", " there was"),  # after a word
+    ("café\n", " there was"),  # after a newline spelt in a byte token
+    ("", "there was"),  # after nothing but <s>: the start of the text, as decode() has it
+])
+def test_a_continuation_keeps_its_first_space(tok, prompt, expected):
+    """decode() drops the space of a text's first token (`▁there`); a completion continues its prompt's text,
+    so its detokenizer, given the prompt as context, keeps it, as decode() of prompt and completion does."""
+    context, ids = tok.encode_prompt(prompt), tok.encode(" there was")
+    d = tok.detokenizer(context=context)
+    text = "".join(d.add(i) for i in ids) + d.flush()
+    assert text == expected
+    whole, before = tok.decode(context + ids), tok.decode(context)
+    assert whole.startswith(before) and whole[len(before):] == expected
+    assert "".join(map(tok.detokenizer().add, ids)) == "there was"  # no context: a text's start

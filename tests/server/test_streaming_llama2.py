@@ -1,6 +1,6 @@
 """A Llama-2-style checkpoint (SentencePiece-style tokenizer: `▁`, byte fallback) serves: through the
-server, the streamed text of each of 208 random generations is exactly tokenizer.decode of the ids the
-engine generated for it (cut at its stop string), with emoji, newlines and characters spelt in byte tokens
+server, the streamed text of each of 208 random generations is exactly what the ids the engine generated
+add to its prompt's decoded text (cut at its stop string; its first space kept), with emoji, newlines and characters spelt in byte tokens
 among them."""
 
 from __future__ import annotations
@@ -50,6 +50,15 @@ def cut_at_stop(text: str, stop: list[str] | None) -> str:
     return text[: min(found)] if found else text
 
 
+def continuation(tok: Tokenizer, prompt: list[int], ids: list[int]) -> str:
+    """decode() of ids, with the space it drops from the first token (`▁the`), as the start of a text, put
+    back: a continuation of a prompt with any text keeps it."""
+    text = tok.decode(ids)
+    first = next((tok.id_to_token(i) for i in ids if i not in (1, 2)), "")
+    has_text = any(i not in (1, 2) for i in prompt)
+    return " " + text if first.startswith("▁") and has_text else text
+
+
 def byte_runs(tok: Tokenizer, ids: list[int]) -> list[list[int]]:
     """The runs of consecutive byte-fallback tokens (<0xE6><0x97><0xA5>) in ids."""
     runs, run = [], []
@@ -71,17 +80,20 @@ def test_llama2_streams_exactly_what_decode_gives(llama2):
     bodies = requests()
     # The engine's own ids for each request: a seeded request samples the same tokens in any batch.
     params = [SamplingParams(max_tokens=b["max_tokens"], temperature=1.0, seed=b["seed"], stop=b["stop"]) for b in bodies]
-    outputs = LLM(str(llama2), **ENGINE).generate([tok.encode_prompt(b["prompt"]) for b in bodies], params, use_tqdm=False)
+    prompts = [tok.encode_prompt(b["prompt"]) for b in bodies]
+    outputs = LLM(str(llama2), **ENGINE).generate(prompts, params, use_tqdm=False)
     with serving(EngineConfig(str(llama2), **ENGINE)) as srv:
         with ThreadPoolExecutor(32) as pool:  # as many clients as the engine runs sequences
             streamed = list(pool.map(lambda body: streamed_text(srv.server_address[1], body), bodies))
-    for body, out, text in zip(bodies, outputs, streamed):
-        assert text == cut_at_stop(tok.decode(out.token_ids), body["stop"]) == out.text, (body, out.token_ids)
+    for body, prompt, out, text in zip(bodies, prompts, outputs, streamed):
+        whole = continuation(tok, prompt, out.token_ids)
+        assert text == cut_at_stop(whole, body["stop"]) == out.text, (body, out.token_ids)
 
     # What the generations hold, so the equality above means something.
     finished = [o.finish_reason for o in outputs]
     assert finished.count("stop") >= 40 and finished.count("length") >= 40
-    assert sum(o.text != tok.decode(o.token_ids) for o in outputs) >= 20, "stop strings cut some texts"
+    assert sum(o.text != continuation(tok, p, o.token_ids) for p, o in zip(prompts, outputs)) >= 20, "stop strings cut"
+    assert any(o.text.startswith(" ") for o in outputs), "a continuation that begins with its space"
     everything = "".join(streamed)
     assert "\n" in everything and any(e in everything for e in "😀🚀🤖🌍")
     runs = [tok.decode(run) for o in outputs for run in byte_runs(tok, o.token_ids)]
