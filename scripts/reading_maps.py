@@ -11,7 +11,7 @@ points at its `def` line:
     python scripts/reading_maps.py          # list the stale anchors; exit 1 if there are any
     python scripts/reading_maps.py --fix    # rewrite them to the current lines
 
-A name that no longer exists in its file cannot be fixed here: the chapter must change. tests/docs/test_docs.py
+A name that no longer exists in its file cannot be fixed here: the chapter must change. tests/docs/test_doc_layout.py
 runs the check.
 """
 

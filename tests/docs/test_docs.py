@@ -6,10 +6,9 @@ folders, modules, anchors and `Class.method`s, and each of them must exist.
 - every `minfer/...` path and every dotted `minfer.x.y` module name exists, and every `tests/...` path;
 - every backticked `Name.attr` in docs/ and tutorials/ whose Name is a class defined in minfer/
   names something that class (or a minfer class it derives from) defines;
-- the `python bench.py` lines in docs/ use flags bench.py accepts (test_readme checks the README's);
-- the README stays a front page: under 170 lines, no prose paragraph over 6 lines, the detail in docs/;
-- every table renders: each row has as many cells as its header.
+- the `python bench.py` lines in docs/ use flags bench.py accepts (test_readme checks the README's).
 
+How the docs read and render (the README's length, tables, figures, reading maps): test_doc_layout.py.
 Each test lists every broken item at once, with file and line.
 """
 
@@ -23,104 +22,18 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from markdown_files import (
+    ALL_MARKDOWN, DOCS, README, ROOT, TESTS_README, TUTORIALS, anchors, code_spans, github_slug, lines_of, links, rel,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "minfer"
-README = ROOT / "README.md"
-README_MAX_LINES = 170
-MAX_PARAGRAPH_LINES = 6  # the README's prose paragraphs: a newcomer reads them, not skims them
-DOCS = sorted((ROOT / "docs").glob("*.md"))
-TUTORIALS = sorted((ROOT / "tutorials").glob("*.md"))
-TESTS_README = ROOT / "tests" / "README.md"  # the map from tutorial stages to their tests
-ALL_MARKDOWN = [README, *DOCS, *TUTORIALS, TESTS_README]
 
-FENCE = re.compile(r"^(```|~~~)")
-INLINE_CODE = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.DOTALL)
-LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
-HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
-HTML_ANCHOR = re.compile(r"""<a\s+(?:name|id)=["']([^"']+)["']""")
 # A path into the package, or a dotted module name: not part of a longer word, path or URL.
 MINFER_PATH = re.compile(r"(?<![\w/.-])minfer/[\w./-]*")
 MINFER_MODULE = re.compile(r"(?<![\w/.-])minfer(?:\.[A-Za-z_]\w*)+")
 TESTS_PATH = re.compile(r"(?<![\w/.-])tests/[\w./-]*")  # a test file or folder: tests move between folders
 BARE_FILE = re.compile(r"^[\w.-]+\.(?:py|md|js|css|html)$")  # `kv_cache.py`: a file name without its folder
 CLASS_ATTR = re.compile(r"(?<![\w.])([A-Za-z_]\w*)\.([A-Za-z_]\w*)")
-
-
-def rel(path: Path) -> str:
-    return str(path.relative_to(ROOT))
-
-
-def lines_of(path: Path) -> list[tuple[int, str, bool]]:
-    """(line number, text, inside a fenced code block) for every line of a markdown file."""
-    out, fenced = [], False
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if FENCE.match(line.lstrip()):
-            fenced = not fenced
-            out.append((number, line, True))
-        else:
-            out.append((number, line, fenced))
-    return out
-
-
-def paragraphs(path: Path):
-    """(first line number, text) of each paragraph outside fenced blocks: inline code and links may
-    run over a line break, never over a blank line."""
-    block, start = [], 0
-    for number, line, fenced in [*lines_of(path), (0, "", True)]:
-        if fenced or not line.strip():
-            if block:
-                yield start, "\n".join(block)
-            block = []
-        else:
-            if not block:
-                start = number
-            block.append(line)
-
-
-def line_at(start: int, text: str, offset: int) -> int:
-    return start + text.count("\n", 0, offset)
-
-
-def code_spans(path: Path):
-    """(line number, text) of every inline code span outside fenced blocks, a line break read as a space."""
-    for start, text in paragraphs(path):
-        for m in INLINE_CODE.finditer(text):
-            yield line_at(start, text, m.start()), m.group(2).replace("\n", " ").strip()
-
-
-def links(path: Path):
-    """(line number, target) of every link and image outside code."""
-    for start, text in paragraphs(path):
-        prose = INLINE_CODE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)  # a link in backticks is none
-        for m in LINK.finditer(prose):
-            yield line_at(start, prose, m.start()), m.group(1)
-
-
-def github_slug(heading: str) -> str:
-    """The anchor GitHub gives a heading: markup dropped, lowercased, punctuation removed, spaces to hyphens."""
-    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text
-    text = re.sub(r"<[^>]+>", "", text)  # inline HTML
-    text = text.replace("`", "").lower()
-    text = re.sub(r"[^\w\- ]", "", text)  # \w keeps letters, digits and _, as GitHub does
-    return text.replace(" ", "-")
-
-
-@cache
-def anchors(path: Path) -> frozenset[str]:
-    """Every anchor a markdown file has: its headings' slugs (repeats numbered -1, -2...) and <a name>s."""
-    seen: dict[str, int] = {}
-    found = set()
-    for _, line, fenced in lines_of(path):
-        if fenced:
-            continue
-        found.update(HTML_ANCHOR.findall(line))
-        if m := HEADING.match(line):
-            slug = github_slug(m.group(1))
-            count = seen.get(slug, 0)
-            seen[slug] = count + 1
-            found.add(slug if count == 0 else f"{slug}-{count}")
-    return frozenset(found)
 
 
 def test_markdown_files_are_found():
@@ -364,58 +277,6 @@ def test_bench_commands_in_docs_parse(monkeypatch):
     assert not rejected, "bench.py rejects these lines' flags:\n" + "\n".join(rejected)
 
 
-def test_readme_stays_short():
-    count = len(README.read_text(encoding="utf-8").splitlines())
-    assert count <= README_MAX_LINES, (
-        f"README.md has {count} lines, more than {README_MAX_LINES}: keep one headline per topic there "
-        "and move the detail to docs/ (performance.md, reliability.md, architecture.md), linking to it"
-    )
-
-
-def prose_paragraphs(markdown: str) -> list[tuple[int, list[str]]]:
-    """(first line, lines) of each paragraph of prose: outside code blocks, tables, headings and lists."""
-    paragraphs, current, start, fenced = [], [], 0, False
-    for number, line in enumerate(markdown.splitlines() + [""], 1):
-        if line.startswith("```"):
-            fenced = not fenced
-        prose = not fenced and line.strip() and not line.startswith(("#", "|", "```", "![")) and not (
-            re.match(r"\s*([-*]|\d+\.) ", line) or (current == [] and line.startswith(" "))
-        )
-        if prose and not (current and re.match(r"\s*([-*]|\d+\.) ", current[0])):
-            start = start if current else number
-            current.append(line)
-        else:
-            if current:
-                paragraphs.append((start, current))
-            current = []
-    return paragraphs
-
-
-def test_readme_paragraphs_are_short():
-    long = [f"README.md:{start}: {len(lines)} lines" for start, lines in prose_paragraphs(README.read_text())
-            if len(lines) > MAX_PARAGRAPH_LINES]
-    assert not long, "prose paragraphs over 6 lines; split them or move the detail to docs/:\n" + "\n".join(long)
-
-
-def test_tables_have_as_many_cells_as_their_header():
-    """A row with more or fewer cells than the header renders wrongly (GitHub drops the extra ones)."""
-    wrong = []
-    for path in ALL_MARKDOWN:
-        fenced, header = False, None
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if line.startswith("```"):
-                fenced = not fenced
-            if fenced or not line.startswith("|"):
-                header = None
-                continue
-            cells = len(re.findall(r"(?<!\\)\|", line.replace("`|`", ""))) - 1
-            if header is None:
-                header = cells
-            elif cells != header:
-                wrong.append(f"{path.relative_to(ROOT)}:{number}: {cells} cells, the header has {header}")
-    assert not wrong, "tables whose rows do not match their header:\n" + "\n".join(wrong)
-
-
 @pytest.mark.parametrize(
     "heading, slug",
     [
@@ -428,72 +289,3 @@ def test_tables_have_as_many_cells_as_their_header():
 )
 def test_github_slug(heading, slug):
     assert github_slug(heading) == slug
-
-
-IMAGE = re.compile(r"!\[[^\]]*\]\(\s*<?([^)\s>]+)>?")
-# Stages that show the engine's own state: each chapter embeds a figure drawn from it (tutorials/figures/draw.py).
-FIGURE_STAGES = ["07", "08", "09", "10", "11", "12", "16"]
-
-
-def test_every_image_a_chapter_names_exists():
-    """Each `![...](path)` in the docs and tutorials names a non-empty SVG or PNG that is there."""
-    broken, seen = [], 0
-    for md in ALL_MARKDOWN:
-        for start, text in paragraphs(md):
-            for m in IMAGE.finditer(text):
-                image, number = m.group(1), line_at(start, text, m.start())
-                if "://" in image:
-                    continue
-                seen += 1
-                path = (md.parent / image).resolve()
-                if not path.is_file() or path.stat().st_size == 0:
-                    broken.append(f"{rel(md)}:{number}: {image} is missing or empty")
-                elif path.suffix == ".svg" and not path.read_text(encoding="utf-8").lstrip().startswith("<svg"):
-                    broken.append(f"{rel(md)}:{number}: {image} is no SVG")
-    assert seen, "no image found: the pattern is broken"
-    assert not broken, "images the docs name that are not there:\n" + "\n".join(broken)
-
-
-@pytest.mark.parametrize("stage", FIGURE_STAGES)
-def test_engine_chapters_have_a_figure(stage):
-    (chapter,) = (ROOT / "tutorials").glob(f"{stage}_*.md")
-    images = IMAGE.findall(chapter.read_text(encoding="utf-8"))
-    assert any(i.startswith("figures/") for i in images), (
-        f"{rel(chapter)} embeds no figure from tutorials/figures/ (python tutorials/figures/draw.py draws them)"
-    )
-
-
-@cache
-def reading_maps():
-    """scripts/reading_maps.py, the check and its fixer."""
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("reading_maps", ROOT / "scripts" / "reading_maps.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["reading_maps"] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_reading_map_anchors_point_at_their_def():
-    """`[`Class.method`](../minfer/x.py#L48)`: line 48 of x.py must be that method's `def` line. Code
-    moves under the names; `python scripts/reading_maps.py --fix` re-anchors every map at once."""
-    anchors = reading_maps().find_anchors()
-    assert len(anchors) > 50, f"only {len(anchors)} reading-map anchors found: the pattern is broken"
-    stale = [f"{a.where()}: line {a.line}, its def is at line {a.found}" for a in anchors if a.found not in (None, a.line)]
-    missing = [f"{a.where()}: {rel(a.target)} defines no {a.name}" for a in anchors if a.found is None]
-    assert not stale, (
-        f"{len(stale)} reading-map anchor(s) no longer point at their def; run `python scripts/reading_maps.py "
-        "--fix` to re-anchor them:\n" + "\n".join(stale)
-    )
-    assert not missing, "reading maps name functions that are gone (edit these chapters):\n" + "\n".join(missing)
-
-
-@pytest.mark.parametrize("stage", ["03", "07", "08", "09", "10", "11", "12", "16"])
-def test_core_chapters_have_a_reading_map(stage):
-    (chapter,) = (ROOT / "tutorials").glob(f"{stage}_*.md")
-    anchors = [a for a in reading_maps().find_anchors([chapter])]
-    assert "## Reading map" in chapter.read_text(encoding="utf-8") and len(anchors) >= 3, (
-        f"{rel(chapter)} has no reading map (a `## Reading map` of anchored functions, in reading order)"
-    )
