@@ -1,29 +1,19 @@
 """bench.py end to end on a tiny random checkpoint: offline and online, the JSON summary checked
-against its own per-request records, the trace, the transformers baseline and the roofline."""
+against its own per-request records, the trace, the transformers baseline, the roofline and the profile.
+Its inputs: test_bench_inputs.py; its request features (--logprobs, --n, --structured-output):
+test_bench_requests.py."""
 
 import itertools
 import json
-import math
-import random
 import statistics
 import threading
-from pathlib import Path
 
 import pytest
+from bench_runs import WORKLOAD, run_bench
 
 from minfer import EngineConfig
-from minfer.bench import cli as bench
 from minfer.bench.metrics import percentile
-from minfer.bench.workload import arrival_times, build_workload, parse_length, sampleable_token_ids
 from minfer.text.tokenizer import Tokenizer
-
-ROOT = Path(__file__).resolve().parents[2]
-WORKLOAD = ["--num-requests", "6", "--input-len", "8:24", "--output-len", "4:12", "--disable-tqdm"]
-
-
-def run_bench(capsys, *argv):
-    assert bench.main([str(a) for a in argv]) == 0
-    return capsys.readouterr().out
 
 
 def check_summary(summary, records, exact_itl_count):
@@ -328,137 +318,3 @@ def test_profile_splits_a_step_into_parts(tiny_checkpoint, tmp_path, capsys, dty
     assert rows["context read"]["mb_per_step"] == pytest.approx(decode["context_tokens"] * per_token / 1e6)
     assert 6 * 41 <= decode["context_tokens"] <= 6 * 64
     assert rows["KV write"]["mb_per_step"] == pytest.approx(6 * per_token / 1e6)
-
-
-def test_without_a_model_says_how_to_get_one(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    assert bench.main(["--disable-tqdm"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "--model DIR" in err and "python -m minfer.random_model DIR --config gpt2" in err
-
-
-def test_bad_flags_are_one_line_errors(tiny_checkpoint, capsys):
-    assert bench.main(["--model", str(tiny_checkpoint), "--input-len", "500", "--output-len", "100"]) == 1
-    assert "context of 512" in capsys.readouterr().err
-    assert bench.main(["--model", str(tiny_checkpoint), "--input-len", "9:3"]) == 1
-    assert "input-len" in capsys.readouterr().err
-
-
-# ---- the pieces ------------------------------------------------------------------------
-
-
-def test_lengths_prompts_and_arrivals(tiny_checkpoint):
-    assert parse_length("7") == (7, 7) and parse_length("32:256") == (32, 256)
-    tok = Tokenizer.from_dir(tiny_checkpoint)
-    assert tok.eos_token_id not in sampleable_token_ids(tok, 512)
-    reqs = build_workload(
-        200, "3:9", "2", texts=[], tokenizer=tok, vocab_size=512, context=512, rate=50.0, seed=1, pretok=False
-    )
-    assert {len(r.prompt_token_ids) for r in reqs} == set(range(3, 10))  # uniform over the whole range
-    assert all(r.input_len == len(r.prompt_token_ids) and tok.eos_token_id not in r.prompt_token_ids for r in reqs)
-    again = build_workload(
-        200, "3:9", "2", texts=[], tokenizer=tok, vocab_size=512, context=512, rate=50.0, seed=1, pretok=False, run=1
-    )
-    assert [r.input_len for r in again] == [r.input_len for r in reqs]  # same shape,
-    assert [r.prompt_token_ids for r in again] != [r.prompt_token_ids for r in reqs]  # fresh contents
-    gaps = [b - a for a, b in zip(*[arrival_times(4000, 50.0, random.Random(0))[i:] for i in (0, 1)])]
-    assert statistics.fmean(gaps) == pytest.approx(1 / 50, rel=0.1)  # Poisson: exponential gaps, mean 1/rate
-    assert arrival_times(3, math.inf, random.Random(0)) == [0.0, 0.0, 0.0]
-
-
-def test_percentile_interpolates_like_numpy():
-    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
-    assert percentile(xs, 50) == 3.0 and percentile(xs, 0) == 1.0 and percentile(xs, 100) == 5.0
-    assert percentile(xs, 90) == pytest.approx(4.6) and percentile([7.0], 99) == 7.0
-
-
-def test_comparison_reads_in_one_direction():
-    """Throughput and latency ratios both say 'minfer is N x faster/slower', never a bare ratio."""
-    from minfer.bench.hf_baseline import verdict
-
-    assert verdict(200.0, 100.0, higher_is_better=True) == "minfer is 2.00x faster"
-    assert verdict(50.0, 100.0, higher_is_better=True) == "minfer is 2.00x slower"
-    assert verdict(10.0, 40.0, higher_is_better=False) == "minfer is 4.00x faster"  # a lower TPOT wins
-    assert verdict(52.4, 10.0, higher_is_better=False) == "minfer is 5.24x slower"
-    assert verdict(None, 10.0, higher_is_better=False) == "n/a"
-
-
-def test_logprobs_flag_asks_every_request_for_logprobs(tiny_checkpoint, tmp_path, capsys, monkeypatch):
-    """--logprobs k: offline, and online against a server in this process, every step computes them."""
-    from minfer.scoring.logprobs import StepLogprobs
-
-    fetched = []
-    real_packed = StepLogprobs.packed
-    monkeypatch.setattr(
-        StepLogprobs, "packed", lambda self, *a: fetched.append(self.sample_k) or real_packed(self, *a)
-    )
-    run_bench(capsys, "--model", tiny_checkpoint, *WORKLOAD, "--logprobs", "3", "--json", tmp_path / "b.json")
-    assert fetched and set(fetched) == {3}
-    assert json.loads((tmp_path / "b.json").read_text())["config"]["logprobs"] == 3
-    serve = pytest.importorskip("minfer.serve")
-    server = serve.create_server(EngineConfig(str(tiny_checkpoint)), port=0, served_model_name="tiny")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    fetched.clear()
-    try:
-        host, port = server.server_address[:2]
-        url = f"http://{host}:{port}/v1"
-        run_bench(
-            capsys, "--base-url", url, "--model", "tiny", "--tokenizer", tiny_checkpoint, *WORKLOAD, "--logprobs", "1"
-        )
-    finally:
-        server.stop()
-    assert fetched and set(fetched) == {1}
-    with pytest.raises(SystemExit):
-        bench.main(["--model", str(tiny_checkpoint), "--logprobs", "21"])
-
-
-def test_n_counts_every_choice_offline_and_online(tiny_checkpoint, tmp_path, capsys):
-    """--n 3: each request's output_len is its three choices' tokens, its TPOT per choice; the server
-    gets n and answers with usage for all three."""
-    serve = pytest.importorskip("minfer.serve")
-    server = serve.create_server(EngineConfig(str(tiny_checkpoint)), port=0, served_model_name="tiny")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        host, port = server.server_address[:2]
-        online = ["--base-url", f"http://{host}:{port}/v1", "--tokenizer", tiny_checkpoint]
-        for mode, extra in (("offline", ["--model", tiny_checkpoint]), ("online", online)):
-            path = tmp_path / f"{mode}.json"
-            run_bench(capsys, *extra, *WORKLOAD, "--n", 3, "--warmup-runs", 0, "--json", path)
-            report = json.loads(path.read_text())
-            for r in report["requests"]:
-                assert r["num_choices"] == 3 and r["output_len"] == r["expected_output_len"]
-                assert r["output_len"] % 3 == 0 and 12 <= r["output_len"] <= 36
-                assert r["tpot"] == pytest.approx((r["latency"] - r["ttft"]) / (r["output_len"] / 3 - 1))
-            assert report["summary"]["total_output_tokens"] == sum(r["output_len"] for r in report["requests"])
-    finally:
-        server.stop()
-    stats = server.manager.stats()
-    assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
-    with pytest.raises(SystemExit):
-        bench.main(["--model", str(tiny_checkpoint), "--n", "0"])
-
-
-def test_structured_output_holds_every_request_to_the_schema(tiny_checkpoint, tmp_path, capsys):
-    """--structured-output json-schema: every request is masked, offline and online, and still makes exactly
-    its output length (the schema's array never ends first); offline, the masks' cost per row is reported."""
-    path = tmp_path / "offline.json"
-    out = run_bench(capsys, "--model", tiny_checkpoint, *WORKLOAD, "--structured-output", "json-schema",
-                    "--json", path)
-    assert "held to a json-schema" in out and "masked rows" in out
-    report = json.loads(path.read_text())
-    assert all(r["output_len"] == r["expected_output_len"] for r in report["requests"])
-    masks = report["structured_masks"]
-    assert masks["rows"] >= report["summary"]["total_output_tokens"] and masks["fill_us_per_row"] > 0
-    serve = pytest.importorskip("minfer.serve")
-    server = serve.create_server(EngineConfig(str(tiny_checkpoint)), port=0, served_model_name="tiny")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        host, port = server.server_address[:2]
-        online = ["--base-url", f"http://{host}:{port}/v1", "--tokenizer", tiny_checkpoint]
-        run_bench(capsys, *online, *WORKLOAD, "--structured-output", "json-schema", "--json", tmp_path / "on.json")
-    finally:
-        server.stop()
-    report = json.loads((tmp_path / "on.json").read_text())
-    assert all(r["output_len"] == r["expected_output_len"] for r in report["requests"])
-    assert server.manager.scheduler.features.structured.stats["rows"] >= report["summary"]["total_output_tokens"]

@@ -1,0 +1,64 @@
+"""bench.py's inputs: a missing model and bad flags are one-line errors; request lengths, prompts and arrival
+times; percentiles as numpy has them; a comparison that reads in one direction."""
+
+import math
+import random
+import statistics
+
+import pytest
+
+from minfer.bench import cli as bench
+from minfer.bench.metrics import percentile
+from minfer.bench.workload import arrival_times, build_workload, parse_length, sampleable_token_ids
+from minfer.text.tokenizer import Tokenizer
+
+
+def test_without_a_model_says_how_to_get_one(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    assert bench.main(["--disable-tqdm"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--model DIR" in err and "python -m minfer.random_model DIR --config gpt2" in err
+
+
+def test_bad_flags_are_one_line_errors(tiny_checkpoint, capsys):
+    assert bench.main(["--model", str(tiny_checkpoint), "--input-len", "500", "--output-len", "100"]) == 1
+    assert "context of 512" in capsys.readouterr().err
+    assert bench.main(["--model", str(tiny_checkpoint), "--input-len", "9:3"]) == 1
+    assert "input-len" in capsys.readouterr().err
+
+
+def test_lengths_prompts_and_arrivals(tiny_checkpoint):
+    assert parse_length("7") == (7, 7) and parse_length("32:256") == (32, 256)
+    tok = Tokenizer.from_dir(tiny_checkpoint)
+    assert tok.eos_token_id not in sampleable_token_ids(tok, 512)
+    reqs = build_workload(
+        200, "3:9", "2", texts=[], tokenizer=tok, vocab_size=512, context=512, rate=50.0, seed=1, pretok=False
+    )
+    assert {len(r.prompt_token_ids) for r in reqs} == set(range(3, 10))  # uniform over the whole range
+    assert all(r.input_len == len(r.prompt_token_ids) and tok.eos_token_id not in r.prompt_token_ids for r in reqs)
+    again = build_workload(
+        200, "3:9", "2", texts=[], tokenizer=tok, vocab_size=512, context=512, rate=50.0, seed=1, pretok=False, run=1
+    )
+    assert [r.input_len for r in again] == [r.input_len for r in reqs]  # same shape,
+    assert [r.prompt_token_ids for r in again] != [r.prompt_token_ids for r in reqs]  # fresh contents
+    gaps = [b - a for a, b in zip(*[arrival_times(4000, 50.0, random.Random(0))[i:] for i in (0, 1)])]
+    assert statistics.fmean(gaps) == pytest.approx(1 / 50, rel=0.1)  # Poisson: exponential gaps, mean 1/rate
+    assert arrival_times(3, math.inf, random.Random(0)) == [0.0, 0.0, 0.0]
+
+
+def test_percentile_interpolates_like_numpy():
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert percentile(xs, 50) == 3.0 and percentile(xs, 0) == 1.0 and percentile(xs, 100) == 5.0
+    assert percentile(xs, 90) == pytest.approx(4.6) and percentile([7.0], 99) == 7.0
+
+
+def test_comparison_reads_in_one_direction():
+    """Throughput and latency ratios both say 'minfer is N x faster/slower', never a bare ratio."""
+    from minfer.bench.hf_baseline import verdict
+
+    assert verdict(200.0, 100.0, higher_is_better=True) == "minfer is 2.00x faster"
+    assert verdict(50.0, 100.0, higher_is_better=True) == "minfer is 2.00x slower"
+    assert verdict(10.0, 40.0, higher_is_better=False) == "minfer is 4.00x faster"  # a lower TPOT wins
+    assert verdict(52.4, 10.0, higher_is_better=False) == "minfer is 5.24x slower"
+    assert verdict(None, 10.0, higher_is_better=False) == "n/a"
