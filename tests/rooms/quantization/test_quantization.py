@@ -1,6 +1,7 @@
 """Weight-only int8/int4: each quantized linear computes the matmul with its dequantized weight, a
 quantized model computes what the float model with those weights computes, the engine batches,
-preempts and frees blocks with it, and bad settings are refused before anything is loaded."""
+preempts and frees blocks with it, and bad settings are refused before anything is loaded. Quantized
+checkpoints: test_quantized_checkpoints.py."""
 
 import pytest
 import torch
@@ -277,71 +278,6 @@ def test_a_model_prepared_without_quantization_is_not_quantized_behind_its_back(
     assert quantize_model(model, "int8") is model  # again: nothing changes
     with pytest.raises(ValueError, match="already quantized to int8"):
         quantize_model(model, "int4")
-
-
-@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
-@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
-def test_quantized_checkpoint_round_trip(make_checkpoint, tmp_path, preset, method):
-    """Quantized while loading == quantized after loading; saved and loaded back: the same model exactly."""
-    from minfer.quantization.checkpoint import QuantizationSpec, save_quantized
-
-    source = make_checkpoint(preset)
-    spec = QuantizationSpec(method)
-    streamed = load_model(source, weights=QuantizedWeights(spec))
-    after = quantize_model(load_model(source), method)
-    out = save_quantized(streamed, source, tmp_path / "q", spec)
-    loaded = load_model(out, weights=QuantizedWeights())
-    assert isinstance(loaded.lm_head, QuantizedLinear)
-    ids = torch.randint(0, 500, (1, 7))
-    with torch.inference_mode():
-        expected = after(ids)
-        torch.testing.assert_close(streamed(ids), expected, atol=0, rtol=0)
-        torch.testing.assert_close(loaded(ids), expected, atol=0, rtol=0)
-    assert LLM(str(out), quantization=method).generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].token_ids
-    with pytest.raises(ValueError, match=f"holds {method} weights; it cannot be loaded as"):
-        LLM(str(out), quantization="int4" if method == "int8" else "int8")
-
-
-def quantized_copy(make_checkpoint, tmp_path):
-    from minfer import quantize
-
-    out = tmp_path / "q8"
-    assert quantize.main([str(make_checkpoint()), str(out), "--quantization", "int8"]) == 0
-    return out
-
-
-def test_a_corrupt_or_incomplete_quantized_checkpoint_is_refused(make_checkpoint, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    out = quantized_copy(make_checkpoint, tmp_path)
-    weights = out / "model.safetensors"
-    data = weights.read_bytes()
-    weights.write_bytes(data[: len(data) // 2])  # truncated
-    with pytest.raises(ValueError, match="not a readable safetensors file"):
-        load_model(out, weights=QuantizedWeights())
-    weights.write_bytes(data)
-    tensors = load_file(str(weights))
-    save_file({k: v for k, v in tensors.items() if k != "h.1.mlp.c_fc.scales"}, str(weights))
-    with pytest.raises(ValueError, match="lacks h.1.mlp.c_fc.scales"):
-        load_model(out, weights=QuantizedWeights())
-    tensors["h.0.ln_1.weight"] = torch.ones(3)
-    save_file(tensors, str(weights))
-    with pytest.raises(ValueError, match="h.0.ln_1.weight"):
-        load_model(out, weights=QuantizedWeights())
-
-
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_checkpoints_quantized_by_other_tools_are_refused_saying_what_runs(make_checkpoint, tmp_path, method):
-    import json
-    import shutil
-
-    out = tmp_path / method
-    shutil.copytree(make_checkpoint(), out)
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128}
-    (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=rf"quantized as '{method}'.*--quantization int8 or int4.*minfer quantize"):
-        load_model(out, weights=QuantizedWeights())
 
 
 def test_roofline_and_profile_count_quantized_bytes(make_checkpoint):
