@@ -16,9 +16,9 @@ Figures go stale and differ between CPUs; bench.py prints them for the machine a
    the path torch.compile's CPU backend uses); the same matmul then runs faster
    at every row count, one row (memory-bound) or hundreds (compute-bound). The
    packed copy replaces the plain weight, so memory does not grow. A packed call costs more than
-   F.linear's (~25 us against ~8 on a Zen 3), so a small weight stays plain (PACK_MIN_WEIGHTS). In fp32 with several threads,
-   one row (a batch-1 decode step) runs on a second copy split along the input, a part per thread
-   (`SplitRowLinear`, where `one_row_parts` finds it worth its memory).
+   F.linear's (~25 us against ~8 on a Zen 3), so a small weight stays plain (PACK_MIN_WEIGHTS). In
+   fp32 with several threads, one row (a batch-1 decode step) runs on a second copy split along the
+   input, a part per thread (`SplitRowLinear`, where `one_row_parts` finds it worth its memory).
 2. The LM head, prepacked the same way (`LMHead`). Its weight is tied to the token
    embedding, which the input lookup still needs, so this is a second copy of the
    (V, C) matrix: worth it, the LM head is a third of GPT-2 small's weight bytes.

@@ -216,10 +216,10 @@ def _is_ids(prompt: list) -> bool:
 # ---- what the endpoints share ------------------------------------------------------------
 
 
-def opened_body(body: dict, info: ModelInfo, endpoint: Endpoint) -> dict:
-    """The body with the checkpoint's sampling defaults under the fields it left out; the model it names
-    checked, and its fields checked against the contract."""
-    body = {**info.sampling_defaults, **body}
+def opened_body(body: dict, info: ModelInfo, endpoint: Endpoint, sampling: bool = True) -> dict:
+    """The body with the checkpoint's sampling defaults under the fields it left out (an endpoint that
+    samples); the model it names checked, and its fields checked against the contract."""
+    body = {**info.sampling_defaults, **body} if sampling else body
     model = get(body, "model")
     if model is not None and model != info.name:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {info.name!r}", param="model",

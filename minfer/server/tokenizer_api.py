@@ -18,9 +18,9 @@ minfer does not apply is refused unless it asks for nothing; any other is logged
 from __future__ import annotations
 
 from ..errors import is_int
-from .api_errors import APIError, invalid
+from .api_errors import invalid
 from .chat_messages import render_messages
-from .requests import Endpoint, ModelInfo, get
+from .requests import Endpoint, ModelInfo, opened_body
 from .tools import read_tools
 
 MESSAGES_ONLY = ("tools", "chat_template_kwargs", "add_generation_prompt")
@@ -41,11 +41,7 @@ def _flag(body: dict, name: str, default: bool) -> bool:
 
 
 def tokenize(body: dict, info: ModelInfo) -> dict:
-    model = get(body, "model")
-    if model is not None and model != info.name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {info.name!r}", param="model",
-                       code="model_not_found")
-    TOKENIZE.check(body)
+    opened_body(body, info, TOKENIZE, sampling=False)  # the model it names, and its fields
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
         raise invalid("prompt", "give exactly one of 'prompt' or 'messages'", "missing_required_parameter")

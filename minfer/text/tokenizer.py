@@ -9,6 +9,7 @@ exactly what decode() gives for the same ids.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from pathlib import Path
 from typing import Iterable
@@ -113,7 +114,8 @@ class IncrementalDetokenizer:
         # The context's last few ids, as the stream would have seen them: the text is measured after them. Its
         # trailing byte tokens are left out (decode() renders a run of them together with the bytes fed next,
         # which would rewrite the context's text), and so is a context that ends mid-character.
-        window = [i for i in context if 0 <= i < vocab_size and i not in skipped][-CONTEXT_IDS:]
+        kept = (i for i in reversed(context) if 0 <= i < vocab_size and i not in skipped)  # from the end: a long
+        window = list(itertools.islice(kept, CONTEXT_IDS))[::-1]  # prompt is not walked whole
         while window and window[-1] in byte_ids:
             window.pop()
         if window and backend.decode(window, skip_special_tokens=False).endswith("\ufffd"):
