@@ -43,9 +43,10 @@ def check_limits(prompt_token_ids: list[int], params: SamplingParams, limits: Re
         raise InvalidParameter(
             "n", f"n = {params.n} is more completions than this engine runs at once (max_num_seqs {limits.max_num_seqs})"
         )
-    bad = next((t for t in params.logit_bias or () if t >= vocab), None)
-    if bad is not None:
-        raise InvalidParameter("logit_bias", f"logit_bias token id {bad} is not in the vocabulary [0, {vocab})")
+    for field, ids_given in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        bad = next((t for t in ids_given or () if t >= vocab), None)  # a stop id out of the vocabulary never stops
+        if bad is not None:
+            raise InvalidParameter(field, f"{field} token id {bad} is not in the vocabulary [0, {vocab})")
     if len(ids) + params.max_tokens > context:
         raise InvalidParameter(
             "max_tokens" if len(ids) < context else "prompt",

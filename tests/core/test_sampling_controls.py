@@ -297,3 +297,9 @@ def test_unknown_logit_bias_token_is_refused(llm):
     with pytest.raises(InvalidParameter, match="logit_bias token id 512") as e:
         llm.scheduler.add_request(prompt_token_ids=[1], sampling_params=SamplingParams(logit_bias={512: 1}))
     assert e.value.param == "logit_bias"
+
+
+def test_unknown_stop_token_is_refused(llm):
+    with pytest.raises(InvalidParameter, match="stop_token_ids token id 512") as e:
+        llm.scheduler.add_request(prompt_token_ids=[1], sampling_params=SamplingParams(stop_token_ids=[3, 512]))
+    assert e.value.param == "stop_token_ids"

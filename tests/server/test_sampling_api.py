@@ -126,6 +126,7 @@ BAD = [  # (endpoint, extra fields, the field the 400 names)
     ("/v1/completions", {"min_tokens": -1}, "min_tokens"),
     ("/v1/completions", {"stop_token_ids": "7"}, "stop_token_ids"),
     ("/v1/completions", {"stop_token_ids": [-7]}, "stop_token_ids"),
+    ("/v1/completions", {"stop_token_ids": [100000]}, "stop_token_ids"),  # past the vocabulary: could never stop
     ("/v1/completions", {"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     ("/v1/completions", {"skip_special_tokens": 0}, "skip_special_tokens"),
     ("/v1/completions", {"n": 0}, "n"),
