@@ -60,7 +60,7 @@ def build_engine(
     graphs = cuda_graphs.wants_decode_graphs(model.device, config.enforce_eager, attention)
     compiled = None
     # compiled/forward.py: warm-ups, graphs, fallbacks, and what /health says of the compile cache
-    if step or graphs or attention.compiles_per_shape or attention.name == "compiled":
+    if step or graphs or attention.compiles_per_shape or attention.compile_record is not None:
         compiled = CompiledForward(step, graphs, config.max_num_seqs, context_len, config.max_num_batched_tokens)
     threads = model.device.type == "cpu" and not threads_chosen(config.num_threads)
     features = Features(

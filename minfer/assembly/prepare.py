@@ -63,5 +63,5 @@ def attention_for(model: torch.nn.Module, config: EngineConfig) -> AttentionBack
         log.warning("minfer: compiled attention is off, running eager attention instead: %s", why_not)
         backend = choose_attention_backend(model.device, model.dtype, "eager")
     if config.compile_model:
-        backend.lone_decode_in_graph = backend.name == "compiled"  # its decode traced into the graph (compiled/attention.py)
+        backend.lone_decode_in_graph = backend.traces_lone_decode  # its decode traced into the graph
     return backend

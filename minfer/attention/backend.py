@@ -57,9 +57,11 @@ class AttentionBackend(Protocol):
 
     name: str  # how the config names it (attention_backend="cpu_tiled")
     captures_in_graphs = False  # builds its metadata inside a CUDA graph (graph_metadata): compiled/flex.py
-    lone_decode_in_graph = False  # a compiled whole-forward graph traces its lone decode in: compiled/attention.py
+    traces_lone_decode = False  # has traced_lone_decode, for a whole-forward graph (--compile-model): compiled/attention.py
+    lone_decode_in_graph = False  # a compiled whole-forward graph traces its lone decode in (set by the assembly)
     compiles_per_shape = False  # compiles per kind of step: the engine warms each up, then seals (compiled/warm_up.py)
     warm_up_seconds: float | None = None  # what warm_up's compile took, where it compiled
+    compile_record = None  # how warm_up had its kernels, loaded or compiled (compiled/saved_graphs.py); None: none
 
     def build_metadata(self, layout: StepLayout) -> AttentionMetadata:
         """Once per step, before the forward: the step's layout -> this backend's metadata."""

@@ -133,6 +133,7 @@ class CompiledBackend(CPUTiledBackend):
     their blocks back into rows and attend as the eager backend does."""
 
     name = "compiled"
+    traces_lone_decode = True
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype):
         super().__init__(device, dtype)

@@ -29,7 +29,7 @@ from ..attention.paged import PagedBatch
 from ..attention.torch_sdpa import TorchBackend
 from ..engine.model_runner import ModelRunner, StepRows
 from ..errors import is_sticky_device_error
-from .attention import CompiledBackend, failure_line
+from .attention import failure_line
 from .cuda_graphs import DecodeGraphs
 from .flex_kernel import compiling_for_serving, sealed
 from .step import CompiledDecodeStep
@@ -181,7 +181,7 @@ class CompiledForward:
         compile cache, or "compiled (cold, 31.0 s)" (saved_graphs.py)."""
         out = {}
         attention = self.runner.attention if self.runner is not None else None
-        if isinstance(attention, CompiledBackend) and attention.compile_record is not None:
+        if attention is not None and attention.compile_record is not None:
             out["attention"] = str(attention.compile_record)
         if self.step is not None and self.step.compile_record is not None:
             out["decode_step"] = str(self.step.compile_record)
