@@ -23,8 +23,8 @@ class CopyScore:
 @torch.inference_mode()
 def copy_accuracy(model: nn.Module, tokenizer: Tokenizer, stories: list[str], num: int = 20) -> CopyScore:
     """Copy accuracy on stories[0:2], stories[2:4], ... (the first `num` prompts that fit in the context),
-    scored on the rest of the first story and its <|endoftext|>. Plain forwards without a cache: the model
-    is tiny. NaN if no prompt fits."""
+    scored on the rest of the first story and its <|endoftext|>. One plain forward per prompt, without a
+    cache: the model is tiny. NaN if no prompt fits."""
     was_training = model.training
     model.eval()
     forced = greedy = total = scored = 0
@@ -39,13 +39,12 @@ def copy_accuracy(model: nn.Module, tokenizer: Tokenizer, stories: list[str], nu
         scored += 1
         target = full[len(prompt) :]
         logits = model(torch.tensor([full[:-1]]))[0, len(prompt) - 1 :]  # (len(target), V)
-        forced += int((logits.argmax(-1) == torch.tensor(target)).sum())
-        ids = list(prompt)
-        for want in target:  # greedy, up to the first token that differs
-            if int(model(torch.tensor([ids]))[0, -1].argmax()) != want:
-                break
-            ids.append(want)
-        greedy += len(ids) - len(prompt)
+        right = (logits.argmax(-1) == torch.tensor(target)).tolist()  # (len(target),) given the true tokens before
+        forced += sum(right)
+        # Greedy decoding feeds back its own tokens: while they are the target's, its inputs are the teacher-
+        # forced ones, so it writes exactly the leading run of right guesses (causal attention: a position's
+        # logits do not depend on what follows it).
+        greedy += right.index(False) if False in right else len(right)
         total += len(target)
     model.train(was_training)
     if not total:

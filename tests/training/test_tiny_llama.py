@@ -96,6 +96,29 @@ def test_the_target_copies_where_minfer_tiny_does_not():
     assert gpt2.greedy < 0.2, gpt2
 
 
+def test_the_greedy_share_is_what_greedy_decoding_writes():
+    """copy_accuracy reads greedy decoding's run off the teacher-forced argmaxes: the same count as decoding
+    token by token, each step fed its own output, up to the first token that differs."""
+    from minfer.bench.workload import EOS, copy_prompt
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_model(LLAMA), Tokenizer.from_file(str(LLAMA / "tokenizer.json"))
+    texts = stories("heldout-0", 200)[:6]  # three prompts, all within the context
+    written = total = 0
+    with torch.inference_mode():
+        for first, second in zip(texts[0::2], texts[1::2]):
+            ids = tokenizer.encode(copy_prompt(first, second)).ids
+            target = tokenizer.encode(f"{first}{EOS}{second}{EOS}{first}{EOS}").ids[len(ids) :]
+            for want in target:
+                if int(model(torch.tensor([ids]))[0, -1].argmax()) != want:
+                    break
+                ids.append(want)
+                written += 1
+            total += len(target)
+    assert 0 < written < total
+    assert copy_accuracy(model, tokenizer, texts, num=3).greedy == written / total
+
+
 def test_transformers_agrees_on_the_llama_shape():
     """LlamaForCausalLM on the same files, fp32: the same perplexity within 1e-4 relative."""
     transformers = pytest.importorskip("transformers")
