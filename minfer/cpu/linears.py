@@ -117,7 +117,8 @@ def one_row_parts(model: nn.Module, dtype: torch.dtype) -> int:
     threads = torch.get_num_threads()
     if dtype != torch.float32 or threads < 2:
         return 1
-    copy_bytes = sum(m.weight.nbytes for name, m in model.named_modules() if type(m) is nn.Linear and name != "lm_head")
+    copy_bytes = sum(m.weight.nbytes for name, m in model.named_modules()  # the linears that get packed
+                     if type(m) is nn.Linear and name != "lm_head" and worth_packing(m))
     fits = copy_bytes <= available_memory(torch.device("cpu")) // 4
     return threads if SPLIT_ROW_MIN_BYTES <= copy_bytes and fits else 1
 
