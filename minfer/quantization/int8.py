@@ -16,7 +16,8 @@ in torch 2.13): narrower weights get zero columns.
 
 With `quantize_activations` (--quantize-activations) the activations are quantized too, each row
 (token) to int8 with a scale of its own, and the matmul is int8 x int8 -> int32 (torch._int_mm,
-VNNI on AVX512 CPUs), as llama.cpp's Q8_0 does with blocks of 32. On one Zen 4 core that runs a
+VNNI on AVX512 CPUs; several rows in exact fp32 sums where there is no VNNI), as llama.cpp's Q8_0
+does with blocks of 32. On one Zen 4 core that runs a
 GPT-2 block at one row in half the time of the packed bf16 matmul, where _weight_int8pack_mm,
 which converts every weight to float before multiplying, is compute-bound at 0.7x of it, and at
 batches it stays ahead of bf16 (0.75-0.8x at 64 to 256 rows) where that kernel is 2.5x behind.
@@ -49,6 +50,7 @@ K_MULTIPLE = 16  # _weight_int8pack_mm's bf16 path reads the inner dimension 16 
 
 CHUNK_ELEMENTS = 1 << 22  # quantize this many weights at a time: fp32 temporaries stay ~16 MB each
 GEMM_TILE_ELEMENTS = 1 << 22  # a batch's matmul widens this many weights at a time (8 MiB in bf16)
+HAS_INT8_DOT = cpu_has_int8_dot()  # VNNI or AMX: torch._int_mm is fast
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,8 +73,13 @@ def dynamic_int8_mm(rows: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -
     """rows (M, K) float @ (q (N, K) int8 * scales (N,))^T -> (M, N) in rows' dtype, each row of `rows`
     rounded to int8 with its own symmetric scale first: one int8 matmul, then both scales."""
     row_scales = rows.abs().amax(dim=1, keepdim=True).float().div_(127).clamp_(min=1e-12)  # (M, 1)
-    rows_q = torch.round(rows / row_scales).to(torch.int8)  # (M, K), the row's largest at +-127
-    acc = torch._int_mm(rows_q, q.t())  # (M, N) int32: exact
+    rows_q = torch.round(rows.float() / row_scales)  # (M, K) integers, the row's largest at +-127
+    if HAS_INT8_DOT or rows.shape[0] == 1:
+        acc = torch._int_mm(rows_q.to(torch.int8), q.t())  # (M, N) int32: exact
+    else:  # torch's int8 matmul has no fast kernel without int8 dot products (5-16x slower at 16-64 rows on
+        # AVX2): the same sums in fp32, whose products (< 2**14) and sums below 2**24 are exact
+        step = max(1, GEMM_TILE_ELEMENTS // q.shape[1])
+        acc = tiled_matmul(rows_q, q.shape[0], step, lambda start, stop: widened(q[start:stop], torch.float32).t())
     # In place on one fp32 copy: int32 * fp32 with broadcasting is a slow mixed-dtype loop (2x, measured).
     return acc.float().mul_(scales).mul_(row_scales).to(rows.dtype)
 
@@ -110,7 +117,7 @@ class Int8Linear(QuantizedLinear):
     # dequantize + GEMM: a GPT-2 block at 16 rows on an AMX Xeon took 1.45 ms in the kernel, 1.13 split
     # and 1.47 dequantized, bf16 0.63. Elsewhere the kernel runs up to 16 rows, then dequantize + GEMM.
     kernel_max_rows = 16
-    rounds_batches = cpu_has_int8_dot()
+    rounds_batches = HAS_INT8_DOT
     ROUNDED_ROWS = (4, 32)  # (above, up to): the rows rounded to int8 where `rounds_batches`
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):

@@ -8,6 +8,8 @@ embedding.py). Norms, biases and GPT-2's position table stay in full precision: 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -15,8 +17,11 @@ from ..models.contract import is_prepared
 from ..engine.config import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization_method
 from .embedding import QuantizedEmbedding
 from .int4 import DEFAULT_GROUP_SIZE, Int4Linear, int4_kernel_available
+from . import int8
 from .int8 import Int8Linear
 from .linear import QuantizedLinear
+
+log = logging.getLogger("minfer")
 
 
 def check_quantization(method: str | None, group_size: int | None = None) -> None:
@@ -76,6 +81,9 @@ def quantize_model(
     if quantize_activations and method != "int8":
         raise ValueError(f"--quantize-activations applies to --quantization int8, not {method}")
     _quantize_weights(model, method, group_size, quantize_lm_head)
+    if quantize_activations and not int8.HAS_INT8_DOT:
+        log.warning("minfer: --quantize-activations on a CPU without int8 dot products (VNNI, AMX): no faster than "
+                    "weight-only int8 here, and one row at a time (batch-1 decode) ~3x slower")
     for m in model.modules():
         if isinstance(m, Int8Linear):
             m.quantize_activations = quantize_activations

@@ -47,6 +47,23 @@ def test_int8_linear_with_int8_activations_is_the_matmul_of_rounded_rows(in_feat
     assert relative_error(y, x.float() @ weight.t() + linear.bias) < 2e-2
 
 
+@pytest.mark.parametrize("rows", [4, 64])
+def test_without_int8_dot_products_the_sums_are_the_same_in_fp32(monkeypatch, rows):
+    """A CPU without VNNI or AMX multiplies the rounded rows in fp32 (torch._int_mm has no fast kernel there):
+    the products are exact and so are the sums below 2**24 (K = 768 here: any rows), so not one bit differs."""
+    from minfer.quantization import int8
+
+    torch.manual_seed(rows)
+    q, scales = quantize_int8(torch.randn(300, 768))
+    x = torch.randn(rows, 768)
+    x[0, :] = torch.sign(x[0, :])  # the largest sums there can be: every product at +-127 x the row's weights
+    monkeypatch.setattr(int8, "HAS_INT8_DOT", True)
+    by_int8 = dynamic_int8_mm(x, q, scales)
+    monkeypatch.setattr(int8, "HAS_INT8_DOT", False)
+    by_fp32 = dynamic_int8_mm(x, q, scales)
+    assert torch.equal(by_fp32, by_int8)
+
+
 def test_a_row_of_zeros_gives_the_bias_and_rows_do_not_see_each_other():
     torch.manual_seed(0)
     q, scales = quantize_int8(torch.randn(48, 32))
