@@ -10,6 +10,7 @@ OnlineScheduler. `LLM`, the server and bench all start here.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
@@ -36,6 +37,8 @@ from ..structured.structured import Structured
 from ..text.tokenizer import Tokenizer
 from .memory import with_profiled_budget
 from .prepare import prepare_model
+
+log = logging.getLogger("minfer")
 
 
 def build_engine(
@@ -124,7 +127,11 @@ def load_for(config: EngineConfig) -> torch.nn.Module:
     spec = None
     if config.quantization is not None:
         spec = QuantizationSpec(config.quantization, config.quantization_group_size, config.quantize_lm_head)
-    return load_model(config.model, device=device, dtype=resolve_dtype(config.dtype, device), weights=QuantizedWeights(spec))
+    dtype = resolve_dtype(config.dtype, device)
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        log.warning("minfer: bfloat16 on a CPU without native bf16 (AVX512-BF16, AMX): torch emulates it, slower "
+                    "than float32 (--dtype auto picks float32 here); it halves the weights' memory")
+    return load_model(config.model, device=device, dtype=dtype, weights=QuantizedWeights(spec))
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device = torch.device("cpu")) -> torch.dtype:

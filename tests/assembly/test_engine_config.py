@@ -129,6 +129,18 @@ def test_auto_dtype_follows_the_hardware(monkeypatch):
         engine.resolve_dtype("int8")
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_asked_for_on_a_cpu_that_emulates_it_is_warned_about(monkeypatch, caplog, tiny_checkpoint, native):
+    from minfer.assembly import build as engine
+
+    monkeypatch.setattr(engine, "cpu_has_native_bf16", lambda: native)
+    with caplog.at_level("WARNING", logger="minfer"):
+        model = engine.load_for(EngineConfig(model=str(tiny_checkpoint), dtype="bfloat16"))
+    assert model.dtype == torch.bfloat16
+    warned = [r.getMessage() for r in caplog.records if "without native bf16" in r.getMessage()]
+    assert len(warned) == (0 if native else 1), caplog.text
+
+
 @pytest.mark.parametrize(
     "text, size",
     [("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1e9", 10**9), ("1.5GB", 1_500_000_000), ("4096", 4096),
