@@ -146,7 +146,7 @@ FIRST_FILES = [
     "tests/rooms/gpu/test_gpu_check.py",
     "tests/rooms/compiled/test_compiled_step.py",
     "tests/clients/test_stress.py",
-    "tests/training/test_tiny_llama.py",
+    "tests/rooms/speculative/test_speculative_draft.py",
     "tests/architecture/test_entry_points.py",
     "tests/rooms/compiled/test_compiled_attention.py",
     "tests/server/test_live_view_browser.py",
