@@ -39,7 +39,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm without a weight is x * rsqrt(mean(x^2) + eps), in one fused op.
+        if x.dtype == torch.float32:  # the weight applied in the same call: the same bits, one op fewer
+            return F.rms_norm(x, x.shape[-1:], self.weight, eps=self.eps)
+        # x * rsqrt(mean(x^2) + eps) in fp32, rounded to x's dtype before the weight multiplies it (as in transformers)
         normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
         return self.weight * normed.to(x.dtype)
 

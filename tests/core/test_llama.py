@@ -142,3 +142,19 @@ def test_bad_checkpoints_get_one_clear_error(make_checkpoint, tmp_path, config, 
     d = _edited(make_checkpoint("qwen3-tiny"), tmp_path, config, tensors)
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         load_model(d)
+
+
+@pytest.mark.parametrize("shape", [(5, 64), (3, 4, 16)])
+def test_rms_norm_is_transformers_bit_for_bit(shape):
+    """fp32 applies the weight inside F.rms_norm; bf16 rounds the normed value before the weight multiplies it.
+    Both are transformers' Qwen3RMSNorm / LlamaRMSNorm to the bit."""
+    from minfer.models.llama import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(shape[-1], 1e-6)
+    torch.nn.init.normal_(norm.weight)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, weight = torch.randn(shape, dtype=dtype) * 3, norm.weight.detach().to(dtype)
+        wide = x.float()
+        reference = weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        assert torch.equal(norm.to(dtype)(x), reference), dtype
