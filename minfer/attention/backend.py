@@ -57,7 +57,7 @@ class AttentionBackend(Protocol):
 
     name: str  # how the config names it (attention_backend="cpu_tiled")
     captures_in_graphs = False  # builds its metadata inside a CUDA graph (graph_metadata): compiled/flex.py
-    traces_lone_decode = False  # has traced_lone_decode, for a whole-forward graph (--compile-model): compiled/attention.py
+    traces_lone_decode = False  # has traced_lone_decode, for --compile-model's graph: compiled/attention.py
     lone_decode_in_graph = False  # a compiled whole-forward graph traces its lone decode in (set by the assembly)
     compiles_per_shape = False  # compiles per kind of step: the engine warms each up, then seals (compiled/warm_up.py)
     warm_up_seconds: float | None = None  # what warm_up's compile took, where it compiled
