@@ -41,7 +41,7 @@ class CompileRecord:
     "compiled (cold, 31.0 s)", and why nothing was saved where nothing was."""
 
     # "loaded": every graph from the cache; "compiled": at least one compiled in this process; "traced": torch.compile
-    # traced again, and Inductor's cache (in minfer's) held every kernel (the whole forward, step.py)
+    # traced (and lowered) again, and Inductor's cache (in minfer's) held every kernel (the whole forward, step.py)
     how: str
     seconds: float
     num_loaded: int = 0
@@ -74,14 +74,17 @@ def warm_up_saved(
     entry = CacheEntry(root, name, {"name": name, **common_parts(device), **parts})
     with entry.locked() as have_lock, inductor_cache_in(root / "inductor"), _precompiling(functions):
         _load(entry, functions)
-        inductor_before = inductor_cache_counts()
+        graphs_before, kernels_before = inductor_graph_counts(), built_kernels(root / "inductor")
         why_not = warm_up()
         not_saved = None if have_lock else "its lock was not to be had"
         if why_not is None and have_lock and any(f.num_compiled for f in functions):
             not_saved = _save(entry, functions, time.perf_counter() - start)
+        # torch.compile ran, found its graphs in Inductor's cache or lowered them again, and built no kernel:
+        # the cache held every one. Graphs with frozen weights (--compile-model) bypass Inductor's graph cache.
+        reused, missed = (now - before for now, before in zip(inductor_graph_counts(), graphs_before))
+        traced = reused and not missed and built_kernels(root / "inductor") == kernels_before
     record = _record(functions, start, not_saved, entry.path)
-    hits, misses = (now - before for now, before in zip(inductor_cache_counts(), inductor_before))
-    if not functions and hits and not misses:
+    if not functions and traced:
         record.how = "traced"
     return why_not, record
 
@@ -138,11 +141,18 @@ def _precompiling(functions: list[PrecompiledFunction]) -> Iterator[None]:
             function.precompiling = False
 
 
-def inductor_cache_counts() -> tuple[int, int]:
-    """Inductor's FX graph cache's hits and misses so far in this process."""
+def inductor_graph_counts() -> tuple[int, int]:
+    """Graphs Inductor's graph cache has served or let by (hits and bypasses), and its misses, so far in this
+    process."""
     from torch._dynamo.utils import counters
 
-    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    seen = counters["inductor"]
+    return seen["fxgraph_cache_hit"] + seen["fxgraph_cache_bypass"], seen["fxgraph_cache_miss"]
+
+
+def built_kernels(directory: Path) -> int:
+    """How many compiled kernel libraries Inductor's cache in `directory` holds."""
+    return sum(1 for _ in directory.rglob("*.so")) if directory.is_dir() else 0
 
 
 @contextmanager
