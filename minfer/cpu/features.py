@@ -23,6 +23,11 @@ def cpu_has_native_bf16() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
+def cpu_has_native_fp16() -> bool:
+    """AVX512-FP16 or AMX-FP16 run fp16 arithmetic in hardware; elsewhere torch converts and emulates it."""
+    return bool({"amx_fp16", "avx512_fp16"} & cpu_flags())
+
+
 def cpu_has_amx() -> bool:
     """Intel's AMX tiles (Sapphire Rapids and later). Its hosts also read memory differently: there the
     eager fp32 context gather was the slow part of a decode step (attention/selector.py)."""

@@ -130,15 +130,18 @@ def test_auto_dtype_follows_the_hardware(monkeypatch):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_bf16_asked_for_on_a_cpu_that_emulates_it_is_warned_about(monkeypatch, caplog, tiny_checkpoint, native):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_dtype_the_cpu_emulates_is_warned_about(monkeypatch, caplog, tiny_checkpoint, native, dtype):
     from minfer.assembly import build as engine
 
     monkeypatch.setattr(engine, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(engine, "cpu_has_native_fp16", lambda: native)
     with caplog.at_level("WARNING", logger="minfer"):
-        model = engine.load_for(EngineConfig(model=str(tiny_checkpoint), dtype="bfloat16"))
-    assert model.dtype == torch.bfloat16
-    warned = [r.getMessage() for r in caplog.records if "without native bf16" in r.getMessage()]
+        model = engine.load_for(EngineConfig(model=str(tiny_checkpoint), dtype=dtype))
+    assert model.dtype == getattr(torch, dtype)
+    warned = [r.getMessage() for r in caplog.records if "torch emulates it" in r.getMessage()]
     assert len(warned) == (0 if native else 1), caplog.text
+    assert all(m.startswith(f"minfer: {dtype} on a CPU without it in hardware") for m in warned)
 
 
 @pytest.mark.parametrize(
