@@ -74,7 +74,9 @@ def warm_up_saved(
     entry = CacheEntry(root, name, {"name": name, **common_parts(device), **parts})
     with entry.locked() as have_lock, inductor_cache_in(root / "inductor"), _precompiling(functions):
         _load(entry, functions)
-        graphs_before, kernels_before = inductor_graph_counts(), built_kernels(root / "inductor")
+        # Only a warm-up that torch.compiles for itself (no functions: the whole forward) is told traced or not.
+        graphs_before = inductor_graph_counts()
+        kernels_before = None if functions else built_kernels(root / "inductor")  # a large cache takes ms to walk
         why_not = warm_up()
         not_saved = None if have_lock else "its lock was not to be had"
         if why_not is None and have_lock and any(f.num_compiled for f in functions):
@@ -82,9 +84,9 @@ def warm_up_saved(
         # torch.compile ran, found its graphs in Inductor's cache or lowered them again, and built no kernel:
         # the cache held every one. Graphs with frozen weights (--compile-model) bypass Inductor's graph cache.
         reused, missed = (now - before for now, before in zip(inductor_graph_counts(), graphs_before))
-        traced = reused and not missed and built_kernels(root / "inductor") == kernels_before
+        traced = not functions and reused and not missed and built_kernels(root / "inductor") == kernels_before
     record = _record(functions, start, not_saved, entry.path)
-    if not functions and traced:
+    if traced:
         record.how = "traced"
     return why_not, record
 

@@ -78,8 +78,7 @@ def dynamic_int8_mm(rows: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -
         acc = torch._int_mm(rows_q.to(torch.int8), q.t())  # (M, N) int32: exact
     else:  # torch's int8 matmul has no fast kernel without int8 dot products (5-16x slower at 16-64 rows on
         # AVX2): the same sums in fp32, whose products (< 2**14) and sums below 2**24 are exact
-        step = max(1, GEMM_TILE_ELEMENTS // q.shape[1])
-        acc = tiled_matmul(rows_q, q.shape[0], step, lambda start, stop: widened(q[start:stop], torch.float32).t())
+        acc = widened_matmul(rows_q, q)
     # In place on one fp32 copy: int32 * fp32 with broadcasting is a slow mixed-dtype loop (2x, measured).
     return acc.float().mul_(scales).mul_(row_scales).to(rows.dtype)
 
@@ -96,6 +95,13 @@ def split_int8_mm(rows: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> 
     lo = torch.round((x - hi * s).mul_(254 / s))  # the remainder, at most s / 2: in [-127, 127]
     acc = torch._int_mm(torch.cat([hi, lo]).to(torch.int8), q.t()).float()  # (2M, N): exact sums
     return acc[:M].add_(acc[M:], alpha=1 / 254).mul_(scales).mul_(s).to(rows.dtype)
+
+
+def widened_matmul(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """rows (M, K) @ q (N, K)^T -> (M, N) in rows' dtype, q widened to it exactly, tile by tile through one
+    reused buffer (an int8 times a float loop is far slower than a float matmul)."""
+    step = max(1, GEMM_TILE_ELEMENTS // q.shape[1])
+    return tiled_matmul(rows, q.shape[0], step, lambda start, stop: widened(q[start:stop], rows.dtype).t())
 
 
 def widened(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -164,9 +170,8 @@ class Int8Linear(QuantizedLinear):
         one reused buffer. fp16 keeps the scaled weight: its range cannot hold the unscaled sums."""
         if rows.dtype not in (torch.bfloat16, torch.float32):
             return super().gemm(rows)
-        dtype, q = rows.dtype, self.qweight[:, : self.in_features]  # (out, in) int8
-        step = max(1, GEMM_TILE_ELEMENTS // self.in_features)
-        y = tiled_matmul(rows, self.out_features, step, lambda start, stop: widened(q[start:stop], dtype).t())
+        dtype = rows.dtype
+        y = widened_matmul(rows, self.qweight[:, : self.in_features])  # (M, out), the weight (out, in) unscaled
         y.mul_(self.kernel_scales if dtype == self.kernel_scales.dtype else self.scales)
         return y if self.bias is None else y.add_(self.bias.to(dtype))
 

@@ -17,8 +17,7 @@ from ..models.contract import is_prepared
 from ..engine.config import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization_method
 from .embedding import QuantizedEmbedding
 from .int4 import DEFAULT_GROUP_SIZE, Int4Linear, int4_kernel_available
-from . import int8
-from .int8 import Int8Linear
+from .int8 import HAS_INT8_DOT, Int8Linear
 from .linear import QuantizedLinear
 
 log = logging.getLogger("minfer")
@@ -81,7 +80,7 @@ def quantize_model(
     if quantize_activations and method != "int8":
         raise ValueError(f"--quantize-activations applies to --quantization int8, not {method}")
     _quantize_weights(model, method, group_size, quantize_lm_head)
-    if quantize_activations and not int8.HAS_INT8_DOT:
+    if quantize_activations and not HAS_INT8_DOT:
         log.warning("minfer: --quantize-activations on a CPU without int8 dot products (VNNI, AMX): no faster than "
                     "weight-only int8 here, and one row at a time (batch-1 decode) ~3x slower")
     for m in model.modules():
