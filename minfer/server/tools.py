@@ -108,16 +108,17 @@ def read_tools(body: dict, template: ChatTemplate) -> Tools | None:
         return None
     if not isinstance(tools, list):
         raise invalid("tools", f"'tools' must be a list of tools, got {show(tools)}", "invalid_type")
-    if choice != "none" and not template.supports_tools:
-        raise invalid("tools", "this model's chat template does not render tools, so the model could not be told "
-                      "about them: serve it with a template that does (--chat-template), or send tool_choice "
-                      "'none'", "unsupported_parameter")
     for i, tool in enumerate(tools):
         _check_tool(tool, i)
     names = [t["function"]["name"] for t in tools]
     twice = next((n for n in names if names.count(n) > 1), None)
     if twice is not None:
         raise invalid("tools", f"two tools are named {twice!r}: a call must say which one it is")
+    # The tools themselves first: a malformed one is the client's to fix, whatever this model renders.
+    if choice != "none" and not template.supports_tools:
+        raise invalid("tools", "this model's chat template does not render tools, so the model could not be told "
+                      "about them: serve it with a template that does (--chat-template), or send tool_choice "
+                      "'none'", "unsupported_parameter")
     named = None
     if choice is None:
         choice = "auto"

@@ -176,6 +176,9 @@ def test_a_template_without_tools_says_so(make_checkpoint):
         status, out = post(srv, {"messages": ASK, "tools": TOOLS, "max_tokens": 4})
         assert status == 400 and out["error"]["param"] == "tools" and "template" in out["error"]["message"]
         assert post(srv, {"messages": ASK, "tools": TOOLS, "tool_choice": "none", "max_tokens": 2})[0] == 200
+        # A malformed tool is named first: the client's to fix, whatever this template renders.
+        status, out = post(srv, {"messages": ASK, "tools": [{"type": "function"}], "max_tokens": 4})
+        assert status == 400 and out["error"]["param"] == "tools[0].function", out
 
 
 # ---- reading calls back, without a model ----------------------------------------------------------
