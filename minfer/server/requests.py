@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,7 +137,36 @@ def parse_json_body(raw: bytes) -> dict:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    if SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate(body)):  # a pair is a character, one alone is not
+        raise APIError(400, f"'{where}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape not in a pair): it is "
+                       "not text", param=where, code="invalid_json")
     return body
+
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # what JSON writes a UTF-16 surrogate as
+
+
+def _lone_surrogate(value, path: str = "") -> str | None:
+    """Where in a JSON value a string is not valid Unicode ("body" where it is a key at the top), else None."""
+    if isinstance(value, str):
+        return None if _encodes(value) else path or "body"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if where := _lone_surrogate(key, path) or _lone_surrogate(item, f"{path}.{key}" if path else key):
+                return where
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            if where := _lone_surrogate(item, f"{path}[{i}]"):
+                return where
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def get(body: dict, name: str, default=None, kind: str | None = None):

@@ -134,7 +134,10 @@ def test_generate_fields(info):
         (parse_chat, {"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content"),
         (parse_chat, {"messages": [{"role": "user", "content": ["hi"]}]}, 400, "messages[0].content[0]"),
         (parse_chat, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content[0].text"),
-        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400, "tools"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400,
+         "tools[0].function"),  # the tool's own fault first, before this model's template (which renders none)
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}],
+                      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "logprobs": "yes"}, 400, "logprobs"),
         (parse_generate, {"prompt": "a", "stop_on_eos": "no"}, 400, "stop_on_eos"),
     ],
@@ -166,6 +169,20 @@ def test_prompts_are_parsed_not_judged(info):
 @pytest.mark.parametrize("raw", [b"{", b"[1, 2]", b'{"a": NaN}', b"\xff\xfe", b'"text"'])
 def test_parse_json_body_rejects_non_objects(raw):
     assert error_of(parse_json_body, raw).status == 400
+
+
+@pytest.mark.parametrize("raw, param", [
+    (rb'{"prompt": "\ud800 hi"}', "prompt"),
+    (rb'{"messages": [{"role": "user", "content": "a\udc00"}]}', "messages[0].content"),
+    (rb'{"stop": ["x", "\udfff"]}', "stop[1]"),
+    (rb'{"\ud83d": 1}', "body"),  # half a pair, as a key
+])
+def test_a_lone_surrogate_is_a_400_naming_where(raw, param):
+    """JSON may escape a UTF-16 surrogate, and Python decodes one alone into a str no tokenizer can take (it was
+    a 500). A pair is one character, and passes."""
+    e = error_of(parse_json_body, raw)
+    assert (e.status, e.param) == (400, param) and "surrogate" in e.message
+    assert parse_json_body(rb'{"prompt": "\ud83d\ude00 and \\ud800 as text"}') == {"prompt": "\U0001f600 and \\ud800 as text"}
 
 
 def output(text="ab", reason="length") -> RequestOutput:
