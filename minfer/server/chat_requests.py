@@ -29,6 +29,9 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
     ids = info.tokenizer.encode(render_messages(body, info.chat_template, tools=tools and tools.rendered))  # BOS too
     # max_completion_tokens is the current name; max_tokens the deprecated one. No limit: up to the context.
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if name == "max_completion_tokens" and body.get("max_tokens") not in (None, body[name]):  # one would be ignored
+        raise invalid("max_tokens", f"'max_tokens' ({body['max_tokens']!r}) and 'max_completion_tokens' "
+                      f"({body[name]!r}) disagree: send max_completion_tokens alone")
     wanted, top = get(body, "logprobs", kind="bool"), body.get("top_logprobs")
     if top is not None and not wanted:
         raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")

@@ -77,9 +77,12 @@ def test_chat_template_and_max_completion_tokens(info):
     parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
     assert render_chat([{"role": "user", "content": "Hi"}]) == "user: Hi\nassistant:"
-    req = parse_chat({"messages": messages, "max_tokens": 9, "max_completion_tokens": 5}, info)
+    req = parse_chat({"messages": messages, "max_tokens": 5, "max_completion_tokens": 5}, info)
     assert req.prompt_token_ids == info.tokenizer.encode("system: Be brief.\nuser: Hi!\nassistant:")
-    assert req.params.max_tokens == 5  # the current name wins over the deprecated one
+    assert req.params.max_tokens == 5 and req.fields["max_tokens"] == "max_completion_tokens"  # the current name's
+    # Two budgets that disagree: one of them would be silently ignored.
+    e = error_of(parse_chat, {"messages": messages, "max_tokens": 9, "max_completion_tokens": 5}, info)
+    assert (e.status, e.param) == (400, "max_tokens") and "disagree" in e.message
 
 
 def test_assistant_content_may_be_null(info):
