@@ -16,6 +16,9 @@ from ..errors import InvalidParameter
 from .structured_outputs_params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # the most top tokens a request may ask for per position (OpenAI's limit)
+# Below it a temperature is greedy, as in vLLM: dividing by it leaves only the top token (or ties) a chance,
+# and far enough below, fp32 logits divided by it overflow to inf, from which nothing can be drawn.
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _int(v) -> bool:  # errors.is_int again: parsing a request runs in three files (tests/server/test_request_path.py)
@@ -78,7 +81,7 @@ RULES: dict[str, Rule] = {
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (below GREEDY_TEMPERATURE) means greedy
     top_k: int = 0  # 0 means disabled
     top_p: float = 1.0  # 1.0 means disabled
     seed: int | None = None
@@ -129,4 +132,4 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

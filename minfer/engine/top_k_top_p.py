@@ -65,6 +65,7 @@ def draw_filtered(logits, u, top_k: list[int], top_p: list[float]) -> torch.Tens
     CPU, but it would stall a GPU's queue, so a GPU sorts whole rows, which it does fast."""
     R, V = logits.shape
     device = logits.device
+    top_k = [min(k, V) for k in top_k]  # a k past the vocabulary keeps all of it (and fits an int64)
     k = to_device(top_k, device)
     p = to_device(top_p, device)
     K = min(V, max(CPU_HEAD, *top_k)) if device.type == "cpu" else V

@@ -42,6 +42,16 @@ def test_greedy_is_argmax_per_row():
     assert torch.equal(out, logits.argmax(-1))
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-6])
+def test_a_temperature_below_1e_5_is_greedy(temperature):
+    """As vLLM: below 1e-5 only the top token has a chance. 1e-300 is 0 in fp32, and the logits divided by it
+    were inf: the draw fell back to the last id (a 19-nats-unlikely EOS on minfer-tiny)."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    params = [SP(temperature=temperature, seed=i) for i in range(4)]
+    assert all(p.is_greedy for p in params) and not SP(temperature=1e-5).is_greedy
+    assert torch.equal(sample(logits, params, _gens(params)), logits.argmax(-1))
+
+
 @pytest.mark.parametrize("controls", [{}, {"top_k": 3}, {"top_p": 0.5}, {"min_p": 0.1}])
 def test_a_row_with_no_finite_logit_draws_an_id_in_the_vocabulary(controls):
     """Nothing to draw from: an id in range, not one past the end (the next step would index with it),
@@ -51,6 +61,15 @@ def test_a_row_with_no_finite_logit_draws_an_id_in_the_vocabulary(controls):
     params = [SP(temperature=1.0, **controls)] * 2
     out = sample(logits, params, [None] * 2)
     assert 0 <= out[0] < 10 and out[1] == 3
+
+
+@pytest.mark.parametrize("top_k", [51, 2**63, 10**30])
+def test_a_top_k_past_the_vocabulary_is_top_k_of_all_of_it(top_k):
+    """Draw for draw as top_k = V (every token kept). A k past int64 once failed the whole step, every request in it."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    params, whole = [SP(top_k=top_k, seed=i) for i in range(3)], [SP(top_k=50, seed=i) for i in range(3)]
+    assert all(p.top_k == top_k for p in params)  # kept as asked
+    assert torch.equal(sample(logits, params, _gens(params)), sample(logits, whole, _gens(whole)))
 
 
 def test_top_k_1_equals_greedy():
