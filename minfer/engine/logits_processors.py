@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from ..host_to_device import to_device
+from .sampling_params import GREEDY_TEMPERATURE
 
 
 class TokenHistory(Protocol):
@@ -108,10 +109,14 @@ def apply_penalties(x: torch.Tensor, params: Sequence, histories: Sequence[Token
     def column(values: list[float]) -> torch.Tensor:  # (R, 1)
         return to_device(values, x.device, x.dtype)[:, None]
 
-    repetition = column([p.repetition_penalty for p in params])
+    # Any penalty > 0 is allowed, as in vLLM, but in x's dtype 1e-300 is 0 and 1e300 inf: kept finite and
+    # nonzero, and a penalised logit kept below what the smallest temperature can still divide, so that no
+    # penalty makes a NaN (0 * inf, or inf less its row's maximum when drawing).
+    finite = torch.finfo(x.dtype)
+    repetition = column([p.repetition_penalty for p in params]).clamp_(finite.tiny, finite.max)
     seen = in_prompt | (output_counts > 0)
     penalty = torch.where(seen, repetition, 1.0)  # (R, V)
-    x = torch.where(x > 0, x / penalty, x * penalty)
+    x = torch.where(x > 0, (x / penalty).clamp_(max=finite.max * GREEDY_TEMPERATURE), x * penalty)
     x -= column([p.frequency_penalty for p in params]) * output_counts
     x -= column([p.presence_penalty for p in params]) * (output_counts > 0)
     return x

@@ -115,6 +115,24 @@ def test_repetition_penalty_and_min_p_match_transformers_processors():
         assert torch.equal(mine, vllm_min_p(logits, torch.tensor([min_p])))
 
 
+@pytest.mark.parametrize("repetition", [5e-324, 1e-40, 1e300])
+def test_an_extreme_repetition_penalty_draws_no_nan(repetition):
+    """Any penalty > 0 is allowed (vLLM's rule), but 5e-324 and 1e-40 are 0 in fp32 and 1e300 is inf: a seen
+    logit then became inf (drawn as the fallback, the last id) or 0 * inf = NaN. Near 0 the seen tokens with
+    positive logits take every draw; near inf a seen negative one never comes up."""
+    logits = torch.tensor([[2.0, 0.0, -1.0, 1.0, 3.0, 0.5]])  # token 4 unseen and likeliest
+    history = History([0, 1, 2, 3], 4, [])  # tokens 0-3 seen in the prompt
+    params = [SamplingParams(repetition_penalty=repetition, seed=i) for i in range(40)]
+    controlled = apply_logits_controls(logits.expand(40, -1).clone(), params, [history] * 40)
+    assert not controlled.isnan().any() and not controlled.isposinf().any()
+    drawn = set(sample(logits.expand(40, -1).clone(), params, [make_generator(p.seed, "cpu") for p in params],
+                       [history] * 40).tolist())
+    if repetition < 1:  # the seen positive logits, 2.0 and 1.0, both at the ceiling: a tie
+        assert drawn == {0, 3}, drawn
+    else:  # the seen -1.0 at -inf (or near it); the others about as if their logits were 0
+        assert 4 in drawn and 2 not in drawn and drawn <= {0, 1, 3, 4, 5}, drawn
+
+
 def test_logit_bias_and_min_tokens():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(3, V, generator=g)
