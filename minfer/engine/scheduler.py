@@ -172,7 +172,11 @@ class OnlineScheduler:
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise InvalidParameter("prompt", f"prompt must be a string, got {type(prompt).__name__}", "invalid_type")
-            prompt_token_ids = self.tokenizer.encode_prompt(prompt)
+            try:
+                prompt_token_ids = self.tokenizer.encode_prompt(prompt)
+            except TypeError:  # the tokenizer's words for a str that is not text: a lone UTF-16 surrogate
+                raise InvalidParameter("prompt", "the prompt holds a lone UTF-16 surrogate (U+D800-U+DFFF not in a "
+                                       "pair): it is not text") from None
         return self.check_request(prompt_token_ids, params)
 
     def _choice(self, request_id: str, ids: list[int], params: SamplingParams, index: int) -> Choice:

@@ -96,6 +96,7 @@ def test_streamed_text_holds_back_a_possible_stop_string(tiny_checkpoint):
         (dict(prompt_token_ids=[1, 512]), "token id 512 is not in the vocabulary"),
         (dict(prompt_token_ids=[-1]), "token id -1"),
         (dict(prompt="a", prompt_token_ids=[1]), "exactly one of"),
+        (dict(prompt="a \ud800"), "lone UTF-16 surrogate"),  # a str, but not text (the tokenizer's TypeError)
         (
             dict(prompt_token_ids=[1] * 500, sampling_params=SamplingParams(max_tokens=13)),
             "exceeds the model's context",
