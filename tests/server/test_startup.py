@@ -140,6 +140,22 @@ def test_thread_count_from_flag_then_environment(monkeypatch, env, flag, expecte
         torch.set_num_threads(before)
 
 
+def test_more_threads_than_cores_are_warned_about(monkeypatch, caplog):
+    import torch
+
+    from minfer.assembly import build
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(build, "cores_allowed", lambda: [0, 1])
+    try:
+        with caplog.at_level(logging.WARNING, logger="minfer"):
+            assert build.set_cpu_threads(2) == 2 and not caplog.records  # every core: nothing to say
+            assert build.set_cpu_threads(3) == 3 == torch.get_num_threads()  # the user's count stands
+        assert "3 threads on the 2 cores" in caplog.text and "--num-threads 2" in caplog.text
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_bad_thread_variable_is_refused(monkeypatch):
     from minfer.assembly.build import set_cpu_threads
 
