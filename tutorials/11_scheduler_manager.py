@@ -125,7 +125,7 @@ for p in prompts:
     events = results[p]["events"]
     kinds = [type(e) for e in events]
     assert kinds[0] is Accepted and kinds[-1] is Done and set(kinds[1:-1]) <= {CompletionDelta}, kinds
-    out, deltas = events[-1].output, events[1:-1]
+    out, deltas = events[-1].outputs[0], events[1:-1]
     streamed = "".join(d.text for d in deltas)
     print(f"{p!r:34} {len(deltas):2} deltas -> {streamed!r}")
     # One delta per step that sampled a token for it: 48 steps, one token each (the prompt in one chunk).
@@ -136,7 +136,7 @@ for p in prompts:
 # They ran together: the engine produced every request's first token before it finished any of
 # them. (One may join a step or two after the others: continuous batching admits it at the next
 # step.) The engine's own timestamps, not the clients': a client thread may read its events late.
-outs = [results[p]["events"][-1].output for p in prompts]
+outs = [results[p]["events"][-1].outputs[0] for p in prompts]
 assert max(o.first_token_time for o in outs) < min(o.finish_time for o in outs)
 print(f"tokenized by: {sorted(set(encoders))}")
 assert len(encoders) == 1 + len(prompts) and "minfer-engine" not in encoders

@@ -200,7 +200,7 @@ class SchedulerManager:
         for request_id in self.scheduler.pop_finished_ids():
             outs = self.scheduler.pop_responses(request_id)  # one per choice
             self.metrics.on_finished(outs[0])
-            self._active.pop(request_id).events.put(Done(outs[0], tuple(outs)))
+            self._active.pop(request_id).events.put(Done(tuple(outs)))
             finished += outs
         if self.events.active:
             self.events.publish(self._recorder.step(num_tokens, finished))

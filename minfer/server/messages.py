@@ -11,7 +11,7 @@ Worker -> handler, through the request's own queue (RequestHandle.events), in th
     CompletionDelta(index, token_ids, text, finish_reason, logprobs)
                              ... one per step that sampled a token for it: the new token ids and
                              the text they added (may be "": held back, or a stop token's)
-    Done(output, choices)    the request finished: its RequestOutput per choice (whose text is the whole text)
+    Done(outputs)            the request finished: its RequestOutput per choice (whose text is the whole text)
  or Error(status, message)   it failed (or the server is stopping): an HTTP status and a sentence
 
 Only the worker calls the scheduler; these are all the two sides say to each other. CompletionDelta
@@ -46,12 +46,7 @@ class Accepted:
 
 @dataclass(frozen=True)
 class Done:
-    output: RequestOutput  # the first choice's
-    choices: tuple[RequestOutput, ...] = ()  # every choice's, in index order (n of them)
-
-    @property
-    def outputs(self) -> tuple[RequestOutput, ...]:
-        return self.choices or (self.output,)
+    outputs: tuple[RequestOutput, ...]  # every choice's, in index order (n of them)
 
 
 @dataclass(frozen=True)

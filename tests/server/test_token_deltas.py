@@ -46,7 +46,7 @@ def test_one_delta_per_sampled_token_adding_up_to_the_output(parts):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for events in run(parts, [(long_prompt, params), ([5, 6, 7], params)]):
         assert events[0] == Accepted() and all(isinstance(e, CompletionDelta) for e in events[1:-1])
-        deltas, out = events[1:-1], events[-1].output
+        deltas, out = events[1:-1], events[-1].outputs[0]
         assert [d.token_ids for d in deltas] == [[t] for t in out.token_ids], "one delta per step that sampled"
         assert "".join(d.text for d in deltas) == out.text == tokenizer.decode(out.token_ids)
         assert [d.finish_reason for d in deltas] == [None] * 11 + ["length"]
@@ -70,7 +70,7 @@ def test_deltas_hold_back_a_stop_string_and_carry_a_stop_token(parts):
             (ids, SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_token])),
         ],
     )
-    deltas, out = by_string[1:-1], by_string[-1].output
+    deltas, out = by_string[1:-1], by_string[-1].outputs[0]
     assert out.finish_reason == "stop" and out.text == free.text[: free.text.index(stop_string)]
     assert [t for d in deltas for t in d.token_ids] == out.token_ids and len(deltas) == len(out.token_ids)
     streamed = ""
@@ -79,7 +79,7 @@ def test_deltas_hold_back_a_stop_string_and_carry_a_stop_token(parts):
         assert stop_string not in streamed
     assert streamed == out.text and deltas[-1].finish_reason == "stop"
 
-    deltas, out = by_token[1:-1], by_token[-1].output
+    deltas, out = by_token[1:-1], by_token[-1].outputs[0]
     assert out.token_ids == free.token_ids[: free.token_ids.index(stop_token) + 1]
     assert deltas[-1].token_ids == [stop_token] and deltas[-1].finish_reason == "stop"  # its text never shows
     assert "".join(d.text for d in deltas) == out.text
