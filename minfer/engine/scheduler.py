@@ -27,7 +27,7 @@ from ..attention.torch_sdpa import TorchBackend
 from ..errors import InvalidParameter
 from ..step_parts import part
 from ..text.text_stream import TextStream
-from ..text.tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer, is_text
 from .block_allocator import BlockAllocator
 from .config import EngineConfig, dtype_name
 from .continuous_batcher import ContinuousBatcher
@@ -172,11 +172,10 @@ class OnlineScheduler:
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise InvalidParameter("prompt", f"prompt must be a string, got {type(prompt).__name__}", "invalid_type")
-            try:
-                prompt_token_ids = self.tokenizer.encode_prompt(prompt)
-            except TypeError:  # the tokenizer's words for a str that is not text: a lone UTF-16 surrogate
+            if not is_text(prompt):  # else the tokenizer's TypeError, for a str
                 raise InvalidParameter("prompt", "the prompt holds a lone UTF-16 surrogate (U+D800-U+DFFF not in a "
-                                       "pair): it is not text") from None
+                                       "pair): it is not text")
+            prompt_token_ids = self.tokenizer.encode_prompt(prompt)
         return self.check_request(prompt_token_ids, params)
 
     def _choice(self, request_id: str, ids: list[int], params: SamplingParams, index: int) -> Choice:

@@ -20,7 +20,7 @@ from typing import Any
 from ..engine.sampling_params import SamplingParams
 from .api_errors import APIError, invalid
 from ..text.chat_template import ChatTemplate
-from ..text.tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer, is_text
 from .chat_messages import show
 from .request_fields import FIELDS, OPENAI_COMPLETIONS, SAMPLING, STRUCTURED, VLLM
 from .structured_fields import read_constraint
@@ -149,7 +149,7 @@ SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # what JSON writes a UTF-1
 def _lone_surrogate(value, path: str = "") -> str | None:
     """Where in a JSON value a string is not valid Unicode ("body" where it is a key at the top), else None."""
     if isinstance(value, str):
-        return None if _encodes(value) else path or "body"
+        return None if is_text(value) else path or "body"
     if isinstance(value, dict):
         for key, item in value.items():
             if where := _lone_surrogate(key, path) or _lone_surrogate(item, f"{path}.{key}" if path else key):
@@ -159,14 +159,6 @@ def _lone_surrogate(value, path: str = "") -> str | None:
             if where := _lone_surrogate(item, f"{path}[{i}]"):
                 return where
     return None
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def get(body: dict, name: str, default=None, kind: str | None = None):

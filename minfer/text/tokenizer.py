@@ -21,6 +21,15 @@ from .token_bytes import byte_fallback_ids, token_bytes_table
 from .tokenizer_files import find_eos_ids, read_backend
 
 
+def is_text(s: str) -> bool:
+    """Whether a str is Unicode text: no lone UTF-16 surrogate (which JSON may escape, and no tokenizer takes)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class Tokenizer:
     """A checkpoint's tokenizer, wrapping a `tokenizers.Tokenizer`."""
 
