@@ -56,6 +56,9 @@ def grammar_text(llg, c: StructuredOutputsParams) -> str:
         # A default, which the schema's own "x-guidance" settings may change.
         return llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
     if c.regex is not None:
+        # llguidance drops a trailing lone backslash (an escape of nothing, an error in every dialect): "a\\" ran as "a"
+        if (len(c.regex) - len(c.regex.rstrip("\\"))) % 2:
+            raise ValueError("it ends in a lone backslash, an escape of nothing")
         return llg.LLMatcher.grammar_from_regex(c.regex)
     if c.choice is not None:
         return llg.grammar_from("choice", c.choice)

@@ -198,6 +198,8 @@ def test_only_constrained_rows_are_masked(tiny_checkpoint):
     ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),  # a keyword llguidance does not implement
     ({"json": {"type": "integer", "minimum": 5, "maximum": 3}}, "minimum"),
     ({"regex": "a(b"}, "unclosed group"),
+    ({"regex": "a\\"}, "lone backslash"),  # llguidance dropped it: "a" ran
+    ({"regex": "\\\\\\"}, "lone backslash"),  # three: an escaped backslash, then a lone one
     ({"grammar": "start: x y"}, "x"),
     ({"choice": []}, "empty"),
     ({"json": {"type": "object"}, "regex": "a"}, "exactly one"),
@@ -209,6 +211,11 @@ def test_bad_constraints_are_refused_naming_the_field(tiny_checkpoint, spec, wor
         llm.generate(["Once"], constrained(spec, max_tokens=4), use_tqdm=False)
     assert e.value.param == "structured_outputs" and words in str(e.value), str(e.value)
     assert_all_free(llm)
+
+
+def test_an_escaped_backslash_at_the_end_is_a_regex(tiny_checkpoint):
+    out = LLM(tiny_checkpoint).generate(["Once"], constrained({"regex": "a\\\\"}, max_tokens=8, temperature=0))[0]
+    assert (out.text, out.finish_reason) == ("a\\", "stop")  # a, then a literal backslash
 
 
 def test_the_tokenizer_and_mask_are_as_wide_as_the_logits(make_checkpoint, tmp_path):
