@@ -117,7 +117,10 @@ class RoutingHandler(TimedHandler):
     def read_json(self) -> dict:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             raise APIError(411, "chunked request bodies are not supported: send a Content-Length")
-        length = self.headers.get("Content-Length")
+        lengths = set(self.headers.get_all("Content-Length") or ())
+        if len(lengths) > 1:  # which one frames the body? (a way to smuggle a request past a proxy)
+            raise APIError(400, f"the Content-Length headers disagree: {', '.join(sorted(lengths))}")
+        length = next(iter(lengths), None)
         if length is None:
             raise APIError(411, "a Content-Length header is required")
         if not length.isdigit():

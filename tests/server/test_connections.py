@@ -92,6 +92,20 @@ def test_stalled_request_gets_408_and_is_closed(server, sent):
     assert metric(server, 'minfer_http_timeouts_total{kind="request"}') == before + 1
 
 
+def test_content_lengths_that_disagree_are_a_400_and_the_connection_closes(server):
+    """Which one frames the body? A proxy and this server could read two different requests out of it."""
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n" % len(body)
+    with connect(server) as sock:
+        sock.sendall(head + b"Content-Length: 3\r\n\r\n" + body + request(b"GET", b"/health"))
+        reply, _ = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 400") and b"Content-Length headers disagree" in reply
+    assert reply.count(b"HTTP/1.1") == 1  # nothing after it is read as a request
+    with connect(server) as sock:  # the same length twice frames one body: served
+        sock.sendall(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        assert read_until_closed(sock)[0].startswith(b"HTTP/1.1 200")
+
+
 def test_silent_and_idle_connections_are_closed(server):
     with connect(server) as silent, connect(server) as kept:
         kept.sendall(request(b"GET", b"/health"))
