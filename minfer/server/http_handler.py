@@ -123,7 +123,7 @@ class RoutingHandler(TimedHandler):
         length = next(iter(lengths), None)
         if length is None:
             raise APIError(411, "a Content-Length header is required")
-        if not length.isdigit():
+        if not (length.isascii() and length.isdigit()):  # "²" is a digit to str.isdigit, not to int()
             raise APIError(400, f"bad Content-Length {length!r}")
         if int(length) > MAX_BODY_BYTES:
             raise APIError(

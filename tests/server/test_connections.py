@@ -106,6 +106,14 @@ def test_content_lengths_that_disagree_are_a_400_and_the_connection_closes(serve
         assert read_until_closed(sock)[0].startswith(b"HTTP/1.1 200")
 
 
+@pytest.mark.parametrize("length", [b"\xb2", b"-5", b"+5", b"0x10", b"5 5"])
+def test_a_content_length_that_is_not_a_number_is_a_400(server, length):
+    with connect(server) as sock:  # (latin-1 "\xb2" reads as "²", a digit to str.isdigit: it was a 500)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %s\r\n\r\n{}" % length)
+        reply, _ = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 400") and b"bad Content-Length" in reply, reply[:200]
+
+
 def test_silent_and_idle_connections_are_closed(server):
     with connect(server) as silent, connect(server) as kept:
         kept.sendall(request(b"GET", b"/health"))
