@@ -23,7 +23,7 @@ def cpu_threads_wanted(num_threads: int | None = None) -> int:
         for var in THREAD_ENV_VARS:
             value = var.get()
             if value is not None:
-                if not value.isdigit() or int(value) < 1:
+                if not (value.isascii() and value.isdigit()) or int(value) < 1:
                     raise ValueError(f"{var.name} must be a positive integer, got {value!r}")
                 return int(value)
         return len(cores_allowed())
