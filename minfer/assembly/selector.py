@@ -43,8 +43,9 @@ def backend_name(
     --profile` decode steps, so there the compile would only add start-up time; on an AVX2-only Zen 3
     compiled fp32 attention took 22% less time, 1.07x at 64 sequences and even at one, not worth a
     first start's 18 s of compiling. On an Intel host with AMX the eager gather ran at half that speed
-    and compiled fp32 steps were 1.2-1.4x faster (docs/performance.md). float64 (a reference precision) stays eager. On a GPU "auto" and "compiled"
-    are FlexAttention over the block tables (flex.py), "eager" the plain backend."""
+    and compiled fp32 steps were 1.2-1.4x faster (docs/performance.md). float64 (a reference precision)
+    stays eager. On a GPU "auto" and "compiled" are FlexAttention over the block tables (flex.py),
+    "eager" the plain backend."""
     device = torch.device(device)
     if device.type != "cpu":
         return "flex" if choice in ("auto", "compiled") else "torch" if choice == "eager" else choice

@@ -185,7 +185,8 @@ def test_a_lone_surrogate_is_a_400_naming_where(raw, param):
     a 500). A pair is one character, and passes."""
     e = error_of(parse_json_body, raw)
     assert (e.status, e.param) == (400, param) and "surrogate" in e.message
-    assert parse_json_body(rb'{"prompt": "\ud83d\ude00 and \\ud800 as text"}') == {"prompt": "\U0001f600 and \\ud800 as text"}
+    pair_and_escaped_backslash = rb'{"prompt": "\ud83d\ude00 and \\ud800 as text"}'
+    assert parse_json_body(pair_and_escaped_backslash) == {"prompt": "\U0001f600 and \\ud800 as text"}
 
 
 def output(text="ab", reason="length") -> RequestOutput:
