@@ -241,7 +241,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") ->
     threading.Thread(target=server.serve_forever, name="minfer-http", daemon=True).start()
     host, port = server.server_address[:2]
     print(f"minfer: serving {server.info.name!r} on http://{host}:{port} (Ctrl-C to stop)", flush=True)
-    stop.wait()  # the main thread only waits for a signal, or the engine's death
+    # The main thread only waits for a signal, or the engine's death. A timed wait: a signal the kernel hands
+    # to another thread runs our handler only when this thread next runs Python, never from an untimed wait.
+    while not stop.wait(0.5):
+        pass
     died_because = server.manager.died_because
     log.info("shutting down" + (f": {died_because}" if died_because else ""))
     server.stop(grace=3.0)

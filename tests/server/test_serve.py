@@ -4,6 +4,7 @@ a failing engine, a dead worker): test_serve_trouble.py."""
 
 import http.client
 import json
+import os
 import signal
 import socket
 import sys
@@ -322,6 +323,21 @@ def test_sigterm_ends_streams_and_exits_zero(checkpoint, tmp_path):
         log = (tmp_path / "server.log").read_text()
         # Sent as 200s, but the log says they were cut, and why: not four successes.
         assert log.count('"POST /v1/completions" 200 cut-by-server (') == 4, log
+    finally:
+        srv.stop()
+
+
+def test_sigterm_taken_by_another_thread_still_stops_the_server(checkpoint, tmp_path):
+    """The kernel may hand a process's SIGTERM to any of its threads: Python then runs the handler only on
+    the main thread's next bytecode, which an untimed wait never reaches (the server hung until killed)."""
+    srv = ServerProcess(checkpoint, tmp_path / "server.log")
+    try:
+        pid = srv.proc.pid
+        others = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+        assert others, "the server runs its HTTP and engine threads beside the main one"
+        os.kill(others[0], signal.SIGTERM)  # kill(2) with a thread's id offers the signal to that thread first
+        assert srv.proc.wait(timeout=10) == 0
+        assert "shutting down" in (tmp_path / "server.log").read_text()
     finally:
         srv.stop()
 
