@@ -8,11 +8,13 @@ for out in llm.generate(["Hello, my name is", "The sky is"], SamplingParams(temp
 
 from __future__ import annotations
 
+import operator
 from dataclasses import replace
 
 from tqdm import tqdm
 
 from ..engine.config import EngineConfig
+from ..errors import InvalidParameter
 from ..engine.generation_defaults import sampling_defaults
 from ..engine.sampling_params import SamplingParams
 from ..engine.outputs import RequestOutput
@@ -44,11 +46,14 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion, all together; results (text, token_ids, prompt_token_ids,
         finish_reason, ...) come back in prompt order: with SamplingParams(n=...), n per prompt, one per
-        choice, in `index` order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt given bare
+        choice, in `index` order. A prompt is a text or its token ids (prompt_list says every form taken);
+        sampling_params is one for every prompt or a list of one per prompt."""
+        prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+        listed = isinstance(sampling_params, (list, tuple))
+        if not listed or not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {sampling_params!r:.200}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         ids = []
@@ -74,3 +79,42 @@ class LLM:
         """Release the engine's CUDA graphs and their memory (vLLM frees them at shutdown). The model and its
         cache go with the last reference to this LLM, as any tensor does."""
         self.scheduler.close()
+
+
+def prompt_list(prompts) -> list[str | list[int]]:
+    """generate()'s prompts as a list of texts and token-id lists. One prompt may come bare; a batch may be any
+    iterable; ids may be NumPy's or torch's integers (an array or tensor too, one row a prompt); a prompt may be
+    vLLM's {"prompt": text} or {"prompt_token_ids": ids}. Anything else is an InvalidParameter naming it."""
+    if hasattr(prompts, "tolist"):  # a NumPy array or torch tensor of ids
+        prompts = prompts.tolist()
+    if prompts is None or isinstance(prompts, (bytes, dict)) or not hasattr(prompts, "__iter__"):
+        raise InvalidParameter("prompt", f"prompts must be a str, a list of token ids or a list of prompts, "
+                               f"got {type(prompts).__name__}")
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if prompts and is_token_id(prompts[0]):
+        prompts = [prompts]  # one prompt's ids, given bare
+    return [_prompt(i, prompt) for i, prompt in enumerate(prompts)]
+
+
+def _prompt(index: int, prompt) -> str | list[int]:
+    if isinstance(prompt, dict) and len(prompt) == 1 and prompt.keys() <= {"prompt", "prompt_token_ids"}:
+        prompt = next(iter(prompt.values()))  # vLLM's TextPrompt or TokensPrompt
+    if hasattr(prompt, "tolist"):
+        prompt = prompt.tolist()
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):  # bytes would read as ids
+        raise InvalidParameter("prompt", f"prompts[{index}] must be a str or a list of token ids, "
+                               f"got {type(prompt).__name__}")
+    return [operator.index(t) if is_token_id(t) else t for t in prompt]  # the scheduler names what is not an id
+
+
+def is_token_id(value) -> bool:
+    """An int, or an integer scalar of NumPy or torch (operator.index takes it); a bool is no token id."""
+    if isinstance(value, bool) or getattr(value, "dtype", None) == bool:
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True

@@ -38,7 +38,8 @@ def check_limits(prompt_token_ids: list[int], params: SamplingParams, limits: Re
         raise InvalidParameter("prompt", "the prompt is empty: it must have at least one token")
     bad = next((t for t in ids if not is_int(t) or not 0 <= t < vocab), None)
     if bad is not None:
-        raise InvalidParameter("prompt", f"prompt token id {bad!r} is not in the vocabulary [0, {vocab})")
+        an = "" if is_int(bad) else "an int "  # 1.0, "1", True: not ids
+        raise InvalidParameter("prompt", f"prompt token id {bad!r} is not {an}in the vocabulary [0, {vocab})")
     if params.n > limits.max_num_seqs:
         raise InvalidParameter(
             "n", f"n = {params.n} is more completions than this engine runs at once (max_num_seqs {limits.max_num_seqs})"

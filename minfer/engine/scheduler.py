@@ -167,6 +167,8 @@ class OnlineScheduler:
 
     def _checked(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams) -> CheckedRequest:
         """A request given as text or token ids, checked."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt or prompt_token_ids")
         if prompt is not None:

@@ -1,0 +1,65 @@
+"""LLM.generate takes prompts as users hold them: a text or ids given bare, any iterable of prompts, NumPy's and
+torch's integers, vLLM's prompt dicts. What is no prompt is refused naming it, and nothing is left holding blocks."""
+
+import numpy as np
+import pytest
+import torch
+from engine_checks import assert_all_free
+
+from minfer import LLM, SamplingParams
+from minfer.errors import InvalidParameter
+
+GREEDY3 = SamplingParams(max_tokens=3, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(tiny_checkpoint, num_kv_blocks=24)
+
+
+def texts(llm, prompts, params=GREEDY3):
+    return [o.text for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_prompts_in_every_shape_users_hold_them(llm):
+    ids = [5, 9, 13]
+    want = texts(llm, [ids])
+    for same in (ids, tuple(ids), np.array(ids), torch.tensor(ids), [np.array(ids)], [torch.tensor(ids)],
+                 [[np.int64(i) for i in ids]], [torch.tensor(ids, dtype=torch.int32)], [{"prompt_token_ids": ids}],
+                 (p for p in [ids])):
+        assert texts(llm, same) == want, same
+    assert texts(llm, np.array([ids, ids])) == want * 2  # an array's rows are prompts
+    text = texts(llm, ["Once upon"])
+    assert texts(llm, "Once upon") == texts(llm, [{"prompt": "Once upon"}]) == text
+    assert texts(llm, ["Once upon", ids]) == text + want
+    assert texts(llm, []) == []
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("prompts, message", [
+    (None, "prompts must be a str, a list of token ids or a list of prompts, got NoneType"),
+    (7, "got int"),
+    ([b"abc"], r"prompts\[0\] must be a str or a list of token ids, got bytes"),  # not the ids 97, 98, 99
+    (["a", 1.5], r"prompts\[1\] must be a str or a list of token ids, got float"),
+    ([{"text": "a"}], r"prompts\[0\] must be .* got dict"),
+    ([["a", "b"]], "prompt token id 'a' is not an int in the vocabulary"),
+    ([[1.0, 2.0]], "prompt token id 1.0 is not an int in the vocabulary"),
+    ([[True]], "prompt token id True is not an int in the vocabulary"),
+    ([np.array([True, False])], "is not an int in the vocabulary"),
+    ([[1, 10**30]], "prompt token id 1000000000000000000000000000000 is not in the vocabulary"),
+])
+def test_what_is_no_prompt_is_refused_naming_it(llm, prompts, message):
+    with pytest.raises(InvalidParameter, match=message) as e:
+        llm.generate(prompts, GREEDY3, use_tqdm=False)
+    assert e.value.param == "prompt"
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("params", ["x", {"max_tokens": 2}, [GREEDY3, "x"], [{"max_tokens": 2}]])
+def test_sampling_params_of_another_type_are_refused(llm, params):
+    prompts = ["a", "b"] if isinstance(params, list) else ["a"]
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams or a list of them"):
+        llm.generate(prompts, params, use_tqdm=False)
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams, got str"):
+        llm.scheduler.add_request("a", sampling_params="x")  # the scheduler's own entry, as tutorials call it
+    assert_all_free(llm)
