@@ -7,6 +7,7 @@ python -m minfer.generate --model ./my-checkpoint --temperature 0 "Hello"
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .engine.config import EngineConfig
@@ -24,6 +25,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.generate")
     # --model, --dtype, --seed (the engine's RNG, which this one unseeded request samples from), ...
     EngineConfig.add_cli_arguments(parser.add_argument_group("engine"), exclude=("max_num_seqs",))
     args = parser.parse_args(argv)
+    undecodable = [c for c in args.prompt if "\udc80" <= c <= "\udcff"]  # bytes argv could not decode
+    if undecodable:
+        print(f"error: the prompt is not {sys.getfilesystemencoding()} text: byte 0x{ord(undecodable[0]) - 0xDC00:02x} "
+              "does not decode", file=sys.stderr)
+        return 1
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
@@ -35,11 +41,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.generate")
         return 1
     # One request through the same engine the server uses: step, print the new text.
     scheduler = llm.scheduler
-    sys.stdout.write(args.prompt)
-    for _ in scheduler.steps():
-        sys.stdout.write(scheduler.get_new_output(request_id).text)
+    try:
+        sys.stdout.write(args.prompt)
+        for _ in scheduler.steps():
+            sys.stdout.write(scheduler.get_new_output(request_id).text)
+            sys.stdout.flush()
+        sys.stdout.write(scheduler.get_new_output(request_id).text + "\n")
         sys.stdout.flush()
-    sys.stdout.write(scheduler.get_new_output(request_id).text + "\n")
+    except KeyboardInterrupt:  # Ctrl-C ends the stream, as in any command: no traceback
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # or the exit's flush fails once more
+        return 1
     scheduler.pop_response(request_id)
     return 0
 

@@ -5,6 +5,8 @@ tests/script_forks.py."""
 
 import os
 import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -98,3 +100,29 @@ def test_generate_cli_streams_the_engine_output(tiny_checkpoint):
     llm = LLM(tiny_checkpoint, num_kv_blocks=32)
     expected = llm.generate(["The cache"], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
     assert result.stdout == "The cache" + expected.text + "\n"
+
+
+def start_generating(tiny_checkpoint) -> subprocess.Popen:
+    """`python -m minfer.generate` mid-stream: its first bytes read, hundreds of tokens still to come."""
+    cmd = [sys.executable, "-m", "minfer.generate", "--model", str(tiny_checkpoint), "--temperature", "0",
+           "--max-tokens", "400", "Once upon a time"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(4) == b"Once"
+    return proc
+
+
+def test_generate_cli_stops_quietly_on_ctrl_c_and_when_its_reader_goes(tiny_checkpoint):
+    proc = start_generating(tiny_checkpoint)
+    proc.send_signal(signal.SIGINT)
+    proc.stdout.read()
+    assert proc.wait(30) == 130 and b"Traceback" not in proc.stderr.read()
+    proc = start_generating(tiny_checkpoint)  # `minfer generate ... | head -c 4`
+    proc.stdout.close()
+    assert proc.wait(30) == 1 and proc.stderr.read() == b""
+
+
+def test_generate_cli_names_a_prompt_that_is_not_text(tiny_checkpoint):
+    done = subprocess.run([sys.executable, "-m", "minfer.generate", "--model", str(tiny_checkpoint), b"a\xffb"],
+                          capture_output=True, timeout=120, env={**os.environ, "LC_ALL": "C.UTF-8"})
+    assert done.returncode == 1
+    assert done.stderr.decode() == "error: the prompt is not utf-8 text: byte 0xff does not decode\n"
