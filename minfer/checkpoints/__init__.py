@@ -17,8 +17,10 @@ layer reads, and imports nothing of minfer's beyond this package.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from .files import RANDOM_MARK
 from .random_gpt2 import CONFIGS, LAYOUTS, make_config, random_state_dict, write_random_gpt2
 from .random_llama import LLAMA_CONFIGS, write_random_llama
 from .tokenizer_training import EOS_TOKEN, train_tokenizer
@@ -35,5 +37,10 @@ def write_random_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if preset in LLAMA_CONFIGS:
-        return write_random_llama(out, preset, seed, **overrides)
-    return write_random_gpt2(out, preset, layout, seed, **overrides)
+        write_random_llama(out, preset, seed, **overrides)
+    else:
+        write_random_gpt2(out, preset, layout, seed, **overrides)
+    config = json.loads((out / "config.json").read_text())  # marked: random-model may write over it again
+    config[RANDOM_MARK] = {"preset": preset, "seed": seed}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

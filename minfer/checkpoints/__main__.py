@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from . import LAYOUTS, LLAMA_CONFIGS, PRESETS, write_random_checkpoint
+from .files import why_not_write_into
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.random_model") -> int:
@@ -18,11 +19,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.random_mod
     parser.add_argument("--layout", choices=LAYOUTS, default="hub", help="tensor-name layout")
     parser.add_argument("--seed", type=int, default=0, help="seed for the weights and tokenizer")
     parser.add_argument("--tools", action="store_true", help="Qwen3 and Llama: a chat template that renders tools")
+    parser.add_argument("--force", action="store_true", help="write into a directory that holds other files")
     args = parser.parse_args(argv)
     if args.tools and args.config not in LLAMA_CONFIGS:
         parser.error("--tools needs a chat model: --config " + " or ".join(LLAMA_CONFIGS))
+    refusal = why_not_write_into(args.out_dir)
+    if refusal is not None and not (args.force and args.out_dir):
+        parser.error(refusal)
     extra = {"tools": True} if args.tools else {}
-    out = write_random_checkpoint(args.out_dir, args.config, args.layout, args.seed, **extra)
+    try:
+        out = write_random_checkpoint(args.out_dir, args.config, args.layout, args.seed, **extra)
+    except OSError as e:
+        print(f"{prog}: error: cannot write {args.out_dir}: {e.strerror or e}", file=sys.stderr)
+        return 1
     layout = "" if args.config in LLAMA_CONFIGS else f" ({args.layout} layout)"
     print(f"wrote a random {args.config} checkpoint{layout} to {out}")
     return 0
