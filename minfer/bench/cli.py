@@ -31,7 +31,7 @@ from ..assembly.build import resolve_dtype, set_cpu_threads
 from ..assembly.llm import LLM
 from ..scoring.logprobs import MAX_LOGPROBS
 from ..engine.scheduler import OnlineScheduler
-from ..models.loader import ModelNotFoundError, resolve_model_dir
+from ..models.loader import BUILTIN_MODELS, ModelNotFoundError, resolve_model_dir
 from ..models.registry import read_config
 from ..cpu.openmp import wait_policy
 from ..text.tokenizer import Tokenizer
@@ -136,6 +136,8 @@ def find_model_dir(args) -> Path | None:
     """The local checkpoint: always needed, except by --base-url with a served model name."""
     if args.base_url:
         for candidate in (args.tokenizer, args.model):
+            if candidate in BUILTIN_MODELS:  # a served minfer-tiny: its shipped directory has the tokenizer
+                return BUILTIN_MODELS[candidate]
             if candidate and Path(candidate).expanduser().is_dir():
                 return Path(candidate).expanduser()
         if args.tokenizer:
@@ -199,6 +201,13 @@ def offline_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResu
     return results, summaries, llm.scheduler
 
 
+def refuse_if_all_failed(result: RunResult, endpoint: Endpoint) -> None:
+    """A run with no successful request measures nothing: say why instead of printing a table of n/a."""
+    failed = [r for r in result.records if not r.success]
+    if failed and len(failed) == len(result.records):
+        raise OSError(f"every request to {endpoint.host}:{endpoint.port} failed, the first with {failed[0].error}")
+
+
 def online_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResult], list[dict]]:
     results, summaries = [], []
 
@@ -207,7 +216,7 @@ def online_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResul
         if args.warmup_runs:
             progress("warming up ...")
         for _ in range(args.warmup_runs):
-            run_online(endpoint, model, warm, progress=False)
+            refuse_if_all_failed(run_online(endpoint, model, warm, progress=False), endpoint)
         for k, workload in enumerate(workloads):
             progress(f"measuring run {k + 1} of {len(workloads)} ...")
             # Watching the engine costs the server a little: only for the run that is traced.
@@ -217,6 +226,7 @@ def online_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResul
                 results.append(
                     run_online(endpoint, model, workload, args.max_concurrency, bar, f"run {k}", feed, args.n)
                 )
+            refuse_if_all_failed(results[-1], endpoint)
             memory = {"peak_rss_mib": server.peak_rss_mib()} if server else {}  # the server's, not ours
             spec = spec_summary(before, counters_of_server(endpoint))
             summaries.append(run_summary(results[-1], **memory, **spec))

@@ -27,6 +27,7 @@ and GET /engine/events (live_view.py). With --api-key, the /v1 endpoints,
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -190,13 +191,21 @@ def check_port_free(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
         except OSError as e:
-            raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another server on port {port}?)") from None
+            held = f" (is another server on port {port}?)" if e.errno == errno.EADDRINUSE else ""
+            raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}{held}") from None
+
+
+def port_number(text: str) -> int:
+    port = int(text) if text.isascii() and text.isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port must be an integer in [0, 65535], got {text!r}")
+    return port
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    parser.add_argument("--port", type=port_number, default=8000, help="port to listen on (0: any free port)")
     EngineConfig.add_cli_arguments(parser)  # --model, --dtype, --block-size, ...
     parser.add_argument("--max-queued", type=int, default=128, help="requests that may wait for a slot; more get 429")
     parser.add_argument(

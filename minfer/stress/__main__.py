@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from urllib.parse import urlsplit
 
@@ -59,6 +60,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.stress") -
         cfg.write_timeout = args.write_timeout
         cfg.stall_limit = max(args.request_timeout, args.keepalive_timeout) + 10
         cfg.exact_replays = args.float64_server
+        try:  # a server that is not there is one line, not the first client's traceback
+            socket.create_connection((url.hostname, url.port or 80), timeout=10).close()
+        except (OSError, ValueError) as e:
+            print(f"python -m minfer.stress: cannot reach {args.base_url}: {getattr(e, 'strerror', None) or e}",
+                  file=sys.stderr)
+            return 1
         say(f"{args.duration:g} s of load on {args.base_url}")
         figures = soak(Target(url.hostname, url.port or 80, cfg.stall_limit), cfg, tally, progress=say)
 

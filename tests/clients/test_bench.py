@@ -318,3 +318,16 @@ def test_profile_splits_a_step_into_parts(tiny_checkpoint, tmp_path, capsys, dty
     assert rows["context read"]["mb_per_step"] == pytest.approx(decode["context_tokens"] * per_token / 1e6)
     assert 6 * 41 <= decode["context_tokens"] <= 6 * 64
     assert rows["KV write"]["mb_per_step"] == pytest.approx(6 * per_token / 1e6)
+
+
+def test_online_with_no_server_there_says_why(capsys):
+    """Every request failing is one line naming the first failure, exit 1: not a table of n/a. A served
+    minfer-tiny's tokenizer is the shipped one (its name is no directory)."""
+    from minfer.bench.cli import main
+
+    argv = ["--base-url", "http://127.0.0.1:1", "--model", "minfer-tiny", "--num-requests", "2", "--disable-tqdm"]
+    for warmup in ("1", "0"):
+        assert main([*argv, "--warmup-runs", warmup]) == 1
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err == "bench.py: error: every request to 127.0.0.1:1 failed, the first with ConnectionRefusedError: " \
+                      "[Errno 111] Connection refused"

@@ -73,3 +73,8 @@ def test_a_replay_that_differs_fails_only_where_replays_must_be_exact(monkeypatc
         tally.finished = [({"seed": 1}, "same"), ({"seed": 2}, "other")]
         assert replay(None, SoakConfig(replays=2, exact_replays=exact), tally) == 1
         assert len(tally.failures) == failures
+
+
+def test_cli_names_a_server_that_is_not_there(capsys):
+    assert main(["--base-url", "http://127.0.0.1:1", "--duration", "1"]) == 1
+    assert capsys.readouterr().err == "python -m minfer.stress: cannot reach http://127.0.0.1:1: Connection refused\n"

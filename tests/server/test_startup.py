@@ -184,3 +184,26 @@ def test_importing_minfer_leaves_the_compiler_unloaded():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "8o"])
+def test_a_port_out_of_range_is_refused_before_the_model_loads(port, capsys):
+    from minfer.server.serve import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "/nonexistent", "--port", port])
+    assert e.value.code == 2
+    assert f"argument --port: a port must be an integer in [0, 65535], got '{port}'" in capsys.readouterr().err
+
+
+def test_a_host_that_does_not_resolve_is_not_blamed_on_another_server(capsys):
+    from minfer.server.serve import check_port_free
+
+    with pytest.raises(OSError) as e:
+        check_port_free("999.1.1.1", 8000)
+    assert str(e.value).startswith("cannot listen on 999.1.1.1:8000: ") and "another server" not in str(e.value)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        with pytest.raises(OSError, match=r"\(is another server on port \d+\?\)"):
+            check_port_free("127.0.0.1", held.getsockname()[1])
