@@ -38,7 +38,7 @@ from ..text.tokenizer import Tokenizer
 from .hf_baseline import compare, format_comparison, generate_batch, load_hf_model, run_hf
 from .metrics import RunResult, format_summary, median_summary, summarize
 from .offline import run_offline
-from .online import Endpoint, EngineFeedReader, ServerProcess, run_online
+from .online import Endpoint, EngineFeedReader, ServerProcess, refuse_if_all_failed, run_online
 from .profile import format_profile, profile_steps
 from .report import format_header, format_masks, memory_owner, progress, result_title
 from .roofline import format_roofline, roofline
@@ -199,13 +199,6 @@ def offline_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResu
         spec = spec_summary(before, counters_of_stats(llm.scheduler.stats()))
         summaries.append(run_summary(results[-1], **peak_memory(device), **spec))
     return results, summaries, llm.scheduler
-
-
-def refuse_if_all_failed(result: RunResult, endpoint: Endpoint) -> None:
-    """A run with no successful request measures nothing: say why instead of printing a table of n/a."""
-    failed = [r for r in result.records if not r.success]
-    if failed and len(failed) == len(result.records):
-        raise OSError(f"every request to {endpoint.host}:{endpoint.port} failed, the first with {failed[0].error}")
 
 
 def online_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResult], list[dict]]:

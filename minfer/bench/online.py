@@ -299,3 +299,10 @@ def run_online(
     bar.close()
     steps = feed.steps(t0_wall, t0_wall + duration) if feed else []
     return RunResult(sorted(records, key=lambda r: r.index), duration, steps)
+
+
+def refuse_if_all_failed(result: RunResult, endpoint: Endpoint) -> None:
+    """A run with no successful request measures nothing: say why instead of printing a table of n/a."""
+    failed = [r for r in result.records if not r.success]
+    if failed and len(failed) == len(result.records):
+        raise OSError(f"every request to {endpoint.host}:{endpoint.port} failed, the first with {failed[0].error}")
