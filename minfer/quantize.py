@@ -9,15 +9,18 @@ model.safetensors with the quantized tensors and their scales, config.json with 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from .checkpoints.files import why_not_write_into
 from .engine.config import DTYPES
 from .models.registry import load_model
 from .quantization import GROUP_SIZES, QUANTIZATION_METHODS
-from .quantization.checkpoint import QuantizationSpec, QuantizedWeights, save_quantized
+from .quantization.checkpoint import FORMAT_NAME, QuantizationSpec, QuantizedWeights, save_quantized
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.quantize") -> int:
@@ -30,11 +33,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.quantize")
                         help="keep the LM head (and the embedding tied to it) in full precision")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                         help="dtype of the tensors left in full precision (norms, biases; default bfloat16)")
+    parser.add_argument("--force", action="store_true", help="write into a directory that holds other files")
     args = parser.parse_args(argv)
+    refusal = why_not_write_into(args.dst, is_quantized_by_minfer, "quantized checkpoint")
+    if refusal is not None and not (args.force and args.dst):
+        parser.error(refusal)
     try:
         spec = QuantizationSpec(args.quantization, args.quantization_group_size, args.quantize_lm_head)
         start = time.perf_counter()
         model = load_model(args.src, dtype=DTYPES[args.dtype], weights=QuantizedWeights(spec))
+        if Path(model.model_dir).resolve() == Path(args.dst).resolve():  # its full-precision weights would be lost
+            raise ValueError(f"{args.dst} is the checkpoint being quantized: write the quantized one elsewhere")
+        if is_quantized_by_minfer(json.loads((Path(model.model_dir) / "config.json").read_text())):
+            raise ValueError(f"{args.src} is quantized already: quantize its full-precision checkpoint")
         out = save_quantized(model, model.model_dir, args.dst, spec)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -43,6 +54,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.quantize")
     print(f"wrote {out} ({args.quantization}, {size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s; "
           f"run it with --model {out}")
     return 0
+
+
+def is_quantized_by_minfer(config: dict) -> bool:
+    return (config.get("quantization_config") or {}).get("quant_method") == FORMAT_NAME
 
 
 if __name__ == "__main__":

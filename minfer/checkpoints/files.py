@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -22,19 +23,24 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
-def why_not_write_into(out_dir: str) -> str | None:
-    """Why random-model must not write its files into `out` unasked, or None. A directory that is not empty
-    must hold a random checkpoint written before: anything else may be someone's model, or their files."""
+def why_not_write_into(out_dir: str, is_ours: Callable[[dict], bool], what: str) -> str | None:
+    """Why a command must not write its checkpoint into out_dir unasked, or None. A directory that is not
+    empty must hold `what` written before (`is_ours` of its config.json): anything else may be someone's
+    model, or their files."""
     if not out_dir:
-        return "OUT_DIR is empty: name the directory to write"
+        return "the output directory is empty: name the directory to write"
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         return f"{out} exists and is not a directory"
     if not out.is_dir() or not any(out.iterdir()):
         return None
     try:
-        if RANDOM_MARK in json.loads((out / "config.json").read_text()):
+        if is_ours(json.loads((out / "config.json").read_text())):
             return None
-    except (OSError, ValueError, TypeError):  # no config.json, or not one of ours: not a random checkpoint either way
+    except (OSError, ValueError, TypeError, AttributeError):  # no config.json, or not a dict: not ours either way
         pass
-    return f"{out} is not empty and holds no random checkpoint of minfer's: pass --force to write into it anyway"
+    return f"{out} is not empty and holds no {what} of minfer's: pass --force to write into it anyway"
+
+
+def is_random_checkpoint(config: dict) -> bool:
+    return RANDOM_MARK in config

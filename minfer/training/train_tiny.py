@@ -200,6 +200,12 @@ def train(opts: TrainOptions, out: Path, log=print) -> dict:
                 train_seconds=train_seconds, total_seconds=time.perf_counter() - start, losses=losses)
 
 
+# The least each count may be: a shape or a batch of 0 trains nothing; 0 steps writes the initial weights.
+LOWEST = {"n_layer": 1, "n_head": 1, "n_embd": 1, "n_positions": 2, "vocab_size": 1, "steps": 0, "batch_size": 1,
+          "lr": 0, "warmup_steps": 0, "weight_decay": 0, "num_stories": 1, "tokenizer_stories": 1,
+          "heldout_stories": 1, "threads": 1, "eval_every": 1, "copy_warmup_steps": 0}
+
+
 def parse_args(argv: list[str] | None, prog: str) -> tuple[Path, TrainOptions, bool]:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -214,11 +220,23 @@ def parse_args(argv: list[str] | None, prog: str) -> tuple[Path, TrainOptions, b
         parser.error(f"--dtype must be one of {sorted(DTYPES)}")
     if opts.arch not in ARCHS:
         parser.error(f"--arch must be one of {sorted(ARCHS)}")
+    for name, low in LOWEST.items():
+        if getattr(opts, name) < low:
+            parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(opts, name)}")
+    if not 0 <= opts.retell <= 1:
+        parser.error(f"--retell must be a chance in [0, 1], got {opts.retell}")
+    if not args.out_dir or Path(args.out_dir).is_file():
+        parser.error(f"out_dir must name a directory, got {args.out_dir!r}")
     return Path(args.out_dir), opts, not args.no_card
 
 
 def main(argv: list[str] | None = None, prog: str = "python scripts/train_tiny.py") -> int:
     out, opts, card = parse_args(argv, prog)
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # now, not after the training: a path that cannot be is one line
+    except OSError as e:
+        print(f"{prog}: error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+        return 1
     results = train(opts, out)
     if card:
         write_card(out, results, prog, argv if argv is not None else sys.argv[1:])

@@ -115,5 +115,5 @@ def test_the_cli_overwrites_its_own_checkpoints_and_nothing_else(tmp_path):
     (tmp_path / "a-file").write_text("")
     assert cli(str(tmp_path / "a-file")) == (2, f"python -m minfer.random_model: error: {tmp_path / 'a-file'} exists "
                                               "and is not a directory")
-    assert cli("") == (2, "python -m minfer.random_model: error: OUT_DIR is empty: name the directory to write")
+    assert cli("") == (2, "python -m minfer.random_model: error: the output directory is empty: name the directory to write")
     assert main(["/proc/no-such-dir"]) == 1  # cannot be made: one line, not a traceback

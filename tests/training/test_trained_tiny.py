@@ -186,6 +186,28 @@ def test_init_goes_on_from_a_trained_model(tmp_path):
     assert (tmp_path / "b" / "tokenizer.json").read_bytes() == (tmp_path / "a" / "tokenizer.json").read_bytes()
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["OUT", "--steps", "-1"], "--steps must be >= 0, got -1"),
+    (["OUT", "--n-layer", "0"], "--n-layer must be >= 1, got 0"),
+    (["OUT", "--lr", "-0.1"], "--lr must be >= 0, got -0.1"),
+    (["OUT", "--retell", "1.5"], "--retell must be a chance in [0, 1], got 1.5"),
+    ([""], "out_dir must name a directory, got ''"),
+    (["FILE"], "out_dir must name a directory, got '"),
+])
+def test_the_trainer_refuses_what_trains_nothing_before_it_trains(argv, message, capsys, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        parse_args([{"OUT": str(tmp_path), "FILE": str(tmp_path / "a-file")}.get(a, a) for a in argv], "train_tiny")
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_out_dir_that_cannot_be_made_is_one_line_before_the_training(capsys):
+    from minfer.training.train_tiny import main
+
+    assert main(["/proc/no-such-dir", "--steps", "0"], "train_tiny") == 1
+    assert capsys.readouterr().err == "train_tiny: error: cannot write /proc/no-such-dir: No such file or directory\n"
+
+
 def test_the_card_states_the_defaults_and_the_shipped_shape():
     """The card's reproduce commands are the trainer's defaults (what the shipped config.json holds): one
     from scratch, or one that goes on (`--init`) from a model the command before it trains (with the

@@ -75,3 +75,33 @@ def test_checkpoints_quantized_by_other_tools_are_refused_saying_what_runs(make_
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=rf"quantized as '{method}'.*--quantization int8 or int4.*minfer quantize"):
         load_model(out, weights=QuantizedWeights())
+
+
+def test_quantize_writes_over_its_own_output_only(make_checkpoint, tmp_path, capsys):
+    """A rerun writes over what it wrote; someone's files, the source itself, a file or an empty name are refused
+    before anything is written, and a quantized source is refused (quantizing it again changes nothing)."""
+    from minfer import quantize
+
+    source, out = make_checkpoint(), tmp_path / "q8"
+    for _ in range(2):
+        assert quantize.main([str(source), str(out), "--quantization", "int8"]) == 0
+    someones = tmp_path / "someones"
+    someones.mkdir()
+    (someones / "config.json").write_text('{"model_type": "gpt2"}')
+    (tmp_path / "a-file").write_text("")
+    refusals = {
+        str(someones): f"{someones} is not empty and holds no quantized checkpoint of minfer's: pass --force",
+        str(tmp_path / "a-file"): "exists and is not a directory",
+        "": "the output directory is empty: name the directory to write",
+        str(source): f"{source} is not empty and holds no quantized checkpoint of minfer's",
+    }
+    for dst, message in refusals.items():
+        with pytest.raises(SystemExit) as e:
+            quantize.main([str(source), dst, "--quantization", "int8"])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    assert (someones / "config.json").read_text() == '{"model_type": "gpt2"}'
+    assert quantize.main([str(source), str(source), "--quantization", "int8", "--force"]) == 1
+    assert "is the checkpoint being quantized: write the quantized one elsewhere" in capsys.readouterr().err
+    assert quantize.main([str(out), str(tmp_path / "q8-again"), "--quantization", "int8"]) == 1
+    assert f"{out} is quantized already: quantize its full-precision checkpoint" in capsys.readouterr().err
+    assert quantize.main([str(source), str(someones), "--quantization", "int8", "--force"]) == 0
