@@ -106,7 +106,9 @@ def start_generating(tiny_checkpoint) -> subprocess.Popen:
     """`python -m minfer.generate` mid-stream: its first bytes read, hundreds of tokens still to come."""
     cmd = [sys.executable, "-m", "minfer.generate", "--model", str(tiny_checkpoint), "--temperature", "0",
            "--max-tokens", "400", "Once upon a time"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # A test runner's workers may ignore SIGINT, and a child inherits that: Python then installs no handler.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.read(4) == b"Once"
     return proc
 
