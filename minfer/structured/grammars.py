@@ -48,6 +48,9 @@ def grammar_text(llg, c: StructuredOutputsParams) -> str:
     """The constraint as an llguidance grammar (not yet checked: compiling it says whether it is good)."""
     if c.json is not None or c.json_object:
         schema = c.json if c.json is not None else {"type": "object"}
+        lone = next(lone_backslash_patterns(schema), None)
+        if lone is not None:
+            raise ValueError(f"the pattern {lone!r} ends in a lone backslash, an escape of nothing")
         if c.disable_any_whitespace:
             return llg.LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
         if c.whitespace_pattern is not None:
@@ -57,12 +60,32 @@ def grammar_text(llg, c: StructuredOutputsParams) -> str:
         return llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
     if c.regex is not None:
         # llguidance drops a trailing lone backslash (an escape of nothing, an error in every dialect): "a\\" ran as "a"
-        if (len(c.regex) - len(c.regex.rstrip("\\"))) % 2:
+        if ends_in_lone_backslash(c.regex):
             raise ValueError("it ends in a lone backslash, an escape of nothing")
         return llg.LLMatcher.grammar_from_regex(c.regex)
     if c.choice is not None:
         return llg.grammar_from("choice", c.choice)
     return llg.grammar_from("grammar", c.grammar)  # Lark, or GBNF (converted to Lark)
+
+
+def ends_in_lone_backslash(pattern: str) -> bool:
+    return (len(pattern) - len(pattern.rstrip("\\"))) % 2 == 1
+
+
+def lone_backslash_patterns(schema):
+    """Every regex of a JSON schema (`pattern` values, `patternProperties` keys) that ends in a lone backslash:
+    llguidance drops it there too (`"pattern": "\\"` allowed any string). Data (const, enum, ...) is not walked."""
+    if isinstance(schema, list):
+        for item in schema:
+            yield from lone_backslash_patterns(item)
+    elif isinstance(schema, dict):
+        for key, value in schema.items():
+            if key == "pattern" and isinstance(value, str) and ends_in_lone_backslash(value):
+                yield value
+            elif key == "patternProperties" and isinstance(value, dict):
+                yield from (k for k in value if ends_in_lone_backslash(k))
+            if key not in ("const", "enum", "default", "examples"):
+                yield from lone_backslash_patterns(value)
 
 
 class Grammars:

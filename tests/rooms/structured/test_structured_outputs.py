@@ -6,6 +6,7 @@ greedy and sampled with n = 3, batched with unconstrained requests in a cache sm
 every output that finishes with "stop" meets its constraint, at least 90% do finish so, and the same
 requests without the constraint meet none: the mask did the work."""
 
+import json
 import logging
 import subprocess
 import sys
@@ -200,6 +201,9 @@ def test_only_constrained_rows_are_masked(tiny_checkpoint):
     ({"regex": "a(b"}, "unclosed group"),
     ({"regex": "a\\"}, "lone backslash"),  # llguidance dropped it: "a" ran
     ({"regex": "\\\\\\"}, "lone backslash"),  # three: an escaped backslash, then a lone one
+    ({"json": {"type": "string", "pattern": "\\"}}, "the pattern '\\\\' ends in a lone backslash"),  # any string ran
+    ({"json": {"type": "object", "properties": {"x": {"type": "string", "pattern": "b\\"}}}}, "lone backslash"),
+    ({"json": {"type": "object", "patternProperties": {"^k\\": {}}}}, "lone backslash"),
     ({"grammar": "start: x y"}, "x"),
     ({"choice": []}, "empty"),
     ({"json": {"type": "object"}, "regex": "a"}, "exactly one"),
@@ -214,8 +218,14 @@ def test_bad_constraints_are_refused_naming_the_field(tiny_checkpoint, spec, wor
 
 
 def test_an_escaped_backslash_at_the_end_is_a_regex(tiny_checkpoint):
-    out = LLM(tiny_checkpoint).generate(["Once"], constrained({"regex": "a\\\\"}, max_tokens=8, temperature=0))[0]
+    llm = LLM(tiny_checkpoint)
+    out = llm.generate(["Once"], constrained({"regex": "a\\\\"}, max_tokens=8, temperature=0))[0]
     assert (out.text, out.finish_reason) == ("a\\", "stop")  # a, then a literal backslash
+    # In a schema too; a property named "pattern" is no regex, nor is data (a default)
+    schema = {"type": "object", "properties": {"pattern": {"type": "string", "pattern": "^a\\\\$"}},
+              "required": ["pattern"], "additionalProperties": False, "default": {"pattern": "data, not a regex\\"}}
+    out = llm.generate(["Once"], constrained({"json": schema}, max_tokens=48, temperature=0))[0]
+    assert (json.loads(out.text), out.finish_reason) == ({"pattern": "a\\"}, "stop")
 
 
 def test_the_tokenizer_and_mask_are_as_wide_as_the_logits(make_checkpoint, tmp_path):
