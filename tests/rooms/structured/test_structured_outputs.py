@@ -199,6 +199,9 @@ def test_only_constrained_rows_are_masked(tiny_checkpoint):
     ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),  # a keyword llguidance does not implement
     ({"json": {"type": "integer", "minimum": 5, "maximum": 3}}, "minimum"),
     ({"regex": "a(b"}, "unclosed group"),
+    ({"regex": "(?=a)a"}, "does not compile"),  # what Rust's regex syntax lacks (docs/structured_outputs.md)
+    ({"regex": "(a)\\1"}, "does not compile"),
+    ({"regex": "\\bhi\\b"}, "does not compile"),
     ({"regex": "a\\"}, "lone backslash"),  # llguidance dropped it: "a" ran
     ({"regex": "\\\\\\"}, "lone backslash"),  # three: an escaped backslash, then a lone one
     ({"json": {"type": "string", "pattern": "\\"}}, "the pattern '\\\\' ends in a lone backslash"),  # any string ran
