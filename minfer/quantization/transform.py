@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..models.contract import is_prepared
-from ..engine.config import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization_method
+from ..engine.config import GROUP_SIZES, check_quantization_method
 from .embedding import QuantizedEmbedding
 from .int4 import DEFAULT_GROUP_SIZE, Int4Linear, int4_kernel_available
 from .int8 import HAS_INT8_DOT, Int8Linear

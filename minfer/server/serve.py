@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
-import os
 import signal
 import socket
 import sys

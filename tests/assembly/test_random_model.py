@@ -95,12 +95,16 @@ def test_the_llama2_preset_writes_a_sentencepiece_style_checkpoint(tmp_path, cap
     assert tokenizer.decode(tokenizer.encode_prompt("Hello\n世界 🤖")) == "Hello\n世界 🤖"
 
 
-def test_the_cli_overwrites_its_own_checkpoints_and_nothing_else(tmp_path):
+def test_the_cli_overwrites_its_own_checkpoints_and_nothing_else(tmp_path, capsys):
     from minfer.checkpoints.__main__ import main
 
     def cli(*argv):
-        done = run_python([sys.executable, "-m", "minfer.random_model", *argv], timeout=120)
-        return done.returncode, done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+        try:
+            code = main(list(argv))
+        except SystemExit as e:
+            code = e.code
+        err = capsys.readouterr().err.strip()
+        return code, err.splitlines()[-1] if err else ""
 
     out = tmp_path / "ck"
     assert cli(str(out)) == (0, "")
@@ -108,7 +112,7 @@ def test_the_cli_overwrites_its_own_checkpoints_and_nothing_else(tmp_path):
     someones = tmp_path / "someones-model"  # a checkpoint of another's, or any other files: refused unasked
     someones.mkdir()
     (someones / "model.safetensors").write_bytes(b"weights")
-    refusal = f"is not empty and holds no random checkpoint of minfer's: pass --force to write into it anyway"
+    refusal = "is not empty and holds no random checkpoint of minfer's: pass --force to write into it anyway"
     assert cli(str(someones)) == (2, f"python -m minfer.random_model: error: {someones} {refusal}")
     assert (someones / "model.safetensors").read_bytes() == b"weights" and len(list(someones.iterdir())) == 1
     assert cli(str(someones), "--force")[0] == 0 and (someones / "config.json").exists()
@@ -116,4 +120,5 @@ def test_the_cli_overwrites_its_own_checkpoints_and_nothing_else(tmp_path):
     assert cli(str(tmp_path / "a-file")) == (2, f"python -m minfer.random_model: error: {tmp_path / 'a-file'} exists "
                                               "and is not a directory")
     assert cli("") == (2, "python -m minfer.random_model: error: the output directory is empty: name the directory to write")
-    assert main(["/proc/no-such-dir"]) == 1  # cannot be made: one line, not a traceback
+    assert cli("/proc/no-such-dir") == (1, "python -m minfer.random_model: error: cannot write /proc/no-such-dir: No such "
+                                         "file or directory")  # cannot be made: one line, not a traceback
