@@ -134,7 +134,8 @@ class EngineConfig:
     device: str = setting(
         (settings.DEVICE, "cpu"),
         str,
-        Check(lambda v: isinstance(v, str), "a torch device such as cpu or cuda:0"),  # convert refuses the rest
+        # what torch.device refuses fails in convert; meta, mps, xpu, ... pass it, and would fail at the first step
+        Check(lambda v: torch.device(v).type in ("cpu", "cuda"), "cpu, or a CUDA device such as cuda or cuda:0"),
         "cpu, cuda, cuda:1, ... (default: $MINFER_DEVICE, else cpu)",
         convert=lambda v: str(torch.device(v)),
     )

@@ -47,7 +47,9 @@ def test_positive_integers(name, value):
     [
         (dict(model=""), "--model must be a checkpoint directory or Hub repo id, got ''"),
         (dict(model=7), "--model must be a checkpoint directory or Hub repo id"),
-        (dict(device="gpu"), "--device must be a torch device such as cpu or cuda:0, got 'gpu'"),
+        (dict(device="gpu"), "--device must be cpu, or a CUDA device such as cuda or cuda:0, got 'gpu'"),
+        (dict(device="meta"), "--device must be cpu, or a CUDA device such as cuda or cuda:0, got 'meta'"),
+        (dict(device="mps"), "--device must be cpu, or a CUDA device such as cuda or cuda:0, got 'mps'"),
         (dict(dtype="int8"), "--dtype must be 'auto' or one of"),
         (dict(dtype=torch.int8), "--dtype must be 'auto' or one of"),
         (dict(seed=-1), r"--seed must be an integer in \[0, 2\*\*64\), got -1"),
