@@ -9,14 +9,13 @@ model.safetensors with the quantized tensors and their scales, config.json with 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .checkpoints.files import why_not_write_into
+from .checkpoints.files import config_of, why_not_write_into
 from .engine.config import DTYPES
 from .models.registry import load_model
 from .quantization import GROUP_SIZES, QUANTIZATION_METHODS
@@ -35,7 +34,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.quantize")
                         help="dtype of the tensors left in full precision (norms, biases; default bfloat16)")
     parser.add_argument("--force", action="store_true", help="write into a directory that holds other files")
     args = parser.parse_args(argv)
-    refusal = why_not_write_into(args.dst, is_quantized_by_minfer, "quantized checkpoint")
+    refusal = why_not_write_into(args.dst, lambda out: is_quantized_by_minfer(config_of(out)), "quantized checkpoint")
     if refusal is not None and not (args.force and args.dst):
         parser.error(refusal)
     try:
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.quantize")
         model = load_model(args.src, dtype=DTYPES[args.dtype], weights=QuantizedWeights(spec))
         if Path(model.model_dir).resolve() == Path(args.dst).resolve():  # its full-precision weights would be lost
             raise ValueError(f"{args.dst} is the checkpoint being quantized: write the quantized one elsewhere")
-        if is_quantized_by_minfer(json.loads((Path(model.model_dir) / "config.json").read_text())):
+        if is_quantized_by_minfer(config_of(Path(model.model_dir))):
             raise ValueError(f"{args.src} is quantized already: quantize its full-precision checkpoint")
         out = save_quantized(model, model.model_dir, args.dst, spec)
     except (ValueError, OSError) as e:

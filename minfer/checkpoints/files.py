@@ -23,24 +23,27 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
-def why_not_write_into(out_dir: str, is_ours: Callable[[dict], bool], what: str) -> str | None:
+def why_not_write_into(out_dir: str, is_ours: Callable[[Path], bool], what: str) -> str | None:
     """Why a command must not write its checkpoint into out_dir unasked, or None. A directory that is not
-    empty must hold `what` written before (`is_ours` of its config.json): anything else may be someone's
-    model, or their files."""
+    empty must hold `what` written before (`is_ours`): anything else may be someone's model, or their files."""
     if not out_dir:
         return "the output directory is empty: name the directory to write"
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         return f"{out} exists and is not a directory"
-    if not out.is_dir() or not any(out.iterdir()):
+    if not out.is_dir() or not any(out.iterdir()) or is_ours(out):
         return None
-    try:
-        if is_ours(json.loads((out / "config.json").read_text())):
-            return None
-    except (OSError, ValueError, TypeError, AttributeError):  # no config.json, or not a dict: not ours either way
-        pass
     return f"{out} is not empty and holds no {what} of minfer's: pass --force to write into it anyway"
 
 
-def is_random_checkpoint(config: dict) -> bool:
-    return RANDOM_MARK in config
+def config_of(checkpoint: Path) -> dict:
+    """The checkpoint's config.json, or {} where there is none to read."""
+    try:
+        config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def is_random_checkpoint(checkpoint: Path) -> bool:
+    return RANDOM_MARK in config_of(checkpoint)

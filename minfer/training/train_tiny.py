@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from ..bench.perplexity import Perplexity, perplexity
-from ..checkpoints.files import save_safetensors
+from ..checkpoints.files import save_safetensors, why_not_write_into
 from ..checkpoints.tokenizer_training import EOS_TOKEN, train_tokenizer
 from .copy_warmup import copy_warmup
 from .copying import copy_accuracy
@@ -211,6 +211,7 @@ def parse_args(argv: list[str] | None, prog: str) -> tuple[Path, TrainOptions, b
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("out_dir", help="checkpoint directory to write (created if missing)")
     parser.add_argument("--no-card", action="store_true", help="write no README.md model card")
+    parser.add_argument("--force", action="store_true", help="write into a directory that holds other files")
     for f in fields(TrainOptions):
         kind = float if f.type == "float" else str if f.type in ("str", "str | None") else int
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
@@ -225,8 +226,9 @@ def parse_args(argv: list[str] | None, prog: str) -> tuple[Path, TrainOptions, b
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(opts, name)}")
     if not 0 <= opts.retell <= 1:
         parser.error(f"--retell must be a chance in [0, 1], got {opts.retell}")
-    if not args.out_dir or Path(args.out_dir).is_file():
-        parser.error(f"out_dir must name a directory, got {args.out_dir!r}")
+    refusal = why_not_write_into(args.out_dir, lambda out: (out / "heldout.txt").is_file(), "trained model")
+    if refusal is not None and not (args.force and args.out_dir):
+        parser.error(refusal)  # a directory train-tiny wrote holds heldout.txt, the shipped models' too
     return Path(args.out_dir), opts, not args.no_card
 
 

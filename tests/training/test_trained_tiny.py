@@ -191,14 +191,24 @@ def test_init_goes_on_from_a_trained_model(tmp_path):
     (["OUT", "--n-layer", "0"], "--n-layer must be >= 1, got 0"),
     (["OUT", "--lr", "-0.1"], "--lr must be >= 0, got -0.1"),
     (["OUT", "--retell", "1.5"], "--retell must be a chance in [0, 1], got 1.5"),
-    ([""], "out_dir must name a directory, got ''"),
-    (["FILE"], "out_dir must name a directory, got '"),
+    ([""], "the output directory is empty: name the directory to write"),
+    (["FILE"], "a-file exists and is not a directory"),
+    (["SOMEONES"], "someones is not empty and holds no trained model of minfer's: pass --force to write into it anyway"),
 ])
 def test_the_trainer_refuses_what_trains_nothing_before_it_trains(argv, message, capsys, tmp_path):
     (tmp_path / "a-file").write_text("")
+    (tmp_path / "someones").mkdir()
+    (tmp_path / "someones" / "model.safetensors").write_text("")  # a model of another's: refused without --force
+    paths = {"OUT": str(tmp_path / "new"), "FILE": str(tmp_path / "a-file"), "SOMEONES": str(tmp_path / "someones")}
     with pytest.raises(SystemExit) as e:
-        parse_args([{"OUT": str(tmp_path), "FILE": str(tmp_path / "a-file")}.get(a, a) for a in argv], "train_tiny")
+        parse_args([paths.get(a, a) for a in argv], "train_tiny")
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_trainer_writes_again_where_it_wrote_and_with_force_anywhere(tmp_path):
+    assert parse_args([str(BUILTIN_MODELS["minfer-tiny"])], "t")[0] == BUILTIN_MODELS["minfer-tiny"]  # the card's command
+    (tmp_path / "notes.txt").write_text("")
+    assert parse_args([str(tmp_path), "--force"], "t")[0] == tmp_path
 
 
 def test_an_out_dir_that_cannot_be_made_is_one_line_before_the_training(capsys):
