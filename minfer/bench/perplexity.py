@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.config import DTYPES
-from ..assembly.build import resolve_dtype, set_cpu_threads
+from ..assembly.build import check_device, resolve_dtype, set_cpu_threads
 from ..models.registry import load_model
 from ..quantization import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization, quantize_model
 from ..quantization.checkpoint import QuantizationSpec, QuantizedWeights
@@ -99,12 +99,27 @@ def file_perplexity(
     if quantize_activations:  # the weights are quantized already: this sets how int8 linears multiply
         quantize_model(model, quantization, group_size, quantize_lm_head, quantize_activations=True)
     ids = Tokenizer.from_dir(model.model_dir).encode(text)
-    window = window or model.config.max_positions
-    stride = stride or max(1, window // 2)
+    window = model.config.max_positions if window is None else window
+    stride = max(1, window // 2) if stride is None else stride
+    if window < 2:  # a window's first token has nothing before it: one more is the least that scores anything
+        raise ValueError(f"--window must be >= 2 tokens, got {window}")
     if window > model.config.max_positions:
         raise ValueError(f"--window {window} exceeds the model's context of {model.config.max_positions}")
     result = perplexity(lambda x: model(x.to(model.device)), ids, window, stride)
     return result, window, stride
+
+
+def device_type(name: str) -> str | None:
+    try:
+        return torch.device(name).type
+    except RuntimeError:  # not a device name at all
+        return None
+
+
+def positive_int(text: str) -> int:
+    if not (text.isascii() and text.isdigit() and int(text) > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.bench.perplexity") -> int:
@@ -115,20 +130,23 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.bench.perp
     parser.add_argument("--model", default="minfer-tiny", help="checkpoint directory, built-in name or Hub id")
     parser.add_argument("--dtype", choices=sorted(DTYPES) + ["auto"], default="float32")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--window", type=int, help="tokens per window (default: the model's context)")
-    parser.add_argument("--stride", type=int, help="tokens between window starts (default: half the window)")
+    parser.add_argument("--window", type=positive_int, help="tokens per window (default: the model's context)")
+    parser.add_argument("--stride", type=positive_int, help="tokens between window starts (default: half the window)")
     parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, help="weight-only int8 or int4 (default: none)")
     parser.add_argument("--quantization-group-size", type=int, choices=GROUP_SIZES, help="int4: weights per scale")
     parser.add_argument("--no-quantize-lm-head", dest="quantize_lm_head", action="store_false",
                         help="keep the LM head (and its tied embedding) in full precision")
     parser.add_argument("--quantize-activations", action="store_true",
                         help="int8: round each linear's input rows to int8 too (int8 x int8 matmuls)")
-    parser.add_argument("--num-threads", type=int, help="CPU threads (default: every core)")
+    parser.add_argument("--num-threads", type=positive_int, help="CPU threads (default: every core)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
     args = parser.parse_args(argv)
-    if torch.device(args.device).type == "cpu":
-        set_cpu_threads(args.num_threads)
     try:
+        if device_type(args.device) not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu, or a CUDA device such as cuda or cuda:0, got {args.device!r}")
+        check_device(torch.device(args.device))
+        if device_type(args.device) == "cpu":
+            set_cpu_threads(args.num_threads)
         result, window, stride = file_perplexity(args.model, args.file, args.dtype, args.device, args.window,
                                                  args.stride, args.quantization, args.quantization_group_size,
                                                  args.quantize_lm_head, args.quantize_activations)

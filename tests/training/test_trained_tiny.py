@@ -128,6 +128,24 @@ def test_heldout_perplexity_reproduces_the_card(capsys):
     assert abs(result["perplexity"] - stated) <= 0.01 * stated, (result, stated)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--stride", "0"], "argument --stride: must be a positive integer, got '0'"),  # was the default, silently
+    (["--window", "0"], "argument --window: must be a positive integer, got '0'"),
+    (["--num-threads", "0"], "argument --num-threads: must be a positive integer, got '0'"),
+    (["--window", "1"], "error: --window must be >= 2 tokens, got 1"),
+    (["--device", "meta"], "error: --device must be cpu, or a CUDA device such as cuda or cuda:0, got 'meta'"),
+    (["--device", "xyz"], "error: --device must be cpu, or a CUDA device such as cuda or cuda:0, got 'xyz'"),
+])
+def test_eval_ppl_refuses_settings_it_would_not_apply(argv, message, capsys):
+    from minfer.bench.perplexity import main
+
+    try:
+        code = main(["--model", "minfer-tiny", *argv, str(TINY / "heldout.txt")])
+    except SystemExit as e:
+        code = e.code
+    assert code in (1, 2) and message in capsys.readouterr().err
+
+
 def test_windows_score_every_token_but_the_first_once():
     for n, window, stride in [(2, 4, 2), (10, 4, 2), (11, 4, 3), (9, 4, 3), (100, 16, 1), (3, 8, 4), (9, 2, 1)]:
         scored = [t for begin, end, first in windows(n, window, stride) for t in range(first, end)]
