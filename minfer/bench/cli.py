@@ -106,19 +106,11 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
     x = p.add_argument_group("comparisons")
     x.add_argument("--baseline", choices=["hf"], help="also run the workload through transformers' generate")
     x.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf baseline")
-    x.add_argument(
-        "--hf-num-requests",
-        type=int,
-        help="the baseline runs only the workload's first N requests (a slow baseline on a big workload; "
-        "throughputs compare, latencies less so) (default: all)",
-    )
+    x.add_argument("--hf-num-requests", type=int, help="the baseline runs only the workload's first N requests (a "
+                   "slow baseline on a big workload; throughputs compare, latencies less so) (default: all)")
     x.add_argument("--roofline", action="store_true", help="batch-1 TPOT beside the weights/bandwidth floor")
-    x.add_argument(
-        "--profile",
-        action="store_true",
-        help="split prefill and decode steps into parts (KV write, context read, attention, linears, "
-        "LM head, sampling, host), each with its bytes, FLOPs and bound",
-    )
+    x.add_argument("--profile", action="store_true", help="split prefill and decode steps into parts (KV write, "
+                   "context read, attention, linears, LM head, sampling, host), each with its bytes, FLOPs and bound")
     args = p.parse_args(argv)
     if args.base_url:
         args.mode = "online"
@@ -129,6 +121,15 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
         p.error("--warmup-runs must be >= 0")
     if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
         p.error(f"--logprobs must be from 0 to {MAX_LOGPROBS}")
+    starts_server = args.mode == "online" and not args.base_url
+    for flag, given, applies, where in (  # a flag this run would not apply is a mistake, not a no-op
+            ("--tokenizer", args.tokenizer, args.base_url, "with --base-url"),
+            ("--server-args", args.server_args, starts_server, "when bench starts a server (--mode online)"),
+            ("--hf-batch-size", args.hf_batch_size != p.get_default("hf_batch_size"), args.baseline, "with --baseline"),
+            ("--hf-num-requests", args.hf_num_requests, args.baseline, "with --baseline"),
+            ("--pretok", args.pretok, args.prompt or args.prompts_file, "to text prompts (--prompt, --prompts-file)")):
+        if given and not applies:
+            p.error(f"{flag} applies only {where}")
     return args
 
 

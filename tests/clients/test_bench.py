@@ -331,3 +331,19 @@ def test_online_with_no_server_there_says_why(capsys):
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err == "bench.py: error: every request to 127.0.0.1:1 failed, the first with ConnectionRefusedError: " \
                       "[Errno 111] Connection refused"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tokenizer", "/x"], "--tokenizer applies only with --base-url"),
+    (["--server-args=--max-queued 3"], "--server-args applies only when bench starts a server (--mode online)"),
+    (["--base-url", "http://127.0.0.1:1", "--server-args=--max-queued 3"], "--server-args applies only when bench"),
+    (["--hf-batch-size", "2"], "--hf-batch-size applies only with --baseline"),
+    (["--hf-num-requests", "2"], "--hf-num-requests applies only with --baseline"),
+    (["--pretok"], "--pretok applies only to text prompts (--prompt, --prompts-file)"),
+])
+def test_a_flag_the_run_would_not_apply_is_refused(flags, message, capsys):
+    from minfer.bench.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "minfer-tiny", *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
