@@ -58,6 +58,10 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
 
 
+def applies(flags: list[str]) -> str:
+    return "applies" if len(flags) == 1 else "apply"
+
+
 class Check(NamedTuple):
     ok: Callable[[Any], bool]
     must: str  # what a good value is, for the error message
@@ -294,6 +298,8 @@ class EngineConfig:
             raise ValueError("--quantization-group-size applies to --quantization int4 only")
         if self.quantize_activations and self.quantization != "int8":
             raise ValueError("--quantize-activations applies to --quantization int8 only")
+        if not self.quantize_lm_head and self.quantization is None:
+            raise ValueError("--no-quantize-lm-head applies with --quantization only (nothing is quantized)")
         if self.quantize_activations and self.compile_model:  # it would compile, fail, then run eager
             raise ValueError(
                 "--quantize-activations does not compile under --compile-model (Inductor's int8 x int8 GEMM fails "
@@ -310,14 +316,14 @@ class EngineConfig:
         if self.speculative_method is None:
             given = [flag(f) for f in fields(self) if f.name in options and getattr(self, f.name) is not None]
             if given:
-                raise ValueError(f"{', '.join(given)} apply only with --speculative-method")
+                raise ValueError(f"{', '.join(given)} {applies(given)} only with --speculative-method")
             return
         if self.speculative_method == "draft":
             if self.speculative_model is None:
                 raise ValueError("--speculative-method draft needs --speculative-model DIR (the draft checkpoint)")
             ngram = [flag(f) for f in fields(self) if f.name.startswith("ngram_") and getattr(self, f.name) is not None]
             if ngram:
-                raise ValueError(f"{', '.join(ngram)} apply to --speculative-method ngram, not draft")
+                raise ValueError(f"{', '.join(ngram)} {applies(ngram)} to --speculative-method ngram, not draft")
             if self.num_speculative_tokens is None:
                 object.__setattr__(self, "num_speculative_tokens", 4)
             return

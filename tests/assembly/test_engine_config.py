@@ -349,3 +349,9 @@ def test_bench_engine_flags(tiny_checkpoint, capsys):
     assert bench.main(["--model", str(tiny_checkpoint), "--kv-cache-memory", "lots"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("bench.py: error: --kv-cache-memory must be a size") and err.count("\n") == 1
+
+
+def test_no_quantize_lm_head_without_quantization_is_refused():
+    with pytest.raises(ValueError, match=r"--no-quantize-lm-head applies with --quantization only \(nothing is quantized\)"):
+        EngineConfig(quantize_lm_head=False)
+    assert EngineConfig(quantization="int8", quantize_lm_head=False).quantize_lm_head is False

@@ -66,7 +66,7 @@ def test_ngram_index_kept_per_sequence_equals_a_fresh_scan_at_every_length():
     "settings, message",
     [
         ({"speculative_method": "medusa"}, "--speculative-method must be one of ngram, draft"),
-        ({"num_speculative_tokens": 4}, "--num-speculative-tokens apply only with --speculative-method"),
+        ({"num_speculative_tokens": 4}, "--num-speculative-tokens applies only with --speculative-method"),
         ({"speculative_method": "ngram", "num_speculative_tokens": 0}, "--num-speculative-tokens must be a positive"),
         ({"speculative_method": "ngram", "ngram_min": 4, "ngram_max": 2}, r"--ngram-min \(4\) must be <= --ngram-max"),
         ({"speculative_method": "ngram", "speculative_model": "x"}, "--speculative-model applies to"),

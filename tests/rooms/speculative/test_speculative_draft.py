@@ -42,8 +42,8 @@ def models(make_checkpoint):
     "settings, message",
     [
         ({"speculative_method": "draft"}, "--speculative-method draft needs --speculative-model"),
-        ({"speculative_method": "draft", "speculative_model": "x", "ngram_max": 3}, "--ngram-max apply to .* ngram"),
-        ({"speculative_model": "x"}, "--speculative-model apply only with --speculative-method"),
+        ({"speculative_method": "draft", "speculative_model": "x", "ngram_max": 3}, "--ngram-max applies to .* ngram"),
+        ({"speculative_model": "x"}, "--speculative-model applies only with --speculative-method"),
     ],
 )
 def test_bad_options_are_refused(settings, message):
