@@ -146,6 +146,10 @@ def create_server(
     `chat_template` (a file or a Jinja string) replaces the checkpoint's; log_requests=False drops the
     one log line per request. Raises ValueError/OSError for a bad model, setting or address. Run it
     with serve_forever()."""
+    if api_key is not None and not api_key.strip():  # every request would be a 401: an unset shell variable, say
+        raise ValueError("--api-key is empty: give a key, or leave the flag out to serve without one")
+    if served_model_name is not None and not served_model_name.strip():
+        raise ValueError("--served-model-name is empty: give a name, or leave the flag out to serve the model's own")
     if isinstance(config, EngineConfig):
         config = replace(config, **settings)
     else:

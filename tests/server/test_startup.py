@@ -207,3 +207,12 @@ def test_a_host_that_does_not_resolve_is_not_blamed_on_another_server(capsys):
         held.listen()
         with pytest.raises(OSError, match=r"\(is another server on port \d+\?\)"):
             check_port_free("127.0.0.1", held.getsockname()[1])
+
+
+@pytest.mark.parametrize("flag", ["--api-key", "--served-model-name"])
+def test_an_empty_key_or_name_is_refused_before_the_model_loads(flag, capsys):
+    """An empty --api-key made every request a 401; an empty --served-model-name was served as the model's own."""
+    from minfer.server.serve import main
+
+    assert main(["--model", "/nonexistent/not-even-checked", "--port", "0", flag, " "]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {flag} is empty: give ")
