@@ -8,8 +8,9 @@ for out in llm.generate(["Hello, my name is", "The sky is"], SamplingParams(temp
 
 from __future__ import annotations
 
+import difflib
 import operator
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from tqdm import tqdm
 
@@ -28,6 +29,13 @@ class LLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **settings):
         if model is not None:
             settings["model"] = model
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__} (a model name: LLM(name))")
+        known = {f.name for f in fields(EngineConfig)}
+        for name in settings.keys() - known:
+            near = difflib.get_close_matches(name, known, n=1)
+            raise TypeError(f"LLM got an unknown setting {name!r}" + (f": did you mean {near[0]!r}?" if near else
+                            " (EngineConfig's fields are the settings)"))
         config = replace(config or EngineConfig(), **settings)
         self.scheduler = build_engine(config)  # the model loaded and prepared, every feature attached
         self.model, self.tokenizer = self.scheduler.model, self.scheduler.tokenizer

@@ -63,3 +63,12 @@ def test_sampling_params_of_another_type_are_refused(llm, params):
     with pytest.raises(TypeError, match="sampling_params must be a SamplingParams, got str"):
         llm.scheduler.add_request("a", sampling_params="x")  # the scheduler's own entry, as tutorials call it
     assert_all_free(llm)
+
+
+def test_unknown_settings_are_named_with_the_nearest_known_one(tiny_checkpoint):
+    with pytest.raises(TypeError, match="LLM got an unknown setting 'max_num_seq': did you mean 'max_num_seqs'?"):
+        LLM(tiny_checkpoint, max_num_seq=2)
+    with pytest.raises(TypeError, match=r"LLM got an unknown setting 'flux_capacitor' \(EngineConfig's fields"):
+        LLM(tiny_checkpoint, flux_capacitor=1)
+    with pytest.raises(TypeError, match=r"config must be an EngineConfig, got str \(a model name: LLM\(name\)\)"):
+        LLM(config=str(tiny_checkpoint))
