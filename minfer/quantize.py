@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.quantize")
                         help="dtype of the tensors left in full precision (norms, biases; default bfloat16)")
     parser.add_argument("--force", action="store_true", help="write into a directory that holds other files")
     args = parser.parse_args(argv)
-    refusal = why_not_write_into(args.dst, lambda out: is_quantized_by_minfer(config_of(out)), "quantized checkpoint")
-    if refusal is not None and not (args.force and args.dst):
+    refusal = why_not_write_into(args.dst, holds_quantized_checkpoint, "quantized checkpoint", args.force)
+    if refusal is not None:
         parser.error(refusal)
     try:
         spec = QuantizationSpec(args.quantization, args.quantization_group_size, args.quantize_lm_head)
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.quantize")
         model = load_model(args.src, dtype=DTYPES[args.dtype], weights=QuantizedWeights(spec))
         if Path(model.model_dir).resolve() == Path(args.dst).resolve():  # its full-precision weights would be lost
             raise ValueError(f"{args.dst} is the checkpoint being quantized: write the quantized one elsewhere")
-        if is_quantized_by_minfer(config_of(Path(model.model_dir))):
+        if holds_quantized_checkpoint(Path(model.model_dir)):
             raise ValueError(f"{args.src} is quantized already: quantize its full-precision checkpoint")
         out = save_quantized(model, model.model_dir, args.dst, spec)
     except (ValueError, OSError) as e:
@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.quantize")
     return 0
 
 
-def is_quantized_by_minfer(config: dict) -> bool:
-    return (config.get("quantization_config") or {}).get("quant_method") == FORMAT_NAME
+def holds_quantized_checkpoint(directory: Path) -> bool:
+    """Whether `directory` holds a checkpoint minfer quantized (ours to write over; no source to quantize)."""
+    return (config_of(directory).get("quantization_config") or {}).get("quant_method") == FORMAT_NAME
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.random_mod
     args = parser.parse_args(argv)
     if args.tools and args.config not in LLAMA_CONFIGS:
         parser.error("--tools needs a chat model: --config " + " or ".join(LLAMA_CONFIGS))
-    refusal = why_not_write_into(args.out_dir, is_random_checkpoint, "random checkpoint")
-    if refusal is not None and not (args.force and args.out_dir):
+    refusal = why_not_write_into(args.out_dir, is_random_checkpoint, "random checkpoint", args.force)
+    if refusal is not None:
         parser.error(refusal)
     extra = {"tools": True} if args.tools else {}
     try:

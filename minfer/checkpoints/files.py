@@ -23,11 +23,13 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
-def why_not_write_into(out_dir: str, is_ours: Callable[[Path], bool], what: str) -> str | None:
-    """Why a command must not write its checkpoint into out_dir unasked, or None. A directory that is not
-    empty must hold `what` written before (`is_ours`): anything else may be someone's model, or their files."""
+def why_not_write_into(out_dir: str, is_ours: Callable[[Path], bool], what: str, force: bool) -> str | None:
+    """Why a command must not write its checkpoint into out_dir, or None. A directory that is not empty must
+    hold `what` written before (`is_ours`), unless forced: anything else may be someone's model, or their files."""
     if not out_dir:
         return "the output directory is empty: name the directory to write"
+    if force:
+        return None
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         return f"{out} exists and is not a directory"

@@ -226,9 +226,10 @@ def parse_args(argv: list[str] | None, prog: str) -> tuple[Path, TrainOptions, b
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(opts, name)}")
     if not 0 <= opts.retell <= 1:
         parser.error(f"--retell must be a chance in [0, 1], got {opts.retell}")
-    refusal = why_not_write_into(args.out_dir, lambda out: (out / "heldout.txt").is_file(), "trained model")
-    if refusal is not None and not (args.force and args.out_dir):
-        parser.error(refusal)  # a directory train-tiny wrote holds heldout.txt, the shipped models' too
+    # a directory train-tiny wrote holds heldout.txt, the shipped models' too
+    refusal = why_not_write_into(args.out_dir, lambda out: (out / "heldout.txt").is_file(), "trained model", args.force)
+    if refusal is not None:
+        parser.error(refusal)
     return Path(args.out_dir), opts, not args.no_card
 
 
