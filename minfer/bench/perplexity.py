@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..engine.config import DTYPES
+from ..engine.config import CPU_OR_CUDA, DTYPES, is_cpu_or_cuda
 from ..assembly.build import check_device, resolve_dtype, set_cpu_threads
 from ..models.registry import load_model
 from ..quantization import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization, quantize_model
@@ -109,13 +109,6 @@ def file_perplexity(
     return result, window, stride
 
 
-def device_type(name: str) -> str | None:
-    try:
-        return torch.device(name).type
-    except RuntimeError:  # not a device name at all
-        return None
-
-
 def positive_int(text: str) -> int:
     if not (text.isascii() and text.isdigit() and int(text) > 0):
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
@@ -142,10 +135,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.bench.perp
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
     args = parser.parse_args(argv)
     try:
-        if device_type(args.device) not in ("cpu", "cuda"):
-            raise ValueError(f"--device must be cpu, or a CUDA device such as cuda or cuda:0, got {args.device!r}")
+        if not is_cpu_or_cuda(args.device):
+            raise ValueError(f"--device must be {CPU_OR_CUDA}, got {args.device!r}")
         check_device(torch.device(args.device))
-        if device_type(args.device) == "cpu":
+        if torch.device(args.device).type == "cpu":
             set_cpu_threads(args.num_threads)
         result, window, stride = file_perplexity(args.model, args.file, args.dtype, args.device, args.window,
                                                  args.stride, args.quantization, args.quantization_group_size,

@@ -58,6 +58,17 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
 
 
+CPU_OR_CUDA = "cpu, or a CUDA device such as cuda or cuda:0"
+
+
+def is_cpu_or_cuda(device: str) -> bool:
+    """Whether torch names `device` a CPU or CUDA one: meta, mps, xpu, ... are devices, and fail at the first step."""
+    try:
+        return torch.device(device).type in ("cpu", "cuda")
+    except RuntimeError:  # not a device name at all
+        return False
+
+
 def applies(flags: list[str]) -> str:
     return "applies" if len(flags) == 1 else "apply"
 
@@ -138,8 +149,7 @@ class EngineConfig:
     device: str = setting(
         (settings.DEVICE, "cpu"),
         str,
-        # what torch.device refuses fails in convert; meta, mps, xpu, ... pass it, and would fail at the first step
-        Check(lambda v: torch.device(v).type in ("cpu", "cuda"), "cpu, or a CUDA device such as cuda or cuda:0"),
+        Check(is_cpu_or_cuda, CPU_OR_CUDA),
         "cpu, cuda, cuda:1, ... (default: $MINFER_DEVICE, else cpu)",
         convert=lambda v: str(torch.device(v)),
     )
