@@ -43,6 +43,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.stress") -
     args = parser.parse_args(argv)
     if args.duration <= 0 or args.streams < 1:
         parser.error("--duration must be > 0 and --streams >= 1")
+    server_flags = ("request_timeout", "keepalive_timeout", "write_timeout", "float64_server")
+    given = ["--" + f.replace("_", "-") for f in server_flags if getattr(args, f) != parser.get_default(f)]
+    if given and not args.base_url:  # they describe someone else's server; ours is started with its own
+        parser.error(f"{given[0]} applies only with --base-url (it says how that server was started)")
+    if args.kv_blocks != parser.get_default("kv_blocks") and args.base_url:
+        parser.error("--kv-blocks applies only when the soak starts its own server (--model)")
+    if args.kv_blocks < 1 or min(args.request_timeout, args.keepalive_timeout, args.write_timeout) <= 0:
+        parser.error("--kv-blocks must be >= 1 and the timeouts > 0")
 
     cfg = SoakConfig(duration=args.duration, streams=args.streams, seed=args.seed)
     tally = Tally()

@@ -78,3 +78,15 @@ def test_a_replay_that_differs_fails_only_where_replays_must_be_exact(monkeypatc
 def test_cli_names_a_server_that_is_not_there(capsys):
     assert main(["--base-url", "http://127.0.0.1:1", "--duration", "1"]) == 1
     assert capsys.readouterr().err == "python -m minfer.stress: cannot reach http://127.0.0.1:1: Connection refused\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--request-timeout", "5"], "--request-timeout applies only with --base-url"),  # ours starts with its own
+    (["--model", "minfer-tiny", "--float64-server"], "--float64-server applies only with --base-url"),
+    (["--base-url", "http://127.0.0.1:1", "--kv-blocks", "8"], "--kv-blocks applies only when the soak starts"),
+    (["--kv-blocks", "0"], "--kv-blocks must be >= 1 and the timeouts > 0"),
+])
+def test_cli_refuses_flags_it_would_not_apply(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--duration", "1"])
+    assert e.value.code == 2 and message in capsys.readouterr().err
