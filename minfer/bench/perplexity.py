@@ -94,6 +94,8 @@ def file_perplexity(
     quantized as the engine's --quantization would (quantization/) if one is given."""
     text = Path(path).read_text(encoding="utf-8")
     check_quantization(quantization, group_size)
+    if quantization is None and not quantize_lm_head:
+        raise ValueError("--no-quantize-lm-head applies with --quantization only (nothing is quantized)")
     spec = None if quantization is None else QuantizationSpec(quantization, group_size, quantize_lm_head)
     model = load_model(model_name, device=device, dtype=resolve_dtype(dtype, torch.device(device)), weights=QuantizedWeights(spec))
     if quantize_activations:  # the weights are quantized already: this sets how int8 linears multiply

@@ -27,6 +27,8 @@ def check_quantization(method: str | None, group_size: int | None = None) -> Non
     """ValueError with a sentence for a method or group size minfer cannot run here (before any loading)."""
     check_quantization_method(method)
     if method is None:
+        if group_size is not None:  # or it would be a setting silently not applied
+            raise ValueError("--quantization-group-size applies to --quantization int4, and no quantization is given")
         return
     if group_size is not None and (method != "int4" or group_size not in GROUP_SIZES):
         raise ValueError(
