@@ -101,6 +101,19 @@ def check_quantization_method(method: str | None) -> None:
     raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}{extra}")
 
 
+def check_quantization_flags(method: str | None, group_size: int | None = None, quantize_lm_head: bool = True,
+                             quantize_activations: bool = False) -> None:
+    """ValueError with a sentence for quantization flags minfer would not apply: a method it does not have, or a
+    flag of one method given with another, or with none. EngineConfig's rule, and eval-ppl's and the room's."""
+    check_quantization_method(method)
+    if group_size is not None and method != "int4":
+        raise ValueError("--quantization-group-size applies to --quantization int4 only")
+    if quantize_activations and method != "int8":
+        raise ValueError("--quantize-activations applies to --quantization int8 only")
+    if not quantize_lm_head and method is None:
+        raise ValueError("--no-quantize-lm-head applies with --quantization only (nothing is quantized)")
+
+
 def setting(default, type, check: Check, help: str, convert=None, metavar: str | None = None):
     """One engine setting. `type` turns the flag's text into a value (bool: --flag / --no-flag);
     `convert` normalises what Python callers may also pass (a Path, a torch.dtype, "2GiB"), and
@@ -303,13 +316,8 @@ class EngineConfig:
             raise ValueError("--compile-model and --compile-decode-step each compile the steps: give one")
         if self.num_threads is not None and device != "cpu":
             raise ValueError(f"--num-threads sets CPU threads: it applies to --device cpu, not {self.device}")
-        check_quantization_method(self.quantization)
-        if self.quantization_group_size is not None and self.quantization != "int4":
-            raise ValueError("--quantization-group-size applies to --quantization int4 only")
-        if self.quantize_activations and self.quantization != "int8":
-            raise ValueError("--quantize-activations applies to --quantization int8 only")
-        if not self.quantize_lm_head and self.quantization is None:
-            raise ValueError("--no-quantize-lm-head applies with --quantization only (nothing is quantized)")
+        check_quantization_flags(self.quantization, self.quantization_group_size, self.quantize_lm_head,
+                                 self.quantize_activations)
         if self.quantize_activations and self.compile_model:  # it would compile, fail, then run eager
             raise ValueError(
                 "--quantize-activations does not compile under --compile-model (Inductor's int8 x int8 GEMM fails "

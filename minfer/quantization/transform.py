@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..models.contract import is_prepared
-from ..engine.config import GROUP_SIZES, check_quantization_method
+from ..engine.config import GROUP_SIZES, check_quantization_flags
 from .embedding import QuantizedEmbedding
 from .int4 import DEFAULT_GROUP_SIZE, Int4Linear, int4_kernel_available
 from .int8 import HAS_INT8_DOT, Int8Linear
@@ -25,15 +25,9 @@ log = logging.getLogger("minfer")
 
 def check_quantization(method: str | None, group_size: int | None = None) -> None:
     """ValueError with a sentence for a method or group size minfer cannot run here (before any loading)."""
-    check_quantization_method(method)
-    if method is None:
-        if group_size is not None:  # or it would be a setting silently not applied
-            raise ValueError("--quantization-group-size applies to --quantization int4, and no quantization is given")
-        return
-    if group_size is not None and (method != "int4" or group_size not in GROUP_SIZES):
-        raise ValueError(
-            f"--quantization-group-size applies to int4 and must be one of {GROUP_SIZES}, got {group_size!r}"
-        )
+    check_quantization_flags(method, group_size)
+    if group_size is not None and group_size not in GROUP_SIZES:
+        raise ValueError(f"--quantization-group-size must be one of {GROUP_SIZES}, got {group_size!r}")
     if method == "int4" and not int4_kernel_available():
         raise ValueError(
             f"--quantization int4 needs torch's CPU int4 kernels (torch >= 2.6); this torch ({torch.__version__}) "
@@ -79,8 +73,7 @@ def quantize_model(
     each linear's input rows to int8 too, for int8 x int8 matmuls (int8.py). Quantizing a quantized
     model again with the same method changes nothing but that choice."""
     check_quantization(method, group_size)
-    if quantize_activations and method != "int8":
-        raise ValueError(f"--quantize-activations applies to --quantization int8, not {method}")
+    check_quantization_flags(method, group_size, quantize_lm_head, quantize_activations)
     _quantize_weights(model, method, group_size, quantize_lm_head)
     if quantize_activations and not HAS_INT8_DOT:
         log.warning("minfer: --quantize-activations on a CPU without int8 dot products (VNNI, AMX): no faster than "

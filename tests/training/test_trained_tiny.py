@@ -135,7 +135,7 @@ def test_heldout_perplexity_reproduces_the_card(capsys):
     (["--window", "1"], "error: --window must be >= 2 tokens, got 1"),
     (["--device", "meta"], "error: --device must be cpu, or a CUDA device such as cuda or cuda:0, got 'meta'"),
     (["--device", "xyz"], "error: --device must be cpu, or a CUDA device such as cuda or cuda:0, got 'xyz'"),
-    (["--quantization-group-size", "64"], "--quantization-group-size applies to --quantization int4, and no quant"),
+    (["--quantization-group-size", "64"], "--quantization-group-size applies to --quantization int4 only"),
     (["--no-quantize-lm-head"], "--no-quantize-lm-head applies with --quantization only (nothing is quantized)"),
 ])
 def test_eval_ppl_refuses_settings_it_would_not_apply(argv, message, capsys):
