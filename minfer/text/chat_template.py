@@ -47,7 +47,8 @@ def _token_text(value) -> str | None:
 
 
 class ChatTemplate:
-    def __init__(self, source: str | None, special_tokens: dict[str, str] | None = None, stop_token_ids=()):
+    def __init__(self, source: str | None, special_tokens: dict[str, str] | None = None, stop_token_ids=(),
+                 origin: str = "the checkpoint's chat_template"):
         self.source = source  # None: the plain rendering
         self.special_tokens = special_tokens or {}  # bos_token, eos_token, ... as the template names them
         self.stop_token_ids = list(stop_token_ids)  # the end-of-turn tokens this template writes
@@ -66,7 +67,7 @@ class ChatTemplate:
                 self._template = env.from_string(source)
                 self.supports_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
             except TemplateError as e:
-                raise ValueError(f"the checkpoint's chat_template does not compile: {e}") from None
+                raise ValueError(f"{origin} does not compile: {e}") from None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, tokenizer, override: str | None = None) -> "ChatTemplate":
@@ -90,7 +91,8 @@ class ChatTemplate:
             return cls(None)
         special = {k: t for k, v in config.items() if k.endswith("_token") and (t := _token_text(v)) is not None}
         stops = [tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS if t in source]
-        return cls(source, special, [i for i in stops if i is not None])
+        origin = "the checkpoint's chat_template" if override is None else f"--chat-template {override!r}"
+        return cls(source, special, [i for i in stops if i is not None], origin)
 
     def render(
         self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None,

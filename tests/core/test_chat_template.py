@@ -96,9 +96,12 @@ def test_templates_are_sandboxed_and_gpt2_keeps_plain_rendering(tiny_checkpoint)
     unsafe = ChatTemplate("{{ messages.__class__.__mro__ }}")
     with pytest.raises(ValueError, match="could not render"):
         unsafe.render(MESSAGES)
-    with pytest.raises(ValueError, match="does not compile"):
+    with pytest.raises(ValueError, match="the checkpoint's chat_template does not compile"):
         ChatTemplate("{% for %}")
-    gpt2 = ChatTemplate.from_dir(tiny_checkpoint, Tokenizer.from_dir(tiny_checkpoint))
+    tokenizer = Tokenizer.from_dir(tiny_checkpoint)  # a bad --chat-template is named as the flag, not the checkpoint
+    with pytest.raises(ValueError, match=r"--chat-template '\{\{ x \}' does not compile"):
+        ChatTemplate.from_dir(tiny_checkpoint, tokenizer, override="{{ x }")
+    gpt2 = ChatTemplate.from_dir(tiny_checkpoint, tokenizer)
     assert gpt2.render(MESSAGES) == "system: Be brief.\nuser: Hi, 世界!\nassistant:" and not gpt2.stop_token_ids
 
 
