@@ -32,10 +32,11 @@ class LLM:
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__} (a model name: LLM(name))")
         known = {f.name for f in fields(EngineConfig)}
-        for name in settings.keys() - known:
-            near = difflib.get_close_matches(name, known, n=1)
-            raise TypeError(f"LLM got an unknown setting {name!r}" + (f": did you mean {near[0]!r}?" if near else
-                            " (EngineConfig's fields are the settings)"))
+        unknown = sorted(settings.keys() - known)
+        if unknown:  # the first, by name: the same message however the kwargs were ordered
+            near = difflib.get_close_matches(unknown[0], known, n=1)
+            raise TypeError(f"LLM got an unknown setting {unknown[0]!r}" + (f": did you mean {near[0]!r}?" if near
+                            else " (EngineConfig's fields are the settings)"))
         config = replace(config or EngineConfig(), **settings)
         self.scheduler = build_engine(config)  # the model loaded and prepared, every feature attached
         self.model, self.tokenizer = self.scheduler.model, self.scheduler.tokenizer

@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..engine.config import CPU_OR_CUDA, DTYPES, check_quantization_flags, is_cpu_or_cuda
+from ..engine.config import CPU_OR_CUDA, DTYPES, is_cpu_or_cuda
 from ..assembly.build import check_device, resolve_dtype, set_cpu_threads
 from ..models.registry import load_model
 from ..quantization import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization, quantize_model
@@ -93,8 +93,7 @@ def file_perplexity(
     """(the result, window, stride) for the text file at `path` under checkpoint `model_name`,
     quantized as the engine's --quantization would (quantization/) if one is given."""
     text = Path(path).read_text(encoding="utf-8")
-    check_quantization_flags(quantization, group_size, quantize_lm_head, quantize_activations)
-    check_quantization(quantization, group_size)
+    check_quantization(quantization, group_size, quantize_lm_head, quantize_activations)
     spec = None if quantization is None else QuantizationSpec(quantization, group_size, quantize_lm_head)
     model = load_model(model_name, device=device, dtype=resolve_dtype(dtype, torch.device(device)), weights=QuantizedWeights(spec))
     if quantize_activations:  # the weights are quantized already: this sets how int8 linears multiply

@@ -23,9 +23,11 @@ from .linear import QuantizedLinear
 log = logging.getLogger("minfer")
 
 
-def check_quantization(method: str | None, group_size: int | None = None) -> None:
-    """ValueError with a sentence for a method or group size minfer cannot run here (before any loading)."""
-    check_quantization_flags(method, group_size)
+def check_quantization(method: str | None, group_size: int | None = None, quantize_lm_head: bool = True,
+                       quantize_activations: bool = False) -> None:
+    """ValueError with a sentence for quantization flags minfer would not apply (engine/config.py's rule), or a
+    group size or method it cannot run here (before any loading)."""
+    check_quantization_flags(method, group_size, quantize_lm_head, quantize_activations)
     if group_size is not None and group_size not in GROUP_SIZES:
         raise ValueError(f"--quantization-group-size must be one of {GROUP_SIZES}, got {group_size!r}")
     if method == "int4" and not int4_kernel_available():
@@ -72,8 +74,7 @@ def quantize_model(
     LM head, and the embedding tied to it, in full precision. `quantize_activations` (int8 only) rounds
     each linear's input rows to int8 too, for int8 x int8 matmuls (int8.py). Quantizing a quantized
     model again with the same method changes nothing but that choice."""
-    check_quantization(method, group_size)
-    check_quantization_flags(method, group_size, quantize_lm_head, quantize_activations)
+    check_quantization(method, group_size, quantize_lm_head, quantize_activations)
     _quantize_weights(model, method, group_size, quantize_lm_head)
     if quantize_activations and not HAS_INT8_DOT:
         log.warning("minfer: --quantize-activations on a CPU without int8 dot products (VNNI, AMX): no faster than "
