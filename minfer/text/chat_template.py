@@ -46,9 +46,12 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+FROM_CHECKPOINT = "the checkpoint's chat_template"  # where a template came from, for its errors
+
+
 class ChatTemplate:
     def __init__(self, source: str | None, special_tokens: dict[str, str] | None = None, stop_token_ids=(),
-                 origin: str = "the checkpoint's chat_template"):
+                 origin: str = FROM_CHECKPOINT):
         self.source = source  # None: the plain rendering
         self.special_tokens = special_tokens or {}  # bos_token, eos_token, ... as the template names them
         self.stop_token_ids = list(stop_token_ids)  # the end-of-turn tokens this template writes
@@ -91,7 +94,7 @@ class ChatTemplate:
             return cls(None)
         special = {k: t for k, v in config.items() if k.endswith("_token") and (t := _token_text(v)) is not None}
         stops = [tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS if t in source]
-        origin = "the checkpoint's chat_template" if override is None else f"--chat-template {override!r}"
+        origin = FROM_CHECKPOINT if override is None else f"--chat-template {override!r}"
         return cls(source, special, [i for i in stops if i is not None], origin)
 
     def render(
