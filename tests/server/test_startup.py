@@ -196,7 +196,7 @@ def test_a_port_out_of_range_is_refused_before_the_model_loads(port, capsys):
     assert f"argument --port: a port must be an integer in [0, 65535], got '{port}'" in capsys.readouterr().err
 
 
-def test_a_host_that_does_not_resolve_is_not_blamed_on_another_server(capsys):
+def test_a_host_that_does_not_resolve_is_not_blamed_on_another_server():
     from minfer.server.serve import check_port_free
 
     with pytest.raises(OSError) as e:
