@@ -178,7 +178,7 @@ def main() -> None:
                 for name in header:
                     us = results.get(name)
                     bytes_read = k * n * (1 if name.startswith("int8") else 4)
-                    cells.append("–" if us is None else f"{us:.0f} ({bytes_read / us / 1e3:.1f})")
+                    cells.append("–" if us is None else f"{us:.0f} ({bytes_read / us / 1e3:.3g})")
                 print(f"| ({k}, {n}) | " + " | ".join(cells) + " |", flush=True)
 
 
