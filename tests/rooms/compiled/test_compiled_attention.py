@@ -169,6 +169,9 @@ def test_enforce_eager_and_the_eager_choice_never_compile(tiny_checkpoint, monke
     assert LLM(tiny_checkpoint, enforce_eager=True, num_kv_blocks=32).scheduler.engine_config.attention_backend == "eager"
     llm = LLM(tiny_checkpoint, attention_backend="eager", num_kv_blocks=32)
     assert type(llm.scheduler.runner.attention) is CPUTiledBackend
+    # $MINFER_ATTENTION_BACKEND only changes the default, which --enforce-eager overrides; given, it is refused
+    monkeypatch.setenv("MINFER_ATTENTION_BACKEND", "compiled")
+    assert LLM(tiny_checkpoint, enforce_eager=True, num_kv_blocks=32).scheduler.engine_config.attention_backend == "eager"
 
 
 def test_prepare_model_keeps_eager_off_cpu_choices(monkeypatch):

@@ -204,6 +204,7 @@ def test_frozen_graph_gemm_choices_follow_the_cpu_and_the_weights(monkeypatch, a
     (dict(compile_model=True, enforce_eager=True), "--enforce-eager never does"),
     (dict(compile_model=True, device="cuda"), "for --device cpu for now"),
     (dict(compile_model=True, compile_decode_step=True), "give one"),
+    (dict(attention_backend="compiled", enforce_eager=True), "--enforce-eager never does"),
     (dict(compile_model=True, quantization="int8", quantize_activations=True), "does not compile under --compile-model"),
 ])
 def test_refused_where_it_cannot_apply(settings, message):
