@@ -21,6 +21,12 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def whole_number(text: str) -> int | None:
+    """The number `text` writes in ASCII decimal digits, else None (a sign, a space, "1e3", and digits
+    that str.isdigit knows but int() does not, such as "²")."""
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
 # CUDA errors after which the process's CUDA context is broken: every later call fails the same way, so
 # the only recovery is a new process (the server stops, non-zero, for its supervisor to restart it).
 STICKY_CUDA_ERRORS = (

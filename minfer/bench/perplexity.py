@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.config import CPU_OR_CUDA, DTYPES, is_cpu_or_cuda
+from ..errors import whole_number
 from ..assembly.build import check_device, resolve_dtype, set_cpu_threads
 from ..models.registry import load_model
 from ..quantization import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization, quantize_model
@@ -110,7 +111,7 @@ def file_perplexity(
 
 
 def positive_int(text: str) -> int:
-    if not (text.isascii() and text.isdigit() and int(text) > 0):
+    if not whole_number(text):
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return int(text)
 

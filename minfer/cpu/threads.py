@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from .. import settings
+from ..errors import whole_number
 
 THREAD_ENV_VARS = (settings.NUM_THREADS, settings.OMP_NUM_THREADS)  # the user's thread count, in this order
 
@@ -23,7 +24,7 @@ def cpu_threads_wanted(num_threads: int | None = None) -> int:
         for var in THREAD_ENV_VARS:
             value = var.get()
             if value is not None:
-                if not (value.isascii() and value.isdigit()) or int(value) < 1:
+                if not whole_number(value):
                     raise ValueError(f"{var.name} must be a positive integer, got {value!r}")
                 return int(value)
         return len(cores_allowed())

@@ -20,6 +20,7 @@ import time
 from urllib.parse import urlsplit
 
 from .api_errors import APIError
+from ..errors import whole_number
 from ..version import __version__
 from .connections import TimedHandler
 from .requests import parse_json_body
@@ -123,7 +124,7 @@ class RoutingHandler(TimedHandler):
         length = next(iter(lengths), None)
         if length is None:
             raise APIError(411, "a Content-Length header is required")
-        if not (length.isascii() and length.isdigit()):  # "²" is a digit to str.isdigit, not to int()
+        if whole_number(length) is None:
             raise APIError(400, f"bad Content-Length {length!r}")
         if int(length) > MAX_BODY_BYTES:
             raise APIError(

@@ -39,6 +39,7 @@ from dataclasses import asdict, replace
 import torch
 
 from ..engine.config import EngineConfig
+from ..errors import whole_number
 from .. import settings
 from ..assembly.build import build_engine, check_device
 from ..engine.scheduler import OnlineScheduler
@@ -199,8 +200,8 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def port_number(text: str) -> int:
-    port = int(text) if text.isascii() and text.isdigit() else -1
-    if not 0 <= port <= 65535:
+    port = whole_number(text)
+    if port is None or port > 65535:
         raise argparse.ArgumentTypeError(f"a port must be an integer in [0, 65535], got {text!r}")
     return port
 
