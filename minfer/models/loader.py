@@ -200,17 +200,16 @@ def load_model_weights(
     arch: Architecture = type(model)
     expected = arch.expected_shapes(model.config)
     tied = tied_parameters(model)
-    take = None
-    if quantizer is not None:  # quantize each weight as it is read: its float copy never joins the state
 
-        def take(name: str, tensor: torch.Tensor) -> bool:
-            if quantizer.wants(tied.get(name, "")):
-                return True  # a stored copy of a tied weight, quantized from its owner's tensor
-            if not quantizer.wants(name):
-                return False
-            return quantizer.take(name, arch.convert_weights({name: tensor}, model.config)[name])
+    def take(name: str, tensor: torch.Tensor) -> bool:  # with a quantizer: each weight quantized as it is read,
+        if quantizer.wants(tied.get(name, "")):  # its float copy never joining the state
+            return True  # a stored copy of a tied weight, quantized from its owner's tensor
+        if not quantizer.wants(name):
+            return False
+        return quantizer.take(name, arch.convert_weights({name: tensor}, model.config)[name])
 
-    state = read_checked_weights(model_dir, expected, arch.checkpoint_name, device, dtype, arch.optional_weights, take)
+    state = read_checked_weights(model_dir, expected, arch.checkpoint_name, device, dtype, arch.optional_weights,
+                                 take if quantizer is not None else None)
     state = arch.convert_weights(state, model.config)
     for alias, owner in tied.items():
         if owner in state:
