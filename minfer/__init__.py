@@ -5,6 +5,7 @@ bench and stress as clients; docs/architecture.md draws them. This file re-expor
 users import: `from minfer import LLM, SamplingParams` (and `EngineConfig`, `StructuredOutputsParams`).
 """
 
+from . import settings  # first: it notes this process's CPUs before torch's OpenMP may bind it to one
 from .engine.config import EngineConfig
 from .assembly.llm import LLM
 from .engine.sampling_params import SamplingParams

@@ -37,6 +37,12 @@ GOMP_SPINCOUNT = EnvVar("GOMP_SPINCOUNT", "how long an idle libgomp thread spins
 CACHE = EnvVar("MINFER_CACHE", "compiled graphs kept for the next start (off: none); default XDG_CACHE_HOME/minfer")
 XDG_CACHE_HOME = EnvVar("XDG_CACHE_HOME", "the user's cache directory, Hugging Face's cache's too; else ~/.cache")
 
+# Not a variable, but the process's environment too: the CPUs it may use, as this module found them on
+# import. The package imports it before torch, whose OpenMP (libgomp), told to bind threads by OMP_PROC_BIND,
+# OMP_PLACES or GOMP_CPU_AFFINITY, pins the importing thread to one of those CPUs as it loads: its affinity
+# read later says one core (cpu/threads.py).
+CPUS_AT_IMPORT = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
 ALL = (DEVICE, ATTENTION_BACKEND, DTYPE, NUM_THREADS, OMP_NUM_THREADS, API_KEY, OMP_WAIT_POLICY, GOMP_SPINCOUNT, CACHE,
        XDG_CACHE_HOME)
 

@@ -3,6 +3,7 @@ one clean line, before the model loads, for every bad start (`python -m minfer.s
 process that has imported torch: tests/script_forks.py)."""
 
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -154,6 +155,21 @@ def test_more_threads_than_cores_are_warned_about(monkeypatch, caplog):
         assert "3 threads on the 2 cores" in caplog.text and "--num-threads 2" in caplog.text
     finally:
         torch.set_num_threads(before)
+
+
+def test_openmp_binding_the_main_thread_leaves_every_core_counted():
+    """Told to bind (OMP_PROC_BIND, as OMP_PLACES or GOMP_CPU_AFFINITY do), OpenMP pins the importing thread
+    to one core as torch loads: minfer still counts the cores the process may use, and starts a thread on each."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        pytest.skip("one core here: nothing for a binding to narrow")
+    script = ("import os, minfer; from minfer.cpu.threads import cores_allowed, cpu_threads_wanted; "
+              "print(len(os.sched_getaffinity(0)), len(cores_allowed()), cpu_threads_wanted())")
+    env = {k: v for k, v in os.environ.items() if k not in ("MINFER_NUM_THREADS", "OMP_NUM_THREADS")} | {"OMP_PROC_BIND": "true"}
+    done = subprocess.run(["taskset", "-c", ",".join(map(str, cores)), sys.executable, "-c", script], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "2", "2"]  # the thread bound to one core; two counted, two threads
 
 
 def test_a_bad_thread_variable_is_refused(monkeypatch):
