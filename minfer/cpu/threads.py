@@ -31,6 +31,15 @@ def cpu_threads_wanted(num_threads: int | None = None) -> int:
     return num_threads
 
 
+def threads_origin(num_threads: int | None) -> str:
+    """Where cpu_threads_wanted took its count from, for the banner: the flag, a variable and its value (a
+    container's OMP_NUM_THREADS=1, say), or the cores."""
+    if num_threads is not None:
+        return "--num-threads"
+    var = next((v for v in THREAD_ENV_VARS if v.is_set), None)
+    return f"{var.name}={var.get()}" if var else "one per core"
+
+
 def cores_allowed() -> list[int]:
     """The cores this process may run on (Linux: its affinity; elsewhere every core). An affinity narrower
     than minfer found on import was OpenMP's binding of this thread, not the user's choice of cores (see

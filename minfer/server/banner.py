@@ -12,6 +12,7 @@ from ..attention.kv_cache import KVCache
 from ..engine.config import dtype_name
 from ..engine.scheduler import OnlineScheduler
 from ..cpu.openmp import wait_policy
+from ..cpu.threads import cores_allowed, threads_origin
 
 
 def dtype_reason(asked: str | None, dtype: torch.dtype, device: torch.device) -> str:
@@ -37,8 +38,10 @@ def banner_lines(scheduler: OnlineScheduler, asked_dtype: str, address: str, api
     features = scheduler.features
     if model.device.type == "cpu":
         sharing = features.threads is not None and features.threads.enabled
-        adapts = " (fewer while other processes use these cores)" if sharing else ""
-        threads = f", {torch.get_num_threads()} threads{adapts}"
+        adapts = "; fewer while other processes use the cores" if sharing else ""
+        n, origin = torch.get_num_threads(), threads_origin(ran.num_threads)
+        where = "" if origin == "one per core" else f", on {len(cores_allowed())} cores"  # the user's count
+        threads = f", {n} thread{'s' * (n != 1)} ({origin}{where}{adapts})"
     attention = ran.attention_backend
     if scheduler.attention.name == "flex" and attention == "compiled":  # not where it fell back (compiled/forward.py)
         attention += ", FlexAttention over the block tables"

@@ -34,7 +34,7 @@ def test_banner_names_every_choice(tiny_checkpoint, caplog):
         "dtype: ",
         "(auto: ",
         "device: cpu, ",
-        " threads",
+        " thread",
         "; attention: ",
         "idle OpenMP threads: ",
         "KV cache: 100 blocks x 16 tokens = 1,600 tokens, ",
@@ -170,6 +170,31 @@ def test_openmp_binding_the_main_thread_leaves_every_core_counted():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1", "2", "2"]  # the thread bound to one core; two counted, two threads
+
+
+@pytest.mark.parametrize("variables, flag, says", [
+    ({}, None, "one per core"),
+    ({"OMP_NUM_THREADS": "1"}, None, "1 thread (OMP_NUM_THREADS=1, "),  # a container's setting, named
+    ({"MINFER_NUM_THREADS": "2", "OMP_NUM_THREADS": "1"}, None, "2 threads (MINFER_NUM_THREADS=2, "),
+    ({"OMP_NUM_THREADS": "1"}, 2, "2 threads (--num-threads, "),
+])
+def test_the_banner_says_where_the_thread_count_came_from(tiny_checkpoint, monkeypatch, variables, flag, says):
+    import torch
+
+    from minfer import LLM
+    from minfer.server.banner import banner_lines
+
+    monkeypatch.delenv("MINFER_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    before = torch.get_num_threads()
+    try:
+        llm = LLM(tiny_checkpoint, num_kv_blocks=16, num_threads=flag)
+        device_line = next(line for line in banner_lines(llm.scheduler, "float32", "-", False) if line.startswith("device:"))
+    finally:
+        torch.set_num_threads(before)
+    assert says in device_line, device_line
 
 
 def test_a_bad_thread_variable_is_refused(monkeypatch):
