@@ -16,7 +16,8 @@
 #   5. qwen3    Qwen3-0.6B's shape: batch-1 TPOT (graphs, eager, roofline), attention A/B at
 #               256 x 1024 (flex against gather + sdpa), 64 requests of nano-vllm's workload         150 s
 # A dry run (MINFER_DEVICE=cpu) runs each on tiny shapes, flex traced by Dynamo's eager backend; step 4,
-# which needs CUDA, only checks that its tests are still there and prints SKIP. tests/rooms/gpu/test_gpu_check.py runs the dry run.
+# which needs CUDA, only checks that its tests are still there and prints SKIP. tests/rooms/gpu/test_gpu_check.py
+# runs the dry run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export MINFER_DEVICE=${MINFER_DEVICE:-cuda}

@@ -111,9 +111,10 @@ def file_perplexity(
 
 
 def positive_int(text: str) -> int:
-    if not whole_number(text):
+    number = whole_number(text)
+    if not number:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return int(text)
+    return number
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.bench.perplexity") -> int:

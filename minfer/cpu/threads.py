@@ -24,9 +24,10 @@ def cpu_threads_wanted(num_threads: int | None = None) -> int:
         for var in THREAD_ENV_VARS:
             value = var.get()
             if value is not None:
-                if not whole_number(value):
+                count = whole_number(value)
+                if not count:
                     raise ValueError(f"{var.name} must be a positive integer, got {value!r}")
-                return int(value)
+                return count
         return len(cores_allowed())
     return num_threads
 

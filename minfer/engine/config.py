@@ -312,7 +312,9 @@ class EngineConfig:
             raise ValueError(f"--compile-model is for --device cpu for now, not {self.device}")
         if self.compile_model and self.enforce_eager:
             raise ValueError("--compile-model compiles, --enforce-eager never does: give one")
-        if self.enforce_eager and self.attention_backend == "compiled" != settings.ATTENTION_BACKEND.get("auto"):
+        # --enforce-eager overrides $MINFER_ATTENTION_BACKEND=compiled, a default, not --attention-backend compiled
+        asked = self.attention_backend == "compiled" and settings.ATTENTION_BACKEND.get() != "compiled"
+        if self.enforce_eager and asked:
             raise ValueError("--attention-backend compiled compiles, --enforce-eager never does: give one")
         if self.compile_model and self.compile_decode_step:
             raise ValueError("--compile-model and --compile-decode-step each compile the steps: give one")

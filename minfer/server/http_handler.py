@@ -124,14 +124,15 @@ class RoutingHandler(TimedHandler):
         length = next(iter(lengths), None)
         if length is None:
             raise APIError(411, "a Content-Length header is required")
-        if whole_number(length) is None:
+        size = whole_number(length)
+        if size is None:
             raise APIError(400, f"bad Content-Length {length!r}")
-        if int(length) > MAX_BODY_BYTES:
+        if size > MAX_BODY_BYTES:
             raise APIError(
                 413, f"the request body is {length} bytes; the limit is {MAX_BODY_BYTES}", code="request_too_large"
             )
-        raw = self.rfile.read(int(length))
-        if len(raw) < int(length):
+        raw = self.rfile.read(size)
+        if len(raw) < size:
             raise ClientGone()
         return parse_json_body(raw)
 

@@ -165,7 +165,8 @@ def test_openmp_binding_the_main_thread_leaves_every_core_counted():
         pytest.skip("one core here: nothing for a binding to narrow")
     script = ("import os, minfer; from minfer.cpu.threads import cores_allowed, cpu_threads_wanted; "
               "print(len(os.sched_getaffinity(0)), len(cores_allowed()), cpu_threads_wanted())")
-    env = {k: v for k, v in os.environ.items() if k not in ("MINFER_NUM_THREADS", "OMP_NUM_THREADS")} | {"OMP_PROC_BIND": "true"}
+    env = {k: v for k, v in os.environ.items() if k not in ("MINFER_NUM_THREADS", "OMP_NUM_THREADS")}
+    env["OMP_PROC_BIND"] = "true"
     done = subprocess.run(["taskset", "-c", ",".join(map(str, cores)), sys.executable, "-c", script], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -191,7 +192,8 @@ def test_the_banner_says_where_the_thread_count_came_from(tiny_checkpoint, monke
     before = torch.get_num_threads()
     try:
         llm = LLM(tiny_checkpoint, num_kv_blocks=16, num_threads=flag)
-        device_line = next(line for line in banner_lines(llm.scheduler, "float32", "-", False) if line.startswith("device:"))
+        lines = banner_lines(llm.scheduler, "float32", "-", False)
+        device_line = next(line for line in lines if line.startswith("device:"))
     finally:
         torch.set_num_threads(before)
     assert says in device_line, device_line
