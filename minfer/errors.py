@@ -22,8 +22,7 @@ def is_int(value) -> bool:
 
 
 def whole_number(text: str) -> int | None:
-    """The number `text` writes in ASCII decimal digits, else None (a sign, a space, "1e3", and digits
-    that str.isdigit knows but int() does not, such as "²")."""
+    """The number `text` writes in ASCII digits, else None (a sign, a space, "1e3"; "²", a digit to isdigit)."""
     return int(text) if text.isascii() and text.isdigit() else None
 
 
