@@ -121,6 +121,11 @@ class Grammars:
         if matcher.is_error():  # a bad schema, an unsupported keyword, a regex that does not parse
             message = _short(matcher.get_error())
             raise InvalidParameter("structured_outputs", f"the {c.kind} does not compile: {message}")
+        probe = matcher.deep_copy()  # its first mask: a constraint nothing can start ([^\x00-\x{10FFFF}]) errs
+        probe.compute_bitmask()
+        if probe.is_error():
+            reason = probe.get_error().splitlines()[0]
+            raise InvalidParameter("structured_outputs", f"the {c.kind} allows no text at all ({reason})")
         with self._lock:
             self._compiled[key] = matcher
             self.num_compiled += 1

@@ -208,6 +208,8 @@ def test_only_constrained_rows_are_masked(tiny_checkpoint):
     ({"json": {"type": "object", "properties": {"x": {"type": "string", "pattern": "b\\"}}}}, "lone backslash"),
     ({"json": {"type": "object", "patternProperties": {"^k\\": {}}}}, "lone backslash"),
     ({"grammar": "start: x y"}, "x"),
+    ({"regex": "[^\\x00-\\x{10FFFF}]"}, "the regex allows no text at all"),  # it ran, to a dead end each time
+    ({"grammar": "start: /[^\\x00-\\U0010FFFF]/"}, "the grammar allows no text at all"),
     ({"choice": []}, "empty"),
     ({"json": {"type": "object"}, "regex": "a"}, "exactly one"),
     ({"json": "{not json"}, "not valid JSON"),
