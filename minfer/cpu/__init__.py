@@ -4,6 +4,7 @@
 - linears.py: which linear each nn.Linear becomes on this CPU: prepacked, or bf16 kept as storage only;
 - packing.py: linears and the LM head in oneDNN's prepacked layout;
 - tiled_attention.py: the CPU's eager attention backend (context read a tile at a time);
+- threads.py, cgroup.py: torch's thread count, from the cores and a container's CPU quota;
 - thread_share.py: torch's thread count kept to the cores other processes leave free;
 - openmp.py: how OpenMP threads wait, for the banner; malloc.py: glibc's thresholds after a quantizing load.
 

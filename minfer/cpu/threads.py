@@ -1,6 +1,7 @@
 """How many threads torch starts with: the user's count (--num-threads, MINFER_NUM_THREADS,
-OMP_NUM_THREADS), else every core this process may use. thread_share.py lowers it while other
-processes compete for those cores."""
+OMP_NUM_THREADS), else every core this process may use, or as many as a container's CPU quota
+(cgroup.py) holds whole CPUs, if fewer. thread_share.py lowers it while other processes compete
+for those cores."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 
 from .. import settings
 from ..errors import whole_number
+from .cgroup import cpu_quota
 
 THREAD_ENV_VARS = (settings.NUM_THREADS, settings.OMP_NUM_THREADS)  # the user's thread count, in this order
 
@@ -19,7 +21,7 @@ def threads_chosen(num_threads: int | None) -> bool:
 
 def cpu_threads_wanted(num_threads: int | None = None) -> int:
     """The thread count set_cpu_threads gives torch: num_threads (the --num-threads flag), else
-    MINFER_NUM_THREADS, else OMP_NUM_THREADS, else every core this process may use."""
+    MINFER_NUM_THREADS, else OMP_NUM_THREADS, else one per core, within a CPU quota."""
     if num_threads is None:
         for var in THREAD_ENV_VARS:
             value = var.get()
@@ -28,17 +30,21 @@ def cpu_threads_wanted(num_threads: int | None = None) -> int:
                 if not count:
                     raise ValueError(f"{var.name} must be a positive integer, got {value!r}")
                 return count
-        return len(cores_allowed())
+        cores, quota = len(cores_allowed()), cpu_quota()
+        return cores if quota is None else max(1, min(cores, int(quota)))
     return num_threads
 
 
 def threads_origin(num_threads: int | None) -> str:
     """Where cpu_threads_wanted took its count from, for the banner: the flag, a variable and its value (a
-    container's OMP_NUM_THREADS=1, say), or the cores."""
+    container's OMP_NUM_THREADS=1, say), a CPU quota (cgroup.py) that holds fewer CPUs than the cores, or the cores."""
     if num_threads is not None:
         return "--num-threads"
     var = next((v for v in THREAD_ENV_VARS if v.is_set), None)
-    return f"{var.name}={var.get()}" if var else "one per core"
+    if var is not None:
+        return f"{var.name}={var.get()}"
+    quota = cpu_quota()
+    return "one per core" if quota is None or quota >= len(cores_allowed()) else f"a CPU quota of {quota:g}"
 
 
 def cores_allowed() -> list[int]:

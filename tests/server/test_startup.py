@@ -45,6 +45,24 @@ def test_banner_names_every_choice(tiny_checkpoint, caplog):
         assert expected in text, (expected, text)
 
 
+def test_the_banner_counts_the_threads_the_engine_runs(tiny_checkpoint, caplog):
+    """The server loads the model, setting torch's threads, on a thread of its own (OpenMP's count is per
+    thread): the banner says the engine's count, not that of the thread it is written on."""
+    import torch
+
+    before = torch.get_num_threads()
+    asked = 1 if before != 1 else 2
+    try:
+        with caplog.at_level(logging.INFO, logger="minfer.serve"):
+            config = EngineConfig(str(tiny_checkpoint), num_kv_blocks=16, num_threads=asked)
+            srv = create_server(config, port=0)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        srv.stop(grace=0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert f"device: cpu, {asked} thread{'s' * (asked > 1)} (--num-threads, on " in caplog.text, caplog.text
+
+
 def test_log_level_warning_hides_the_banner_but_not_the_serving_line(tiny_checkpoint):
     proc = subprocess.Popen(
         [sys.executable, "-m", "minfer.serve", "--model", str(tiny_checkpoint), "--port", "0", "--log-level", "warning"],
