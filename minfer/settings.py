@@ -34,6 +34,9 @@ OMP_NUM_THREADS = EnvVar("OMP_NUM_THREADS", "OpenMP's thread count: torch's CPU 
 API_KEY = EnvVar("MINFER_API_KEY", "the server's --api-key")
 OMP_WAIT_POLICY = EnvVar("OMP_WAIT_POLICY", "how idle OpenMP threads wait (libgomp: ACTIVE or PASSIVE)")
 GOMP_SPINCOUNT = EnvVar("GOMP_SPINCOUNT", "how long an idle libgomp thread spins before it sleeps")
+OMP_PROC_BIND = EnvVar("OMP_PROC_BIND", "whether OpenMP binds its threads to CPUs (any value but false: it does)")
+OMP_PLACES = EnvVar("OMP_PLACES", "the CPUs OpenMP binds its threads to (binding them, unless OMP_PROC_BIND=false)")
+GOMP_CPU_AFFINITY = EnvVar("GOMP_CPU_AFFINITY", "libgomp's own list of CPUs to bind its threads to")
 CACHE = EnvVar("MINFER_CACHE", "compiled graphs kept for the next start (off: none); default XDG_CACHE_HOME/minfer")
 XDG_CACHE_HOME = EnvVar("XDG_CACHE_HOME", "the user's cache directory, Hugging Face's cache's too; else ~/.cache")
 
@@ -43,8 +46,8 @@ XDG_CACHE_HOME = EnvVar("XDG_CACHE_HOME", "the user's cache directory, Hugging F
 # read later says one core (cpu/threads.py).
 CPUS_AT_IMPORT = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
-ALL = (DEVICE, ATTENTION_BACKEND, DTYPE, NUM_THREADS, OMP_NUM_THREADS, API_KEY, OMP_WAIT_POLICY, GOMP_SPINCOUNT, CACHE,
-       XDG_CACHE_HOME)
+ALL = (DEVICE, ATTENTION_BACKEND, DTYPE, NUM_THREADS, OMP_NUM_THREADS, API_KEY, OMP_WAIT_POLICY, GOMP_SPINCOUNT,
+       OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY, CACHE, XDG_CACHE_HOME)
 
 
 if __name__ == "__main__":

@@ -48,12 +48,19 @@ def threads_origin(num_threads: int | None) -> str:
 
 
 def cores_allowed() -> list[int]:
-    """The cores this process may run on (Linux: its affinity; elsewhere every core). An affinity narrower
-    than minfer found on import was OpenMP's binding of this thread, not the user's choice of cores (see
-    settings.CPUS_AT_IMPORT): the cores from before count. (Without that, OMP_PROC_BIND=true ran GPT-2
-    batch 1 on one thread of two: 42.4 ms/token against 22.8.)"""
+    """The cores this process may run on (Linux: its affinity; elsewhere every core). Where OpenMP binds
+    threads, an affinity narrower than minfer found on import is its binding of this thread, not the
+    user's choice of cores (settings.CPUS_AT_IMPORT): the cores from before count. (Without that,
+    OMP_PROC_BIND=true ran GPT-2 batch 1 on one thread of two: 42.4 ms/token against 22.8.)"""
     affinity = getattr(os, "sched_getaffinity", None)
     if affinity is None:
         return list(range(os.cpu_count() or 1))
     now, at_import = affinity(0), settings.CPUS_AT_IMPORT
-    return sorted(at_import if at_import and now < at_import else now)
+    return sorted(at_import if at_import and now < at_import and openmp_binds() else now)
+
+
+def openmp_binds() -> bool:
+    """Whether libgomp was told to bind its threads to CPUs: OMP_PROC_BIND other than false, or a list of
+    CPUs to bind to (OMP_PLACES, GOMP_CPU_AFFINITY) that OMP_PROC_BIND=false does not switch off."""
+    bind = (settings.OMP_PROC_BIND.get() or "").lower()
+    return bind != "false" and (bind != "" or settings.OMP_PLACES.is_set or settings.GOMP_CPU_AFFINITY.is_set)

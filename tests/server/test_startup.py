@@ -217,6 +217,25 @@ def test_the_banner_says_where_the_thread_count_came_from(tiny_checkpoint, monke
     assert says in device_line, device_line
 
 
+@pytest.mark.parametrize("variables, binds", [
+    ({}, False), ({"OMP_PROC_BIND": "true"}, True), ({"OMP_PROC_BIND": "spread"}, True),
+    ({"OMP_PLACES": "cores"}, True), ({"GOMP_CPU_AFFINITY": "0-1"}, True), ({"OMP_PROC_BIND": "FALSE"}, False),
+    ({"OMP_PLACES": "cores", "OMP_PROC_BIND": "false"}, False),
+])
+def test_a_narrower_affinity_counts_as_openmps_only_where_it_binds(monkeypatch, variables, binds):
+    from minfer import settings
+    from minfer.cpu import threads
+
+    for name in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(settings, "CPUS_AT_IMPORT", frozenset({0, 1}))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {1})  # narrowed: by OpenMP, or by the user
+    assert threads.openmp_binds() == binds
+    assert threads.cores_allowed() == ([0, 1] if binds else [1])
+
+
 def test_a_bad_thread_variable_is_refused(monkeypatch):
     from minfer.assembly.build import set_cpu_threads
 
