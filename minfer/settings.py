@@ -8,6 +8,7 @@ it from here. `python -m minfer.settings` lists them with their current values.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 
@@ -43,8 +44,10 @@ XDG_CACHE_HOME = EnvVar("XDG_CACHE_HOME", "the user's cache directory, Hugging F
 # Not a variable, but the process's environment too: the CPUs it may use, as this module found them on
 # import. The package imports it before torch, whose OpenMP (libgomp), told to bind threads by OMP_PROC_BIND,
 # OMP_PLACES or GOMP_CPU_AFFINITY, pins the importing thread to one of those CPUs as it loads: its affinity
-# read later says one core (cpu/threads.py).
-CPUS_AT_IMPORT = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+# read later says one core (cpu/threads.py). None: torch came first, and may have bound it already.
+CPUS_AT_IMPORT = None
+if hasattr(os, "sched_getaffinity") and "torch" not in sys.modules:
+    CPUS_AT_IMPORT = frozenset(os.sched_getaffinity(0))
 
 ALL = (DEVICE, ATTENTION_BACKEND, DTYPE, NUM_THREADS, OMP_NUM_THREADS, API_KEY, OMP_WAIT_POLICY, GOMP_SPINCOUNT,
        OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY, CACHE, XDG_CACHE_HOME)

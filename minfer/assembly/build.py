@@ -21,7 +21,7 @@ from ..compiled.forward import CompiledForward
 from ..compiled.step import CompiledDecodeStep
 from ..cpu.features import cpu_has_native_bf16, cpu_has_native_fp16
 from ..cpu.thread_share import CpuShare
-from ..cpu.threads import cores_allowed, cpu_threads_wanted, threads_chosen
+from ..cpu.threads import bound_before_minfer, cores_allowed, cpu_threads_wanted, threads_chosen
 from ..engine.config import DTYPES, EngineConfig, dtype_name
 from ..engine.features import Features
 from ..engine.scheduler import OnlineScheduler
@@ -172,10 +172,15 @@ def set_cpu_threads(num_threads: int | None = None) -> int:
     """Give torch every core this process may use, unless told otherwise (cpu_threads_wanted). Decode is
     memory-bound and prefill compute-bound: both want every core. Call it before loading a model: the
     fp32 LM head is sliced once per thread at load time. Returns the thread count."""
+    chosen = threads_chosen(num_threads)
     num_threads, cores = cpu_threads_wanted(num_threads), len(cores_allowed())
     if num_threads > cores:  # OpenMP's threads take turns on the cores, and every op waits for the last one
         log.warning("minfer: %d threads on the %d cores this process may use: they take turns, which is slower "
                     "(GPT-2 batch 1 on 2 cores: 31.9 ms/token with 4 threads, 21.3 with 2); --num-threads %d uses "
                     "them all", num_threads, cores, cores)
+    if not chosen and bound_before_minfer():
+        log.warning("minfer: OpenMP, told to bind threads (OMP_PROC_BIND, OMP_PLACES or GOMP_CPU_AFFINITY), bound "
+                    "this thread to one core when torch was imported, before minfer: one thread; import minfer "
+                    "first, or give --num-threads")
     torch.set_num_threads(num_threads)
     return num_threads

@@ -59,6 +59,12 @@ def cores_allowed() -> list[int]:
     return sorted(at_import if at_import and now < at_import and openmp_binds() else now)
 
 
+def bound_before_minfer() -> bool:
+    """Whether OpenMP bound this thread to one core of several before minfer could note the process's CPUs
+    (torch was imported first): cores_allowed() then says one core, and set_cpu_threads warns."""
+    return settings.CPUS_AT_IMPORT is None and openmp_binds() and len(cores_allowed()) == 1 < (os.cpu_count() or 1)
+
+
 def openmp_binds() -> bool:
     """Whether libgomp was told to bind its threads to CPUs: OMP_PROC_BIND other than false, or a list of
     CPUs to bind to (OMP_PLACES, GOMP_CPU_AFFINITY) that OMP_PROC_BIND=false does not switch off."""

@@ -236,6 +236,31 @@ def test_a_narrower_affinity_counts_as_openmps_only_where_it_binds(monkeypatch, 
     assert threads.cores_allowed() == ([0, 1] if binds else [1])
 
 
+def test_a_binding_before_minfer_was_imported_is_warned_about(monkeypatch, caplog):
+    """torch imported first, under OMP_PROC_BIND: the thread was bound before minfer could note the CPUs."""
+    import torch
+
+    from minfer import settings
+    from minfer.assembly import build
+
+    for name in ("MINFER_NUM_THREADS", "OMP_NUM_THREADS", "OMP_PLACES", "GOMP_CPU_AFFINITY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_PROC_BIND", "true")
+    monkeypatch.setattr(settings, "CPUS_AT_IMPORT", None)  # what settings notes when torch came first
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.WARNING, logger="minfer"):
+            assert build.set_cpu_threads() == 1
+            assert "import minfer first, or give --num-threads" in caplog.text
+            caplog.clear()
+            build.set_cpu_threads(1)  # the user's count: nothing to say
+            assert not caplog.records
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_bad_thread_variable_is_refused(monkeypatch):
     from minfer.assembly.build import set_cpu_threads
 
