@@ -8,6 +8,7 @@
     minfer eval-ppl --model minfer-tiny FILE  (perplexity of a checkpoint on a text file)
     minfer quantize SRC DST --quantization int8  (a quantized checkpoint: python -m minfer.quantize)
     minfer train-tiny OUT_DIR                 (= python scripts/train_tiny.py ...: train minfer-tiny)
+    minfer settings                           (the environment variables minfer reads, as set here)
 
 Each subcommand takes the same flags as the module it names; `minfer SUBCOMMAND --help` lists them.
 Subcommands import their module only when chosen, so `minfer --help` is instant.
@@ -27,6 +28,7 @@ SUBCOMMANDS = {
     "bench": ("minfer.bench.cli", "benchmark TTFT, TPOT, ITL and throughput, offline or online"),
     "eval-ppl": ("minfer.bench.perplexity", "perplexity of a checkpoint on a text file (quality yardstick)"),
     "quantize": ("minfer.quantize", "write an int8/int4 weight-only quantized checkpoint"),
+    "settings": ("minfer.settings", "the environment variables minfer reads, and their values here"),
     "train-tiny": (
         "minfer.training.train_tiny",
         "train a small GPT-2 (or Llama) on simple stories, on a CPU (minfer-tiny)",

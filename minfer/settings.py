@@ -2,11 +2,12 @@
 
 Each variable is read when asked, not at import (tests and the command line change the environment
 between calls), through the one `EnvVar` that names it; the modules that act on a setting import
-it from here. `python -m minfer.settings` lists them with their current values.
+it from here. `minfer settings` lists them with their current values.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from dataclasses import dataclass
@@ -53,6 +54,14 @@ ALL = (DEVICE, ATTENTION_BACKEND, DTYPE, NUM_THREADS, OMP_NUM_THREADS, API_KEY, 
        OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY, CACHE, XDG_CACHE_HOME)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None, prog: str = "python -m minfer.settings") -> int:
+    argparse.ArgumentParser(prog=prog, description="Every environment variable minfer reads: its value here, and "
+                            "what it does.").parse_args(argv)
+    width = max(len(var.name) + 1 + len(var.get("")) for var in ALL)
     for var in ALL:
-        print(f"{var.name}={var.get('')!s:<12} {var.help}")
+        print(f"{var.name + '=' + var.get(''):<{width}}  {var.help}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from script_forks import run_python
 
-from minfer import LLM, SamplingParams
+from minfer import LLM, SamplingParams, settings
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD_COMMANDS = [
@@ -56,11 +56,12 @@ def minfer_command() -> list[str]:
 def test_minfer_help_lists_every_subcommand():
     done = run([*minfer_command(), "--help"])
     assert done.returncode == 0, done.stderr
-    for name in ("serve", "generate", "random-model", "stress", "bench", "eval-ppl", "train-tiny"):
+    for name in ("serve", "generate", "random-model", "stress", "bench", "eval-ppl", "train-tiny", "settings"):
         assert f"  {name} " in done.stdout, done.stdout
 
 
-@pytest.mark.parametrize("name", ["serve", "generate", "random-model", "stress", "bench", "eval-ppl", "train-tiny"])
+@pytest.mark.parametrize("name", ["serve", "generate", "random-model", "stress", "bench", "eval-ppl", "train-tiny",
+                                  "settings"])
 def test_minfer_subcommand_help(name):
     done = run([*minfer_command(), name, "--help"])
     assert done.returncode == 0, done.stderr
@@ -75,6 +76,15 @@ def test_minfer_subcommands_run(tmp_path):
     done = run([*minfer_command(), "generate", "--model", str(out), "--max-tokens", "4", "--temperature", "0", "hi"])
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("hi"), done.stdout
+
+
+def test_minfer_settings_lists_every_variable_with_its_value():
+    done = run_python([*minfer_command(), "settings"], cwd=ROOT, env={**os.environ, "MINFER_DTYPE": "bfloat16"},
+                      timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr  # python -m minfer.settings: runpy's warning
+    lines = done.stdout.splitlines()
+    assert [line.split("=")[0] for line in lines] == [var.name for var in settings.ALL]
+    assert any(line.startswith("MINFER_DTYPE=bfloat16 ") for line in lines), done.stdout
 
 
 def test_minfer_refuses_an_unknown_subcommand():
