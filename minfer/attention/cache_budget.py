@@ -27,6 +27,10 @@ def available_memory(device: torch.device) -> int:
 
 
 LONGEST_REQUIRED = 8192  # tokens: the longest sequence a KV cache budget must be able to hold
+# Elements one layer's cache (slots, 2, Hkv, D) may hold: kernels that index it in 32 bits (Triton's) must not
+# overflow. An H200's 0.9 of free memory bought Qwen3-0.6B 2.4G elements a layer, and its first CUDA-graph
+# capture failed with an illegal memory access (scripts/gpu_check.sh, 2026-11-29).
+MAX_LAYER_ELEMENTS = 2**31 - 1
 
 
 def choose_num_blocks(
@@ -53,7 +57,9 @@ def choose_num_blocks(
             raise ValueError(f"memory_fraction must be in (0, 1], got {fraction}")
         memory_bytes = int(available_memory(device) * fraction)
     blocks_per_seq = cdiv(context_len or config.max_positions, block_size)
-    num_blocks = min(memory_bytes // per_block, 2 * max_num_seqs * blocks_per_seq)
+    layer_block_elements = 2 * config.num_kv_heads * config.head_dim * block_size
+    largest = MAX_LAYER_ELEMENTS // layer_block_elements - 1  # the null block too
+    num_blocks = min(memory_bytes // per_block, 2 * max_num_seqs * blocks_per_seq, largest)
     needed = min(blocks_per_seq, cdiv(LONGEST_REQUIRED, block_size))
     if num_blocks < needed:
         length = "full-length" if needed == blocks_per_seq else f"{LONGEST_REQUIRED}-token"

@@ -83,5 +83,9 @@ def test_cache_size_from_a_memory_budget():
     assert choose_num_blocks(config, 16, torch.float32, cpu, max_num_seqs=2, memory_fraction=0.5) > 0
     with pytest.raises(ValueError, match="fewer than the 32 one full-length sequence needs"):
         choose_num_blocks(config, 16, torch.float32, cpu, max_num_seqs=2, memory_bytes=10 * per_block)
+    # Never more than 32-bit indexing reaches in one layer's (slots, 2, Hkv, D): Qwen3-0.6B's 2 x 8 x 128 a slot
+    qwen = GPT2Config(vocab_size=512, n_positions=40960, n_embd=1024, n_layer=28, n_head=8)
+    blocks = choose_num_blocks(qwen, 16, torch.bfloat16, cpu, max_num_seqs=256, memory_bytes=126 * 2**30)
+    assert (blocks + 1) * 16 * 2 * 8 * 128 < 2**31 <= (blocks + 2) * 16 * 2 * 8 * 128
 
 
