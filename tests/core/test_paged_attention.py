@@ -12,8 +12,9 @@ from minfer.models.gpt2 import GPT2
 
 @torch.inference_mode()
 def test_paged_forward_equals_dense_forward(tiny_checkpoint):
-    """Chunked paged prefill + decode reproduce the plain forward's logits at every position."""
-    llm = LLM(tiny_checkpoint, num_kv_blocks=32, max_num_batched_tokens=37)
+    """Chunked paged prefill + decode reproduce the plain forward's logits at every position. Eager: a CUDA
+    graph's replay (the GPU's default) would run the decode steps past the model.forward watched here."""
+    llm = LLM(tiny_checkpoint, num_kv_blocks=32, max_num_batched_tokens=37, enforce_eager=True)
     model: GPT2 = llm.model
     prompt = torch.randint(0, 511, (100,), generator=torch.Generator().manual_seed(9)).tolist()
     dense = model(torch.tensor([prompt], device=model.device))[0]  # (T, V)
