@@ -6,13 +6,13 @@
 #
 # Five steps, in order of value, each under a cap of its own (seconds), each logging to $OUT/NN_step.log;
 # the run ends with a PASS/FAIL/SKIP table (also $OUT/table.txt). A step over its cap is a FAIL, and the
-# next step runs. Nothing is installed: minfer runs from this checkout (PYTHONPATH) on random checkpoints it
-# writes, offline (HF_HUB_OFFLINE=1); the GPU machine's image has torch, triton, transformers, tokenizers,
-# safetensors and pytest (.library/device/KINDS.md).
+# next step runs. Nothing is installed but a carried llguidance (below): minfer runs from this checkout
+# (PYTHONPATH) on random checkpoints it writes, offline (HF_HUB_OFFLINE=1); the GPU machine's image has torch,
+# triton, transformers, tokenizers, safetensors and pytest (.library/device/KINDS.md).
 #   1. env      the GPU, driver, torch, triton, CUDA                                                  10 s
 #   2. flex     flex's warm-up on GPT-2's and Qwen3's shapes: seconds, error, compiles, peak memory   90 s
 #   3. engines  tiny GPT-2 (fp32) and Qwen3 (bf16) engines against --enforce-eager                   120 s
-#   4. tests    pytest on the GPU-ready test files, the GPU's default backend, no -x                  150 s
+#   4. tests    pytest on the GPU-ready test files, the GPU's default backend, no -x                  200 s
 #   5. qwen3    Qwen3-0.6B's shape: batch-1 TPOT (graphs, eager, roofline), attention A/B at
 #               256 x 1024 (flex against gather + sdpa), 64 requests of nano-vllm's workload         150 s
 # A dry run (MINFER_DEVICE=cpu) runs each on tiny shapes, flex traced by Dynamo's eager backend; step 4,
@@ -31,6 +31,13 @@ if [[ $MINFER_DEVICE == cpu ]]; then
     dry=true scale=2  # twice the caps: CI's CPUs are shared, and the dry run's time is not what it checks
     # A fixed thread count: a new one would recompile flex (Dynamo guards on it), which a GPU never sees.
     export MINFER_NUM_THREADS=${MINFER_NUM_THREADS:-2}
+fi
+# The GPU machine's image lacks llguidance, a runtime dependency (structured outputs): carry its wheel in .whl
+# (`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_31_x86_64
+# -d .whl llguidance==1.9.1`, the device call's carry naming .whl) and it is installed here, outside the image.
+if ! $dry && compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+        export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 rows=()
 started=$SECONDS
@@ -89,9 +96,9 @@ if $dry; then  # the CPU runs these files in CI: here only whether each file, an
     status=SKIP found="${#tests[@]} test paths found"
     [[ ${#missing[@]} == 0 ]] || status=FAIL found="not found: ${missing[*]}"
     echo "$found" >"$OUT/04_tests.log"
-    row tests $status $((SECONDS - start)) $((150 * scale)) "needs CUDA (the CPU runs these in CI): $found"
+    row tests $status $((SECONDS - start)) $((200 * scale)) "needs CUDA (the CPU runs these in CI): $found"
 else  # on the GPU's default: FlexAttention and CUDA graphs (the tests default to eager, tests/conftest.py)
-    step tests 150 "$OUT/04_tests.log" env MINFER_ATTENTION_BACKEND=auto \
+    step tests 200 "$OUT/04_tests.log" env MINFER_ATTENTION_BACKEND=auto \
         $PY -m pytest -q -p no:cacheprovider -rfE "${tests[@]}"
 fi
 
