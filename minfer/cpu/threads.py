@@ -20,31 +20,27 @@ def threads_chosen(num_threads: int | None) -> bool:
 
 
 def cpu_threads_wanted(num_threads: int | None = None) -> int:
-    """The thread count set_cpu_threads gives torch: num_threads (the --num-threads flag), else
-    MINFER_NUM_THREADS, else OMP_NUM_THREADS, else one per core, within a CPU quota."""
-    if num_threads is None:
-        for var in THREAD_ENV_VARS:
-            value = var.get()
-            if value is not None:
-                count = whole_number(value)
-                if not count:
-                    raise ValueError(f"{var.name} must be a positive integer, got {value!r}")
-                return count
-        cores, quota = len(cores_allowed()), cpu_quota()
-        return cores if quota is None else max(1, min(cores, int(quota)))
-    return num_threads
+    """The thread count set_cpu_threads gives torch (threads_and_origin)."""
+    return threads_and_origin(num_threads)[0]
 
 
-def threads_origin(num_threads: int | None) -> str:
-    """Where cpu_threads_wanted took its count from, for the banner: the flag, a variable and its value (a
-    container's OMP_NUM_THREADS=1, say), a CPU quota (cgroup.py) that holds fewer CPUs than the cores, or the cores."""
+def threads_and_origin(num_threads: int | None = None) -> tuple[int, str]:
+    """The thread count set_cpu_threads gives torch, and where it came from, for the banner: num_threads (the
+    --num-threads flag), else MINFER_NUM_THREADS, else OMP_NUM_THREADS (a container's OMP_NUM_THREADS=1, say),
+    else one per core, or the whole CPUs of a CPU quota (cgroup.py) that holds fewer."""
     if num_threads is not None:
-        return "--num-threads"
-    var = next((v for v in THREAD_ENV_VARS if v.is_set), None)
-    if var is not None:
-        return f"{var.name}={var.get()}"
-    quota = cpu_quota()
-    return "one per core" if quota is None or quota >= len(cores_allowed()) else f"a CPU quota of {quota:g}"
+        return num_threads, "--num-threads"
+    for var in THREAD_ENV_VARS:
+        value = var.get()
+        if value is not None:
+            count = whole_number(value)
+            if not count:
+                raise ValueError(f"{var.name} must be a positive integer, got {value!r}")
+            return count, f"{var.name}={value}"
+    cores, quota = len(cores_allowed()), cpu_quota()
+    if quota is None or quota >= cores:
+        return cores, "one per core"
+    return max(1, int(quota)), f"a CPU quota of {quota:g}"
 
 
 def cores_allowed() -> list[int]:

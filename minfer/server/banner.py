@@ -12,7 +12,7 @@ from ..attention.kv_cache import KVCache
 from ..engine.config import dtype_name
 from ..engine.scheduler import OnlineScheduler
 from ..cpu.openmp import wait_policy
-from ..cpu.threads import cores_allowed, cpu_threads_wanted, threads_origin
+from ..cpu.threads import cores_allowed, threads_and_origin
 
 
 def dtype_reason(asked: str | None, dtype: torch.dtype, device: torch.device) -> str:
@@ -41,7 +41,7 @@ def banner_lines(scheduler: OnlineScheduler, asked_dtype: str, address: str, api
         adapts = "; fewer while other processes use the cores" if sharing else ""
         # The count the engine was given: torch.get_num_threads() reads the calling thread's OpenMP setting,
         # and the server loads the model, setting it, on a thread of its own (serve.py in_passing_thread).
-        n, origin = cpu_threads_wanted(ran.num_threads), threads_origin(ran.num_threads)
+        n, origin = threads_and_origin(ran.num_threads)
         where = "" if origin == "one per core" else f", on {len(cores_allowed())} cores"  # the user's count
         threads = f", {n} thread{'s' * (n != 1)} ({origin}{where}{adapts})"
     attention = ran.attention_backend

@@ -52,5 +52,5 @@ def test_threads_stay_within_the_quota(monkeypatch, quota, cores, wanted, origin
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "cpu_quota", lambda: quota)
     monkeypatch.setattr(threads, "cores_allowed", lambda: list(range(cores)))
-    assert threads.cpu_threads_wanted() == wanted and threads.threads_origin(None) == origin
-    assert threads.cpu_threads_wanted(3) == 3 and threads.threads_origin(3) == "--num-threads"  # the user's stands
+    assert threads.threads_and_origin() == (wanted, origin) and threads.cpu_threads_wanted() == wanted
+    assert threads.threads_and_origin(3) == (3, "--num-threads")  # the user's stands
