@@ -78,7 +78,9 @@ def _mask_min_tokens(x: torch.Tensor, params: Sequence, histories: Sequence[Toke
             rows += [r] * len(h.min_tokens_stop_ids)
             tokens += h.min_tokens_stop_ids
     if rows:
-        x[to_device(rows, x.device), to_device(tokens, x.device)] = float("-inf")
+        # A device scalar: `x[...] = float("-inf")` copies the scalar to the GPU, a host sync.
+        forbidden = torch.full((), float("-inf"), dtype=x.dtype, device=x.device)
+        x.index_put_((to_device(rows, x.device), to_device(tokens, x.device)), forbidden)
 
 
 def token_counts(histories: Sequence[TokenHistory], V: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,7 +29,11 @@ from ..engine.sequence import Sequence
 from ..host_to_device import to_device
 
 ALL_ALLOWED = -1  # an int32 word with every bit set
-BITS = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # (256, 8): byte b's bit j, token 8b + j
+
+
+def bit_table(device: torch.device | str = "cpu") -> torch.Tensor:
+    """(256, 8): byte b's bit j, token 8b + j. Made where it is used: a copy to a GPU would wait for it."""
+    return (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
 
 
 def expand(bits: torch.Tensor, vocab_size: int, table: torch.Tensor) -> torch.Tensor:
@@ -40,12 +44,12 @@ def expand(bits: torch.Tensor, vocab_size: int, table: torch.Tensor) -> torch.Te
 
 def unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bits (R, W) int32 -> allowed (R, vocab_size) bool."""
-    return expand(bits, vocab_size, BITS.bool().to(bits.device))
+    return expand(bits, vocab_size, bit_table(bits.device).bool())
 
 
 def bias_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """(256, 8) of `dtype`: 0 for an allowed token, -inf for a forbidden one."""
-    return torch.zeros(256, 8, dtype=dtype, device=device).masked_fill_((BITS == 0).to(device), float("-inf"))
+    return torch.zeros(256, 8, dtype=dtype, device=device).masked_fill_(bit_table(device) == 0, float("-inf"))
 
 
 @dataclass

@@ -52,11 +52,12 @@ def test_every_step_syncs_with_the_host_exactly_once(tiny_checkpoint):
         SamplingParams(max_tokens=12, n=2, seed=7, logit_bias={5: 2.0}, min_tokens=4),
         SamplingParams(max_tokens=12, temperature=0.9, seed=8, structured_outputs=StructuredOutputsParams(json=schema)),
     ]
-    for prompt, p in zip(prompts, params):
-        llm.scheduler.add_request(prompt_token_ids=prompt, sampling_params=p)
+    ids = [llm.scheduler.add_request(prompt_token_ids=prompt, sampling_params=p) for prompt, p in zip(prompts, params)]
     counts = syncs_per_step(llm)
     # A step of prompt chunks that completes no prompt draws nothing, and its empty .tolist() may not sync.
     assert max(counts) == 1 and counts.count(1) >= 12, counts
+    outputs = [out for i in ids for out in llm.scheduler.pop_responses(i)]
+    assert len(outputs) == 9 and all(len(out.token_ids) == 12 for out in outputs)  # n=2 gave two
     assert_all_free(llm)
 
 
