@@ -75,6 +75,7 @@ def _record(scheduler: OnlineScheduler, num_steps: int) -> dict | None:
     sync = torch.cuda.synchronize if scheduler.model.device.type == "cuda" else None
     totals = step_timing.start_timing(sync)
     hooks = _time_modules(scheduler.model)
+    graphs_before = _graph_steps(scheduler)
     try:
         for _ in range(num_steps):
             if not scheduler.has_unfinished():
@@ -89,7 +90,15 @@ def _record(scheduler: OnlineScheduler, num_steps: int) -> dict | None:
         step_timing.stop_timing()
         for hook in hooks:
             hook.remove()
-    return {"times": dict(totals), "steps": steps, "wall": wall} if steps else None
+    graph_steps = _graph_steps(scheduler) - graphs_before
+    return {"times": dict(totals), "steps": steps, "wall": wall, "graph_steps": graph_steps} if steps else None
+
+
+def _graph_steps(scheduler: OnlineScheduler) -> int:
+    """Steps replayed from CUDA graphs so far: a replay runs no Python, so it marks no parts."""
+    compiled = scheduler.runner.compiled
+    graphs = compiled.graphs if compiled is not None else None
+    return graphs.num_steps if graphs is not None else 0
 
 
 def _time_modules(model) -> list:
@@ -165,6 +174,7 @@ def breakdown(phase: dict, model, peaks: dict) -> dict:
         "decode_tokens": mean("num_decode_tokens"),
         "prefill_tokens": mean("num_prefill_tokens"),
         "context_tokens": mean("cached_context_tokens"),
+        "graph_steps": phase.get("graph_steps", 0),
         "rows": rows,
     }
 
@@ -192,6 +202,11 @@ def format_profile(p: dict) -> str:
             f"{ph['seqs']:.0f} seqs, {ph['decode_tokens']:.0f} decode + {ph['prefill_tokens']:.0f} prefill "
             f"tokens, {ph['context_tokens']:.0f} context tokens read from the KV cache"
         )
+        if ph.get("graph_steps"):
+            lines.append(
+                f"   {ph['graph_steps']} of them replayed CUDA graphs: a replay marks no parts, so its model's whole "
+                f"time (attention, linears, LM head) is in '{REST}'"
+            )
         lines.append(
             f"{'part':<24}{'ms/step':>9}{'share':>8}{'MB/step':>10}{'GB/s':>8}{'GFLOP/step':>12}"
             f"{'GFLOP/s':>9}  {'bound':<8}{'of floor':>8}"

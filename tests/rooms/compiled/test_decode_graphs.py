@@ -84,3 +84,19 @@ def test_every_graph_writes_one_shared_logits_buffer(graphed):
     graphs.run = spy
     llm.generate([[1, 2, 3], [4, 5], [6]], SamplingParams(max_tokens=4), use_tqdm=False)
     assert {rows for rows, _ in served} == {3} and {ptr for _, ptr in served} == {graphs.logits.data_ptr()}
+
+
+def test_the_profile_says_which_steps_replayed_graphs(graphed):
+    """A replayed graph runs no Python, so it marks no parts: bench.py --profile says how many of its steps
+    replayed one, and that their model's time is in the last row."""
+    from minfer.bench.profile import REST, format_profile, profile_steps
+    from minfer.bench.workload import BenchRequest
+
+    llm = graphed(num_kv_blocks=40, max_num_seqs=4, max_model_len=64)
+    requests = [BenchRequest(i, None, list(range(1, 9 + i)), 8 + i, 12, 0.0) for i in range(4)]
+    profile = profile_steps(llm.scheduler, requests, num_steps=3)
+    phases = profile["phases"]
+    assert phases["decode"]["graph_steps"] == 3 and phases["prefill"]["graph_steps"] < 3  # prompts run eagerly
+    assert "3 of them replayed CUDA graphs: a replay marks no parts, so its model's whole time" in format_profile(profile)
+    assert REST in format_profile(profile)
+    assert_all_free(llm)
