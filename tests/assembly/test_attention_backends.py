@@ -1,7 +1,6 @@
 """Attention backends are chosen once, agree with each other, and prepare_model leaves a prepared model alone;
 below the narrowest cache the tiled backend pays on, a CPU's assembled engine runs the plain one."""
 
-import types
 from pathlib import Path
 
 import pytest

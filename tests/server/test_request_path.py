@@ -4,7 +4,6 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
 from serving import serving
 
 from minfer import EngineConfig

@@ -17,7 +17,7 @@ from serving import serving
 from engine_checks import assert_all_free
 
 from minfer import LLM, SamplingParams
-from minfer.compiled import cuda_graphs, flex, forward, warm_up
+from minfer.compiled import cuda_graphs, flex, warm_up
 from minfer.compiled.cuda_graphs import DecodeGraphs
 from minfer.compiled.paged_op import OpaqueAttention
 from minfer.compiled.step import CompiledDecodeStep

@@ -9,7 +9,6 @@ from engine_checks import assert_all_free
 
 from minfer import LLM, SamplingParams
 from minfer.compiled import cuda_graphs
-from minfer.compiled.warm_up import warm_up_steps
 
 
 def test_no_recompile_after_warm_up_over_a_varied_run(tiny_checkpoint, flex_traced_as_on_a_gpu, monkeypatch):
