@@ -2,11 +2,16 @@
 
     python scripts/attention_ab.py --device cuda --seqs 256 --context 1024      (Qwen3-0.6B's heads)
     python scripts/attention_ab.py --seqs 16 --context 512 --backends torch,cpu_tiled,compiled,flex
+    python scripts/attention_ab.py --device cuda --seqs 256 --context 1024 --backends torch,flex,flex-static
 
 One layer's paged cache, every sequence's blocks shuffled through it, one query per sequence: what a
 decode step asks of attention in each of its layers. Bytes are the context's keys and values, read
 once; over the time that is the bandwidth the read reached (its floor: the device's own, which
 `bench.py --roofline` measures). Each backend's result is checked against the plain one first.
+
+`flex-static` is flex compiled for this one shape, as a CPU compiles it, where the engine on a GPU compiles
+it with dynamic shapes: torch picks its decoding kernel (the keys split across the GPU, a kernel per group
+of query heads) only for a batch it knows at compile time.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--backends", default="torch,flex", help="names in attention/selector.py, the first the reference")
+    p.add_argument(
+        "--backends", default="torch,flex", help="names in attention/selector.py, or flex-static; the first the reference"
+    )
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -58,9 +65,11 @@ def main() -> None:
     print(f"  context {context_bytes / 2**20:.1f} MiB per layer")
     reference = None
     for name in args.backends.split(","):
-        backend = ATTENTION_BACKENDS[name][0](device, dtype)
+        backend = ATTENTION_BACKENDS["flex" if name == "flex-static" else name][0](device, dtype)
+        if name == "flex-static":
+            backend.compiles_per_shape = False  # FlexBackend._attend: torch.compile per shape, torch's tiles
         if why := backend.warm_up(args.heads, args.kv_heads, args.head_dim, B):
-            print(f"  {name:<10} off: {why}")
+            print(f"  {name:<12} off: {why}")
             continue
         cache = backend.new_cache(config, num_blocks, B, device, dtype)
         cache.kv.zero_()
@@ -80,10 +89,10 @@ def main() -> None:
                 error = (out.float() - reference).abs().max().item()
                 seconds = best_time(step, device, args.repeats)
         except Exception as e:  # a compile error at this shape (a CPU's flex template has some): say so, go on
-            print(f"  {name:<10} failed: {type(e).__name__}: {str(e).strip().splitlines()[0]}")
+            print(f"  {name:<12} failed: {type(e).__name__}: {str(e).strip().splitlines()[0]}")
             continue
         gbs = context_bytes / seconds / 1e9
-        print(f"  {name:<10} {seconds * 1e3:8.3f} ms  {gbs:7.1f} GB/s  (max error against the first {error:.1e})")
+        print(f"  {name:<12} {seconds * 1e3:8.3f} ms  {gbs:7.1f} GB/s  (max error against the first {error:.1e})")
 
 
 if __name__ == "__main__":

@@ -115,6 +115,30 @@ def test_the_attention_ab_script_times_each_backend(monkeypatch, capsys):
         assert words[0] == name and float(words[1]) > 0 and words[2] == "ms" and float(words[-1].rstrip(")")) < 1e-5
 
 
+def test_the_attention_ab_script_times_flex_compiled_per_shape(flex_as_on_a_gpu, monkeypatch, capsys):
+    """`flex-static`: flex as a CPU compiles it (per shape), beside flex as it serves (here unfused, conftest.py)."""
+    import runpy
+    import sys
+
+    from minfer.compiled import flex, flex_kernel
+
+    monkeypatch.setattr(flex_kernel, "SERVING_DEVICES", ("cuda", "cpu"))  # "flex" compiles as on a GPU
+    per_shape, build = [], flex.FlexBackend.build_metadata
+
+    def recording(self, layout):
+        per_shape.append(not self.compiles_per_shape)
+        return build(self, layout)
+
+    monkeypatch.setattr(flex.FlexBackend, "build_metadata", recording)
+    argv = ["attention_ab.py", "--seqs", "3", "--context", "40", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--dtype", "float32", "--backends", "torch,flex-static", "--repeats", "2"])
+    monkeypatch.setattr(flex_kernel, "SERVING_BACKEND", "eager")
+    runpy.run_path(str(Path(__file__).parents[2] / "scripts" / "attention_ab.py"), run_name="__main__")
+    words = capsys.readouterr().out.splitlines()[3].split()
+    assert words[0] == "flex-static" and words[2] == "ms" and float(words[-1].rstrip(")")) < 1e-5
+    assert per_shape and all(per_shape)  # where the engine's flex compiles with dynamic shapes
+
+
 def test_the_assembled_engine_runs_the_plain_backend_on_a_narrow_cache(monkeypatch, tiny_checkpoint):
     """Below MIN_CPU_KV_WIDTH a CPU runs the plain backend (measured as fast there; assembly/selector.py):
     the conftest fixture that keeps the tiled one on the tests' tiny caches is undone here."""
