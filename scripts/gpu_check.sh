@@ -14,7 +14,7 @@
 #   3. engines  tiny GPT-2 (fp32) and Qwen3 (bf16) engines against --enforce-eager                   120 s
 #   4. tests    pytest on the GPU-ready test files, the GPU's default backend, no -x                  200 s
 #   5. qwen3    Qwen3-0.6B's shape: batch-1 TPOT (graphs, eager, roofline), attention A/B at
-#               256 x 1024 (flex against gather + sdpa), 64 requests of nano-vllm's workload         150 s
+#               256 x 1024 (flex against gather + sdpa), nano-vllm's workload (256 requests)        150 s
 # A dry run (MINFER_DEVICE=cpu) runs each on tiny shapes, flex traced by Dynamo's eager backend; step 4,
 # which needs CUDA, only checks that its tests are still there and prints SKIP. tests/rooms/gpu/test_gpu_check.py
 # runs the dry run.
