@@ -59,6 +59,7 @@ from .attention import failure_line
 from .cache_key import model_fingerprint
 from .paged_op import OpaqueAttention, compiled_step
 from .precompiled import PrecompiledFunction, compile_for_cpu
+from .packaged import PackagedForward, load_or_build
 from .saved_graphs import CompileRecord, warm_up_saved
 
 log = logging.getLogger("minfer")
@@ -90,14 +91,15 @@ class CompiledDecodeStep:
         self.warm_up_seconds: float | None = None
         self.compile_record: CompileRecord | None = None  # how warm_up had its graphs: loaded or compiled
         self.opaque: OpaqueAttention | None = None  # the graph's view of the engine's attention (warm_up)
+        self.packaged: PackagedForward | None = None  # the whole forward from AOTInductor packages (packaged.py)
 
     def warm_up(self, runner: ModelRunner) -> None:
         """Compile both graphs before the first request, so that none waits on the compiler: a decode
         step of one sequence, then one of BATCH_WARM_UP_ROWS, laid out by the runner's own `prepare`, so
         the inputs are exactly a served step's (Dynamo guards on their layout). The steps write K/V into
         block 0, which is free at start-up and is written again before any sequence reads it. The block
-        graph's graphs come from minfer's compile cache where it has them; the whole forward (its frozen
-        weights are not for torch to save) is traced again, with Inductor's own caches in minfer's."""
+        graph's graphs come from minfer's compile cache where it has them; the whole forward on a CPU from its
+        AOTInductor packages there (packaged.py), else it is traced again, with Inductor's caches in minfer's."""
         start = time.perf_counter()
         self.opaque = OpaqueAttention(runner.attention)
 
@@ -119,12 +121,35 @@ class CompiledDecodeStep:
             "model": model_fingerprint(self.model), "whole": self.whole, "block_size": runner.block_size,
             "attention": runner.attention.name, "lone_decode_in_graph": runner.attention.lone_decode_in_graph,
         }
+        if self.whole and runner.device.type == "cpu":
+            why_not = self._packages(runner, parts)
+            if why_not is None:
+                self.warm_up_seconds = time.perf_counter() - start
+                log.info("minfer: the whole forward's packages: %s", self.compile_record)
+                return
+            log.info("minfer: the whole forward is not packaged (%s): compiling it in memory", why_not)
         name = "whole-forward" if self.whole else "decode-step"
         why_not, self.compile_record = warm_up_saved(name, saved, parts, steps, runner.device)
         if why_not:
             return
         self.warm_up_seconds = time.perf_counter() - start
         log.info("minfer: the decode step's graphs: %s", self.compile_record)
+
+    def _packages(self, runner: ModelRunner, parts: dict) -> str | None:
+        """Load the whole forward's AOTInductor packages, or build them (packaged.py): None, or why not."""
+        examples = {}
+        for kind, contexts in (("lone", (3,)), ("batch", (4,) * BATCH_WARM_UP_ROWS)):
+            chunks = [ScheduledChunk(_placeholder_sequence(n, runner.block_size), n - 1, 1) for n in contexts]
+            rows = runner.prepare(chunks)
+            examples[kind] = rows, runner.batch(rows)
+        options = {**FROZEN_WEIGHTS, "max_autotune_gemm_backends": frozen_gemm_backends(self.model),
+                   "cpp.dynamic_threads": True}
+        opaque = OpaqueAttention(runner.attention, lone_in_graph=False)
+        self.packaged, record, why_not = load_or_build(self.model, opaque, examples, parts, options)
+        if self.packaged is not None:
+            self.compile_record = record
+            self.compiled_batches = {True, False}
+        return why_not
 
     def __call__(self, input_ids: torch.Tensor, paged: PagedBatch) -> torch.Tensor:
         meta = paged.attention
@@ -138,7 +163,9 @@ class CompiledDecodeStep:
         if self.whole and lone not in self.compiled_batches:  # the block graph logs its own (precompiled.py)
             log.info("minfer: compiling the whole forward for %s (once)", "one sequence" if lone else "batches")
         try:
-            if self.whole:
+            if self.packaged is not None:
+                logits = self.packaged(input_ids, paged)
+            elif self.whole:
                 with compiled_step(paged), _graph_settings(whole=True):
                     logits = self.graph(input_ids, self.opaque.behind(paged))
             else:

@@ -149,7 +149,9 @@ def test_whole_graph_with_frozen_weights_equals_eager(make_checkpoint):
     eager_steps = step.num_eager_steps
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = compiled.generate([prompts[0][:14]], lone, use_tqdm=False)[0].token_ids
-        assert calls == [14] * layers and step.num_eager_steps == eager_steps
+        # From a package (packaged.py), a lone decode's attention is the op too: a kept graph cannot trace it in.
+        decodes = [] if step.packaged is None else [1] * layers * (lone.max_tokens - 1)
+        assert calls == [14] * layers + decodes and step.num_eager_steps == eager_steps
         calls.clear()
         forks = compiled.generate([prompts[1][:1]], SamplingParams(n=2, max_tokens=3, seed=3), use_tqdm=False)
         assert calls[:layers] == [1] * layers and len(forks) == 2  # the prompt eager; then two rows, in the op
@@ -158,13 +160,32 @@ def test_whole_graph_with_frozen_weights_equals_eager(make_checkpoint):
     assert got == eager.generate([prompts[0][:14]], lone, use_tqdm=False)[0].token_ids
 
 
+def test_the_whole_forward_is_packaged_once_and_loaded_after(make_checkpoint):
+    """--compile-model's packages (packaged.py): a start after the first loads both from the cache, in seconds,
+    and serves what eager serves."""
+    path = make_checkpoint("qwen3-tiny")
+    settings = dict(num_kv_blocks=40, max_num_seqs=16, max_num_batched_tokens=64, attention_backend="compiled")
+    LLM(path, compile_model=True, **settings)  # compiles them, unless the test above did
+    compiled = LLM(path, compile_model=True, **settings)
+    step = graph_of(compiled)
+    assert step.packaged is not None and step.compile_record.how == "loaded" and step.compile_record.num_loaded == 2
+    entry = step.compile_record.path
+    assert {p.name.split(".")[-2] for p in entry.parent.glob(entry.stem + ".*.pt2")} == {"lone", "batch"}
+    prompts = prompts_with_a_shared_prefix(seed=4)
+    got = [o.token_ids for o in compiled.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == [o.token_ids for o in LLM(path, **settings).generate(prompts, GREEDY, use_tqdm=False)]
+    assert step.off_because is None
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_whole_graph_quantized_step_matches_eager(tiny_checkpoint, method):
+def test_whole_graph_quantized_step_matches_eager(tiny_checkpoint, method, monkeypatch):
     """Quantized linears in the frozen graph: every row count goes through the kernel's op, which Inductor
     lowers to a GEMM of its own (it rounds differently: bf16 rows, its own order), so a decode step's
-    logits match eager's within bf16's rounding rather than bit for bit; a lone sequence and a batch."""
+    logits match eager's within bf16's rounding rather than bit for bit; a lone sequence and a batch.
+    Compiled in memory (the cache off): building packages would double the test's time."""
     if method == "int4" and not int4_kernel_available():
         pytest.skip("this torch has no CPU int4 kernel")
+    monkeypatch.setenv("MINFER_CACHE", "off")
     llm = LLM(tiny_checkpoint, compile_model=True, quantization=method, num_kv_blocks=32)
     step, runner = graph_of(llm), llm.scheduler.runner
     assert step.off_because is None and step.compiled_batches == {True, False}

@@ -1,0 +1,123 @@
+"""--compile-model's whole forward as AOTInductor packages: compiled once, loaded by every later start in seconds.
+
+torch.compile keeps what it compiles in the process, and the whole forward's graph, its weights frozen in and
+packed by oneDNN for Inductor's GEMM templates, is one Inductor's graph cache cannot keep ("mkldnn tensors
+unpickleable"): every start traced and compiled it again, a minute or more. torch.export and AOTInductor
+(`aoti_compile_and_package`) compile the same graph, with the same settings, into a package on disk: the
+kernels and the packed weights, loaded by `aoti_load_package` in seconds.
+
+Two packages, as the torch.compile path has two graphs: a lone sequence's decode (one row, static), and
+batches (two rows or more; CompiledDecodeStep pads a lone prompt's chunk to two sampled rows). Attention is
+the opaque op in both (paged_op.py), reading the step's metadata from `compiled_step`'s slot at run time.
+The packages hold the weights' values, so their key holds a hash of them (`weights_fingerprint`) besides the
+compiled step's own parts; they live beside the step's cache entry, written under its lock, each to a
+temporary file renamed into place. Anything that fails (an export a model's modules refuse, a full disk, a
+package that will not load) returns why, and the step compiles in memory as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+import types
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ..attention.paged import PagedBatch
+from .artifacts import CacheEntry, open_cache
+from .cache_key import common_parts
+from .paged_op import OpaqueAttention, compiled_step
+from .saved_graphs import CompileRecord, inductor_cache_in
+
+log = logging.getLogger("minfer")
+
+
+class _OnTensors(torch.nn.Module):
+    """The model's step forward with tensors for arguments, as torch.export takes them: the paged batch is made
+    around them, its metadata a stand-in whose backend is the opaque op."""
+
+    def __init__(self, model: torch.nn.Module, meta):
+        super().__init__()
+        self.model, self.meta = model, meta
+
+    def forward(self, input_ids, positions, kv, sample_rows):  # (N,), (N,), the whole cache, (S,) -> (S, V)
+        return self.model(input_ids, PagedBatch(positions, types.SimpleNamespace(kv=kv), self.meta, sample_rows))
+
+
+class PackagedForward:
+    """Called as the compiled step calls its graph: (input_ids (N,), the step's batch) -> logits (S, V)."""
+
+    def __init__(self, lone, batch):
+        self.lone, self.batch = lone, batch
+
+    def __call__(self, input_ids: torch.Tensor, paged: PagedBatch) -> torch.Tensor:
+        run = self.lone if input_ids.shape[0] == 1 else self.batch
+        with compiled_step(paged):
+            return run(input_ids, paged.positions, paged.kv_cache.kv, paged.sample_rows)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A hash of every parameter's and buffer's values: a package holds them."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())  # read in place
+    return digest.hexdigest()
+
+
+def load_or_build(
+    model: torch.nn.Module, opaque: OpaqueAttention, examples: dict, parts: dict, options: dict
+) -> tuple[PackagedForward | None, CompileRecord | None, str | None]:
+    """The packages for `model`: loaded from the cache, else built there. `examples` maps "lone" and "batch" to
+    a (rows, batch) of that kind. Returns (the forward, how it was had, None), or (None, None, why not)."""
+    start = time.perf_counter()
+    root, why_off = open_cache()
+    if root is None:
+        return None, None, f"the compile cache is off ({why_off})"
+    try:
+        entry = CacheEntry(root, "whole-forward-package", {**common_parts(), **parts, "weights": weights_fingerprint(model)})
+        paths = {kind: entry.path.with_name(f"{entry.path.stem}.{kind}.pt2") for kind in examples}
+        built, runners = [], {}
+        with entry.locked() as have_lock, inductor_cache_in(root / "inductor"):
+            for kind, path in paths.items():
+                if path.exists():
+                    try:
+                        runners[kind] = torch._inductor.aoti_load_package(str(path))
+                        continue
+                    except Exception as e:  # truncated, or from another build: built again, then replaced
+                        log.warning("minfer: the package %s is unreadable, building it again: %s", path.name, e)
+                if not have_lock:
+                    return None, None, "another start held the package's lock too long"
+                log.info("minfer: compiling the whole forward for %s into %s (once) ...", kind, path.name)
+                _build(model, opaque, *examples[kind], kind == "lone", path, options)
+                runners[kind] = torch._inductor.aoti_load_package(str(path))
+                built.append(kind)
+    except Exception as e:  # an export the model refuses, a full disk, a package that does not load
+        return None, None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    how = "compiled" if built else "loaded"
+    record = CompileRecord(how, time.perf_counter() - start, len(paths) - len(built), len(built), path=entry.path)
+    return PackagedForward(runners["lone"], runners["batch"]), record, None
+
+
+def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, path: Path, options: dict) -> None:
+    """Export the step of `rows` (dynamic in its token and sampled-row counts unless `lone`) and package it."""
+    meta = replace(batch.attention, backend=opaque)
+    args = (rows.input_ids, rows.positions, batch.kv_cache.kv, rows.sample_rows)
+    slots = {1: torch.export.Dim("slots")}  # the cache's size follows the memory: not part of the package
+    if lone:
+        shapes = (None, None, slots, None)
+    else:
+        tokens, sampled = torch.export.Dim("tokens", min=2), torch.export.Dim("sampled", min=2)
+        shapes = ({0: tokens}, {0: tokens}, slots, {0: sampled})
+    with torch.no_grad(), compiled_step(batch):
+        program = torch.export.export(_OnTensors(model, meta), args, dynamic_shapes=shapes)
+        part = path.with_name(f"{path.stem}.{os.getpid()}.part.pt2")  # AOTInductor wants the .pt2 ending
+        try:
+            torch._inductor.aoti_compile_and_package(program, package_path=str(part), inductor_configs=options)
+            os.replace(part, path)
+        finally:
+            part.unlink(missing_ok=True)
