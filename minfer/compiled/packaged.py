@@ -22,6 +22,7 @@ import logging
 import os
 import time
 import types
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -70,17 +71,18 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 
 def load_or_build(
-    model: torch.nn.Module, opaque: OpaqueAttention, examples: dict, parts: dict, options: dict
+    model: torch.nn.Module, opaque: OpaqueAttention, example: Callable[[str], tuple], parts: dict, options: dict
 ) -> tuple[PackagedForward | None, CompileRecord | None, str | None]:
-    """The packages for `model`: loaded from the cache, else built there. `examples` maps "lone" and "batch" to
-    a (rows, batch) of that kind. Returns (the forward, how it was had, None), or (None, None, why not)."""
+    """The packages for `model`: loaded from the cache, else built there from `example("lone")` and
+    `example("batch")`, each a (rows, batch) of that kind (made only to build). Returns (the forward, how it
+    was had, None), or (None, None, why not)."""
     start = time.perf_counter()
     root, why_off = open_cache()
     if root is None:
         return None, None, f"the compile cache is off ({why_off})"
     try:
         entry = CacheEntry(root, "whole-forward-package", {**common_parts(), **parts, "weights": weights_fingerprint(model)})
-        paths = {kind: entry.path.with_name(f"{entry.path.stem}.{kind}.pt2") for kind in examples}
+        paths = {kind: entry.path.with_name(f"{entry.path.stem}.{kind}.pt2") for kind in ("lone", "batch")}
         built, runners = [], {}
         with entry.locked() as have_lock, inductor_cache_in(root / "inductor"):
             for kind, path in paths.items():
@@ -93,7 +95,7 @@ def load_or_build(
                 if not have_lock:
                     return None, None, "another start held the package's lock too long"
                 log.info("minfer: compiling the whole forward for %s into %s (once) ...", kind, path.name)
-                _build(model, opaque, *examples[kind], kind == "lone", path, options)
+                _build(model, opaque, *example(kind), kind == "lone", path, options)
                 runners[kind] = torch._inductor.aoti_load_package(str(path))
                 built.append(kind)
     except Exception as e:  # an export the model refuses, a full disk, a package that does not load

@@ -52,7 +52,7 @@ import torch.fx.experimental._config as fx_config
 from ..attention.kv_cache import cdiv
 from ..attention.paged import PagedBatch
 from ..cpu.features import cpu_has_amx
-from ..engine.model_runner import ModelRunner
+from ..engine.model_runner import ModelRunner, StepRows
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import ScheduledChunk, Sequence
 from .attention import failure_line
@@ -104,11 +104,8 @@ class CompiledDecodeStep:
         self.opaque = OpaqueAttention(runner.attention)
 
         def steps() -> str | None:
-            # Equal lengths: one decode group in every backend. The batch's rows: see BATCH_WARM_UP_ROWS.
-            for contexts in ((3,), (4,) * BATCH_WARM_UP_ROWS):
-                chunks = [ScheduledChunk(_placeholder_sequence(n, runner.block_size), n - 1, 1) for n in contexts]
-                rows = runner.prepare(chunks)
-                batch = runner.batch(rows)
+            for kind in WARM_UP_STEPS:
+                rows, batch = warm_up_step(runner, kind)
                 if self.whole:  # the cache's sizes never change. Symbolic, the views of it that a graph hands
                     torch._dynamo.mark_static(batch.kv_cache.kv)  # to store_kv all lost their offsets (torch 2.13)
                 self(rows.input_ids, batch)
@@ -137,15 +134,12 @@ class CompiledDecodeStep:
 
     def _packages(self, runner: ModelRunner, parts: dict) -> str | None:
         """Load the whole forward's AOTInductor packages, or build them (packaged.py): None, or why not."""
-        examples = {}
-        for kind, contexts in (("lone", (3,)), ("batch", (4,) * BATCH_WARM_UP_ROWS)):
-            chunks = [ScheduledChunk(_placeholder_sequence(n, runner.block_size), n - 1, 1) for n in contexts]
-            rows = runner.prepare(chunks)
-            examples[kind] = rows, runner.batch(rows)
         options = {**FROZEN_WEIGHTS, "max_autotune_gemm_backends": frozen_gemm_backends(self.model),
                    "cpp.dynamic_threads": True}
         opaque = OpaqueAttention(runner.attention, lone_in_graph=False)
-        self.packaged, record, why_not = load_or_build(self.model, opaque, examples, parts, options)
+        self.packaged, record, why_not = load_or_build(
+            self.model, opaque, functools.partial(warm_up_step, runner), parts, options
+        )
         if self.packaged is not None:
             self.compile_record = record
             self.compiled_batches = {True, False}
@@ -274,6 +268,19 @@ def _graph_settings(whole: bool) -> Iterator[None]:
         yield
     finally:
         dynamo_config.allow_unspec_int_on_nn_module, fx_config.use_duck_shape, inductor_config.freezing = saved
+
+
+# The steps a warm-up runs, in order: a decode of one sequence, then one of BATCH_WARM_UP_ROWS, each sequence's
+# context length. Equal lengths: one decode group in every backend.
+WARM_UP_STEPS = {"lone": (3,), "batch": (4,) * BATCH_WARM_UP_ROWS}
+
+
+def warm_up_step(runner: ModelRunner, kind: str) -> tuple[StepRows, PagedBatch]:
+    """The warm-up step `kind` (WARM_UP_STEPS) as (rows, batch), laid out by the runner's own `prepare`. Made
+    when it runs: the next one's layout could reuse what this one's holds."""
+    chunks = [ScheduledChunk(_placeholder_sequence(n, runner.block_size), n - 1, 1) for n in WARM_UP_STEPS[kind]]
+    rows = runner.prepare(chunks)
+    return rows, runner.batch(rows)
 
 
 def _placeholder_sequence(num_tokens: int, block_size: int) -> Sequence:
