@@ -57,8 +57,7 @@ def choose_num_blocks(
             raise ValueError(f"memory_fraction must be in (0, 1], got {fraction}")
         memory_bytes = int(available_memory(device) * fraction)
     blocks_per_seq = cdiv(context_len or config.max_positions, block_size)
-    layer_block_elements = 2 * config.num_kv_heads * config.head_dim * block_size
-    largest = MAX_LAYER_ELEMENTS // layer_block_elements - 1  # the null block too
+    largest = MAX_LAYER_ELEMENTS // KVCache.layer_elements_per_block(config, block_size) - 1  # the null block too
     num_blocks = min(memory_bytes // per_block, 2 * max_num_seqs * blocks_per_seq, largest)
     needed = min(blocks_per_seq, cdiv(LONGEST_REQUIRED, block_size))
     if num_blocks < needed:

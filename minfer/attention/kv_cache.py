@@ -77,7 +77,11 @@ class KVCache:
         return (to_device(blocks, self.kv.device)[:, None] * self.block_size + offsets).flatten()
 
     @staticmethod
+    def layer_elements_per_block(config: ModelConfig, block_size: int) -> int:
+        """One block's keys and values in one layer: block_size slots of (2, Hkv, D)."""
+        return 2 * block_size * config.num_kv_heads * config.head_dim
+
+    @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
-        token_bytes = config.num_layers * config.num_kv_heads * config.head_dim * element
-        return 2 * block_size * token_bytes  # keys + values
+        return config.num_layers * KVCache.layer_elements_per_block(config, block_size) * element
