@@ -10,7 +10,8 @@ vLLM's sampler (v1/sample/sampler.py) runs, on float32 logits:
 3. greedy rows take the argmax of that; the others divide by their temperature, then
 4. min_p: tokens whose probability is below min_p x the row's highest are dropped; then top-k, top-p.
 
-`apply_logits_controls` does steps 1 and 2, `apply_min_p_rows` step 4 (sampling.py calls both). Each works
+`sample_controlled` samples a batch where any row uses them (sampling.py hands it over): `apply_logits_controls`
+does steps 1 and 2, `apply_min_p_rows` step 4, top_k_top_p.py the rest. Each works
 on the rows that use it, with tensor ops over the whole vocabulary (no loop over vocabulary entries):
 a row that uses none costs nothing. Counts come from each row's token history, read fresh every step,
 so a preempted and recomputed sequence, or a forked one, gets exactly the same logits.
@@ -19,12 +20,14 @@ so a preempted and recomputed sequence, or a forked one, gets exactly the same l
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
 from ..host_to_device import to_device
+from .draw import draw_from, greedy_tokens
 from .sampling_params import GREEDY_TEMPERATURE
+from .top_k_top_p import draw_filtered
 
 
 class TokenHistory(Protocol):
@@ -33,6 +36,43 @@ class TokenHistory(Protocol):
     token_ids: list[int]  # prompt, then output
     num_prompt_tokens: int
     min_tokens_stop_ids: list[int]  # what min_tokens holds back: stop_token_ids and the EOS ids
+
+
+def sample_controlled(
+    logits: torch.Tensor, params: Sequence, uniforms: Callable[[], torch.Tensor], histories: Sequence[TokenHistory]
+) -> torch.Tensor:
+    """sampling.py's `sample_with` for a batch where some row uses the controls: logits (B, V) -> (B,) tokens."""
+    device = logits.device
+    controlled = any(p.uses_logits_controls for p in params)
+    if controlled:  # steps 1 and 2, on an fp32 copy
+        logits = apply_logits_controls(logits.to(torch.float32, copy=True), params, histories)
+    greedy = [p.is_greedy for p in params]
+    if all(greedy):
+        return greedy_tokens(logits)
+    # One fresh fp32 tensor (or the controls' copy), changed in place from then on: on a CPU each fresh
+    # (B, V) tensor is page-faulted in, which costs more than the arithmetic.
+    temps = to_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], device)  # (B,)
+    scaled = logits.div_(temps[:, None]) if controlled else logits / temps[:, None]  # (B, V) float32
+    # (B,): the greedy rows' tokens; the drawn ones are overwritten below
+    tokens = greedy_tokens(scaled) if any(greedy) else torch.empty(len(params), dtype=torch.long, device=device)
+    if any(p.min_p for p in params):
+        apply_min_p_rows(scaled, params)
+    u = uniforms()  # (B,)
+    plain = [i for i, p in enumerate(params) if not greedy[i] and p.top_k == 0 and p.top_p == 1]
+    filtered = [i for i, p in enumerate(params) if not greedy[i] and (p.top_k > 0 or p.top_p < 1)]
+    if plain:  # temperature only
+        rows = _rows(scaled, plain)  # scaled itself only when every row is plain: then none is filtered below
+        weights = rows.sub_(rows.amax(dim=-1, keepdim=True)).exp_()  # softmax's numerators: draw_from normalises
+        tokens[to_device(plain, device)] = draw_from(weights, _rows(u, plain))
+    if filtered:
+        top_k, top_p = [params[i].top_k for i in filtered], [params[i].top_p for i in filtered]
+        tokens[to_device(filtered, device)] = draw_filtered(_rows(scaled, filtered), _rows(u, filtered), top_k, top_p)
+    return tokens
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] along the first dimension, without a copy when rows are all of them."""
+    return x if len(rows) == x.shape[0] else x[to_device(rows, x.device)]
 
 
 def apply_logits_controls(logits: torch.Tensor, params: Sequence, histories: Sequence[TokenHistory]) -> torch.Tensor:

@@ -113,17 +113,19 @@ class SamplingParams:
             if rule.convert is not None:
                 setattr(self, f.name, rule.convert(value))
         if self.min_tokens > self.max_tokens:
-            raise InvalidParameter(
-                "min_tokens", f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
-            )
+            raise InvalidParameter("min_tokens", f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+                                   f"got {self.min_tokens!r}")
 
     @property
     def uses_logits_controls(self) -> bool:
         """Whether any control that reshapes the logits before the draw is on (min_p apart)."""
-        return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-            or self.logit_bias or self.min_tokens
-        )
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
+
+    @property
+    def uses_sampling_controls(self) -> bool:
+        """Whether anything beyond the temperature shapes the draw: the logits controls, min_p, top-k, top-p."""
+        return self.uses_logits_controls or self.min_p > 0 or self.top_k > 0 or self.top_p < 1
 
     @property
     def wants_logprobs(self) -> bool:

@@ -42,7 +42,7 @@ import torch
 from ..attention.kv_cache import KVCache, slot_of
 from ..attention.backend import AttentionBackend, StepLayout
 from ..attention.paged import PagedBatch
-from ..engine.sampling import greedy_tokens
+from ..engine.draw import greedy_tokens
 from ..engine.sequence import ScheduledChunk, Sequence
 from ..host_to_device import to_device
 from ..models.registry import load_model

@@ -9,8 +9,8 @@ from engine_checks import random_prompts
 from minfer import LLM
 
 from minfer.engine import top_k_top_p
-from minfer.engine.draw import draw_from
-from minfer.engine.sampling import greedy_tokens, make_generator, sample
+from minfer.engine.draw import draw_from, greedy_tokens
+from minfer.engine.sampling import make_generator, sample
 from minfer.engine.sampling_params import SamplingParams
 from minfer.engine.top_k_top_p import apply_top_k_top_p
 
