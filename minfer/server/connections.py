@@ -176,17 +176,12 @@ class CappedHTTPServer(ThreadingHTTPServer):
         super().__init__(address, handler)
 
     def process_request(self, request, client_address) -> None:
-        if not self.stats.try_open():
-            self.refuser.refuse(request)
-            return
-        try:
+        if self.stats.try_open():
             super().process_request(request, client_address)  # starts the handler thread
-        except BaseException:
-            self.stats.on_close()
-            raise
+        else:
+            self.refuser.refuse(request)  # it closes the socket itself
 
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.stats.on_close()
+    def shutdown_request(self, request) -> None:
+        """The end of every opened connection: its handler thread's, or that of a thread that failed to start."""
+        self.stats.on_close()
+        super().shutdown_request(request)

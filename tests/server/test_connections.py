@@ -3,6 +3,7 @@ on an in-process server with short limits."""
 
 import json
 import socket
+import socketserver
 import threading
 import time
 
@@ -199,6 +200,24 @@ def test_connections_beyond_the_cap_get_503_and_health_still_answers(server):
     with connect(server) as sock:  # below the cap again: served as usual
         sock.sendall(request(b"POST", b"/v1/completions", {"prompt": "Hi", "max_tokens": 2}))
         assert recv_until(sock, b'"usage"').startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_handler_thread_that_fails_to_start_gives_its_connection_back(server, monkeypatch):
+    """socketserver closes a connection whose thread could not start (shutdown_request): its place under the
+    cap comes back, and the server goes on serving."""
+    wait_idle(server)
+
+    def cannot_start(self, request, client_address):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(socketserver.ThreadingMixIn, "process_request", cannot_start)
+    with connect(server) as sock:
+        assert read_until_closed(sock)[0] == b""
+    monkeypatch.undo()
+    wait_idle(server)
+    with connect(server) as sock:
+        sock.sendall(request(b"GET", b"/health"))
+        assert recv_until(sock, b'"status"').startswith(b"HTTP/1.1 200 ")
 
 
 @pytest.mark.parametrize(
