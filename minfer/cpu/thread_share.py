@@ -11,11 +11,7 @@ processes took on the cores this process may use (/proc/stat minus /proc/self/st
 count to the cores left over (never fewer than one, never more than the count it started with). On a quiet
 machine nothing changes. It runs only where /proc exists (Linux), and only when nobody chose the thread
 count (--num-threads, MINFER_NUM_THREADS, OMP_NUM_THREADS). It runs on the engine's thread, between steps:
-torch's thread count (OpenMP's) belongs to the thread that sets it.
-
-Measured with scripts/contention.py (2-core Zen 4, GPT-2 shape, 32 x (64 + 64), beside one busy process):
-0.33x of the quiet speed with a fixed 2 threads, 0.63x with CpuShare; quiet, unchanged (268.5 vs 266.1
-tok/s). docs/performance.md gives the command.
+torch's thread count (OpenMP's) belongs to the thread that sets it. docs/performance.md has what it gains.
 """
 
 from __future__ import annotations

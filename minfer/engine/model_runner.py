@@ -120,14 +120,8 @@ class ModelRunner:
     def prepare(self, chunks: list[ScheduledChunk]) -> StepRows:
         """Flatten the chunks into rows and describe, for attention, where each row's context is."""
         block_size = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        starts: list[int] = []  # per query run: its first row, its rows, its context after the step, its blocks
-        lens: list[int] = []
-        context_lens: list[int] = []
-        tables: list[list[int]] = []
+        input_ids, positions, slots, sample_rows = [], [], [], []  # per row; sample_rows per sampled row
+        starts, lens, context_lens, tables = [], [], [], []  # per query run: first row, rows, context after, blocks
         for chunk in chunks:
             first_row, table, end = len(input_ids), chunk.seq.block_table, chunk.start + chunk.num_rows
             for offset, num in chunk.query_runs():

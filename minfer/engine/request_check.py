@@ -41,23 +41,18 @@ def check_limits(prompt_token_ids: list[int], params: SamplingParams, limits: Re
         an = "" if is_int(bad) else "an int "  # 1.0, "1", True: not ids
         raise InvalidParameter("prompt", f"prompt token id {bad!r} is not {an}in the vocabulary [0, {vocab})")
     if params.n > limits.max_num_seqs:
-        raise InvalidParameter(
-            "n", f"n = {params.n} is more completions than this engine runs at once (max_num_seqs {limits.max_num_seqs})"
-        )
+        raise InvalidParameter("n", f"n = {params.n} is more completions than this engine runs at once "
+                               f"(max_num_seqs {limits.max_num_seqs})")
     for field, ids_given in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
         bad = next((t for t in ids_given or () if t >= vocab), None)  # a stop id out of the vocabulary never stops
         if bad is not None:
             raise InvalidParameter(field, f"{field} token id {bad} is not in the vocabulary [0, {vocab})")
     if len(ids) + params.max_tokens > context:
-        raise InvalidParameter(
-            "max_tokens" if len(ids) < context else "prompt",
-            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of {context} tokens",
-            "context_length_exceeded",
-        )
+        raise InvalidParameter("max_tokens" if len(ids) < context else "prompt", f"prompt ({len(ids)} tokens) + "
+                               f"max_tokens ({params.max_tokens}) exceeds the model's context of {context} tokens",
+                               "context_length_exceeded")
     blocks = cdiv(len(ids) + params.max_tokens, limits.block_size)
     if blocks > limits.num_blocks:
-        raise InvalidParameter(
-            "max_tokens", f"the request needs {blocks} KV blocks but the cache has only {limits.num_blocks}",
-            "context_length_exceeded",
-        )
+        raise InvalidParameter("max_tokens", f"the request needs {blocks} KV blocks but the cache has only "
+                               f"{limits.num_blocks}", "context_length_exceeded")
     return CheckedRequest(ids, params)

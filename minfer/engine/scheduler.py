@@ -136,14 +136,8 @@ class OnlineScheduler:
 
     # ---- requests in -----------------------------------------------------------------
 
-    def add_request(
-        self,
-        prompt: str | CheckedRequest | None = None,
-        *,
-        prompt_token_ids: list[int] | None = None,
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-    ) -> str:
+    def add_request(self, prompt: str | CheckedRequest | None = None, *, prompt_token_ids: list[int] | None = None,
+                    sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request: a prompt's text, its token ids, or a CheckedRequest (check_request's verdict, which
         is not checked again). Refuses what could never run."""
         if not isinstance(prompt, CheckedRequest):

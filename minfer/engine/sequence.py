@@ -35,15 +35,8 @@ class Sequence:
     max_cached_tokens: int | None = None  # scoring/: how far a prefix-cache hit may reach (None: any length)
     seats = 1  # parallel_sampling/: of max_num_seqs it holds: itself, and sequences that will start from it
 
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        eos_token_ids: Iterable[int] = (),  # every id that ends the sequence (chat models have several)
-        generator: torch.Generator | None = None,
-        index: int = 0,
-    ):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: Iterable[int] = (), generator: torch.Generator | None = None, index: int = 0):
         self.request_id = request_id
         self.index = index  # which of the request's n completions
         self.params = params
@@ -58,7 +51,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_token_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
-            self.stop_token_ids.update(eos_token_ids)
+            self.stop_token_ids.update(eos_token_ids)  # every id that ends the sequence (chat models have several)
         # What min_tokens holds back (sampling forbids them): as vLLM, the EOS ids even with ignore_eos.
         self.min_tokens_stop_ids = sorted(set(params.stop_token_ids or ()) | set(eos_token_ids))
 

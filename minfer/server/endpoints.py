@@ -129,15 +129,13 @@ class APIHandler(InfoEndpoints):
                 self.send_json(200, r.response([self._collect(h) for h in handles]))
 
     def _send_stream(self, r: Responder, req: ParsedRequest, handles: list[RequestHandle]) -> None:
-        # The engine's id for this request, as /engine/events names it: the live view's playground
-        # highlights its own request's blocks with it.
+        # /engine/events' id for the request: the live view's playground highlights its blocks by it
         self.begin_stream("text/event-stream", {"X-Engine-Request-Id": handles[0].request_id})
         for chunk in r.first_chunks():
             self.send_event(chunk)
         outs = []
         try:
-            # The engine runs every prompt together; the stream gives each prompt's choices in turn.
-            for prompt_index, handle in enumerate(handles):
+            for prompt_index, handle in enumerate(handles):  # run together, streamed one prompt after another
                 for item in self._events(handle):
                     if isinstance(item, CompletionDelta):  # a choice's text; its finish_reason on its last
                         for chunk in r.delta_chunks(item, prompt_index):

@@ -128,9 +128,8 @@ class RoutingHandler(TimedHandler):
         if size is None:
             raise APIError(400, f"bad Content-Length {length!r}")
         if size > MAX_BODY_BYTES:
-            raise APIError(
-                413, f"the request body is {length} bytes; the limit is {MAX_BODY_BYTES}", code="request_too_large"
-            )
+            raise APIError(413, f"the request body is {length} bytes; the limit is {MAX_BODY_BYTES}",
+                           code="request_too_large")
         raw = self.rfile.read(size)
         if len(raw) < size:
             raise ClientGone()
