@@ -35,6 +35,7 @@ from ..speculative.speculation import Speculation
 from ..speculative.speculator import Speculator
 from ..structured.structured import Structured
 from ..text.tokenizer import Tokenizer
+from .compile_choice import with_compile_choice
 from .memory import with_profiled_budget
 from .prepare import prepare_model
 
@@ -49,6 +50,7 @@ def build_engine(
     if model is None:
         model = load_for(config)
     tokenizer = tokenizer or Tokenizer.from_dir(model.model_dir)
+    config = with_compile_choice(config, model)  # compile_model unset: on where it wins (compile_choice.py)
     model, attention = prepare_model(model, config)  # quantized, packed, its attention chosen and warmed up
     context_len = config.max_model_len or model.config.max_positions
     draft = prepared_draft(config, model, context_len) if config.speculative_method == "draft" else None

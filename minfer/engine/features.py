@@ -116,4 +116,5 @@ class Features:
 
     def running(self) -> dict:
         """EngineConfig fields as the features run them (OnlineScheduler.engine_config)."""
-        return self.settings | (self.compiled.running() if self.compiled is not None else {})
+        nothing_compiled = {"compile_model": False}  # unset (None) in a config is decided by now
+        return nothing_compiled | self.settings | (self.compiled.running() if self.compiled is not None else {})

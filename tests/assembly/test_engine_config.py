@@ -214,8 +214,8 @@ def test_llm_config_and_keywords_are_the_same(tiny_checkpoint):
     overridden = LLM(tiny_checkpoint, config=EngineConfig(block_size=8, num_kv_blocks=40), **settings)
     assert by_keywords.scheduler.engine_config == by_config.scheduler.engine_config
     assert overridden.scheduler.engine_config == by_config.scheduler.engine_config
-    assert asdict(by_config.scheduler.engine_config) == dict(
-        asdict(EngineConfig(**settings)), model=str(tiny_checkpoint), max_model_len=512
+    assert asdict(by_config.scheduler.engine_config) == dict(  # compile_model decided: never unset
+        asdict(EngineConfig(**settings)), model=str(tiny_checkpoint), max_model_len=512, compile_model=False
     )
     assert by_config.scheduler.batcher.max_num_batched_tokens == 64 and by_config.scheduler.allocator.num_blocks == 40
     greedy = SamplingParams(max_tokens=8, temperature=0)

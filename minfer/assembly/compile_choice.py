@@ -1,0 +1,82 @@
+"""Whether a CPU runs the whole forward compiled (--compile-model) when nobody said either way.
+
+It does where it won at batch 1 and at batches alike: on a CPU with AMX, for bf16 models and int8
+(weight-only) ones, of MIN_PARAMETERS or more, with minfer's compile cache open. There the first start
+compiles the forward into two AOTInductor packages (GPT-2 124M: a minute and a half; Qwen3-0.6B: five
+minutes) and every later start loads them in seconds (compiled/packaged.py). Measured side by side on a
+2-core Intel AMX VM (2026-11-30, alternating rounds; the host's speed drifted, the ratios held):
+
+| compiled / eager       | batch 1, ms/token          | 64 x (128 + 128) tok/s    | 16 streams tok/s          |
+| ---------------------- | -------------------------- | ------------------------- | ------------------------- |
+| GPT-2 124M bf16        | 19.5-21.3 / 30.0-30.9      | 509 / 474 (median of 3)   | 297 / 271 (median of 3)   |
+| GPT-2 124M int8 (fp32) | 16.3-17.2 / 25.2-25.9      | 1.98-2.03x, three rounds  | 1.50-1.94x, three rounds  |
+| GPT-2 124M int8 (bf16) | 26.9 / 30.3                | 411 / 241                 |                           |
+| Qwen3-0.6B bf16        | 93.9-100.1 / 187.0-199.0   |                           |                           |
+| GPT-2 124M fp32        | 30.1-32.2 / 36.3-36.7      | 0.88-0.96x: slower        | 0.95-1.07x, median 0.95x  |
+
+So fp32 stays eager: it gains alone and loses at batches. Elsewhere too: without AMX the compiled forward
+was slower than eager at batch 1 (a Zen 5 VM, bf16: 12.0 against 9.3-10.1 ms/token); a small model
+(minfer-tiny, the tests' checkpoints) would spend its first start compiling what runs in milliseconds;
+int4, fp16, --quantize-activations, speculative decoding and --compile-decode-step were not measured
+with it, or do not compile with it; the packages hold two packed copies of the weights, which must fit;
+and without the cache every start would compile again. --compile-model forces it anywhere on a CPU;
+--no-compile-model or --enforce-eager keeps the plain path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import replace
+
+import torch
+
+from ..attention.cache_budget import available_memory
+from ..compiled.artifacts import open_cache
+from ..cpu.features import cpu_has_amx
+from ..engine.config import EngineConfig
+from ..quantization import quantization_of
+
+log = logging.getLogger("minfer")
+
+MIN_PARAMETERS = 50_000_000  # GPT-2 124M and up; minfer-tiny has ~1M
+# (dtype, weight quantization) pairs that compile by default
+COMPILED = {(torch.bfloat16, None), (torch.bfloat16, "int8"), (torch.float32, "int8")}
+
+
+def why_not_compiled(config: EngineConfig, model: torch.nn.Module) -> str | None:
+    """None where the whole forward compiles by default for this model and config, else why not."""
+    if model.device.type != "cpu":
+        return f"{model.device.type} is not a CPU"
+    if config.enforce_eager or config.compile_decode_step or config.quantize_activations:
+        return "another choice of how steps run was given"
+    if config.speculative_method is not None:
+        return "speculative decoding is not measured with it"
+    if not cpu_has_amx():
+        return "this CPU has no AMX: eager ran faster"
+    quantization = config.quantization or quantization_of(model)
+    if (model.dtype, quantization) == (torch.float32, None):
+        return "fp32 gained compiled at batch 1 but lost at batches"
+    if (model.dtype, quantization) not in COMPILED:
+        return f"{model.dtype} with {quantization or 'unquantized'} weights is not measured compiled"
+    tensors = list(itertools.chain(model.parameters(), model.buffers()))
+    num_parameters = sum(t.numel() for t in tensors)
+    if num_parameters < MIN_PARAMETERS:
+        return f"a small model ({num_parameters:,} parameters) would spend its first start compiling"
+    copies = 2 * sum(t.numel() * t.element_size() for t in tensors)  # the packages' packed weights, one set each
+    if copies > available_memory(model.device) / 2:
+        return f"its packages' two copies of the weights ({copies / 2**30:.1f} GiB) would take over half the free memory"
+    if open_cache()[0] is None:
+        return "minfer's compile cache is off: every start would compile again"
+    return None
+
+
+def with_compile_choice(config: EngineConfig, model: torch.nn.Module) -> EngineConfig:
+    """`config` with compile_model decided, where it was left unset (None)."""
+    if config.compile_model is not None:
+        return config
+    compiles = why_not_compiled(config, model) is None
+    if compiles:
+        log.info("minfer: compiling the whole forward, the default on a CPU with AMX (--no-compile-model: eager); "
+                 "the first start builds it (a minute or more), later ones load it")
+    return replace(config, compile_model=compiles)

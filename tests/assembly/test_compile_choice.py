@@ -1,0 +1,110 @@
+"""Where nobody chose, a CPU compiles the whole forward only where it wins (assembly/compile_choice.py)."""
+
+import pytest
+import torch
+
+from minfer import EngineConfig
+from minfer.assembly import build, compile_choice
+from minfer.assembly.compile_choice import why_not_compiled, with_compile_choice
+from minfer.engine.scheduler import OnlineScheduler
+from minfer.models.registry import load_model
+from minfer.text.tokenizer import Tokenizer
+
+
+@pytest.fixture
+def model(tiny_checkpoint):
+    return load_model(str(tiny_checkpoint), device="cpu")
+
+
+@pytest.fixture
+def amx(monkeypatch):
+    """An AMX CPU, and every model big enough."""
+    monkeypatch.setattr(compile_choice, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(compile_choice, "MIN_PARAMETERS", 0)
+
+
+def test_an_amx_cpu_compiles_bf16_and_int8_models_by_default(model, amx):
+    assert why_not_compiled(EngineConfig(quantization="int8"), model) is None  # fp32 activations
+    assert with_compile_choice(EngineConfig(quantization="int8"), model).compile_model is True
+    bf16 = model.to(torch.bfloat16)
+    assert why_not_compiled(EngineConfig(), bf16) is None
+    assert why_not_compiled(EngineConfig(quantization="int8"), bf16) is None
+
+
+def test_fp32_stays_eager_it_lost_at_batches(model, amx):
+    assert "lost at batches" in why_not_compiled(EngineConfig(), model)
+    assert with_compile_choice(EngineConfig(), model).compile_model is False
+
+
+@pytest.mark.parametrize("config, reason", [
+    (EngineConfig(enforce_eager=True), "another choice"),
+    (EngineConfig(compile_decode_step=True), "another choice"),
+    (EngineConfig(quantization="int8", quantize_activations=True), "another choice"),
+    (EngineConfig(speculative_method="ngram"), "speculative"),
+    (EngineConfig(quantization="int4"), "int4"),
+])
+def test_what_was_not_measured_with_it_stays_eager(model, amx, config, reason):
+    bf16 = model.to(torch.bfloat16)
+    assert reason in why_not_compiled(config, bf16)
+    assert with_compile_choice(config, bf16).compile_model is False
+
+
+def test_fp16_stays_eager(model, amx):
+    assert "float16" in why_not_compiled(EngineConfig(), model.to(torch.float16))
+
+
+def test_a_cpu_without_amx_stays_eager_unless_asked(model, monkeypatch):
+    monkeypatch.setattr(compile_choice, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(compile_choice, "MIN_PARAMETERS", 0)
+    bf16 = model.to(torch.bfloat16)
+    assert "AMX" in why_not_compiled(EngineConfig(), bf16)
+    assert with_compile_choice(EngineConfig(), bf16).compile_model is False
+    assert with_compile_choice(EngineConfig(compile_model=True), bf16).compile_model is True
+
+
+def test_a_choice_given_is_kept(model, amx):
+    assert with_compile_choice(EngineConfig(compile_model=False), model.to(torch.bfloat16)).compile_model is False
+
+
+def test_a_small_model_stays_eager(model, monkeypatch):
+    """minfer-tiny and the tests' checkpoints: a first start's compile would cost more than it ever saves."""
+    monkeypatch.setattr(compile_choice, "cpu_has_amx", lambda: True)
+    assert "small model" in why_not_compiled(EngineConfig(), model.to(torch.bfloat16))
+
+
+def test_a_model_whose_packed_copies_would_crowd_the_memory_stays_eager(model, amx, monkeypatch):
+    """The two packages hold a packed copy of the weights each, beside the plain ones."""
+    bf16 = model.to(torch.bfloat16)
+    weights = sum(p.numel() * p.element_size() for p in bf16.parameters())
+    monkeypatch.setattr(compile_choice, "available_memory", lambda device: 3 * weights)
+    assert "two copies of the weights" in why_not_compiled(EngineConfig(), bf16)
+    monkeypatch.setattr(compile_choice, "available_memory", lambda device: 5 * weights)
+    assert why_not_compiled(EngineConfig(), bf16) is None
+
+
+def test_without_the_compile_cache_every_start_would_compile_so_it_stays_eager(model, amx, monkeypatch):
+    monkeypatch.setenv("MINFER_CACHE", "off")
+    assert "cache is off" in why_not_compiled(EngineConfig(), model.to(torch.bfloat16))
+
+
+def test_build_engine_decides_before_it_prepares_the_model(tiny_checkpoint, amx, monkeypatch):
+    seen = []
+
+    def prepare(model, config):
+        seen.append(config.compile_model)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(build, "prepare_model", prepare)
+    for config, compiles in [(EngineConfig(str(tiny_checkpoint), dtype="bfloat16"), True),
+                             (EngineConfig(str(tiny_checkpoint), dtype="bfloat16", compile_model=False), False)]:
+        with pytest.raises(RuntimeError, match="stop here"):
+            build.build_engine(config)
+    assert seen == [True, False]
+
+
+def test_an_engine_reports_what_it_decided(tiny_checkpoint, model):
+    """/health's engine config says whether the forward runs compiled: never unset, built by the assembly or
+    as the core alone."""
+    assert build.build_engine(EngineConfig(str(tiny_checkpoint), num_kv_blocks=16)).engine_config.compile_model is False
+    core = OnlineScheduler(model, Tokenizer.from_dir(tiny_checkpoint), num_kv_blocks=16)
+    assert core.engine_config.compile_model is False
