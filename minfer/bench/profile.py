@@ -75,7 +75,7 @@ def _record(scheduler: OnlineScheduler, num_steps: int) -> dict | None:
     sync = torch.cuda.synchronize if scheduler.model.device.type == "cuda" else None
     totals = step_timing.start_timing(sync)
     hooks = _time_modules(scheduler.model)
-    graphs_before = _graph_steps(scheduler)
+    graphs_before, whole_before = _graph_steps(scheduler), _whole_steps(scheduler)
     try:
         for _ in range(num_steps):
             if not scheduler.has_unfinished():
@@ -90,8 +90,9 @@ def _record(scheduler: OnlineScheduler, num_steps: int) -> dict | None:
         step_timing.stop_timing()
         for hook in hooks:
             hook.remove()
-    graph_steps = _graph_steps(scheduler) - graphs_before
-    return {"times": dict(totals), "steps": steps, "wall": wall, "graph_steps": graph_steps} if steps else None
+    graph_steps, whole_steps = _graph_steps(scheduler) - graphs_before, _whole_steps(scheduler) - whole_before
+    return {"times": dict(totals), "steps": steps, "wall": wall, "graph_steps": graph_steps,
+            "whole_steps": whole_steps} if steps else None
 
 
 def _graph_steps(scheduler: OnlineScheduler) -> int:
@@ -99,6 +100,13 @@ def _graph_steps(scheduler: OnlineScheduler) -> int:
     compiled = scheduler.runner.compiled
     graphs = compiled.graphs if compiled is not None else None
     return graphs.num_steps if graphs is not None else 0
+
+
+def _whole_steps(scheduler: OnlineScheduler) -> int:
+    """Steps the compiled whole forward (--compile-model) served so far: its linears are inside its graph."""
+    compiled = scheduler.runner.compiled
+    step = compiled.step if compiled is not None else None
+    return step.num_whole_steps if step is not None else 0
 
 
 def _time_modules(model) -> list:
@@ -175,6 +183,7 @@ def breakdown(phase: dict, model, peaks: dict) -> dict:
         "prefill_tokens": mean("num_prefill_tokens"),
         "context_tokens": mean("cached_context_tokens"),
         "graph_steps": phase.get("graph_steps", 0),
+        "whole_steps": phase.get("whole_steps", 0),
         "rows": rows,
     }
 
@@ -206,6 +215,12 @@ def format_profile(p: dict) -> str:
             lines.append(
                 f"   {ph['graph_steps']} of them replayed CUDA graphs: a replay marks no parts, so its model's whole "
                 f"time (attention, linears, LM head) is in '{REST}'"
+            )
+        if ph.get("whole_steps"):
+            lines.append(
+                f"   {ph['whole_steps']} of them ran the whole forward compiled (--compile-model): its linears, LM "
+                f"head and small ops run inside the graph, so their time is in '{REST}' (--no-compile-model "
+                "splits them)"
             )
         lines.append(
             f"{'part':<24}{'ms/step':>9}{'share':>8}{'MB/step':>10}{'GB/s':>8}{'GFLOP/step':>12}"

@@ -88,6 +88,7 @@ class CompiledDecodeStep:
             self.graph = PrecompiledFunction(block.forward, f"{block.__name__}.forward") if block else None
         self.compiled_batches: set[bool] = set()  # which graphs have run: one sequence, several
         self.num_eager_steps = 0  # steps the graphs did not serve
+        self.num_whole_steps = 0  # steps the whole forward's graphs served (bench.py --profile reads it)
         self.warm_up_seconds: float | None = None
         self.compile_record: CompileRecord | None = None  # how warm_up had its graphs: loaded or compiled
         self.opaque: OpaqueAttention | None = None  # the graph's view of the engine's attention (warm_up)
@@ -170,6 +171,7 @@ class CompiledDecodeStep:
             log.warning("minfer: the compiled decode step is off, running eager instead: %s", self.off_because)
             return self.model(input_ids, paged)  # rewrites the same K/V slots, if any were written
         self.compiled_batches.add(lone)
+        self.num_whole_steps += self.whole
         return logits
 
     def _with_two_sampled_rows(self, input_ids: torch.Tensor, paged: PagedBatch) -> torch.Tensor:

@@ -175,6 +175,14 @@ def test_the_whole_forward_is_packaged_once_and_loaded_after(make_checkpoint):
     got = [o.token_ids for o in compiled.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == [o.token_ids for o in LLM(path, **settings).generate(prompts, GREEDY, use_tqdm=False)]
     assert step.off_because is None
+    # bench.py --profile: the linears ran inside the graph, where no hook times them; it says so
+    from minfer.bench.profile import format_profile, profile_steps
+    from minfer.bench.workload import BenchRequest
+
+    requests = [BenchRequest(i, None, list(range(1, 9 + i)), 8 + i, 12, 0.0) for i in range(4)]
+    profile = profile_steps(compiled.scheduler, requests, num_steps=3)
+    assert profile["phases"]["decode"]["whole_steps"] == 3
+    assert "3 of them ran the whole forward compiled (--compile-model)" in format_profile(profile)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
