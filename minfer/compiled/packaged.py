@@ -85,7 +85,7 @@ def load_or_build(
         paths = {kind: entry.path.with_name(f"{entry.path.stem}.{kind}.pt2") for kind in ("lone", "batch")}
         built, runners = [], {}
         with entry.locked() as have_lock, inductor_cache_in(root / "inductor"):
-            for kind, path in paths.items():
+            for number, (kind, path) in enumerate(paths.items(), 1):
                 if path.exists():
                     try:
                         runners[kind] = torch._inductor.aoti_load_package(str(path))
@@ -94,8 +94,11 @@ def load_or_build(
                         log.warning("minfer: the package %s is unreadable, building it again: %s", path.name, e)
                 if not have_lock:
                     return None, None, "another start held the package's lock too long"
-                log.info("minfer: compiling the whole forward for %s into %s (once) ...", kind, path.name)
+                log.info("minfer: compiling the whole forward for %s into %s (package %d of %d, once) ...", kind,
+                         path.name, number, len(paths))
+                began = time.perf_counter()
                 _build(model, opaque, *example(kind), kind == "lone", path, options)
+                log.info("minfer: built the %s package in %.0f s", kind, time.perf_counter() - began)
                 runners[kind] = torch._inductor.aoti_load_package(str(path))
                 built.append(kind)
     except Exception as e:  # an export the model refuses, a full disk, a package that does not load
