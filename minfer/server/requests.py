@@ -286,21 +286,15 @@ def sampling_params(body: dict, max_tokens, ignore_eos, fields: dict[str, str], 
         kwargs["top_k"] = 0
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
-    n = 1 if body.get("n") is None else body["n"]
-    if body.get("best_of") is not None:
-        _check_best_of(body["best_of"], n)
+    n, best_of = 1 if body.get("n") is None else body["n"], body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise invalid("best_of", f"'best_of' = {best_of!r} is not supported: this server returns every sample it "
+                      f"draws, so best_of may only equal n ({n}); ask for n = {best_of!r} and pick yourself",
+                      "unsupported_parameter")
     try:
         return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, n=n, **kwargs, **extra)
     except ValueError as e:
         raise invalid_request(e, fields) from None
-
-
-def _check_best_of(best_of, n) -> None:
-    """This server returns every sample it draws: best_of may only equal n."""
-    if best_of != n:
-        raise invalid("best_of", f"'best_of' = {best_of!r} is not supported: this server returns every sample it "
-                      f"draws, so best_of may only equal n ({n}); ask for n = {best_of!r} and pick yourself",
-                      "unsupported_parameter")
 
 
 def _logit_bias(bias) -> dict[int, float]:
