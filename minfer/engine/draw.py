@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..host_to_device import to_device
+
 
 def draw_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: for each row of probs (R, K), which need not sum to 1, the first index
@@ -16,6 +18,17 @@ def draw_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]  # (R, 1)
     target = torch.minimum(u[:, None] * total, total.nextafter(torch.zeros_like(total)))  # < total, even rounded
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)  # (R,)
+
+
+def draw_from_logits(scaled: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """draw_from over the softmax of each row of `scaled` (R, V), temperature-scaled fp32 logits, which are
+    overwritten: exp(x - max) are softmax's numerators, and draw_from normalises. Returns (R,)."""
+    return draw_from(scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_(), u)
+
+
+def temperatures(params, greedy: list[bool], device) -> torch.Tensor:
+    """(B,) each row's temperature to divide its logits by; a greedy row's 1 (its draw is discarded)."""
+    return to_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], device)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..host_to_device import to_device
-from .draw import draw_from, greedy_tokens
+from .draw import draw_from_logits, greedy_tokens, temperatures
 from .sampling_params import GREEDY_TEMPERATURE
 from .top_k_top_p import draw_filtered
 
@@ -51,8 +51,8 @@ def sample_controlled(
         return greedy_tokens(logits)
     # One fresh fp32 tensor (or the controls' copy), changed in place from then on: on a CPU each fresh
     # (B, V) tensor is page-faulted in, which costs more than the arithmetic.
-    temps = to_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], device)  # (B,)
-    scaled = logits.div_(temps[:, None]) if controlled else logits / temps[:, None]  # (B, V) float32
+    temps = temperatures(params, greedy, device)[:, None]  # (B, 1)
+    scaled = logits.div_(temps) if controlled else logits / temps  # (B, V) float32
     # (B,): the greedy rows' tokens; the drawn ones are overwritten below
     tokens = greedy_tokens(scaled) if any(greedy) else torch.empty(len(params), dtype=torch.long, device=device)
     if any(p.min_p for p in params):
@@ -61,9 +61,8 @@ def sample_controlled(
     plain = [i for i, p in enumerate(params) if not greedy[i] and p.top_k == 0 and p.top_p == 1]
     filtered = [i for i, p in enumerate(params) if not greedy[i] and (p.top_k > 0 or p.top_p < 1)]
     if plain:  # temperature only
-        rows = _rows(scaled, plain)  # scaled itself only when every row is plain: then none is filtered below
-        weights = rows.sub_(rows.amax(dim=-1, keepdim=True)).exp_()  # softmax's numerators: draw_from normalises
-        tokens[to_device(plain, device)] = draw_from(weights, _rows(u, plain))
+        # scaled itself only when every row is plain: then none is filtered below
+        tokens[to_device(plain, device)] = draw_from_logits(_rows(scaled, plain), _rows(u, plain))
     if filtered:
         top_k, top_p = [params[i].top_k for i in filtered], [params[i].top_p for i in filtered]
         tokens[to_device(filtered, device)] = draw_filtered(_rows(scaled, filtered), _rows(u, filtered), top_k, top_p)

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..host_to_device import to_device
-from .draw import draw_from, greedy_tokens
+from .draw import draw_from_logits, greedy_tokens, temperatures
 from .logits_processors import TokenHistory, sample_controlled
 from .sampling_params import SamplingParams
 
@@ -55,8 +55,6 @@ def sample_with(logits: torch.Tensor, params: Sequence[SamplingParams], uniforms
     if all(greedy):
         return greedy_tokens(logits)  # widening bf16 to fp32 is exact: the same row maximum, no copy
     greedy_picks = greedy_tokens(logits) if any(greedy) else None  # (B,)
-    temps = to_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], logits.device)  # (B,)
-    scaled = logits / temps[:, None]  # (B, V) fp32: bf16 is too coarse for softmax and cumsum
-    weights = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()  # softmax's numerators: draw_from normalises
-    drawn = draw_from(weights, uniforms())  # (B,)
+    scaled = logits / temperatures(params, greedy, logits.device)[:, None]  # (B, V) fp32: bf16 is too coarse
+    drawn = draw_from_logits(scaled, uniforms())  # (B,)
     return drawn if greedy_picks is None else torch.where(to_device(greedy, logits.device), greedy_picks, drawn)
