@@ -2,25 +2,16 @@
 
 It does where it won at batch 1 and at batches alike: on a CPU with AMX, for bf16 models and int8
 (weight-only) ones, of MIN_PARAMETERS or more, with minfer's compile cache open. There the first start
-compiles the forward into two AOTInductor packages (GPT-2 124M: a minute and a half; Qwen3-0.6B: five
-minutes) and every later start loads them in seconds (compiled/packaged.py). Measured side by side on a
-2-core Intel AMX VM (2026-11-30, alternating rounds; the host's speed drifted, the ratios held):
+compiles the forward into two AOTInductor packages (minutes) and every later start loads them in seconds
+(compiled/packaged.py). docs/performance.md ("By default on AMX") has the side-by-side figures: bf16 and int8
+faster at batch 1, 64 requests and 16 streams; fp32 faster alone but slower at batches, so it stays eager.
 
-| compiled / eager       | batch 1, ms/token          | 64 x (128 + 128) tok/s    | 16 streams tok/s          |
-| ---------------------- | -------------------------- | ------------------------- | ------------------------- |
-| GPT-2 124M bf16        | 19.5-21.3 / 30.0-30.9      | 509 / 474 (median of 3)   | 297 / 271 (median of 3)   |
-| GPT-2 124M int8 (fp32) | 16.3-17.2 / 25.2-25.9      | 1.98-2.03x, three rounds  | 1.50-1.94x, three rounds  |
-| GPT-2 124M int8 (bf16) | 26.9 / 30.3                | 411 / 241                 |                           |
-| Qwen3-0.6B bf16        | 93.9-100.1 / 187.0-199.0   |                           |                           |
-| GPT-2 124M fp32        | 30.1-32.2 / 36.3-36.7      | 0.88-0.96x: slower        | 0.95-1.07x, median 0.95x  |
-
-So fp32 stays eager: it gains alone and loses at batches. Elsewhere too: without AMX the compiled forward
-was slower than eager at batch 1 (a Zen 5 VM, bf16: 12.0 against 9.3-10.1 ms/token); a small model
-(minfer-tiny, the tests' checkpoints) would spend its first start compiling what runs in milliseconds;
-int4, fp16, --quantize-activations, speculative decoding and --compile-decode-step were not measured
-with it, or do not compile with it; the packages hold two packed copies of the weights, which must fit;
-and without the cache every start would compile again. --compile-model forces it anywhere on a CPU;
---no-compile-model or --enforce-eager keeps the plain path.
+Elsewhere it stays off too: without AMX the compiled forward was slower than eager at batch 1 (a Zen 5 VM,
+bf16: 12.0 against 9.3-10.1 ms/token); a small model (minfer-tiny, the tests' checkpoints) would spend its
+first start compiling what runs in milliseconds; int4, fp16, --quantize-activations, speculative decoding
+and --compile-decode-step were not measured with it, or do not compile with it; the packages hold two packed
+copies of the weights, which must fit; and without the cache every start would compile again.
+--compile-model forces it anywhere on a CPU; --no-compile-model or --enforce-eager keeps the plain path.
 """
 
 from __future__ import annotations
