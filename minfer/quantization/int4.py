@@ -229,10 +229,12 @@ class Int4Linear(QuantizedLinear):
         return self._sz_as[key]
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # (n,) -> (n, in)
-        """Dequantized rows `ids` of the weight only: a tied embedding's lookup."""
+        """Dequantized rows `ids` of the weight only: a tied embedding's lookup. (`ids.shape[0]`, not len(ids):
+        traced, len() fixes the row count to the example's, and an exported graph could not take any other.)"""
         scale, offset = self.affine_in(dtype)  # (N', K'/G, 1) each
-        q = packed_rows(self.qweight, ids, self.interleave).view(len(ids), scale.shape[1], -1)  # (n, K'/G, G)
-        return torch.addcmul(offset[ids], q, scale[ids]).view(len(ids), -1)[:, : self.in_features]
+        n = ids.shape[0]
+        q = packed_rows(self.qweight, ids, self.interleave).view(n, scale.shape[1], -1)  # (n, K'/G, G)
+        return torch.addcmul(offset[ids], q, scale[ids]).view(n, -1)[:, : self.in_features]
 
     def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(nibbles (out, in'/2), scales_and_zeros (in'/G, out, 2)): the portable form quantize_int4 made."""

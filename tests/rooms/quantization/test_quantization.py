@@ -162,6 +162,20 @@ def test_tied_embedding_reads_the_heads_quantized_rows(method):
     assert embedding.weight.dtype == torch.float32 and embedding.weight.numel() == 0
 
 
+@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
+def test_a_tied_embeddings_lookup_exports_for_any_number_of_tokens(method):
+    """--compile-model's batch package is exported with the step's token count dynamic (compiled/packaged.py):
+    the lookup must not fix it to the example's (int4's once did, and its batches ran eager)."""
+    torch.manual_seed(0)
+    head = nn.Linear(72, 803, bias=False)
+    quantized = Int8Linear.from_float(head) if method == "int8" else Int4Linear.from_float(head, 32)
+    embedding = QuantizedEmbedding(quantized, torch.float32)
+    program = torch.export.export(embedding, (torch.tensor([0, 802, 64]),),
+                                  dynamic_shapes=({0: torch.export.Dim("tokens", min=2)},))
+    ids = torch.tensor([31, 32, 400, 5, 63])
+    assert torch.equal(program.module()(ids), embedding(ids))
+
+
 def float_model_with_dequantized_weights(checkpoint, method, group_size=None):
     """The float model whose weights are what quantizing them gives back: what a quantized model must compute."""
     model = load_model(checkpoint, dtype=torch.float32)
