@@ -1,15 +1,16 @@
 """Whether a CPU runs the whole forward compiled (--compile-model) when nobody said either way.
 
-It does where it won at batch 1 and at batches alike: on a CPU with AMX, for bf16 models and int8
+It does where it won at batch 1 and at batches alike: on a CPU with AMX, for bf16 models and int8 and int4
 (weight-only) ones, of MIN_PARAMETERS or more, with minfer's compile cache open. There the first start
 compiles the forward into two AOTInductor packages (minutes) and every later start loads them in seconds
-(compiled/packaged.py). docs/performance.md ("By default on AMX") has the side-by-side figures: bf16 and int8
-faster at batch 1, 64 requests and 16 streams; fp32 faster alone but slower at batches, so it stays eager.
+(compiled/packaged.py). docs/performance.md ("By default on AMX") has the side-by-side figures: bf16, int8
+and int4 faster at batch 1, 64 requests and 16 streams; fp32 faster alone but slower at batches, so it stays
+eager.
 
 Elsewhere it stays off too: without AMX the compiled forward was slower than eager at batch 1 (a Zen 5 VM,
 bf16: 12.0 against 9.3-10.1 ms/token); a small model (minfer-tiny, the tests' checkpoints) would spend its
-first start compiling what runs in milliseconds; int4, fp16, --quantize-activations, speculative decoding
-and --compile-decode-step were not measured with it, or do not compile with it; the packages hold two packed
+first start compiling what runs in milliseconds; fp16, --quantize-activations, speculative decoding and
+--compile-decode-step were not measured with it, or do not compile with it; the packages hold two packed
 copies of the weights, which must fit; and without the cache every start would compile again.
 --compile-model forces it anywhere on a CPU; --no-compile-model or --enforce-eager keeps the plain path.
 """
@@ -32,7 +33,8 @@ log = logging.getLogger("minfer")
 
 MIN_PARAMETERS = 50_000_000  # GPT-2 124M and up; minfer-tiny has ~1M
 # (dtype, weight quantization) pairs that compile by default
-COMPILED = {(torch.bfloat16, None), (torch.bfloat16, "int8"), (torch.float32, "int8")}
+COMPILED = {(torch.bfloat16, None), (torch.bfloat16, "int8"), (torch.float32, "int8"), (torch.bfloat16, "int4"),
+            (torch.float32, "int4")}
 
 
 def why_not_compiled(config: EngineConfig, model: torch.nn.Module) -> str | None:

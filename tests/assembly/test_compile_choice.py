@@ -23,12 +23,14 @@ def amx(monkeypatch):
     monkeypatch.setattr(compile_choice, "MIN_PARAMETERS", 0)
 
 
-def test_an_amx_cpu_compiles_bf16_and_int8_models_by_default(model, amx):
-    assert why_not_compiled(EngineConfig(quantization="int8"), model) is None  # fp32 activations
-    assert with_compile_choice(EngineConfig(quantization="int8"), model).compile_model is True
+def test_an_amx_cpu_compiles_bf16_int8_and_int4_models_by_default(model, amx):
+    for method in ("int8", "int4"):
+        assert why_not_compiled(EngineConfig(quantization=method), model) is None  # fp32 activations
+        assert with_compile_choice(EngineConfig(quantization=method), model).compile_model is True
     bf16 = model.to(torch.bfloat16)
     assert why_not_compiled(EngineConfig(), bf16) is None
     assert why_not_compiled(EngineConfig(quantization="int8"), bf16) is None
+    assert why_not_compiled(EngineConfig(quantization="int4"), bf16) is None
 
 
 def test_fp32_stays_eager_it_lost_at_batches(model, amx):
@@ -41,7 +43,6 @@ def test_fp32_stays_eager_it_lost_at_batches(model, amx):
     (EngineConfig(compile_decode_step=True), "another choice"),
     (EngineConfig(quantization="int8", quantize_activations=True), "another choice"),
     (EngineConfig(speculative_method="ngram"), "speculative"),
-    (EngineConfig(quantization="int4"), "int4"),
 ])
 def test_what_was_not_measured_with_it_stays_eager(model, amx, config, reason):
     bf16 = model.to(torch.bfloat16)
