@@ -11,7 +11,8 @@ batches (two rows or more; CompiledDecodeStep pads a lone prompt's chunk to two 
 the opaque op in both (paged_op.py), reading the step's metadata from `compiled_step`'s slot at run time.
 The packages hold the weights' values, so their key holds a hash of them (`weights_fingerprint`) besides the
 compiled step's own parts; they live beside the step's cache entry, written under its lock, each to a
-temporary file renamed into place. Anything that fails (an export a model's modules refuse, a full disk, a
+temporary file renamed into place. A package Inductor fails to build is built once more without epilogue
+fusion (`_built`). Anything that fails (an export a model's modules refuse, a full disk, a
 package that will not load) returns why, and the step compiles in memory as before.
 """
 
@@ -97,7 +98,7 @@ def load_or_build(
                 log.info("minfer: compiling the whole forward for %s into %s (package %d of %d, once) ...", kind,
                          path.name, number, len(paths))
                 began = time.perf_counter()
-                _build(model, opaque, *example(kind), kind == "lone", path, options)
+                options = _built(model, opaque, example(kind), kind == "lone", path, options)
                 log.info("minfer: built the %s package in %.0f s", kind, time.perf_counter() - began)
                 runners[kind] = torch._inductor.aoti_load_package(str(path))
                 built.append(kind)
@@ -106,6 +107,26 @@ def load_or_build(
     how = "compiled" if built else "loaded"
     record = CompileRecord(how, time.perf_counter() - start, len(paths) - len(built), len(built), path=entry.path)
     return PackagedForward(runners["lone"], runners["batch"]), record, None
+
+
+def _built(model, opaque: OpaqueAttention, example: tuple, lone: bool, path: Path, options: dict) -> dict:
+    """`_build`, and once more without epilogue fusion if Inductor fails: torch 2.13's C++ codegen asserted on a
+    fused buffer it had removed ("AssertionError: buf22") for a Llama checkpoint with int4 weights, where without
+    that fusion it compiled (GPT-2 int4 ran batch 1 3-4% slower so, hence not always). Returns the options the
+    package was built with, for the next one."""
+    from torch._inductor.exc import InductorError  # here: importing Inductor costs every start a second
+
+    try:
+        _build(model, opaque, *example, lone, path, options)
+        return options
+    except InductorError as e:
+        if options.get("epilogue_fusion") is False:
+            raise
+        log.warning("minfer: Inductor failed (%s): building the package again without epilogue fusion",
+                    str(e).strip().splitlines()[0])
+    options = {**options, "epilogue_fusion": False}
+    _build(model, opaque, *example, lone, path, options)
+    return options
 
 
 def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, path: Path, options: dict) -> None:

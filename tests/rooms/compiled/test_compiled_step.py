@@ -239,3 +239,17 @@ def test_frozen_graph_gemm_choices_follow_the_cpu_and_the_weights(monkeypatch, a
 def test_refused_where_it_cannot_apply(settings, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="minfer-tiny", **settings)
+
+
+def test_llama_with_int4_weights_is_packaged(make_checkpoint, tmp_path, monkeypatch):
+    """torch 2.13's C++ codegen asserts on a fused buffer ("buf22") for Llama with int4 weights; the package is
+    built again without epilogue fusion (packaged.py's `_built`, which logs it), and the step serves through it."""
+    if not int4_kernel_available():
+        pytest.skip("this torch has no CPU int4 kernel")
+    monkeypatch.setenv("MINFER_CACHE", str(tmp_path))
+    llm = LLM(make_checkpoint("llama-tiny"), compile_model=True, quantization="int4", num_kv_blocks=32)
+    step = graph_of(llm)
+    assert step.off_because is None and step.packaged is not None and step.compile_record.how == "compiled"
+    got = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert step.off_because is None and step.num_whole_steps == 6  # the prompt (batch graph), 5 decodes (lone)
+    assert len(got[0].token_ids) == 6
