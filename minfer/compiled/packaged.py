@@ -31,6 +31,7 @@ import torch
 
 from ..attention.paged import PagedBatch
 from .artifacts import CacheEntry, open_cache
+from .attention import failure_line
 from .cache_key import common_parts
 from .paged_op import OpaqueAttention, compiled_step
 from .saved_graphs import CompileRecord, inductor_cache_in
@@ -103,7 +104,7 @@ def load_or_build(
                 runners[kind] = torch._inductor.aoti_load_package(str(path))
                 built.append(kind)
     except Exception as e:  # an export the model refuses, a full disk, a package that does not load
-        return None, None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        return None, None, failure_line(e)
     how = "compiled" if built else "loaded"
     record = CompileRecord(how, time.perf_counter() - start, len(paths) - len(built), len(built), path=entry.path)
     return PackagedForward(runners["lone"], runners["batch"]), record, None
@@ -122,8 +123,7 @@ def _built(model, opaque: OpaqueAttention, example: tuple, lone: bool, path: Pat
     except InductorError as e:
         if options.get("epilogue_fusion") is False:
             raise
-        log.warning("minfer: Inductor failed (%s): building the package again without epilogue fusion",
-                    str(e).strip().splitlines()[0])
+        log.warning("minfer: Inductor failed (%s): building the package again without epilogue fusion", failure_line(e))
     options = {**options, "epilogue_fusion": False}
     _build(model, opaque, *example, lone, path, options)
     return options
