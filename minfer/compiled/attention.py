@@ -332,3 +332,16 @@ def store_kv(kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: to
 _ops = torch.library.Library("minfer", "FRAGMENT")
 _ops.define("store_kv(Tensor(a!) kv_cache, Tensor slots, Tensor k, Tensor v, int block_size) -> ()")
 _ops.impl("store_kv", store_kv, "CompositeExplicitAutograd")
+
+
+def lone_decode_tensors(meta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What traced_lone_decode reads of a lone decode's metadata: its slot (1,), block table (1, NB) and
+    context length (1,). A graph kept on disk takes them as inputs (packaged.py)."""
+    group = meta.decode_groups[0]
+    return meta.slot_mapping, group.tables, group.lens
+
+
+def with_lone_decode_tensors(meta, slot_mapping, tables, lens):
+    """`meta` with those three replaced: the inverse of lone_decode_tensors."""
+    group = replace(meta.decode_groups[0], tables=tables, lens=lens)
+    return replace(meta, slot_mapping=slot_mapping, decode_groups=[group])

@@ -7,8 +7,9 @@ unpickleable"): every start traced and compiled it again, a minute or more. torc
 kernels and the packed weights, loaded by `aoti_load_package` in seconds.
 
 Two packages, as the torch.compile path has two graphs: a lone sequence's decode (one row, static), and
-batches (two rows or more; CompiledDecodeStep pads a lone prompt's chunk to two sampled rows). Attention is
-the opaque op in both (paged_op.py), reading the step's metadata from `compiled_step`'s slot at run time.
+batches (two rows or more; CompiledDecodeStep pads a lone prompt's chunk to two sampled rows). In batches,
+attention is the opaque op (paged_op.py), reading the step's metadata from `compiled_step`'s slot at run
+time; a lone decode's is traced in where the backend offers it, its metadata's tensors inputs of the package.
 The packages hold the weights' values, so their key holds a hash of them (`weights_fingerprint`) besides the
 compiled step's own parts; they live beside the step's cache entry, written under its lock, each to a
 temporary file renamed into place. A package Inductor fails to build is built once more without epilogue
@@ -31,7 +32,7 @@ import torch
 
 from ..attention.paged import PagedBatch
 from .artifacts import CacheEntry, open_cache
-from .attention import failure_line
+from .attention import failure_line, lone_decode_tensors, with_lone_decode_tensors
 from .cache_key import common_parts
 from .paged_op import OpaqueAttention, compiled_step
 from .saved_graphs import CompileRecord, inductor_cache_in
@@ -51,13 +52,33 @@ class _OnTensors(torch.nn.Module):
         return self.model(input_ids, PagedBatch(positions, types.SimpleNamespace(kv=kv), self.meta, sample_rows))
 
 
+class _LoneOnTensors(torch.nn.Module):
+    """A lone sequence's decode, its attention traced in (`traced_lone_decode`): the metadata that attention
+    reads is an input too, or the package would keep the example step's (lone_decode_tensors). Each layer's
+    cache is an input of its own: as views of one input, every layer's K/V write but the first was lost
+    (torch 2.13's AOTInductor, views at symbolic offsets)."""
+
+    def __init__(self, model: torch.nn.Module, meta):
+        super().__init__()
+        self.model, self.meta = model, meta
+
+    def forward(self, input_ids, positions, layers, sample_rows, slot_mapping, tables, lens):
+        # (1,), (1,), a (num_blocks, 2, Hkv, D * B) per layer, (1,), (1,), (1, NB), (1,) -> (1, V)
+        meta = with_lone_decode_tensors(self.meta, slot_mapping, tables, lens)
+        return self.model(input_ids, PagedBatch(positions, types.SimpleNamespace(kv=layers), meta, sample_rows))
+
+
 class PackagedForward:
     """Called as the compiled step calls its graph: (input_ids (N,), the step's batch) -> logits (S, V)."""
 
-    def __init__(self, lone, batch):
+    def __init__(self, lone, batch, lone_traced: bool):
         self.lone, self.batch = lone, batch
+        self.lone_traced = lone_traced  # the lone package has its attention traced in (_LoneOnTensors)
 
     def __call__(self, input_ids: torch.Tensor, paged: PagedBatch) -> torch.Tensor:
+        if input_ids.shape[0] == 1 and self.lone_traced:  # no opaque op in it: nothing reads compiled_step's slot
+            layers = list(paged.kv_cache.kv.unbind(0))
+            return self.lone(input_ids, paged.positions, layers, paged.sample_rows, *lone_decode_tensors(paged.attention))
         run = self.lone if input_ids.shape[0] == 1 else self.batch
         with compiled_step(paged):
             return run(input_ids, paged.positions, paged.kv_cache.kv, paged.sample_rows)
@@ -107,7 +128,7 @@ def load_or_build(
         return None, None, failure_line(e)
     how = "compiled" if built else "loaded"
     record = CompileRecord(how, time.perf_counter() - start, len(paths) - len(built), len(built), path=entry.path)
-    return PackagedForward(runners["lone"], runners["batch"]), record, None
+    return PackagedForward(runners["lone"], runners["batch"], opaque.backend.lone_decode_in_graph), record, None
 
 
 def _built(model, opaque: OpaqueAttention, example: tuple, lone: bool, path: Path, options: dict) -> dict:
@@ -130,17 +151,23 @@ def _built(model, opaque: OpaqueAttention, example: tuple, lone: bool, path: Pat
 
 
 def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, path: Path, options: dict) -> None:
-    """Export the step of `rows` (dynamic in its token and sampled-row counts unless `lone`) and package it."""
+    """Export the step of `rows` (dynamic in its token and sampled-row counts, or a lone decode's context
+    length) and package it."""
     meta = replace(batch.attention, backend=opaque)
-    args = (rows.input_ids, rows.positions, batch.kv_cache.kv, rows.sample_rows)
-    slots = {1: torch.export.Dim("slots")}  # the cache's size follows the memory: not part of the package
-    if lone:
-        shapes = (None, None, slots, None)
+    if lone and opaque.backend.lone_decode_in_graph:
+        layers = list(batch.kv_cache.kv.unbind(0))
+        on_tensors = _LoneOnTensors(model, meta)
+        args = (rows.input_ids, rows.positions, layers, rows.sample_rows, *lone_decode_tensors(meta))
+        blocks = {0: torch.export.Dim("blocks_in_cache")}  # the cache's size follows the memory: not part of it
+        shapes = (None, None, [blocks] * len(layers), None, None, {1: torch.export.Dim("blocks", min=2)}, None)
     else:
+        on_tensors = _OnTensors(model, meta)
+        args = (rows.input_ids, rows.positions, batch.kv_cache.kv, rows.sample_rows)
+        slots = {1: torch.export.Dim("slots")}  # as above
         tokens, sampled = torch.export.Dim("tokens", min=2), torch.export.Dim("sampled", min=2)
-        shapes = ({0: tokens}, {0: tokens}, slots, {0: sampled})
+        shapes = (None, None, slots, None) if lone else ({0: tokens}, {0: tokens}, slots, {0: sampled})
     with torch.no_grad(), compiled_step(batch):
-        program = torch.export.export(_OnTensors(model, meta), args, dynamic_shapes=shapes)
+        program = torch.export.export(on_tensors, args, dynamic_shapes=shapes)
         part = path.with_name(f"{path.stem}.{os.getpid()}.part.pt2")  # AOTInductor wants the .pt2 ending
         try:
             torch._inductor.aoti_compile_and_package(program, package_path=str(part), inductor_configs=options)

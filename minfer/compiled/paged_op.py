@@ -26,14 +26,12 @@ _step = threading.local()
 class OpaqueAttention(AttentionBackend):
     """The backend a compiled step's graph sees: the real one (`backend`) behind one opaque op."""
 
-    def __init__(self, backend: AttentionBackend, lone_in_graph: bool = True):
+    def __init__(self, backend: AttentionBackend):
         self.backend = backend
         self.name = backend.name
-        # A graph kept on disk (packaged.py) cannot trace a lone decode in: it would keep that step's metadata.
-        self.lone_in_graph = lone_in_graph and backend.lone_decode_in_graph
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if q.shape[0] == 1 and self.lone_in_graph:
+        if q.shape[0] == 1 and self.backend.lone_decode_in_graph:
             return self.backend.traced_lone_decode(q, k, v, kv_cache, meta, scale)  # traced into the graph
         return torch.ops.minfer.paged_attention(q, k, v, kv_cache, scale)  # (N, H, D)
 

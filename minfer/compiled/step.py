@@ -137,7 +137,7 @@ class CompiledDecodeStep:
         """Load the whole forward's AOTInductor packages, or build them (packaged.py): None, or why not."""
         options = {**FROZEN_WEIGHTS, "max_autotune_gemm_backends": frozen_gemm_backends(self.model),
                    "cpp.dynamic_threads": True}
-        opaque = OpaqueAttention(runner.attention, lone_in_graph=False)
+        opaque = OpaqueAttention(runner.attention)
         self.packaged, record, why_not = load_or_build(
             self.model, opaque, functools.partial(warm_up_step, runner), parts, options
         )

@@ -137,9 +137,10 @@ def test_whole_graph_with_frozen_weights_equals_eager(make_checkpoint):
     assert got == [o.token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
 
     # A lone sequence: its prompt goes through the batch graph (its sampled row padded to two), and its
-    # decode's attention is traced into the lone graph, so the backend's own forward runs for the prompt's
-    # layers only, never for a decode step, as contexts grow across blocks (14 + 40 tokens). Two completions
-    # forking from a one-token prompt (one row, two sampled) run eager: no third graph.
+    # decode's attention is traced into the lone graph, packaged or not, so the backend's own forward runs for
+    # the prompt's layers only, never for a decode step, as contexts grow across blocks (14 + 40 tokens). A
+    # one-token prompt is laid out as a decode, and runs there too. Two completions forking from one (one row,
+    # two sampled) run eager: no third graph.
     backend = compiled.scheduler.runner.attention
     assert backend.lone_decode_in_graph and not eager.scheduler.runner.attention.lone_decode_in_graph
     calls = []  # the rows of each layer's call of the backend's forward
@@ -149,10 +150,11 @@ def test_whole_graph_with_frozen_weights_equals_eager(make_checkpoint):
     eager_steps = step.num_eager_steps
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = compiled.generate([prompts[0][:14]], lone, use_tqdm=False)[0].token_ids
-        # From a package (packaged.py), a lone decode's attention is the op too: a kept graph cannot trace it in.
-        decodes = [] if step.packaged is None else [1] * layers * (lone.max_tokens - 1)
-        assert calls == [14] * layers + decodes and step.num_eager_steps == eager_steps
+        assert calls == [14] * layers and step.num_eager_steps == eager_steps
         calls.clear()
+        one = compiled.generate([prompts[2][:1]], lone, use_tqdm=False)[0].token_ids
+        assert calls == [] and step.num_eager_steps == eager_steps
+        assert one == eager.generate([prompts[2][:1]], lone, use_tqdm=False)[0].token_ids
         forks = compiled.generate([prompts[1][:1]], SamplingParams(n=2, max_tokens=3, seed=3), use_tqdm=False)
         assert calls[:layers] == [1] * layers and len(forks) == 2  # the prompt eager; then two rows, in the op
         assert step.num_eager_steps == eager_steps + 1
@@ -183,6 +185,22 @@ def test_the_whole_forward_is_packaged_once_and_loaded_after(make_checkpoint):
     profile = profile_steps(compiled.scheduler, requests, num_steps=3)
     assert profile["phases"]["decode"]["whole_steps"] == 3
     assert "3 of them ran the whole forward compiled (--compile-model)" in format_profile(profile)
+
+    # A lone decode through its package (attention traced in), before anything else wrote the step's K/V:
+    # every layer's keys and values land where eager puts them, and the logits are eager's.
+    runner, kv = compiled.scheduler.runner, compiled.scheduler.runner.kv_cache.kv
+    kv.normal_()
+    kv[:, runner.kv_cache.null_block].zero_()
+    with torch.inference_mode():
+        rows = runner.prepare([ScheduledChunk(_placeholder_sequence(5, runner.block_size), 4, 1)])
+        batch, before = runner.batch(rows), kv.clone()
+        got = step(rows.input_ids, batch)
+        written = kv.clone()
+        kv.copy_(before)
+        want = runner.model(rows.input_ids, batch)
+    assert (written != before).flatten(1).any(1).all()  # each layer
+    torch.testing.assert_close(written, kv)
+    torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
