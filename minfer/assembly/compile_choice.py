@@ -1,11 +1,10 @@
 """Whether a CPU runs the whole forward compiled (--compile-model) when nobody said either way.
 
-It does where it won at batch 1 and at batches alike: on a CPU with AMX, for bf16 models and int8 and int4
-(weight-only) ones, of MIN_PARAMETERS or more, with minfer's compile cache open. There the first start
-compiles the forward into two AOTInductor packages (minutes) and every later start loads them in seconds
-(compiled/packaged.py). docs/performance.md ("By default on AMX") has the side-by-side figures: bf16, int8
-and int4 faster at batch 1, 64 requests and 16 streams; fp32 faster alone but slower at batches, so it stays
-eager.
+It does where it won at batch 1 and at batches alike: on a CPU with AMX, for fp32 and bf16 models and int8
+and int4 (weight-only) ones, of MIN_PARAMETERS or more, with minfer's compile cache open. There the first
+start compiles the forward into two AOTInductor packages (minutes) and every later start loads them in
+seconds (compiled/packaged.py). docs/performance.md ("By default on AMX") has the side-by-side figures: each
+faster at batch 1, and as fast or faster at 64 requests and 16 streams.
 
 Elsewhere it stays off too: without AMX the compiled forward was slower than eager at batch 1 (a Zen 5 VM,
 bf16: 12.0 against 9.3-10.1 ms/token); a small model (minfer-tiny, the tests' checkpoints) would spend its
@@ -33,8 +32,8 @@ log = logging.getLogger("minfer")
 
 MIN_PARAMETERS = 50_000_000  # GPT-2 124M and up; minfer-tiny has ~1M
 # (dtype, weight quantization) pairs that compile by default
-COMPILED = {(torch.bfloat16, None), (torch.bfloat16, "int8"), (torch.float32, "int8"), (torch.bfloat16, "int4"),
-            (torch.float32, "int4")}
+COMPILED = {(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "int8"), (torch.float32, "int8"),
+            (torch.bfloat16, "int4"), (torch.float32, "int4")}
 
 
 def why_not_compiled(config: EngineConfig, model: torch.nn.Module) -> str | None:
@@ -48,8 +47,6 @@ def why_not_compiled(config: EngineConfig, model: torch.nn.Module) -> str | None
     if not cpu_has_amx():
         return "this CPU has no AMX: eager ran faster"
     quantization = config.quantization or quantization_of(model)
-    if (model.dtype, quantization) == (torch.float32, None):
-        return "fp32 gained compiled at batch 1 but lost at batches"
     if (model.dtype, quantization) not in COMPILED:
         return f"{model.dtype} with {quantization or 'unquantized'} weights is not measured compiled"
     tensors = list(itertools.chain(model.parameters(), model.buffers()))

@@ -23,7 +23,9 @@ def amx(monkeypatch):
     monkeypatch.setattr(compile_choice, "MIN_PARAMETERS", 0)
 
 
-def test_an_amx_cpu_compiles_bf16_int8_and_int4_models_by_default(model, amx):
+def test_an_amx_cpu_compiles_fp32_bf16_int8_and_int4_models_by_default(model, amx):
+    assert why_not_compiled(EngineConfig(), model) is None  # fp32
+    assert with_compile_choice(EngineConfig(), model).compile_model is True
     for method in ("int8", "int4"):
         assert why_not_compiled(EngineConfig(quantization=method), model) is None  # fp32 activations
         assert with_compile_choice(EngineConfig(quantization=method), model).compile_model is True
@@ -31,11 +33,6 @@ def test_an_amx_cpu_compiles_bf16_int8_and_int4_models_by_default(model, amx):
     assert why_not_compiled(EngineConfig(), bf16) is None
     assert why_not_compiled(EngineConfig(quantization="int8"), bf16) is None
     assert why_not_compiled(EngineConfig(quantization="int4"), bf16) is None
-
-
-def test_fp32_stays_eager_it_lost_at_batches(model, amx):
-    assert "lost at batches" in why_not_compiled(EngineConfig(), model)
-    assert with_compile_choice(EngineConfig(), model).compile_model is False
 
 
 @pytest.mark.parametrize("config, reason", [
