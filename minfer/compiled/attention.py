@@ -191,9 +191,9 @@ class CompiledBackend(CPUTiledBackend):
     def traced_lone_decode(self, q, k, v, kv_cache, meta, scale: float) -> torch.Tensor:
         """A lone sequence's decode step, traced into the whole-forward graph (`lone_decode_in_graph`): the
         K/V write, then paged_decode_attention, which Inductor fuses with the ops around it."""
-        group = meta.decode_groups[0]
-        torch.ops.minfer.store_kv(kv_cache, meta.slot_mapping, k, v, self.block_size)
-        return paged_decode_attention(q, kv_cache, group.tables, group.lens, scale, self.block_size)  # (1, H, D)
+        slots, tables, lens = lone_decode_tensors(meta)
+        torch.ops.minfer.store_kv(kv_cache, slots, k, v, self.block_size)
+        return paged_decode_attention(q, kv_cache, tables, lens, scale, self.block_size)  # (1, H, D)
 
     def write_kv(self, kv_cache, slots, k, v) -> None:
         store_kv(kv_cache, slots, k, v, self.block_size)

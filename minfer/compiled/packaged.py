@@ -52,15 +52,11 @@ class _OnTensors(torch.nn.Module):
         return self.model(input_ids, PagedBatch(positions, types.SimpleNamespace(kv=kv), self.meta, sample_rows))
 
 
-class _LoneOnTensors(torch.nn.Module):
+class _LoneOnTensors(_OnTensors):
     """A lone sequence's decode, its attention traced in (`traced_lone_decode`): the metadata that attention
     reads is an input too, or the package would keep the example step's (lone_decode_tensors). Each layer's
     cache is an input of its own: as views of one input, every layer's K/V write but the first was lost
     (torch 2.13's AOTInductor, views at symbolic offsets)."""
-
-    def __init__(self, model: torch.nn.Module, meta):
-        super().__init__()
-        self.model, self.meta = model, meta
 
     def forward(self, input_ids, positions, layers, sample_rows, slot_mapping, tables, lens):
         # (1,), (1,), a (num_blocks, 2, Hkv, D * B) per layer, (1,), (1,), (1, NB), (1,) -> (1, V)
