@@ -4,7 +4,7 @@ torch.compile keeps what it compiles in the process, and the whole forward's gra
 packed by oneDNN for Inductor's GEMM templates, is one Inductor's graph cache cannot keep ("mkldnn tensors
 unpickleable"): every start traced and compiled it again, a minute or more. torch.export and AOTInductor
 (`aoti_compile_and_package`) compile the same graph, with the same settings, into a package on disk: the
-kernels and the packed weights, loaded by `aoti_load_package` in seconds.
+kernels and the packed weights, loaded by later starts in seconds.
 
 Two packages, as the torch.compile path has two graphs: a lone sequence's decode (one row, static), and
 batches (two rows or more; CompiledDecodeStep pads a lone prompt's chunk to two sampled rows). In batches,
@@ -12,10 +12,12 @@ attention is the opaque op (paged_op.py), reading the step's metadata from `comp
 time; a lone decode's is traced in where the backend offers it, its metadata's tensors inputs of the package.
 The packages hold the weights' values, so their key holds a hash of them (`weights_fingerprint`) besides the
 compiled step's own parts; they live beside the step's cache entry, written under its lock, each unpacked
-into a temporary folder renamed into place. Unpacked, a package loads where it lies: an archive is unpacked
-into a temporary folder at every start (Qwen3-0.6B bf16: 23 s of a warm start against 6 s unpacked). A package Inductor fails to build is built once more without epilogue
-fusion (`_built`). Anything that fails (an export a model's modules refuse, a full disk, a
-package that will not load) returns why, and the step compiles in memory as before.
+into a temporary folder renamed into place. Unpacked, a package loads where it lies: an archive would be
+unpacked into a temporary folder at every start (Qwen3-0.6B bf16: 14-23 s against 5-6 s). Each package copies
+its weights into memory as it loads (AOTInductor on a CPU): docs/performance.md has what that costs. A package
+Inductor fails to build is built once more without epilogue fusion (`_built`). Anything that fails (an export
+a model's modules refuse, a full disk, a package that will not load) returns why, and the step compiles in
+memory as before.
 """
 
 from __future__ import annotations
@@ -131,8 +133,8 @@ def load_or_build(
 
 
 def _load(path: Path):
-    """A package as the cache keeps it, unpacked: its code loaded and its weights mapped where they lie, neither
-    copied (an archive is unpacked into a temporary folder, and the weights copied from there, at every start)."""
+    """A package as the cache keeps it, unpacked: loaded where it lies (an archive is unpacked into a temporary
+    folder first, at every start)."""
     from torch._inductor.package import AOTICompiledModel
 
     return AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1))
