@@ -73,11 +73,16 @@ class PackagedForward:
 
     def __call__(self, input_ids: torch.Tensor, paged: PagedBatch) -> torch.Tensor:
         if input_ids.shape[0] == 1 and self.lone_traced:  # no opaque op in it: nothing reads compiled_step's slot
-            layers = list(paged.kv_cache.kv.unbind(0))
-            return self.lone(input_ids, paged.positions, layers, paged.sample_rows, *lone_decode_tensors(paged.attention))
+            return self.lone(*_lone_inputs(input_ids, paged))
         run = self.lone if input_ids.shape[0] == 1 else self.batch
         with compiled_step(paged):
             return run(input_ids, paged.positions, paged.kv_cache.kv, paged.sample_rows)
+
+
+def _lone_inputs(input_ids: torch.Tensor, paged: PagedBatch) -> tuple:
+    """A lone decode as _LoneOnTensors takes it: each layer's cache apart, and its attention's metadata."""
+    layers = list(paged.kv_cache.kv.unbind(0))
+    return (input_ids, paged.positions, layers, paged.sample_rows, *lone_decode_tensors(paged.attention))
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
@@ -151,11 +156,11 @@ def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, 
     length) and package it."""
     meta = replace(batch.attention, backend=opaque)
     if lone and opaque.backend.lone_decode_in_graph:
-        layers = list(batch.kv_cache.kv.unbind(0))
         on_tensors = _LoneOnTensors(model, meta)
-        args = (rows.input_ids, rows.positions, layers, rows.sample_rows, *lone_decode_tensors(meta))
+        args = _lone_inputs(rows.input_ids, batch)
         blocks = {0: torch.export.Dim("blocks_in_cache")}  # the cache's size follows the memory: not part of it
-        shapes = (None, None, [blocks] * len(layers), None, None, {1: torch.export.Dim("blocks", min=2)}, None)
+        per_layer = [blocks] * batch.kv_cache.kv.shape[0]
+        shapes = (None, None, per_layer, None, None, {1: torch.export.Dim("blocks", min=2)}, None)
     else:
         on_tensors = _OnTensors(model, meta)
         args = (rows.input_ids, rows.positions, batch.kv_cache.kv, rows.sample_rows)
