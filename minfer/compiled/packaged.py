@@ -4,17 +4,20 @@ torch.compile keeps what it compiles in the process, and the whole forward's gra
 packed by oneDNN for Inductor's GEMM templates, is one Inductor's graph cache cannot keep ("mkldnn tensors
 unpickleable"): every start traced and compiled it again, a minute or more. torch.export and AOTInductor
 (`aoti_compile_and_package`) compile the same graph, with the same settings, into a package on disk: the
-kernels and the packed weights, loaded by `aoti_load_package` in seconds.
+kernels and the packed weights, loaded by later starts in seconds.
 
 Two packages, as the torch.compile path has two graphs: a lone sequence's decode (one row, static), and
 batches (two rows or more; CompiledDecodeStep pads a lone prompt's chunk to two sampled rows). In batches,
 attention is the opaque op (paged_op.py), reading the step's metadata from `compiled_step`'s slot at run
 time; a lone decode's is traced in where the backend offers it, its metadata's tensors inputs of the package.
 The packages hold the weights' values, so their key holds a hash of them (`weights_fingerprint`) besides the
-compiled step's own parts; they live beside the step's cache entry, written under its lock, each to a
-temporary file renamed into place. A package Inductor fails to build is built once more without epilogue
-fusion (`_built`). Anything that fails (an export a model's modules refuse, a full disk, a
-package that will not load) returns why, and the step compiles in memory as before.
+compiled step's own parts; they live beside the step's cache entry, written under its lock, each unpacked
+into a temporary folder renamed into place. Unpacked, a package loads where it lies: an archive would be
+unpacked into a temporary folder at every start (Qwen3-0.6B bf16: 14-23 s against 5-6 s). Each package copies
+its weights into memory as it loads (AOTInductor on a CPU): docs/performance.md has what that costs. A package
+Inductor fails to build is built once more without epilogue fusion (`_built`). Anything that fails (an export
+a model's modules refuse, a full disk, a package that will not load) returns why, and the step compiles in
+memory as before.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import time
 import types
+import zipfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -106,13 +111,13 @@ def load_or_build(
         return None, None, f"the compile cache is off ({why_off})"
     try:
         entry = CacheEntry(root, "whole-forward-package", {**common_parts(), **parts, "weights": weights_fingerprint(model)})
-        paths = {kind: entry.path.with_name(f"{entry.path.stem}.{kind}.pt2") for kind in ("lone", "batch")}
+        paths = {kind: entry.path.with_name(f"{entry.path.stem}.{kind}") for kind in ("lone", "batch")}  # folders
         built, runners = [], {}
         with entry.locked() as have_lock, inductor_cache_in(root / "inductor"):
             for number, (kind, path) in enumerate(paths.items(), 1):
                 if path.exists():
                     try:
-                        runners[kind] = torch._inductor.aoti_load_package(str(path))
+                        runners[kind] = _load(path)
                         continue
                     except Exception as e:  # truncated, or from another build: built again, then replaced
                         log.warning("minfer: the package %s is unreadable, building it again: %s", path.name, e)
@@ -123,13 +128,21 @@ def load_or_build(
                 began = time.perf_counter()
                 options = _built(model, opaque, example(kind), kind == "lone", path, options)
                 log.info("minfer: built the %s package in %.0f s", kind, time.perf_counter() - began)
-                runners[kind] = torch._inductor.aoti_load_package(str(path))
+                runners[kind] = _load(path)
                 built.append(kind)
     except Exception as e:  # an export the model refuses, a full disk, a package that does not load
         return None, None, failure_line(e)
     how = "compiled" if built else "loaded"
     record = CompileRecord(how, time.perf_counter() - start, len(paths) - len(built), len(built), path=entry.path)
     return PackagedForward(runners["lone"], runners["batch"], opaque.backend.lone_decode_in_graph), record, None
+
+
+def _load(path: Path):
+    """A package as the cache keeps it, unpacked: loaded where it lies (an archive is unpacked into a temporary
+    folder first, at every start)."""
+    from torch._inductor.package import AOTICompiledModel
+
+    return AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1))
 
 
 def _built(model, opaque: OpaqueAttention, example: tuple, lone: bool, path: Path, options: dict) -> dict:
@@ -169,9 +182,16 @@ def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, 
         shapes = (None, None, slots, None) if lone else ({0: tokens}, {0: tokens}, slots, {0: sampled})
     with torch.no_grad(), compiled_step(batch):
         program = torch.export.export(on_tensors, args, dynamic_shapes=shapes)
-        part = path.with_name(f"{path.stem}.{os.getpid()}.part.pt2")  # AOTInductor wants the .pt2 ending
+        part = path.with_name(f"{path.name}.{os.getpid()}.part")
         try:
-            torch._inductor.aoti_compile_and_package(program, package_path=str(part), inductor_configs=options)
-            os.replace(part, path)
+            archive = part.with_suffix(".pt2")  # AOTInductor wants the .pt2 ending
+            torch._inductor.aoti_compile_and_package(program, package_path=str(archive), inductor_configs=options)
+            with zipfile.ZipFile(archive) as package:
+                package.extractall(part)
+            (unpacked,) = part.iterdir()  # the archive's one top folder
+            if path.exists():  # unreadable: replaced
+                shutil.rmtree(path)
+            os.replace(unpacked, path)
         finally:
-            part.unlink(missing_ok=True)
+            part.with_suffix(".pt2").unlink(missing_ok=True)
+            shutil.rmtree(part, ignore_errors=True)
