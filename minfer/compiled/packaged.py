@@ -201,7 +201,17 @@ def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, 
             if path.exists():  # unreadable: replaced
                 shutil.rmtree(path)
             os.replace(unpacked, path)
+            _drop_build(path)
         finally:
             part.with_suffix(".pt2").unlink(missing_ok=True)
             shutil.rmtree(part, ignore_errors=True)
 
+
+def _drop_build(package: Path) -> None:
+    """AOTInductor builds a package in Inductor's cache and copies the build into the archive, leaving it there
+    too: its library with the weights inside, 1.5 GB a package for Qwen3-0.6B bf16. The package holds it."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    for library in package.rglob("*.so"):
+        for build in Path(cache_dir()).glob(f"*/{library.name}"):  # the folder of this graph's build
+            shutil.rmtree(build.parent, ignore_errors=True)
