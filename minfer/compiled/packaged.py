@@ -119,7 +119,8 @@ def load_or_build(
     if root is None:
         return None, None, f"the compile cache is off ({why_off})"
     try:
-        entry = CacheEntry(root, "whole-forward-package", {**common_parts(), **parts, "weights": weights_fingerprint(model)})
+        key = {**common_parts(), **parts, "weights": weights_fingerprint(model)}
+        entry = CacheEntry(root, "whole-forward-package", key)
         paths = {kind: entry.path.with_name(f"{entry.path.stem}.{kind}") for kind in ("lone", "batch")}  # folders
         built, runners = [], {}
         with entry.locked() as have_lock, inductor_cache_in(root / "inductor"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import platform
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -101,6 +102,7 @@ def _load(entry: CacheEntry, functions: list[PrecompiledFunction]) -> None:
         if changed:  # the code a graph traced was edited since: compiled afresh, then replaced
             log.info("minfer: the code %s traced changed (%s): compiling afresh", entry.path.name, ", ".join(changed))
             return
+        trust_vector_isas(saved.get("vector_isas"))
         for function in functions:
             if function.what in saved["graphs"]:
                 function.load(saved["graphs"][function.what])
@@ -113,7 +115,8 @@ def _save(entry: CacheEntry, functions: list[PrecompiledFunction], seconds: floa
     """Write every function's graphs; None, or why they were not written."""
     try:
         graphs = {f.what: f.serialized() for f in functions}
-        data = pickle.dumps({"graphs": graphs, "sources": traced_sources([g for f in functions for g in f.graphs])})
+        sources = traced_sources([g for f in functions for g in f.graphs])
+        data = pickle.dumps({"graphs": graphs, "sources": sources, "vector_isas": vector_isas()})
         entry.write(data, {"graphs": {f.what: len(f.graphs) for f in functions}, "compiled_in_s": round(seconds, 1)})
     except Exception as e:  # a full or read-only disk, a graph torch cannot serialize: served from memory
         why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -121,6 +124,27 @@ def _save(entry: CacheEntry, functions: list[PrecompiledFunction], seconds: floa
         return why
     log.info("minfer: saved the compiled graphs to %s", entry.path)
     return None
+
+
+def vector_isas() -> list[str]:
+    """The vector instruction sets Inductor found its C++ compiler builds for and this CPU loads."""
+    from torch._inductor import cpu_vec_isa
+
+    return [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+
+
+def trust_vector_isas(recorded: list[str] | None) -> None:
+    """Inductor compiles and loads a probe for each vector instruction set the CPU's flags claim, once a
+    process: 1.5-2 s of a warm start. Where the start that compiled an entry found every one that the flags
+    claim good (the key holds the flags), they are taken as good without that probe."""
+    from torch._inductor import config, cpu_vec_isa
+
+    if config.cpp.vec_isa_ok is not None or platform.machine() not in ("x86_64", "AMD64"):
+        return  # Inductor told what to do, or a CPU whose sets are found otherwise
+    flags = cpu_vec_isa.x86_isa_checker()
+    claimed = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list if set(str(isa).split()) <= set(flags)]
+    if recorded and recorded == claimed:
+        config.cpp.vec_isa_ok = True
 
 
 def _record(functions, start: float, not_saved: str | None = None, path: Path | None = None) -> CompileRecord:

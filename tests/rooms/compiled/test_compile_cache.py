@@ -7,6 +7,7 @@ import errno
 import logging
 import os
 import pickle
+import platform
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from engine_checks import GREEDY
 from minfer import LLM
 from minfer.compiled import artifacts
 from minfer.compiled.precompiled import PrecompiledFunction
-from minfer.compiled.saved_graphs import warm_up_saved
+from minfer.compiled.saved_graphs import trust_vector_isas, warm_up_saved
 from minfer.server.banner import banner_lines
 
 def scaled_sum(x, y):
@@ -84,6 +85,23 @@ def test_a_cold_start_saves_and_a_warm_start_loads(cache):
     assert warm.how == "loaded" and (warm.num_loaded, warm.num_compiled) == (1, 0)
     assert str(warm).startswith("loaded (warm, ")
     assert torch.equal(got, WANT)
+
+
+def test_a_warm_start_takes_the_vector_isas_its_entry_found(cache, monkeypatch):
+    """Inductor probes each vector instruction set once a process, a compile and a load each (1.5-2 s of a warm
+    start). An entry records those its start found; a later start whose CPU's flags claim the same takes them
+    without the probe, and one whose claim differs (a compiler that refused one) probes as Inductor does."""
+    from torch._inductor import config, cpu_vec_isa
+
+    cold, _, _ = start("isas")
+    found = pickle.loads(cold.path.read_bytes())["vector_isas"]
+    assert found and found == [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    for recorded, taken in [(found, True if x86 else None), (found[1:], None), (None, None)]:
+        monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+        trust_vector_isas(recorded)
+        assert config.cpp.vec_isa_ok is taken
+    assert start("isas")[0].how == "loaded"
 
 
 def test_a_stale_key_names_another_entry(cache):
