@@ -87,7 +87,7 @@ def test_a_cold_start_saves_and_a_warm_start_loads(cache):
     assert torch.equal(got, WANT)
 
 
-def test_a_warm_start_takes_the_vector_isas_its_entry_found(cache, monkeypatch):
+def test_a_warm_start_takes_the_vector_isas_its_entry_found(cache):
     """Inductor probes each vector instruction set once a process, a compile and a load each (1.5-2 s of a warm
     start). An entry records those its start found; a later start whose CPU's flags claim the same takes them
     without the probe, and one whose claim differs (a compiler that refused one) probes as Inductor does."""
@@ -98,9 +98,9 @@ def test_a_warm_start_takes_the_vector_isas_its_entry_found(cache, monkeypatch):
     assert found and found == [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
     x86 = platform.machine() in ("x86_64", "AMD64")
     for recorded, taken in [(found, True if x86 else None), (found[1:], None), (None, None)]:
-        monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
-        trust_vector_isas(recorded)
-        assert config.cpp.vec_isa_ok is taken
+        with config.patch({"cpp.vec_isa_ok": None}):  # torch's own undo: a monkeypatch may delete the setting
+            trust_vector_isas(recorded)
+            assert config.cpp.vec_isa_ok is taken
     assert start("isas")[0].how == "loaded"
 
 
