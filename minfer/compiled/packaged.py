@@ -23,6 +23,7 @@ memory as before.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -149,10 +150,31 @@ def load_or_build(
 
 def _load(path: Path):
     """A package as the cache keeps it, unpacked: loaded where it lies (an archive is unpacked into a temporary
-    folder first, at every start)."""
+    folder first, at every start), once its files are as they were written."""
     from torch._inductor.package import AOTICompiledModel
 
+    check_sizes(path)
     return AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1))
+
+
+SIZES = "file-sizes.json"  # beside the package's own files: what each of them measured when written
+
+
+def record_sizes(folder: Path) -> None:
+    sizes = {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
+    (folder / SIZES).write_text(json.dumps(sizes, indent=1))
+
+
+def check_sizes(folder: Path) -> None:
+    """Raises ValueError where a file of the package is missing or not the size it was written at: a library cut
+    short kills the process that loads it (SIGBUS), where a ValueError has the package built again."""
+    record = folder / SIZES
+    if not record.is_file():
+        raise ValueError(f"{SIZES} is missing")
+    for name, size in json.loads(record.read_text()).items():
+        found = (folder / name).stat().st_size if (folder / name).is_file() else None
+        if found != size:
+            raise ValueError(f"{name} is {'missing' if found is None else f'{found} bytes'}, written at {size}")
 
 
 def _built(model, opaque: OpaqueAttention, example: tuple, lone: bool, path: Path, options: dict) -> dict:
@@ -199,6 +221,7 @@ def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, 
             with zipfile.ZipFile(archive) as package:
                 package.extractall(part)
             (unpacked,) = part.iterdir()  # the archive's one top folder
+            record_sizes(unpacked)
             if path.exists():  # unreadable: replaced
                 shutil.rmtree(path)
             os.replace(unpacked, path)

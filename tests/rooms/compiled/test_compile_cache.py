@@ -22,6 +22,7 @@ from engine_checks import GREEDY
 
 from minfer import LLM
 from minfer.compiled import artifacts
+from minfer.compiled.packaged import SIZES, check_sizes, record_sizes
 from minfer.compiled.precompiled import PrecompiledFunction
 from minfer.compiled.saved_graphs import trust_vector_isas, warm_up_saved
 from minfer.server.banner import banner_lines
@@ -134,6 +135,28 @@ def test_an_edit_to_the_code_a_graph_traced_compiles_it_afresh(cache, caplog):
         assert start("edited")[0].how == "compiled"
     assert f"traced changed ({__name__})" in caplog.text
     assert start("edited")[0].how == "loaded"  # saved again, with this file's hash
+
+
+def test_a_package_cut_short_is_refused_before_it_is_loaded(tmp_path):
+    """A whole-forward package's library cut short kills the process that maps it (SIGBUS): each file's size is
+    recorded as the package is written, and a package whose files differ is refused with a ValueError, which
+    has it built again (packaged.py's load_or_build)."""
+    folder = tmp_path / "package"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "model.so").write_bytes(b"x" * 4096)
+    (folder / "version").write_text("1")
+    record_sizes(folder)
+    check_sizes(folder)  # as written
+    with open(folder / "data" / "model.so", "r+b") as library:
+        library.truncate(1000)
+    with pytest.raises(ValueError, match="model.so is 1000 bytes, written at 4096"):
+        check_sizes(folder)
+    (folder / "data" / "model.so").unlink()
+    with pytest.raises(ValueError, match="model.so is missing"):
+        check_sizes(folder)
+    (folder / SIZES).unlink()
+    with pytest.raises(ValueError, match=f"{SIZES} is missing"):
+        check_sizes(folder)
 
 
 def test_a_full_disk_compiles_in_memory(cache, monkeypatch, caplog):
