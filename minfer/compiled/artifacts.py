@@ -13,10 +13,12 @@ entry safely. What goes in an entry, and when, is saved_graphs.py's business; th
 - Writing: to a temporary file in the same directory, fsynced, then renamed over the entry, so a reader
   sees a whole entry or none. A lock file per key (flock) is held from the first read to the last write,
   so two starts at once compile once: the second waits, then loads what the first wrote.
+- Upkeep: taking the lock marks the entry used; an entry unused for 30 days is removed (cache_sweep.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -30,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .. import settings
+from .cache_sweep import sweep_once
 
 log = logging.getLogger("minfer")
 
@@ -68,6 +71,7 @@ def open_cache() -> tuple[Path | None, str | None]:
         return None, f"{root} cannot be used: {e.strerror or e}"
     if not os.access(root, os.W_OK | os.X_OK):
         return None, f"{root} is not writable"
+    sweep_once(root / "entries")
     return root, None
 
 
@@ -119,6 +123,8 @@ class CacheEntry:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                with contextlib.suppress(OSError):  # the entry is in use: the upkeep keeps it (cache_sweep.py)
+                    os.utime(fd)
                 return True
             except BlockingIOError:
                 if not waited:

@@ -4,6 +4,7 @@ cache does can stop a start or serve a wrong graph. Most tests compile one small
 an engine twice with compiled attention and the compiled decode step forced on."""
 
 import errno
+import fcntl
 import logging
 import os
 import pickle
@@ -21,7 +22,7 @@ import torch
 from engine_checks import GREEDY
 
 from minfer import LLM
-from minfer.compiled import artifacts
+from minfer.compiled import artifacts, cache_sweep
 from minfer.compiled.packaged import SIZES, check_sizes, record_sizes
 from minfer.compiled.precompiled import PrecompiledFunction
 from minfer.compiled.saved_graphs import trust_vector_isas, warm_up_saved
@@ -306,6 +307,66 @@ def test_the_default_directory_follows_xdg(monkeypatch, tmp_path):
     assert artifacts.cache_root() == tmp_path / "minfer"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert artifacts.cache_root() == Path.home() / ".cache" / "minfer"
+
+
+DAY = 86400.0
+
+
+def an_entry(entries: Path, stem: str, days_unused: float) -> None:
+    """An entry as a package set leaves it: its record, lock and package folder, all last touched then."""
+    for suffix in (".bin", ".json", ".lock"):
+        (entries / f"{stem}{suffix}").write_bytes(b"x")
+    (entries / f"{stem}.lone").mkdir()
+    (entries / f"{stem}.lone" / "model.so").write_bytes(b"x")
+    then = time.time() - days_unused * DAY
+    for path in entries.glob(f"{stem}.*"):
+        os.utime(path, (then, then))
+
+
+def test_entries_unused_for_30_days_are_removed_and_no_other(tmp_path):
+    """An entry whose lock no start has taken for 30 days goes, its package folder and the temporary files of a
+    killed start included; one used within 30 days stays, and so does an old one whose lock a start holds."""
+    entries = tmp_path / "entries"
+    entries.mkdir()
+    old, recent, held = (f"whole-forward-package-{c * 32}" for c in "abc")
+    an_entry(entries, old, days_unused=31)
+    an_entry(entries, recent, days_unused=29)
+    an_entry(entries, held, days_unused=40)
+    (entries / f".{old}.bin.k2j3").write_bytes(b"x")  # a killed start's temporary file, and its build folder
+    (entries / f"{old}.batch.4242.part").mkdir()
+    (entries / "notes.txt").write_text("not an entry")
+    fd = os.open(entries / f"{held}.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another start is loading it
+        assert cache_sweep.sweep(entries) == [old]
+    finally:
+        os.close(fd)
+    kept = sorted(p.name for p in entries.iterdir())
+    assert kept == sorted([f"{stem}{s}" for stem in (recent, held) for s in (".bin", ".json", ".lock", ".lone")]
+                          + ["notes.txt"])
+    assert (entries / f"{recent}.lone" / "model.so").exists()
+
+
+def test_a_start_marks_its_entry_used_and_sweeps_the_cache_once(tmp_path, monkeypatch, caplog):
+    """Opening the cache removes the entries unused for 30 days (once a process); taking an entry's lock marks
+    it used, so an entry in use never ages out."""
+    root = tmp_path / "cache"
+    (root / "entries").mkdir(parents=True, mode=0o700)
+    an_entry(root / "entries", "attention-" + "d" * 32, days_unused=45)
+    monkeypatch.setenv("MINFER_CACHE", str(root))
+    with caplog.at_level(logging.INFO, logger="minfer"):
+        assert artifacts.open_cache() == (root, None)
+    assert list((root / "entries").iterdir()) == []
+    assert "removed 1 compile cache entries unused for 30 days" in caplog.text
+    entry = artifacts.CacheEntry(root, "toy", {"test": "marked"})
+    an_entry(root / "entries", entry.path.stem, days_unused=45)
+    with entry.locked() as have_lock:
+        assert have_lock
+    assert time.time() - entry.lock_path.stat().st_mtime < DAY
+    assert cache_sweep.sweep(root / "entries") == []  # marked used just now
+    an_entry(root / "entries", "attention-" + "e" * 32, days_unused=45)
+    artifacts.open_cache()  # a second open in the same process does not sweep again: the next start's does
+    assert (root / "entries" / f"attention-{'e' * 32}.bin").exists()
 
 
 def test_a_second_engine_start_loads_its_compiled_graphs(tiny_checkpoint):
