@@ -41,8 +41,8 @@ def sweep_once(entries: Path) -> None:
         log.info("minfer: the compile cache's upkeep failed (%s)", e.strerror or e)
         return
     if removed:
-        log.info("minfer: removed %d compile cache entries unused for %d days from %s", len(removed),
-                 MAX_UNUSED_DAYS, entries)
+        log.info("minfer: removed %d compile cache %s unused for %d days from %s", len(removed),
+                 "entry" if len(removed) == 1 else "entries", MAX_UNUSED_DAYS, entries)
 
 
 def sweep(entries: Path, max_unused_s: float = MAX_UNUSED_DAYS * 86400.0, now: float | None = None) -> list[str]:

@@ -357,7 +357,7 @@ def test_a_start_marks_its_entry_used_and_sweeps_the_cache_once(tmp_path, monkey
     with caplog.at_level(logging.INFO, logger="minfer"):
         assert artifacts.open_cache() == (root, None)
     assert list((root / "entries").iterdir()) == []
-    assert "removed 1 compile cache entries unused for 30 days" in caplog.text
+    assert "removed 1 compile cache entry unused for 30 days" in caplog.text
     entry = artifacts.CacheEntry(root, "toy", {"test": "marked"})
     an_entry(root / "entries", entry.path.stem, days_unused=45)
     with entry.locked() as have_lock:
