@@ -57,10 +57,21 @@ def sweep(entries: Path, max_unused_s: float = MAX_UNUSED_DAYS * 86400.0, now: f
     removed = []
     for stem, found in sorted(paths.items()):
         lock = entries / f"{stem}.lock"
-        marks = [lock] if lock in found else found  # without a lock file: the newest of its files
-        if now - max(p.lstat().st_mtime for p in marks) > max_unused_s and _remove(lock, found):
+        last_used = _last_touched([lock] if lock in found else found)  # without a lock: its newest file's time
+        if last_used is not None and now - last_used > max_unused_s and _remove(lock, found):
             removed.append(stem)
     return removed
+
+
+def _last_touched(paths: list[Path]) -> float | None:
+    """The newest modification time of those paths still there (a start may be renaming one)."""
+    times = []
+    for path in paths:
+        try:
+            times.append(path.lstat().st_mtime)
+        except FileNotFoundError:
+            pass
+    return max(times, default=None)
 
 
 def _remove(lock: Path, paths: list[Path]) -> bool:
