@@ -172,7 +172,10 @@ def check_sizes(folder: Path) -> None:
     if not record.is_file():
         raise ValueError(f"{SIZES} is missing")
     for name, size in json.loads(record.read_text()).items():
-        found = (folder / name).stat().st_size if (folder / name).is_file() else None
+        try:
+            found = (folder / name).stat().st_size
+        except FileNotFoundError:
+            found = None
         if found != size:
             raise ValueError(f"{name} is {'missing' if found is None else f'{found} bytes'}, written at {size}")
 
