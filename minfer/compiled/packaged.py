@@ -14,7 +14,8 @@ The packages hold the weights' values, so their key holds a hash of them (`weigh
 compiled step's own parts; they live beside the step's cache entry, written under its lock, each unpacked
 into a temporary folder renamed into place. Unpacked, a package loads where it lies: an archive would be
 unpacked into a temporary folder at every start (Qwen3-0.6B bf16: 14-23 s against 5-6 s). Each package copies
-its weights into memory as it loads (AOTInductor on a CPU): docs/performance.md has what that costs. A package
+its weights into memory as it loads (AOTInductor on a CPU), and the batch package then reads the lone one's copy
+instead of its own (shared_constants.py): docs/performance.md has what they cost. A package
 Inductor fails to build is built once more without epilogue fusion (`_built`). Anything that fails (an export
 a model's modules refuse, a full disk, a package that will not load) returns why, and the step compiles in
 memory as before.
@@ -43,6 +44,7 @@ from .attention import failure_line, lone_decode_tensors, with_lone_decode_tenso
 from .cache_key import common_parts
 from .paged_op import OpaqueAttention, compiled_step
 from .saved_graphs import CompileRecord, inductor_cache_in
+from .shared_constants import PackageRunner, share_constants, unique_constant_sources
 
 log = logging.getLogger("minfer")
 
@@ -84,6 +86,16 @@ class PackagedForward:
         run = self.lone if input_ids.shape[0] == 1 else self.batch
         with compiled_step(paged):
             return run(input_ids, paged.positions, paged.kv_cache.kv, paged.sample_rows)
+
+
+def _share(lone: PackageRunner, batch: PackageRunner) -> None:
+    """The batch package reads the lone one's copy of every weight they both hold (shared_constants.py)."""
+    try:
+        freed = share_constants(lone, batch)
+    except Exception as e:  # then each keeps its own copy, as before
+        log.warning("minfer: the packages keep a copy of the weights each: %s", failure_line(e))
+        return
+    log.info("minfer: the two packages share %.0f MB of weights", freed / 2**20)
 
 
 def _lone_inputs(input_ids: torch.Tensor, paged: PagedBatch) -> tuple:
@@ -143,18 +155,17 @@ def load_or_build(
                 built.append(kind)
     except Exception as e:  # an export the model refuses, a full disk, a package that does not load
         return None, None, failure_line(e)
+    _share(runners["lone"], runners["batch"])
     how = "compiled" if built else "loaded"
     record = CompileRecord(how, time.perf_counter() - start, len(paths) - len(built), len(built), path=entry.path)
     return PackagedForward(runners["lone"], runners["batch"], opaque.backend.lone_decode_in_graph), record, None
 
 
-def _load(path: Path):
+def _load(path: Path) -> PackageRunner:
     """A package as the cache keeps it, unpacked: loaded where it lies (an archive is unpacked into a temporary
     folder first, at every start), once its files are as they were written."""
-    from torch._inductor.package import AOTICompiledModel
-
     check_sizes(path)
-    return AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1))
+    return PackageRunner(path)
 
 
 SIZES = "file-sizes.json"  # beside the package's own files: what each of them measured when written
@@ -220,7 +231,8 @@ def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, 
         part = path.with_name(f"{path.name}.{os.getpid()}.part")
         try:
             archive = part.with_suffix(".pt2")  # AOTInductor wants the .pt2 ending
-            torch._inductor.aoti_compile_and_package(program, package_path=str(archive), inductor_configs=options)
+            with unique_constant_sources():
+                torch._inductor.aoti_compile_and_package(program, package_path=str(archive), inductor_configs=options)
             with zipfile.ZipFile(archive) as package:
                 package.extractall(part)
             (unpacked,) = part.iterdir()  # the archive's one top folder

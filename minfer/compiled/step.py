@@ -23,10 +23,11 @@ weight for GEMM kernels it generates itself (its C++ templates, AMX tiles where 
 which neither shared block graphs (whose weights are inputs) nor eager oneDNN get: on an AMX host
 GPT-2's 48 linears at one bf16 row took 4.9 ms against 8.4 for the prepacked oneDNN ones, and int8
 weight-only linears beat bf16 at every row count. The price:
-a slower first start (Dynamo traces every layer, Inductor autotunes each weight shape), and each of
-the two graphs holds its own packed copy of the weights, beside the model's plain ones that eager
-steps use. That graph serves prefill and mixed steps too (the templates are fast at every row count,
-and quantized models have no fast eager path for many rows), all but a lone sequence's prefill. A lone
+a slower first start (Dynamo traces every layer, Inductor autotunes each weight shape), and a packed
+copy of the weights beside the model's plain ones that eager steps use (one for both packages,
+shared_constants.py; each in-memory graph holds its own). That graph serves prefill and mixed steps
+too (the templates are fast at every row count, and quantized models have no fast eager path for
+many rows), all but a lone sequence's prefill. A lone
 sequence's decode gets a graph of its own, and there attention is traced in too (compiled/attention.py,
 `lone_decode_in_graph`): at batch 1 the attention op's Python was a quarter of an int8 GPT-2 step.
 

@@ -1,0 +1,124 @@
+"""shared_constants.py's rule on stand-in runners: a constant of the sharer is pointed at an equal one of the
+owner's (same bytes, dtype, shape and strides, as aligned as its own), any other keeps a copy of its own, and
+a package whose constants cannot be told apart stays as it was; and a library's mapped constants leave memory.
+The real packages share in test_compiled_step.py (test_the_whole_forward_is_packaged_once_and_loaded_after)."""
+
+import mmap
+import sys
+
+import pytest
+import torch
+
+from minfer.compiled.shared_constants import ALIGNMENT, PackageRunner, drop_mapped_constants, share_constants
+
+
+class StandInRunner:
+    """AOTInductor's CPU runner as share_constants uses it: constants by name and source, the buffer swap."""
+
+    def __init__(self, constants: dict[str, torch.Tensor], sources: dict[str, str] | None = None):
+        self.active, self.inactive = dict(constants), None
+        self.sources = sources or {name: name for name in constants}
+        self.calls = []
+
+    def get_constant_names_to_original_fqns(self):
+        return dict(self.sources)
+
+    def extract_constants_map(self, use_inactive):
+        return {self.sources[name]: tensor for name, tensor in self.active.items()}
+
+    def update_constant_buffer(self, tensor_map, use_inactive, validate_full_updates, user_managed):
+        assert use_inactive and validate_full_updates and user_managed and set(tensor_map) == set(self.active)
+        self.inactive = dict(tensor_map)
+        self.calls.append("update")
+
+    def swap_constant_buffer(self):
+        self.active, self.inactive = self.inactive, self.active
+        self.calls.append("swap")
+
+    def free_inactive_constant_buffer(self):
+        self.inactive = None
+        self.calls.append("free")
+
+
+def runner_of(constants, sources=None) -> PackageRunner:
+    runner = PackageRunner.__new__(PackageRunner)  # no library: the stand-in holds the constants
+    runner.runner, runner.kept = StandInRunner(constants, sources), {}
+    return runner
+
+
+def aligned(values: list[float], dtype=torch.float32) -> torch.Tensor:
+    """A tensor at an address that is a multiple of ALIGNMENT, as AOTInductor places each constant."""
+    item = torch.tensor(0, dtype=dtype).element_size()
+    storage = torch.empty(len(values) + ALIGNMENT // item, dtype=dtype)
+    skip = (-storage.data_ptr() % ALIGNMENT) // item
+    tensor = storage[skip : skip + len(values)]
+    tensor.copy_(torch.tensor(values, dtype=dtype))
+    return tensor
+
+
+def test_equal_constants_are_shared_and_the_others_copied():
+    owner = runner_of({"w": aligned([1, 2, 3, 4]), "b": aligned([5, 6]), "n": aligned([7, 8, 9, 10])})
+    own = {
+        "w2": aligned([1, 2, 3, 4]),  # the owner's "w", under another name
+        "b": aligned([5, 6], torch.float64),  # equal values, another dtype: not the same bytes
+        "n": aligned([7, 8, 9, 11]),  # one value differs
+        "t": aligned([1, 2, 3, 4]).view(2, 2),  # w's bytes, another shape
+    }
+    sharer = runner_of(dict(own))
+    freed = share_constants(owner, sharer)
+    assert freed == own["w2"].nbytes and sharer.runner.calls == ["update", "swap", "free"]
+    now = sharer.runner.active
+    assert now["w2"].data_ptr() == owner.runner.active["w"].data_ptr()
+    for name in ("b", "n", "t"):  # a copy of its own, the values it had
+        assert now[name].data_ptr() != own[name].data_ptr() and torch.equal(now[name], own[name])
+        assert now[name].dtype == own[name].dtype and now[name].shape == own[name].shape
+    kept = {name: tensor.data_ptr() for name, tensor in sharer.kept.items()}
+    assert kept == {name: tensor.data_ptr() for name, tensor in now.items()}  # alive as long as the package
+
+
+def test_a_less_aligned_equal_constant_is_not_shared():
+    """An equal constant less aligned than its own was is not shared: a kernel may rely on the alignment its own
+    constant had."""
+    storage = aligned([0.0] + [1, 2, 3, 4])
+    owner = runner_of({"w": storage[1:]})  # 4 bytes past a multiple of ALIGNMENT
+    sharer = runner_of({"w": aligned([1, 2, 3, 4])})
+    assert share_constants(owner, sharer) == 0 and sharer.runner.calls == []
+
+
+def test_constants_that_cannot_be_told_apart_are_left_alone():
+    """Two constants of one source (Inductor's naming, unique_constant_sources): the runner hands out one by
+    that source, so neither package is touched."""
+    w = aligned([1, 2, 3, 4])
+    owner = runner_of({"w": w})
+    sharer = runner_of({"c1": aligned([1, 2, 3, 4]), "c1_0": aligned([9, 9])}, {"c1": "c1", "c1_0": "c1"})
+    assert sharer.constants() is None
+    assert share_constants(owner, sharer) == 0 and sharer.runner.calls == []
+    assert share_constants(sharer, owner) == 0 and owner.runner.calls == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps are Linux's")
+def test_a_librarys_mapped_copy_of_its_constants_leaves_memory_and_reads_back(tmp_path):
+    """What a package's library maps read-only (its constants, copied into the runner's own memory as it loads)
+    is dropped from memory; a read afterwards gets the file's bytes again."""
+    data = bytes(range(256)) * (16 << 12)  # 4 MiB
+    library = tmp_path / "wrapper.so"
+    library.write_bytes(data)
+    with open(library, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    assert mapped[::4096] == data[::4096]  # every page read: resident
+    assert resident_bytes(library) >= len(data)
+    assert drop_mapped_constants(library) == len(data)
+    assert resident_bytes(library) < len(data) // 4
+    assert mapped[:] == data
+    mapped.close()
+
+
+def resident_bytes(path) -> int:
+    """The resident size of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(maxsplit=1)[0]:  # a mapping's first line: address range, perms, ..., path
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
