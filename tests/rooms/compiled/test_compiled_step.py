@@ -175,7 +175,7 @@ def test_the_whole_forward_is_packaged_once_and_loaded_after(make_checkpoint):
     assert {p.suffix for p in entry.parent.glob(entry.stem + ".*") if p.is_dir()} == {".lone", ".batch"}  # unpacked
     libraries = [so.name for kind in ("lone", "batch") for so in entry.with_name(f"{entry.stem}.{kind}").rglob("*.so")]
     assert libraries and not [p for name in libraries for p in entry.parents[1].glob(f"inductor/*/{name}")]  # once
-    # one copy of the weights in memory: every constant of the batch package lies in the lone one's (shared_constants.py)
+    # one copy of the weights in memory: the batch package reads the lone one's constants (shared_constants.py)
     lone, batch = step.packaged.lone.constants(), step.packaged.batch.constants()
     assert lone and batch and {t.data_ptr() for t in batch.values()} <= {t.data_ptr() for t in lone.values()}
     prompts = prompts_with_a_shared_prefix(seed=4)
