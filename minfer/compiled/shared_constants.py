@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-ALIGNMENT = 64  # bytes: a shared constant is at least as aligned as its own was, up to this (an AVX-512 vector)
+# bytes: what a package's own constants can count on. Their offsets in its buffer are multiples of 64, but the
+# buffer is malloc's (16-byte aligned; seen at 16 past a multiple of 64), so a kernel cannot rely on more.
+ALIGNMENT = 16
 
 
 class PackageRunner:
@@ -74,7 +76,7 @@ def share_constants(owner: PackageRunner, sharer: PackageRunner) -> int:
     mapping, freed = {}, 0
     for name, tensor in ours.items():
         same = next((t for t in candidates.get(_layout(tensor), ()) if torch.equal(t, tensor)), None)
-        if same is not None and _alignment(same) >= _alignment(tensor):
+        if same is not None and _alignment(same) >= min(_alignment(tensor), ALIGNMENT):
             mapping[name] = same
             freed += tensor.nbytes
         else:

@@ -1,5 +1,6 @@
 """shared_constants.py's rule on stand-in runners: a constant of the sharer is pointed at an equal one of the
-owner's (same bytes, dtype, shape and strides, as aligned as its own), any other keeps a copy of its own, and
+owner's (same bytes, dtype, shape and strides, aligned as a package can count on), any other keeps a copy of its
+own, and
 a package whose constants cannot be told apart stays as it was; and a library's mapped constants leave memory.
 The real packages share in test_compiled_step.py (test_the_whole_forward_is_packaged_once_and_loaded_after)."""
 
@@ -77,12 +78,32 @@ def test_equal_constants_are_shared_and_the_others_copied():
 
 
 def test_a_less_aligned_equal_constant_is_not_shared():
-    """An equal constant less aligned than its own was is not shared: a kernel may rely on the alignment its own
-    constant had."""
+    """An equal constant less aligned than a package's own are sure to be (ALIGNMENT) is not shared: a kernel may
+    rely on that alignment."""
     storage = aligned([0.0] + [1, 2, 3, 4])
     owner = runner_of({"w": storage[1:]})  # 4 bytes past a multiple of ALIGNMENT
     sharer = runner_of({"w": aligned([1, 2, 3, 4])})
     assert share_constants(owner, sharer) == 0 and sharer.runner.calls == []
+
+
+def test_an_equal_constant_as_aligned_as_a_packages_own_are_sure_to_be_is_shared():
+    """A package's own buffer is malloc's: its constants may lie 16 bytes past a multiple of 64. One of the
+    owner's so placed serves a sharer whose own copy happened to lie at a multiple of 64."""
+    owner_w, sharer_w = placed([1, 2, 3, 4], 16), placed([1, 2, 3, 4], 64)
+    owner, sharer = runner_of({"w": owner_w}), runner_of({"w": sharer_w})
+    assert share_constants(owner, sharer) == owner_w.nbytes
+    assert sharer.runner.active["w"].data_ptr() == owner_w.data_ptr()
+
+
+def placed(values: list[float], alignment: int) -> torch.Tensor:
+    """A float32 tensor whose address is a multiple of `alignment` (a power of two up to 64), and of no larger one
+    up to 64."""
+    storage = torch.empty(len(values) + 16)
+    for i in range(16):
+        address = storage[i:].data_ptr()
+        if min(64, address & -address) == alignment:
+            return storage[i : i + len(values)].copy_(torch.tensor(values))
+    raise AssertionError(f"no float32 in 64 bytes lies at alignment {alignment}")
 
 
 def test_constants_that_cannot_be_told_apart_are_left_alone():
