@@ -45,8 +45,7 @@ class PackageRunner:
         (library,) = libraries
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
         self.mapped_bytes_dropped = drop_mapped_constants(library)
-        in_spec, out_spec = self.runner.get_call_spec()
-        self._in_spec, self._out_spec = pytree.treespec_loads(in_spec), pytree.treespec_loads(out_spec)
+        self._out_spec = pytree.treespec_loads(self.runner.get_call_spec()[1])  # (inputs', outputs')
         self.kept: dict[str, torch.Tensor] = {}  # constants it reads that another owns or it copied (share_constants)
 
     def __call__(self, *args):
