@@ -44,7 +44,7 @@ class PackageRunner:
             raise ValueError(f"a package holds one library, this one {len(libraries)}")
         (library,) = libraries
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
-        self.mapped_bytes_dropped = drop_mapped_constants(library)
+        drop_mapped_constants(library)
         self._out_spec = pytree.treespec_loads(self.runner.get_call_spec()[1])  # (inputs', outputs')
         self.kept: dict[str, torch.Tensor] = {}  # constants it reads that another owns or it copied (share_constants)
 
@@ -72,23 +72,22 @@ def share_constants(owner: PackageRunner, sharer: PackageRunner) -> int:
     candidates: dict[tuple, list[torch.Tensor]] = {}
     for tensor in theirs.values():
         candidates.setdefault(_layout(tensor), []).append(tensor)
-    mapping, freed = {}, 0
+    shared = {}
     for name, tensor in ours.items():
         same = next((t for t in candidates.get(_layout(tensor), ()) if torch.equal(t, tensor)), None)
         if same is not None and _alignment(same) >= min(_alignment(tensor), ALIGNMENT):
-            mapping[name] = same
-            freed += tensor.nbytes
-        else:
-            mapping[name] = tensor.clone()  # its own memory goes below
-    if not freed:
+            shared[name] = same
+    if not shared:
         return 0
-    # The map goes into the inactive buffer, not copied (user-managed: `kept` holds the copies, the owner the
-    # rest); swapped in, the package's own buffer is the inactive one and is freed.
+    # The others are copied: the package's own buffer, theirs too, is freed below. The map goes into the inactive
+    # buffer, not copied (user-managed: `kept` holds the copies, the owner the rest); swapped in, the package's
+    # own buffer is the inactive one and is freed.
+    mapping = {name: shared[name] if name in shared else tensor.clone() for name, tensor in ours.items()}
     sharer.runner.update_constant_buffer(mapping, True, True, True)
     sharer.runner.swap_constant_buffer()
     sharer.runner.free_inactive_constant_buffer()
     sharer.kept = mapping
-    return freed
+    return sum(ours[name].nbytes for name in shared)
 
 
 MADV_DONTNEED = 4  # Linux's madvise advice: drop these pages (a file's are read again if touched)
