@@ -28,7 +28,7 @@ from ..attention.backend import AttentionBackend
 from ..attention.paged import PagedBatch
 from ..attention.torch_sdpa import TorchBackend
 from ..engine.model_runner import ModelRunner, StepRows
-from ..errors import is_sticky_device_error
+from ..device_errors import is_sticky_device_error
 from .attention import failure_line
 from .cuda_graphs import DecodeGraphs
 from .flex_kernel import compiling_for_serving, sealed

@@ -9,9 +9,9 @@ its next step. Handlers read the scheduler's stats as the worker's snapshot afte
 someone watches /engine/events, the worker publishes an event per step (engine_events.py).
 
 A step that fails fails the requests in flight, and the worker serves on: the next request may well
-work. A sticky CUDA error (errors.py) is different: no later step can run, so the worker stops, as it
-does if it dies any other way; `/health` then answers 503 and `on_death` tells the server's main thread,
-which exits non-zero for a supervisor to restart the process.
+work. A sticky CUDA error (device_errors.py) is different: no later step can run, so the worker stops,
+as it does if it dies any other way; `/health` then answers 503 and `on_death` tells the server's main
+thread, which exits non-zero for a supervisor to restart the process.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from ..engine.sampling_params import SamplingParams
 from ..engine.request_check import CheckedRequest
 from ..engine.scheduler import OnlineScheduler
-from ..errors import is_sticky_device_error
+from ..device_errors import is_sticky_device_error
 from .api_errors import APIError
 from .engine_events import EngineFeed, EventRecorder
 from .messages import Accepted, AddRequest, DiscardRequest, Done, Error, RequestHandle

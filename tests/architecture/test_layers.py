@@ -15,8 +15,8 @@ PACKAGE = ROOT / "minfer"
 
 # Bottom up. A module's layer is the first entry that its dotted name starts with.
 LAYERS = [
-    ("base", 0, ("minfer.errors", "minfer.host_to_device", "minfer.model_config", "minfer.settings", "minfer.step_parts",
-               "minfer.version")),
+    ("base", 0, ("minfer.device_errors", "minfer.errors", "minfer.host_to_device", "minfer.model_config", "minfer.settings",
+               "minfer.step_parts", "minfer.version")),
     ("attention", 1, ("minfer.attention",)),
     ("text", 1, ("minfer.text",)),
     ("models", 2, ("minfer.models",)),
@@ -48,8 +48,8 @@ ALLOWED_PEER_IMPORTS = {
     ("compiled", "minfer.cpu.tiled_attention"): "the compiled CPU backend is the tiled one with a compiled decode",
 }
 # The plain core: what tutorial stages 01-13 teach. None of it imports a feature room, in any form.
-CORE = ("minfer.errors", "minfer.host_to_device", "minfer.model_config", "minfer.settings", "minfer.step_parts",
-        "minfer.version", "minfer.attention", "minfer.text", "minfer.models", "minfer.engine")
+CORE = ("minfer.device_errors", "minfer.errors", "minfer.host_to_device", "minfer.model_config", "minfer.settings",
+        "minfer.step_parts", "minfer.version", "minfer.attention", "minfer.text", "minfer.models", "minfer.engine")
 ROOMS = ("minfer.cpu", "minfer.compiled", "minfer.quantization", "minfer.scoring", "minfer.parallel_sampling",
          "minfer.speculative", "minfer.structured")
 MAX_LINES = 400
