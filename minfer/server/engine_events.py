@@ -109,6 +109,14 @@ class EventRecorder:
         """Requests were added or discarded (or a step failed) outside a step."""
         return self._changes({"type": "update", "time": time.time(), "step": self.scheduler.num_steps}, finished)
 
+    def between_steps(self, feed: "EngineFeed", queues_changed: bool) -> None:
+        """Publish a snapshot when a viewer waits for one (it holds the queue changes too), else an
+        update when requests came or went."""
+        if feed.snapshot_wanted:
+            feed.publish(self.snapshot())
+        elif queues_changed:
+            feed.publish(self.update())
+
     def _changes(self, event: dict, finished) -> dict:
         s = self.scheduler
         allocator = s.allocator

@@ -125,7 +125,7 @@ class SchedulerManager:
                 if self._stopping:
                     break
                 if self.events.active:
-                    self._publish_between_steps(queues_changed)
+                    self._recorder.between_steps(self.events, queues_changed)
                 if not self.scheduler.has_unfinished():
                     self._stats = self.scheduler.stats()
                     self._wake.wait()  # idle: sleep until a handler adds or discards something
@@ -214,14 +214,6 @@ class SchedulerManager:
         log.exception("engine step failed; failing %d in-flight requests", len(self._active))
         self._fail_all(500, "the engine failed while running this request")
         if self.events.active:
-            self.events.publish(self._recorder.update())
-
-    def _publish_between_steps(self, queues_changed: bool) -> None:
-        """A snapshot when a viewer waits for one (it holds the queue changes too), else an update
-        when requests came or went."""
-        if self.events.snapshot_wanted:
-            self.events.publish(self._recorder.snapshot())
-        elif queues_changed:
             self.events.publish(self._recorder.update())
 
     def _fail_all(self, status: int, message: str) -> None:

@@ -19,7 +19,7 @@ What you work with, on `self` (a SchedulerManager), all already written:
 - self._stats: the stats snapshot handlers read (assign a fresh scheduler.stats() to it);
 - self._stopping, self._dead, self._lock: shutdown() sets _stopping (under _lock);
 - self.events (the live view's feed): if self.events.active, call
-  self._publish_between_steps(queues_changed) after draining; self.events.close() at the end;
+  self._recorder.between_steps(self.events, queues_changed) after draining; self.events.close() at the end;
 - self._fail_all(status, message): an Error event to every request still in the scheduler.
 """
 
