@@ -13,9 +13,9 @@ time; a lone decode's is traced in where the backend offers it, its metadata's t
 The packages hold the weights' values, so their key holds a hash of them (`weights_fingerprint`) besides the
 compiled step's own parts; they live beside the step's cache entry, written under its lock, each unpacked
 into a temporary folder renamed into place. Unpacked, a package loads where it lies: an archive would be
-unpacked into a temporary folder at every start (Qwen3-0.6B bf16: 14-23 s against 5-6 s). Each package copies
-its weights into memory as it loads (AOTInductor on a CPU), and the batch package then reads the lone one's copy
-instead of its own (shared_constants.py): docs/performance.md has what they cost. A package
+unpacked into a temporary folder at every start (Qwen3-0.6B bf16: 14-23 s against 5-6 s). The lone package copies
+its weights into memory as it loads (AOTInductor on a CPU); the batch package keeps its own in a file apart and
+reads the lone one's copy instead (shared_constants.py): docs/performance.md has what they cost. A package
 Inductor fails to build is built once more without epilogue fusion (`_built`). Anything that fails (an export
 a model's modules refuse, a full disk, a package that will not load) returns why, and the step compiles in
 memory as before.
@@ -44,7 +44,7 @@ from .attention import failure_line, lone_decode_tensors, with_lone_decode_tenso
 from .cache_key import common_parts
 from .paged_op import OpaqueAttention, compiled_step
 from .saved_graphs import CompileRecord, inductor_cache_in
-from .shared_constants import PackageRunner, share_constants, unique_constant_sources
+from .shared_constants import SHARED, PackageRunner, attach_constants, package_id, unique_constant_sources
 
 log = logging.getLogger("minfer")
 
@@ -88,14 +88,16 @@ class PackagedForward:
             return run(input_ids, paged.positions, paged.kv_cache.kv, paged.sample_rows)
 
 
-def _share(lone: PackageRunner, batch: PackageRunner) -> None:
+def _share(lone: PackageRunner, batch: PackageRunner, paths: dict[str, Path]) -> None:
     """The batch package reads the lone one's copy of every weight they both hold (shared_constants.py)."""
     try:
-        freed = share_constants(lone, batch)
+        shared, recorded = attach_constants(lone, batch, paths["batch"] / SHARED, package_id(paths["lone"]))
     except Exception as e:  # then each keeps its own copy, as before
         log.warning("minfer: the packages keep a copy of the weights each: %s", failure_line(e))
+        batch.load_own_constants()
         return
-    log.info("minfer: the two packages share %.0f MB of weights", freed / 2**20)
+    log.info("minfer: the two packages share %.0f MB of weights%s", shared / 2**20,
+             " (as recorded: the batch package's own were not read)" if recorded else "")
 
 
 def _lone_inputs(input_ids: torch.Tensor, paged: PagedBatch) -> tuple:
@@ -153,9 +155,9 @@ def load_or_build(
                 log.info("minfer: built the %s package in %.0f s", kind, time.perf_counter() - began)
                 runners[kind] = _load(path)
                 built.append(kind)
+        _share(runners["lone"], runners["batch"], paths)
     except Exception as e:  # an export the model refuses, a full disk, a package that does not load
         return None, None, failure_line(e)
-    _share(runners["lone"], runners["batch"])
     how = "compiled" if built else "loaded"
     record = CompileRecord(how, time.perf_counter() - start, len(paths) - len(built), len(built), path=entry.path)
     return PackagedForward(runners["lone"], runners["batch"], opaque.backend.lone_decode_in_graph), record, None
@@ -231,8 +233,12 @@ def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, 
         part = path.with_name(f"{path.name}.{os.getpid()}.part")
         try:
             archive = part.with_suffix(".pt2")  # AOTInductor wants the .pt2 ending
+            # The batch package's constants in a file of their own: it can load without them (shared_constants.py).
+            apart = {} if lone else {"aot_inductor.package_constants_in_so": False,
+                                     "aot_inductor.package_constants_on_disk_format": "binary_blob"}
             with unique_constant_sources():
-                torch._inductor.aoti_compile_and_package(program, package_path=str(archive), inductor_configs=options)
+                torch._inductor.aoti_compile_and_package(program, package_path=str(archive),
+                                                         inductor_configs={**options, **apart})
             with zipfile.ZipFile(archive) as package:
                 package.extractall(part)
             (unpacked,) = part.iterdir()  # the archive's one top folder

@@ -9,6 +9,11 @@ equal bytes are shared, so the package computes exactly what it did. And the run
 the package's library, whose pages stay resident as the file's (counted again in the process's resident size):
 `drop_mapped_constants` lets them go.
 
+The batch package keeps its constants in a file of their own beside its library (AOTInductor's "binary_blob"),
+so it can load without them. The first start compares them as above and, where every one had an equal, writes
+which of the lone package's each one is (`SHARED`, naming the lone package it was found in). Later starts
+hand the batch package those and never read its own: one copy of the weights in memory as they load, too.
+
 Two AOTInductor details shape it. Its runner (not the package loader) can hand out a package's constants and
 swap in others: the package loads through `AOTIModelContainerRunnerCpu`. It names constants by their source,
 and Inductor can give two constants it makes itself one source ("constant148" for two GEMM-packed weights of a
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -47,6 +54,16 @@ class PackageRunner:
         drop_mapped_constants(library)
         self._out_spec = pytree.treespec_loads(self.runner.get_call_spec()[1])  # (inputs', outputs')
         self.kept: dict[str, torch.Tensor] = {}  # constants it reads that another owns or it copied (share_constants)
+        blobs = sorted(library.parent.glob("*.blob"))
+        self.blob: Path | None = blobs[0] if blobs else None  # its constants, where its library holds none
+        self.has_constants = self.blob is None
+        self.shared_by: str | None = None  # how it came to read another's constants: "record" or "comparison"
+
+    def load_own_constants(self) -> None:
+        """Its constants read from its own file, where they are kept apart from its library."""
+        if not self.has_constants:
+            self.runner.update_constant_buffer_from_blob(str(self.blob))  # copied in; the file is not kept mapped
+            self.has_constants = True
 
     def __call__(self, *args):
         from torch.utils import _pytree as pytree
@@ -63,20 +80,21 @@ class PackageRunner:
         return {name: by_source[source] for name, source in sources.items()}
 
 
-def share_constants(owner: PackageRunner, sharer: PackageRunner) -> int:
-    """Point each of `sharer`'s constants at an equal one of `owner`'s and free `sharer`'s own copy. Returns
-    the bytes freed (0 where nothing could be shared; then `sharer` is as it was)."""
+def share_constants(owner: PackageRunner, sharer: PackageRunner, equals: dict[str, str] | None = None) -> int:
+    """Point each of `sharer`'s constants at an equal one of `owner`'s and free `sharer`'s own copy; `equals`
+    gets which of the owner's each shared one is. Returns the bytes freed (0 where nothing could be shared;
+    then `sharer` is as it was)."""
     theirs, ours = owner.constants(), sharer.constants()
     if theirs is None or ours is None:
         return 0
-    candidates: dict[tuple, list[torch.Tensor]] = {}
-    for tensor in theirs.values():
-        candidates.setdefault(_layout(tensor), []).append(tensor)
-    shared = {}
+    candidates: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for their_name, tensor in theirs.items():
+        candidates.setdefault(_layout(tensor), []).append((their_name, tensor))
+    shared, names = {}, {}
     for name, tensor in ours.items():
-        same = next((t for t in candidates.get(_layout(tensor), ()) if torch.equal(t, tensor)), None)
-        if same is not None and _alignment(same) >= min(_alignment(tensor), ALIGNMENT):
-            shared[name] = same
+        same = next((pair for pair in candidates.get(_layout(tensor), ()) if torch.equal(pair[1], tensor)), None)
+        if same is not None and _alignment(same[1]) >= min(_alignment(tensor), ALIGNMENT):
+            names[name], shared[name] = same
     if not shared:
         return 0
     # The others are copied: the package's own buffer, theirs too, is freed below. The map goes into the inactive
@@ -87,7 +105,58 @@ def share_constants(owner: PackageRunner, sharer: PackageRunner) -> int:
     sharer.runner.swap_constant_buffer()
     sharer.runner.free_inactive_constant_buffer()
     sharer.kept = mapping
+    if equals is not None:
+        equals.update(names)
     return sum(ours[name].nbytes for name in shared)
+
+
+SHARED = "shared-constants.json"  # beside the sharer's files: which of the owner's constants each of its own is
+
+
+def package_id(package: Path) -> str:
+    """What names one build of a package: a hash of its files' names and sizes (packaged.py records them)."""
+    return hashlib.sha256((package / "file-sizes.json").read_bytes()).hexdigest()[:32]
+
+
+def attach_constants(owner: PackageRunner, sharer: PackageRunner, record: Path, owner_id: str) -> tuple[int, bool]:
+    """`sharer` reads `owner`'s copy of every constant they both hold: as `record` says, where it was written for
+    this owner (then `sharer`'s own are never read), else by comparing (`share_constants`, `sharer`'s own read
+    first), and `record` written where every one had an equal. Returns (the bytes it shares, whether `record`
+    served)."""
+    mapping = _recorded(owner, sharer, record, owner_id) if not sharer.has_constants else None
+    if mapping is not None:
+        sharer.runner.update_constant_buffer(mapping, False, True, True)  # user-managed: the owner keeps them
+        sharer.kept, sharer.has_constants, sharer.shared_by = mapping, True, "record"
+        return sum(t.nbytes for t in mapping.values()), True
+    sharer.load_own_constants()
+    equals: dict[str, str] = {}
+    freed = share_constants(owner, sharer, equals)
+    sharer.shared_by = "comparison" if equals else None
+    if equals and len(equals) == len(sharer.runner.get_constant_names_to_original_fqns()):
+        part = record.with_name(f".{record.name}.{os.getpid()}")
+        try:
+            part.write_text(json.dumps({"owner": owner_id, "constants": equals}, indent=1))
+            os.replace(part, record)
+        except OSError:  # a full or read-only cache: the next start compares again
+            part.unlink(missing_ok=True)
+    return freed, False
+
+
+def _recorded(owner: PackageRunner, sharer: PackageRunner, record: Path, owner_id: str) -> dict | None:
+    """The owner's tensor for each of the sharer's constants, as the record names them; None where there is no
+    record for this owner, or it does not name every constant of the sharer's. (A sharer built again is a new
+    folder, without the record.)"""
+    try:
+        written = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    theirs, ours = owner.constants(), sharer.runner.get_constant_names_to_original_fqns()
+    names = written.get("constants") if isinstance(written, dict) and written.get("owner") == owner_id else None
+    if theirs is None or not isinstance(names, dict) or set(names) != set(ours):
+        return None
+    if not set(names.values()) <= set(theirs):
+        return None
+    return {name: theirs[names[name]] for name in names}
 
 
 MADV_DONTNEED = 4  # Linux's madvise advice: drop these pages (a file's are read again if touched)

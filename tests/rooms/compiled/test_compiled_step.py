@@ -178,6 +178,8 @@ def test_the_whole_forward_is_packaged_once_and_loaded_after(make_checkpoint):
     # one copy of the weights in memory: the batch package reads the lone one's constants (shared_constants.py)
     lone, batch = step.packaged.lone.constants(), step.packaged.batch.constants()
     assert lone and batch and {t.data_ptr() for t in batch.values()} <= {t.data_ptr() for t in lone.values()}
+    # as the first start recorded: the batch package's own copy, in its file apart, was never read
+    assert step.packaged.batch.shared_by == "record" and step.packaged.batch.blob.is_file()
     prompts = prompts_with_a_shared_prefix(seed=4)
     got = [o.token_ids for o in compiled.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == [o.token_ids for o in LLM(path, **settings).generate(prompts, GREEDY, use_tqdm=False)]

@@ -1,23 +1,27 @@
 """shared_constants.py's rule on stand-in runners: a constant of the sharer is pointed at an equal one of the
 owner's (same bytes, dtype, shape and strides, aligned as a package can count on), any other keeps a copy of its
-own, and
-a package whose constants cannot be told apart stays as it was; and a library's mapped constants leave memory.
+own, and a package whose constants cannot be told apart stays as it was; where every one had an equal, a record
+says which, and a later load reads none of its own; and a library's mapped constants leave memory.
 The real packages share in test_compiled_step.py (test_the_whole_forward_is_packaged_once_and_loaded_after)."""
 
+import json
 import mmap
 import sys
 
 import pytest
 import torch
 
-from minfer.compiled.shared_constants import ALIGNMENT, PackageRunner, drop_mapped_constants, share_constants
+from minfer.compiled.shared_constants import (
+    ALIGNMENT, PackageRunner, attach_constants, drop_mapped_constants, share_constants,
+)
 
 
 class StandInRunner:
     """AOTInductor's CPU runner as share_constants uses it: constants by name and source, the buffer swap."""
 
-    def __init__(self, constants: dict[str, torch.Tensor], sources: dict[str, str] | None = None):
-        self.active, self.inactive = dict(constants), None
+    def __init__(self, constants: dict[str, torch.Tensor], sources: dict[str, str] | None = None, apart=False):
+        self.active, self.inactive = ({} if apart else dict(constants)), None
+        self.own = dict(constants)  # a package whose constants are `apart` reads them from its file when asked
         self.sources = sources or {name: name for name in constants}
         self.calls = []
 
@@ -28,9 +32,17 @@ class StandInRunner:
         return {self.sources[name]: tensor for name, tensor in self.active.items()}
 
     def update_constant_buffer(self, tensor_map, use_inactive, validate_full_updates, user_managed):
-        assert use_inactive and validate_full_updates and user_managed and set(tensor_map) == set(self.active)
-        self.inactive = dict(tensor_map)
-        self.calls.append("update")
+        assert validate_full_updates and user_managed and set(tensor_map) == set(self.sources)
+        if use_inactive:
+            self.inactive = dict(tensor_map)
+        else:
+            assert not self.active, "the active buffer is filled only while empty"
+            self.active = dict(tensor_map)
+        self.calls.append("update" if use_inactive else "update active")
+
+    def update_constant_buffer_from_blob(self, path):
+        self.active = {name: tensor.clone() for name, tensor in self.own.items()}
+        self.calls.append("read own")
 
     def swap_constant_buffer(self):
         self.active, self.inactive = self.inactive, self.active
@@ -41,9 +53,10 @@ class StandInRunner:
         self.calls.append("free")
 
 
-def runner_of(constants, sources=None) -> PackageRunner:
+def runner_of(constants, sources=None, apart=False) -> PackageRunner:
     runner = PackageRunner.__new__(PackageRunner)  # no library: the stand-in holds the constants
-    runner.runner, runner.kept = StandInRunner(constants, sources), {}
+    runner.runner, runner.kept = StandInRunner(constants, sources, apart), {}
+    runner.blob, runner.has_constants, runner.shared_by = ("blob" if apart else None), not apart, None
     return runner
 
 
@@ -115,6 +128,48 @@ def test_constants_that_cannot_be_told_apart_are_left_alone():
     assert sharer.constants() is None
     assert share_constants(owner, sharer) == 0 and sharer.runner.calls == []
     assert share_constants(sharer, owner) == 0 and owner.runner.calls == []
+
+
+def test_a_record_of_what_was_shared_serves_later_loads_without_their_own_constants(tmp_path):
+    """The first load reads the sharer's own constants and compares; every one had an equal, so it records which.
+    A later load of the same packages reads none of its own: each constant is the owner's, as recorded."""
+    owner = runner_of({"w": aligned([1, 2, 3, 4]), "b": aligned([5, 6])})
+    own = {"w0": aligned([1, 2, 3, 4]), "b0": aligned([5, 6])}
+    record = tmp_path / "shared-constants.json"
+    first = runner_of(dict(own), apart=True)
+    assert attach_constants(owner, first, record, "owner-1") == (own["w0"].nbytes + own["b0"].nbytes, False)
+    assert first.runner.calls == ["read own", "update", "swap", "free"] and first.shared_by == "comparison"
+    assert json.loads(record.read_text()) == {"owner": "owner-1", "constants": {"w0": "w", "b0": "b"}}
+
+    later = runner_of(dict(own), apart=True)
+    assert attach_constants(owner, later, record, "owner-1") == (own["w0"].nbytes + own["b0"].nbytes, True)
+    assert later.runner.calls == ["update active"] and later.shared_by == "record"
+    assert {n: t.data_ptr() for n, t in later.runner.active.items()} == {
+        "w0": owner.runner.active["w"].data_ptr(), "b0": owner.runner.active["b"].data_ptr()}
+
+
+def test_a_record_of_another_owner_or_of_other_constants_is_not_used(tmp_path):
+    """A record names the owner package it was made with, and every one of the sharer's constants: any other
+    owner (built again), or a record that misses a constant, means comparing again."""
+    owner = runner_of({"w": aligned([1, 2, 3, 4])})
+    record = tmp_path / "shared-constants.json"
+    record.write_text(json.dumps({"owner": "owner-0", "constants": {"w0": "w"}}))
+    sharer = runner_of({"w0": aligned([1, 2, 3, 4])}, apart=True)
+    assert attach_constants(owner, sharer, record, "owner-1")[1] is False and sharer.runner.calls[0] == "read own"
+    assert json.loads(record.read_text())["owner"] == "owner-1"  # written again, for this owner
+
+    record.write_text(json.dumps({"owner": "owner-1", "constants": {"w0": "w"}}))
+    two = runner_of({"w0": aligned([1, 2, 3, 4]), "x": aligned([7.0])}, apart=True)
+    assert attach_constants(owner, two, record, "owner-1")[1] is False and two.runner.calls[0] == "read own"
+
+
+def test_no_record_is_written_where_a_constant_had_no_equal(tmp_path):
+    """A constant of the sharer's own (no equal in the owner) must be read from its file at every load: no record."""
+    owner = runner_of({"w": aligned([1, 2, 3, 4])})
+    sharer = runner_of({"w0": aligned([1, 2, 3, 4]), "x": aligned([7.0, 8.0])}, apart=True)
+    record = tmp_path / "shared-constants.json"
+    assert attach_constants(owner, sharer, record, "owner-1") == (aligned([1, 2, 3, 4]).nbytes, False)
+    assert not record.exists() and torch.equal(sharer.runner.active["x"], torch.tensor([7.0, 8.0]))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps are Linux's")
