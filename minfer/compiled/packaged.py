@@ -13,9 +13,9 @@ time; a lone decode's is traced in where the backend offers it, its metadata's t
 The packages hold the weights' values, so their key holds a hash of them (`weights_fingerprint`) besides the
 compiled step's own parts; they live beside the step's cache entry, written under its lock, each unpacked
 into a temporary folder renamed into place. Unpacked, a package loads where it lies: an archive would be
-unpacked into a temporary folder at every start (Qwen3-0.6B bf16: 14-23 s against 5-6 s). The lone package copies
-its weights into memory as it loads (AOTInductor on a CPU); the batch package keeps its own in a file apart and
-reads the lone one's copy instead (shared_constants.py): docs/performance.md has what they cost. A package
+unpacked into a temporary folder at every start (Qwen3-0.6B bf16: 14-23 s against 5-6 s). Each keeps its weights
+in a file beside its library: the lone package copies its own into memory, and the batch package reads the lone
+one's copy instead (shared_constants.py): docs/performance.md has what they cost. A package
 Inductor fails to build is built once more without epilogue fusion (`_built`). Anything that fails (an export
 a model's modules refuse, a full disk, a package that will not load) returns why, and the step compiles in
 memory as before.
@@ -155,6 +155,7 @@ def load_or_build(
                 log.info("minfer: built the %s package in %.0f s", kind, time.perf_counter() - began)
                 runners[kind] = _load(path)
                 built.append(kind)
+        runners["lone"].load_own_constants()
         _share(runners["lone"], runners["batch"], paths)
     except Exception as e:  # an export the model refuses, a full disk, a package that does not load
         return None, None, failure_line(e)
@@ -233,9 +234,9 @@ def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, 
         part = path.with_name(f"{path.name}.{os.getpid()}.part")
         try:
             archive = part.with_suffix(".pt2")  # AOTInductor wants the .pt2 ending
-            # The batch package's constants in a file of their own: it can load without them (shared_constants.py).
-            apart = {} if lone else {"aot_inductor.package_constants_in_so": False,
-                                     "aot_inductor.package_constants_on_disk_format": "binary_blob"}
+            # The constants in a file of their own: a package loads without them (shared_constants.py).
+            apart = {"aot_inductor.package_constants_in_so": False, "aot_inductor.package_constants_on_disk_format":
+                     "binary_blob"}
             with unique_constant_sources():
                 torch._inductor.aoti_compile_and_package(program, package_path=str(archive),
                                                          inductor_configs={**options, **apart})

@@ -1,18 +1,16 @@
 """The whole forward's two packages (packaged.py) keep one copy of the weights in memory.
 
-A package copies its constants (the frozen weights, packed for its GEMMs) into memory as it loads, and the lone
-decode's package and the batch package hold the same packed weights: each would keep a copy (GPT-2 bf16: 311 MB
-each). Both are traced from the same model with the same settings, so almost every constant of one equals one of
-the other's, byte for byte. `share_constants` points each of the batch package's constants at an equal one of the
-lone package's and frees the batch package's own copy; a constant with no equal keeps a copy of its own. Only
-equal bytes are shared, so the package computes exactly what it did. And the runner copies the constants out of
-the package's library, whose pages stay resident as the file's (counted again in the process's resident size):
-`drop_mapped_constants` lets them go.
+A package keeps its constants (the frozen weights, packed for its GEMMs) in a file beside its library
+(AOTInductor's "binary_blob"), so it loads without them, and copies them into memory when asked
+(`load_own_constants`). The lone decode's package and the batch package hold the same packed weights: each would
+keep a copy (GPT-2 bf16: 311 MB each). Both are traced from the same model with the same settings, so almost
+every constant of one equals one of the other's, byte for byte. `share_constants` points each of the batch
+package's constants at an equal one of the lone package's and frees the batch package's own copy; a constant with
+no equal keeps a copy of its own. Only equal bytes are shared, so the package computes exactly what it did.
 
-The batch package keeps its constants in a file of their own beside its library (AOTInductor's "binary_blob"),
-so it can load without them. The first start compares them as above and, where every one had an equal, writes
-which of the lone package's each one is (`SHARED`, naming the lone package it was found in). Later starts
-hand the batch package those and never read its own: one copy of the weights in memory as they load, too.
+Comparing needs the batch package's own copy in memory for a moment. So the first start, where every constant had
+an equal, writes which of the lone package's each one is (`SHARED`, naming the lone build it was found in), and
+later starts hand the batch package those (`attach_constants`) without ever reading its own.
 
 Two AOTInductor details shape it. Its runner (not the package loader) can hand out a package's constants and
 swap in others: the package loads through `AOTIModelContainerRunnerCpu`. It names constants by their source,
@@ -24,11 +22,9 @@ constants still share a source is left as it is.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import json
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,18 +47,17 @@ class PackageRunner:
             raise ValueError(f"a package holds one library, this one {len(libraries)}")
         (library,) = libraries
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
-        drop_mapped_constants(library)
         self._out_spec = pytree.treespec_loads(self.runner.get_call_spec()[1])  # (inputs', outputs')
         self.kept: dict[str, torch.Tensor] = {}  # constants it reads that another owns or it copied (share_constants)
         blobs = sorted(library.parent.glob("*.blob"))
-        self.blob: Path | None = blobs[0] if blobs else None  # its constants, where its library holds none
+        self.blob: Path | None = blobs[0] if blobs else None  # its constants, apart from its library
         self.has_constants = self.blob is None
         self.shared_by: str | None = None  # how it came to read another's constants: "record" or "comparison"
 
     def load_own_constants(self) -> None:
         """Its constants read from its own file, where they are kept apart from its library."""
         if not self.has_constants:
-            self.runner.update_constant_buffer_from_blob(str(self.blob))  # copied in; the file is not kept mapped
+            self.runner.update_constant_buffer_from_blob(str(self.blob))  # copied in; the file's pages let go
             self.has_constants = True
 
     def __call__(self, *args):
@@ -157,32 +152,6 @@ def _recorded(owner: PackageRunner, sharer: PackageRunner, record: Path, owner_i
     if not set(names.values()) <= set(theirs):
         return None
     return {name: theirs[names[name]] for name in names}
-
-
-MADV_DONTNEED = 4  # Linux's madvise advice: drop these pages (a file's are read again if touched)
-
-
-def drop_mapped_constants(library: Path) -> int:
-    """The pages of the library's large read-only mappings leave memory: its constants, which the runner has
-    copied into memory of its own as it loaded (the copy that serves), else counted twice in the process's
-    resident size (Qwen3-0.6B bf16: 1.5 GB a package). They are the file's own pages, so touching them again
-    only reads the file. Linux only; elsewhere, or where madvise refuses, they stay. Returns the bytes dropped."""
-    if not sys.platform.startswith("linux"):
-        return 0
-    name, dropped = os.path.realpath(library), 0
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        maps = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return 0
-    for line in maps:
-        fields = line.split(maxsplit=5)  # address perms offset device inode path
-        if len(fields) == 6 and fields[1] == "r--p" and fields[5] == name:
-            start, end = (int(address, 16) for address in fields[0].split("-"))
-            if end - start >= 1 << 20 and libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                                                       MADV_DONTNEED) == 0:
-                dropped += end - start
-    return dropped
 
 
 def _layout(tensor: torch.Tensor) -> tuple:

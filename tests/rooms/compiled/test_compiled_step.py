@@ -3,6 +3,7 @@ most steps through the whole forward with frozen weights) give eager's tokens, n
 to eager when compiling fails."""
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,6 +181,9 @@ def test_the_whole_forward_is_packaged_once_and_loaded_after(make_checkpoint):
     assert lone and batch and {t.data_ptr() for t in batch.values()} <= {t.data_ptr() for t in lone.values()}
     # as the first start recorded: the batch package's own copy, in its file apart, was never read
     assert step.packaged.batch.shared_by == "record" and step.packaged.batch.blob.is_file()
+    assert step.packaged.lone.blob.is_file() and not step.packaged.lone.kept  # the lone package reads its own
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    assert str(step.packaged.lone.blob.resolve()) not in maps  # copied in, its file's pages not kept
     prompts = prompts_with_a_shared_prefix(seed=4)
     got = [o.token_ids for o in compiled.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == [o.token_ids for o in LLM(path, **settings).generate(prompts, GREEDY, use_tqdm=False)]

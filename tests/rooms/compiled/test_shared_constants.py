@@ -1,18 +1,15 @@
 """shared_constants.py's rule on stand-in runners: a constant of the sharer is pointed at an equal one of the
 owner's (same bytes, dtype, shape and strides, aligned as a package can count on), any other keeps a copy of its
 own, and a package whose constants cannot be told apart stays as it was; where every one had an equal, a record
-says which, and a later load reads none of its own; and a library's mapped constants leave memory.
+says which, and a later load reads none of its own.
 The real packages share in test_compiled_step.py (test_the_whole_forward_is_packaged_once_and_loaded_after)."""
 
 import json
-import mmap
-import sys
 
-import pytest
 import torch
 
 from minfer.compiled.shared_constants import (
-    ALIGNMENT, PackageRunner, attach_constants, drop_mapped_constants, share_constants,
+    ALIGNMENT, PackageRunner, attach_constants, share_constants,
 )
 
 
@@ -170,31 +167,3 @@ def test_no_record_is_written_where_a_constant_had_no_equal(tmp_path):
     record = tmp_path / "shared-constants.json"
     assert attach_constants(owner, sharer, record, "owner-1") == (aligned([1, 2, 3, 4]).nbytes, False)
     assert not record.exists() and torch.equal(sharer.runner.active["x"], torch.tensor([7.0, 8.0]))
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps are Linux's")
-def test_a_librarys_mapped_copy_of_its_constants_leaves_memory_and_reads_back(tmp_path):
-    """What a package's library maps read-only (its constants, copied into the runner's own memory as it loads)
-    is dropped from memory; a read afterwards gets the file's bytes again."""
-    data = bytes(range(256)) * (16 << 12)  # 4 MiB
-    library = tmp_path / "wrapper.so"
-    library.write_bytes(data)
-    with open(library, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
-    assert mapped[::4096] == data[::4096]  # every page read: resident
-    assert resident_bytes(library) >= len(data)
-    assert drop_mapped_constants(library) == len(data)
-    assert resident_bytes(library) < len(data) // 4
-    assert mapped[:] == data
-    mapped.close()
-
-
-def resident_bytes(path) -> int:
-    """The resident size of this process's mappings of `path` (/proc/self/smaps)."""
-    total, inside = 0, False
-    for line in open("/proc/self/smaps"):
-        if "-" in line.split(maxsplit=1)[0]:  # a mapping's first line: address range, perms, ..., path
-            inside = line.rstrip().endswith(str(path))
-        elif inside and line.startswith("Rss:"):
-            total += int(line.split()[1]) * 1024
-    return total
