@@ -1,22 +1,22 @@
 """The whole forward's two packages (packaged.py) keep one copy of the weights in memory.
 
 A package keeps its constants (the frozen weights, packed for its GEMMs) in a file beside its library
-(AOTInductor's "binary_blob"), so it loads without them, and copies them into memory when asked
-(`load_own_constants`). The lone decode's package and the batch package hold the same packed weights: each would
-keep a copy (GPT-2 bf16: 311 MB each). Both are traced from the same model with the same settings, so almost
-every constant of one equals one of the other's, byte for byte. `share_constants` points each of the batch
-package's constants at an equal one of the lone package's and frees the batch package's own copy; a constant with
-no equal keeps a copy of its own. Only equal bytes are shared, so the package computes exactly what it did.
+(AOTInductor's "binary_blob"), so it loads without them. The lone decode's package copies its own into memory
+(`load_own_constants`). The batch package holds the same packed weights: both are traced from the same model with
+the same settings, so almost every constant of one equals one of the other's, byte for byte. `attach_constants`
+hands the batch package the lone one's tensor for each of those (`equal_constants`: same bytes, dtype, shape and
+strides, aligned as its own would be), and a copy of its own for any other: only equal bytes are shared, so it
+computes exactly what it would with its own.
 
-Comparing needs the batch package's own copy in memory for a moment. So the first start, where every constant had
-an equal, writes which of the lone package's each one is (`SHARED`, naming the lone build it was found in), and
-later starts hand the batch package those (`attach_constants`) without ever reading its own.
+Finding the equals means reading the batch package's own file: that is done once, by a second runner of its
+library that is let go after, and where every constant had an equal the finding is recorded beside the package
+(`SHARED`, naming the lone build it was made with). Later starts read the record and never the file.
 
 Two AOTInductor details shape it. Its runner (not the package loader) can hand out a package's constants and
-swap in others: the package loads through `AOTIModelContainerRunnerCpu`. It names constants by their source,
-and Inductor can give two constants it makes itself one source ("constant148" for two GEMM-packed weights of a
+take others: packages load through `AOTIModelContainerRunnerCpu`. It names constants by their source, and
+Inductor can give two constants it makes itself one source ("constant148" for two GEMM-packed weights of a
 layer): `unique_constant_sources` names each by itself while a package builds, and a package where two
-constants still share a source is left as it is.
+constants still share a source reads its own.
 """
 
 from __future__ import annotations
@@ -37,28 +37,29 @@ ALIGNMENT = 16
 
 class PackageRunner:
     """A package's library, loaded as AOTInductor's package loader loads it on a CPU, called the same way
-    (the exported forward's flat tensor arguments in, its outputs back)."""
+    (the exported forward's flat tensor arguments in, its outputs back). Its constants are in a file apart: it
+    holds none until given some (`load_own_constants`, `attach_constants`)."""
 
     def __init__(self, package: Path):
         from torch.utils import _pytree as pytree
 
         libraries = sorted(package.glob("data/aotinductor/*/*.so"))
-        if len(libraries) != 1:
-            raise ValueError(f"a package holds one library, this one {len(libraries)}")
-        (library,) = libraries
-        self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
+        blobs = sorted(package.glob("data/aotinductor/*/*.blob"))
+        if len(libraries) != 1 or len(blobs) != 1:
+            raise ValueError(f"a package holds one library and one file of constants, this one {libraries + blobs}")
+        self.package, self.blob = package, blobs[0]
+        self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(libraries[0]), 1)
         self._out_spec = pytree.treespec_loads(self.runner.get_call_spec()[1])  # (inputs', outputs')
-        self.kept: dict[str, torch.Tensor] = {}  # constants it reads that another owns or it copied (share_constants)
-        blobs = sorted(library.parent.glob("*.blob"))
-        self.blob: Path | None = blobs[0] if blobs else None  # its constants, apart from its library
-        self.has_constants = self.blob is None
+        self.kept: dict[str, torch.Tensor] = {}  # the constants it reads, where another owns them (attach_constants)
         self.shared_by: str | None = None  # how it came to read another's constants: "record" or "comparison"
 
     def load_own_constants(self) -> None:
-        """Its constants read from its own file, where they are kept apart from its library."""
-        if not self.has_constants:
-            self.runner.update_constant_buffer_from_blob(str(self.blob))  # copied in; the file's pages let go
-            self.has_constants = True
+        """Its constants, copied into memory from its file (whose pages the runner lets go)."""
+        self.runner.update_constant_buffer_from_blob(str(self.blob))
+
+    def reader(self) -> "PackageRunner":
+        """Another runner of the same package, to read its own constants with and let go."""
+        return PackageRunner(self.package)
 
     def __call__(self, *args):
         from torch.utils import _pytree as pytree
@@ -75,34 +76,18 @@ class PackageRunner:
         return {name: by_source[source] for name, source in sources.items()}
 
 
-def share_constants(owner: PackageRunner, sharer: PackageRunner, equals: dict[str, str] | None = None) -> int:
-    """Point each of `sharer`'s constants at an equal one of `owner`'s and free `sharer`'s own copy; `equals`
-    gets which of the owner's each shared one is. Returns the bytes freed (0 where nothing could be shared;
-    then `sharer` is as it was)."""
-    theirs, ours = owner.constants(), sharer.constants()
-    if theirs is None or ours is None:
-        return 0
+def equal_constants(theirs: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> dict[str, str]:
+    """For each of `ours` with an equal among `theirs` (the same bytes, dtype, shape and strides, at an address as
+    aligned as ours is sure to be), the name of that one."""
     candidates: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
     for their_name, tensor in theirs.items():
         candidates.setdefault(_layout(tensor), []).append((their_name, tensor))
-    shared, names = {}, {}
+    equals = {}
     for name, tensor in ours.items():
         same = next((pair for pair in candidates.get(_layout(tensor), ()) if torch.equal(pair[1], tensor)), None)
         if same is not None and _alignment(same[1]) >= min(_alignment(tensor), ALIGNMENT):
-            names[name], shared[name] = same
-    if not shared:
-        return 0
-    # The others are copied: the package's own buffer, theirs too, is freed below. The map goes into the inactive
-    # buffer, not copied (user-managed: `kept` holds the copies, the owner the rest); swapped in, the package's
-    # own buffer is the inactive one and is freed.
-    mapping = {name: shared[name] if name in shared else tensor.clone() for name, tensor in ours.items()}
-    sharer.runner.update_constant_buffer(mapping, True, True, True)
-    sharer.runner.swap_constant_buffer()
-    sharer.runner.free_inactive_constant_buffer()
-    sharer.kept = mapping
-    if equals is not None:
-        equals.update(names)
-    return sum(ours[name].nbytes for name in shared)
+            equals[name] = same[0]
+    return equals
 
 
 SHARED = "shared-constants.json"  # beside the sharer's files: which of the owner's constants each of its own is
@@ -114,44 +99,61 @@ def package_id(package: Path) -> str:
 
 
 def attach_constants(owner: PackageRunner, sharer: PackageRunner, record: Path, owner_id: str) -> tuple[int, bool]:
-    """`sharer` reads `owner`'s copy of every constant they both hold: as `record` says, where it was written for
-    this owner (then `sharer`'s own are never read), else by comparing (`share_constants`, `sharer`'s own read
-    first), and `record` written where every one had an equal. Returns (the bytes it shares, whether `record`
-    served)."""
-    mapping = _recorded(owner, sharer, record, owner_id) if not sharer.has_constants else None
-    if mapping is not None:
-        sharer.runner.update_constant_buffer(mapping, False, True, True)  # user-managed: the owner keeps them
-        sharer.kept, sharer.has_constants, sharer.shared_by = mapping, True, "record"
-        return sum(t.nbytes for t in mapping.values()), True
-    sharer.load_own_constants()
-    equals: dict[str, str] = {}
-    freed = share_constants(owner, sharer, equals)
-    sharer.shared_by = "comparison" if equals else None
-    if equals and len(equals) == len(sharer.runner.get_constant_names_to_original_fqns()):
-        part = record.with_name(f".{record.name}.{os.getpid()}")
-        try:
-            part.write_text(json.dumps({"owner": owner_id, "constants": equals}, indent=1))
-            os.replace(part, record)
-        except OSError:  # a full or read-only cache: the next start compares again
-            part.unlink(missing_ok=True)
-    return freed, False
+    """Give `sharer` (holding no constants yet) `owner`'s tensor for each constant they both hold, and a copy of
+    its own for any other; which are which, as `record` says where it was written for this owner, else found by
+    comparing (and recorded where every one had an equal). Where its constants cannot be told apart, it reads its
+    own. Returns (the bytes it shares, whether the record served)."""
+    theirs = owner.constants()
+    names = _recorded(record, owner_id, sharer) if theirs is not None else None
+    recorded = names is not None and set(names.values()) <= set(theirs)
+    if recorded:
+        mapping = {name: theirs[their_name] for name, their_name in names.items()}
+    else:
+        mapping, names = _compared(theirs, sharer) if theirs is not None else (None, {})
+        if mapping is None:
+            sharer.load_own_constants()
+            return 0, False
+        if len(names) == len(mapping):
+            _write_record(record, owner_id, names)
+    sharer.runner.update_constant_buffer(mapping, False, True, True)  # user-managed: they stay where they are
+    sharer.kept, sharer.shared_by = mapping, ("record" if recorded else "comparison") if names else None
+    return sum(mapping[name].nbytes for name in names), recorded
 
 
-def _recorded(owner: PackageRunner, sharer: PackageRunner, record: Path, owner_id: str) -> dict | None:
-    """The owner's tensor for each of the sharer's constants, as the record names them; None where there is no
-    record for this owner, or it does not name every constant of the sharer's. (A sharer built again is a new
-    folder, without the record.)"""
+def _compared(theirs: dict[str, torch.Tensor], sharer: PackageRunner) -> tuple[dict | None, dict[str, str]]:
+    """The sharer's constants: the owner's where equal, else copies of its own, read by a runner of its own that
+    goes when this returns (with its copy); and which of the owner's each equal one is. (None, {}) where the
+    sharer's constants cannot be told apart."""
+    reader = sharer.reader()
+    reader.load_own_constants()
+    ours = reader.constants()
+    if ours is None:
+        return None, {}
+    names = equal_constants(theirs, ours)
+    return {name: theirs[names[name]] if name in names else own.clone() for name, own in ours.items()}, names
+
+
+def _recorded(record: Path, owner_id: str, sharer: PackageRunner) -> dict[str, str] | None:
+    """Which of the owner's constants each of the sharer's is, as the record says; None where there is no record
+    for this owner, or it does not name every constant of the sharer's. (A sharer built again is a new folder,
+    without the record.)"""
     try:
         written = json.loads(record.read_text())
     except (OSError, ValueError):
         return None
-    theirs, ours = owner.constants(), sharer.runner.get_constant_names_to_original_fqns()
     names = written.get("constants") if isinstance(written, dict) and written.get("owner") == owner_id else None
-    if theirs is None or not isinstance(names, dict) or set(names) != set(ours):
+    if not isinstance(names, dict) or set(names) != set(sharer.runner.get_constant_names_to_original_fqns()):
         return None
-    if not set(names.values()) <= set(theirs):
-        return None
-    return {name: theirs[names[name]] for name in names}
+    return names
+
+
+def _write_record(record: Path, owner_id: str, names: dict[str, str]) -> None:
+    part = record.with_name(f".{record.name}.{os.getpid()}")
+    try:
+        part.write_text(json.dumps({"owner": owner_id, "constants": names}, indent=1))
+        os.replace(part, record)
+    except OSError:  # a full or read-only cache: the next start compares again
+        part.unlink(missing_ok=True)
 
 
 def _layout(tensor: torch.Tensor) -> tuple:

@@ -1,25 +1,23 @@
-"""shared_constants.py's rule on stand-in runners: a constant of the sharer is pointed at an equal one of the
-owner's (same bytes, dtype, shape and strides, aligned as a package can count on), any other keeps a copy of its
-own, and a package whose constants cannot be told apart stays as it was; where every one had an equal, a record
-says which, and a later load reads none of its own.
+"""shared_constants.py's rule and its record, on stand-in runners: a constant of the sharer is the owner's where
+equal (same bytes, dtype, shape and strides, aligned as a package can count on), a copy of its own otherwise; its
+own are read by a runner of its own, never by the sharer; where every one had an equal a record says which, and a
+later load reads none of its own; a package whose constants cannot be told apart reads its own.
 The real packages share in test_compiled_step.py (test_the_whole_forward_is_packaged_once_and_loaded_after)."""
 
 import json
 
 import torch
 
-from minfer.compiled.shared_constants import (
-    ALIGNMENT, PackageRunner, attach_constants, share_constants,
-)
+from minfer.compiled.shared_constants import ALIGNMENT, PackageRunner, attach_constants, equal_constants
 
 
 class StandInRunner:
-    """AOTInductor's CPU runner as share_constants uses it: constants by name and source, the buffer swap."""
+    """AOTInductor's CPU runner as shared_constants uses it: its constants' names and sources, its file read in,
+    the active buffer filled."""
 
-    def __init__(self, constants: dict[str, torch.Tensor], sources: dict[str, str] | None = None, apart=False):
-        self.active, self.inactive = ({} if apart else dict(constants)), None
-        self.own = dict(constants)  # a package whose constants are `apart` reads them from its file when asked
-        self.sources = sources or {name: name for name in constants}
+    def __init__(self, file: dict[str, torch.Tensor], sources: dict[str, str] | None):
+        self.file, self.active = file, {}
+        self.sources = sources or {name: name for name in file}
         self.calls = []
 
     def get_constant_names_to_original_fqns(self):
@@ -28,33 +26,33 @@ class StandInRunner:
     def extract_constants_map(self, use_inactive):
         return {self.sources[name]: tensor for name, tensor in self.active.items()}
 
-    def update_constant_buffer(self, tensor_map, use_inactive, validate_full_updates, user_managed):
-        assert validate_full_updates and user_managed and set(tensor_map) == set(self.sources)
-        if use_inactive:
-            self.inactive = dict(tensor_map)
-        else:
-            assert not self.active, "the active buffer is filled only while empty"
-            self.active = dict(tensor_map)
-        self.calls.append("update" if use_inactive else "update active")
-
     def update_constant_buffer_from_blob(self, path):
-        self.active = {name: tensor.clone() for name, tensor in self.own.items()}
+        self.active = {name: tensor.clone() for name, tensor in self.file.items()}
         self.calls.append("read own")
 
-    def swap_constant_buffer(self):
-        self.active, self.inactive = self.inactive, self.active
-        self.calls.append("swap")
-
-    def free_inactive_constant_buffer(self):
-        self.inactive = None
-        self.calls.append("free")
+    def update_constant_buffer(self, tensor_map, use_inactive, validate_full_updates, user_managed):
+        assert not use_inactive and validate_full_updates and user_managed and set(tensor_map) == set(self.sources)
+        assert not self.active, "given constants while holding some"
+        self.active = dict(tensor_map)
+        self.calls.append("given")
 
 
-def runner_of(constants, sources=None, apart=False) -> PackageRunner:
-    runner = PackageRunner.__new__(PackageRunner)  # no library: the stand-in holds the constants
-    runner.runner, runner.kept = StandInRunner(constants, sources, apart), {}
-    runner.blob, runner.has_constants, runner.shared_by = ("blob" if apart else None), not apart, None
-    return runner
+class StandIn(PackageRunner):
+    """A package of stand-in runners: `file` is what its file of constants holds."""
+
+    def __init__(self, file: dict[str, torch.Tensor], sources: dict[str, str] | None = None):
+        self.file, self.sources, self.readers = file, sources, []
+        self.runner, self.blob, self.kept, self.shared_by = StandInRunner(file, sources), "blob", {}, None
+
+    def reader(self):
+        self.readers.append(StandIn(self.file, self.sources))
+        return self.readers[-1]
+
+
+def owner_of(constants: dict[str, torch.Tensor]) -> StandIn:
+    owner = StandIn(constants)
+    owner.runner.active = dict(constants)  # as it holds them once it read its own
+    return owner
 
 
 def aligned(values: list[float], dtype=torch.float32) -> torch.Tensor:
@@ -65,44 +63,6 @@ def aligned(values: list[float], dtype=torch.float32) -> torch.Tensor:
     tensor = storage[skip : skip + len(values)]
     tensor.copy_(torch.tensor(values, dtype=dtype))
     return tensor
-
-
-def test_equal_constants_are_shared_and_the_others_copied():
-    owner = runner_of({"w": aligned([1, 2, 3, 4]), "b": aligned([5, 6]), "n": aligned([7, 8, 9, 10])})
-    own = {
-        "w2": aligned([1, 2, 3, 4]),  # the owner's "w", under another name
-        "b": aligned([5, 6], torch.float64),  # equal values, another dtype: not the same bytes
-        "n": aligned([7, 8, 9, 11]),  # one value differs
-        "t": aligned([1, 2, 3, 4]).view(2, 2),  # w's bytes, another shape
-    }
-    sharer = runner_of(dict(own))
-    freed = share_constants(owner, sharer)
-    assert freed == own["w2"].nbytes and sharer.runner.calls == ["update", "swap", "free"]
-    now = sharer.runner.active
-    assert now["w2"].data_ptr() == owner.runner.active["w"].data_ptr()
-    for name in ("b", "n", "t"):  # a copy of its own, the values it had
-        assert now[name].data_ptr() != own[name].data_ptr() and torch.equal(now[name], own[name])
-        assert now[name].dtype == own[name].dtype and now[name].shape == own[name].shape
-    kept = {name: tensor.data_ptr() for name, tensor in sharer.kept.items()}
-    assert kept == {name: tensor.data_ptr() for name, tensor in now.items()}  # alive as long as the package
-
-
-def test_a_less_aligned_equal_constant_is_not_shared():
-    """An equal constant less aligned than a package's own are sure to be (ALIGNMENT) is not shared: a kernel may
-    rely on that alignment."""
-    storage = aligned([0.0] + [1, 2, 3, 4])
-    owner = runner_of({"w": storage[1:]})  # 4 bytes past a multiple of ALIGNMENT
-    sharer = runner_of({"w": aligned([1, 2, 3, 4])})
-    assert share_constants(owner, sharer) == 0 and sharer.runner.calls == []
-
-
-def test_an_equal_constant_as_aligned_as_a_packages_own_are_sure_to_be_is_shared():
-    """A package's own buffer is malloc's: its constants may lie 16 bytes past a multiple of 64. One of the
-    owner's so placed serves a sharer whose own copy happened to lie at a multiple of 64."""
-    owner_w, sharer_w = placed([1, 2, 3, 4], 16), placed([1, 2, 3, 4], 64)
-    owner, sharer = runner_of({"w": owner_w}), runner_of({"w": sharer_w})
-    assert share_constants(owner, sharer) == owner_w.nbytes
-    assert sharer.runner.active["w"].data_ptr() == owner_w.data_ptr()
 
 
 def placed(values: list[float], alignment: int) -> torch.Tensor:
@@ -116,54 +76,78 @@ def placed(values: list[float], alignment: int) -> torch.Tensor:
     raise AssertionError(f"no float32 in 64 bytes lies at alignment {alignment}")
 
 
-def test_constants_that_cannot_be_told_apart_are_left_alone():
-    """Two constants of one source (Inductor's naming, unique_constant_sources): the runner hands out one by
-    that source, so neither package is touched."""
-    w = aligned([1, 2, 3, 4])
-    owner = runner_of({"w": w})
-    sharer = runner_of({"c1": aligned([1, 2, 3, 4]), "c1_0": aligned([9, 9])}, {"c1": "c1", "c1_0": "c1"})
-    assert sharer.constants() is None
-    assert share_constants(owner, sharer) == 0 and sharer.runner.calls == []
-    assert share_constants(sharer, owner) == 0 and owner.runner.calls == []
+def test_only_equal_bytes_of_the_same_layout_are_equal():
+    theirs = {"w": aligned([1, 2, 3, 4]), "b": aligned([5, 6]), "n": aligned([7, 8, 9, 10])}
+    ours = {
+        "w2": aligned([1, 2, 3, 4]),  # the owner's "w", under another name
+        "b": aligned([5, 6], torch.float64),  # equal values, another dtype: not the same bytes
+        "n": aligned([7, 8, 9, 11]),  # one value differs
+        "t": aligned([1, 2, 3, 4]).view(2, 2),  # w's bytes, another shape
+    }
+    assert equal_constants(theirs, ours) == {"w2": "w"}
 
 
-def test_a_record_of_what_was_shared_serves_later_loads_without_their_own_constants(tmp_path):
-    """The first load reads the sharer's own constants and compares; every one had an equal, so it records which.
-    A later load of the same packages reads none of its own: each constant is the owner's, as recorded."""
-    owner = runner_of({"w": aligned([1, 2, 3, 4]), "b": aligned([5, 6])})
-    own = {"w0": aligned([1, 2, 3, 4]), "b0": aligned([5, 6])}
+def test_a_less_aligned_equal_constant_is_not_equal():
+    """An equal constant less aligned than a package's own are sure to be (ALIGNMENT) is not shared: a kernel may
+    rely on that alignment. One as aligned as a package's own buffer (malloc's: maybe 16 bytes past a multiple of
+    64) serves a sharer whose own copy happened to lie at a multiple of 64."""
+    storage = aligned([0.0] + [1, 2, 3, 4])
+    assert equal_constants({"w": storage[1:]}, {"w": aligned([1, 2, 3, 4])}) == {}  # 4 bytes past ALIGNMENT
+    assert equal_constants({"w": placed([1, 2, 3, 4], 16)}, {"w": placed([1, 2, 3, 4], 64)}) == {"w": "w"}
+
+
+def test_the_first_load_compares_with_a_reader_and_records_what_later_loads_use(tmp_path):
+    """The sharer never reads its own file: a reader does, is let go, and the sharer is given the owner's tensors.
+    Every one had an equal, so the record says which; a later load reads no file at all."""
+    owner = owner_of({"w": aligned([1, 2, 3, 4]), "b": aligned([5, 6])})
+    file = {"w0": aligned([1, 2, 3, 4]), "b0": aligned([5, 6])}
     record = tmp_path / "shared-constants.json"
-    first = runner_of(dict(own), apart=True)
-    assert attach_constants(owner, first, record, "owner-1") == (own["w0"].nbytes + own["b0"].nbytes, False)
-    assert first.runner.calls == ["read own", "update", "swap", "free"] and first.shared_by == "comparison"
+    first = StandIn(file)
+    assert attach_constants(owner, first, record, "owner-1") == (file["w0"].nbytes + file["b0"].nbytes, False)
+    assert first.runner.calls == ["given"] and [r.runner.calls for r in first.readers] == [["read own"]]
+    assert first.shared_by == "comparison"
     assert json.loads(record.read_text()) == {"owner": "owner-1", "constants": {"w0": "w", "b0": "b"}}
+    given = {name: tensor.data_ptr() for name, tensor in first.runner.active.items()}
+    assert given == {"w0": owner.runner.active["w"].data_ptr(), "b0": owner.runner.active["b"].data_ptr()}
 
-    later = runner_of(dict(own), apart=True)
-    assert attach_constants(owner, later, record, "owner-1") == (own["w0"].nbytes + own["b0"].nbytes, True)
-    assert later.runner.calls == ["update active"] and later.shared_by == "record"
-    assert {n: t.data_ptr() for n, t in later.runner.active.items()} == {
-        "w0": owner.runner.active["w"].data_ptr(), "b0": owner.runner.active["b"].data_ptr()}
-
-
-def test_a_record_of_another_owner_or_of_other_constants_is_not_used(tmp_path):
-    """A record names the owner package it was made with, and every one of the sharer's constants: any other
-    owner (built again), or a record that misses a constant, means comparing again."""
-    owner = runner_of({"w": aligned([1, 2, 3, 4])})
-    record = tmp_path / "shared-constants.json"
-    record.write_text(json.dumps({"owner": "owner-0", "constants": {"w0": "w"}}))
-    sharer = runner_of({"w0": aligned([1, 2, 3, 4])}, apart=True)
-    assert attach_constants(owner, sharer, record, "owner-1")[1] is False and sharer.runner.calls[0] == "read own"
-    assert json.loads(record.read_text())["owner"] == "owner-1"  # written again, for this owner
-
-    record.write_text(json.dumps({"owner": "owner-1", "constants": {"w0": "w"}}))
-    two = runner_of({"w0": aligned([1, 2, 3, 4]), "x": aligned([7.0])}, apart=True)
-    assert attach_constants(owner, two, record, "owner-1")[1] is False and two.runner.calls[0] == "read own"
+    later = StandIn(file)
+    assert attach_constants(owner, later, record, "owner-1") == (file["w0"].nbytes + file["b0"].nbytes, True)
+    assert later.runner.calls == ["given"] and later.readers == [] and later.shared_by == "record"
+    assert {name: tensor.data_ptr() for name, tensor in later.runner.active.items()} == given
 
 
-def test_no_record_is_written_where_a_constant_had_no_equal(tmp_path):
-    """A constant of the sharer's own (no equal in the owner) must be read from its file at every load: no record."""
-    owner = runner_of({"w": aligned([1, 2, 3, 4])})
-    sharer = runner_of({"w0": aligned([1, 2, 3, 4]), "x": aligned([7.0, 8.0])}, apart=True)
+def test_a_constant_with_no_equal_is_a_copy_of_its_own_and_nothing_is_recorded(tmp_path):
+    """A constant of the sharer's own must be read from its file at every load: no record."""
+    owner = owner_of({"w": aligned([1, 2, 3, 4])})
+    sharer = StandIn({"w0": aligned([1, 2, 3, 4]), "x": aligned([7.0, 8.0])})
     record = tmp_path / "shared-constants.json"
     assert attach_constants(owner, sharer, record, "owner-1") == (aligned([1, 2, 3, 4]).nbytes, False)
     assert not record.exists() and torch.equal(sharer.runner.active["x"], torch.tensor([7.0, 8.0]))
+    assert sharer.kept["x"].data_ptr() == sharer.runner.active["x"].data_ptr()  # alive as long as the package
+    assert sharer.runner.active["w0"].data_ptr() == owner.runner.active["w"].data_ptr()
+
+
+def test_a_record_of_another_owner_or_of_other_constants_is_not_used(tmp_path):
+    """A record names the owner build it was made with, and every one of the sharer's constants: any other owner
+    (built again), or a record that misses a constant, means comparing again."""
+    owner = owner_of({"w": aligned([1, 2, 3, 4])})
+    record = tmp_path / "shared-constants.json"
+    record.write_text(json.dumps({"owner": "owner-0", "constants": {"w0": "w"}}))
+    sharer = StandIn({"w0": aligned([1, 2, 3, 4])})
+    assert attach_constants(owner, sharer, record, "owner-1")[1] is False and len(sharer.readers) == 1
+    assert json.loads(record.read_text())["owner"] == "owner-1"  # written again, for this owner
+
+    record.write_text(json.dumps({"owner": "owner-1", "constants": {"w0": "w"}}))
+    two = StandIn({"w0": aligned([1, 2, 3, 4]), "x": aligned([7.0])})
+    assert attach_constants(owner, two, record, "owner-1")[1] is False and len(two.readers) == 1
+
+
+def test_constants_that_cannot_be_told_apart_are_read_as_they_are(tmp_path):
+    """Two constants of one source (Inductor's naming, unique_constant_sources): the runner hands out one by that
+    source, so the sharer shares nothing and reads its own file."""
+    owner = owner_of({"w": aligned([1, 2, 3, 4])})
+    sharer = StandIn({"c1": aligned([1, 2, 3, 4]), "c1_0": aligned([9, 9])}, {"c1": "c1", "c1_0": "c1"})
+    record = tmp_path / "shared-constants.json"
+    assert attach_constants(owner, sharer, record, "owner-1") == (0, False)
+    assert sharer.runner.calls == ["read own"] and sharer.shared_by is None and sharer.kept == {}
+    assert not record.exists()
