@@ -30,6 +30,7 @@ import os
 import shutil
 import time
 import types
+import uuid
 import zipfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +45,9 @@ from .attention import failure_line, lone_decode_tensors, with_lone_decode_tenso
 from .cache_key import common_parts
 from .paged_op import OpaqueAttention, compiled_step
 from .saved_graphs import CompileRecord, inductor_cache_in
-from .shared_constants import SHARED, PackageRunner, attach_constants, package_id, unique_constant_sources
+from .shared_constants import (
+    SHARED, PackageRunner, attach_constants, own_weights, recorded_owner, unique_constant_sources,
+)
 
 log = logging.getLogger("minfer")
 
@@ -88,16 +91,51 @@ class PackagedForward:
             return run(input_ids, paged.positions, paged.kv_cache.kv, paged.sample_rows)
 
 
-def _share(lone: PackageRunner, batch: PackageRunner, paths: dict[str, Path]) -> None:
-    """The batch package reads the lone one's copy of every weight they both hold (shared_constants.py)."""
+def _share(lone: PackageRunner, batch: PackageRunner, paths: dict[str, Path], may_drop: bool) -> None:
+    """The batch package reads the lone one's copy of every weight they both hold (shared_constants.py). Where
+    every one is the lone package's, as recorded, its own copy on disk is dropped (`may_drop`: under the lock)."""
+    record, lone_id = paths["batch"] / SHARED, package_id(paths["lone"])
     try:
-        shared, recorded = attach_constants(lone, batch, paths["batch"] / SHARED, package_id(paths["lone"]))
+        shared, recorded = attach_constants(lone, batch, record, lone_id)
     except Exception as e:  # then each keeps its own copy, as before
         log.warning("minfer: the packages keep a copy of the weights each: %s", failure_line(e))
         batch.load_own_constants()
         return
     log.info("minfer: the two packages share %.0f MB of weights%s", shared / 2**20,
              " (as recorded: the batch package's own were not read)" if recorded else "")
+    if may_drop and batch.blob is not None and recorded_owner(record) == lone_id:
+        _drop_own_weights(batch)
+
+
+BUILD_ID = "build-id"  # in each package: a name for this build of it, which no other build gets
+
+
+def package_id(package: Path) -> str:
+    """Which build of the package this is (a record of shared constants holds for one build of the lone package:
+    one built again may differ, byte for byte)."""
+    return (package / BUILD_ID).read_text()
+
+
+def _drop_own_weights(batch: PackageRunner) -> None:
+    """The batch package's own weights, never read again once the record names the lone package's for every one:
+    out of its size record first, then off the disk (a start killed between the two finds a package as good).
+    Should the lone package be built again, the batch package is built again with it (`_usable`)."""
+    folder, blob = batch.package, batch.blob
+    sizes = json.loads((folder / SIZES).read_text())
+    sizes.pop(str(blob.relative_to(folder)), None)
+    part = folder / f".{SIZES}.{os.getpid()}"
+    part.write_text(json.dumps(sizes, indent=1))
+    os.replace(part, folder / SIZES)
+    blob.unlink()
+    batch.blob = None
+    log.info("minfer: dropped the batch package's own copy of the weights (%s): it reads the lone package's",
+             folder.name)
+
+
+def _usable(kind: str, path: Path, paths: dict[str, Path]) -> None:
+    """Raises ValueError where the batch package dropped its own weights for another build of the lone package."""
+    if kind == "batch" and own_weights(path) is None and recorded_owner(path / SHARED) != package_id(paths["lone"]):
+        raise ValueError("it dropped its own weights for the lone package's, which was built again since")
 
 
 def _lone_inputs(input_ids: torch.Tensor, paged: PagedBatch) -> tuple:
@@ -142,6 +180,7 @@ def load_or_build(
             for number, (kind, path) in enumerate(paths.items(), 1):
                 if path.exists():
                     try:
+                        _usable(kind, path, paths)
                         runners[kind] = _load(path)
                         continue
                     except Exception as e:  # truncated, or from another build: built again, then replaced
@@ -155,8 +194,8 @@ def load_or_build(
                 log.info("minfer: built the %s package in %.0f s", kind, time.perf_counter() - began)
                 runners[kind] = _load(path)
                 built.append(kind)
-        runners["lone"].load_own_constants()
-        _share(runners["lone"], runners["batch"], paths)
+            runners["lone"].load_own_constants()
+            _share(runners["lone"], runners["batch"], paths, may_drop=have_lock)
     except Exception as e:  # an export the model refuses, a full disk, a package that does not load
         return None, None, failure_line(e)
     how = "compiled" if built else "loaded"
@@ -243,6 +282,7 @@ def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, 
             with zipfile.ZipFile(archive) as package:
                 package.extractall(part)
             (unpacked,) = part.iterdir()  # the archive's one top folder
+            (unpacked / BUILD_ID).write_text(uuid.uuid4().hex)
             record_sizes(unpacked)
             if path.exists():  # unreadable: replaced
                 shutil.rmtree(path)

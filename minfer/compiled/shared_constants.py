@@ -22,7 +22,6 @@ constants still share a source reads its own.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -44,10 +43,9 @@ class PackageRunner:
         from torch.utils import _pytree as pytree
 
         libraries = sorted(package.glob("data/aotinductor/*/*.so"))
-        blobs = sorted(package.glob("data/aotinductor/*/*.blob"))
-        if len(libraries) != 1 or len(blobs) != 1:
-            raise ValueError(f"a package holds one library and one file of constants, this one {libraries + blobs}")
-        self.package, self.blob = package, blobs[0]
+        if len(libraries) != 1:
+            raise ValueError(f"a package holds one library, this one {len(libraries)}")
+        self.package, self.blob = package, own_weights(package)  # None: dropped, another's serve (SHARED)
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(libraries[0]), 1)
         self._out_spec = pytree.treespec_loads(self.runner.get_call_spec()[1])  # (inputs', outputs')
         self.kept: dict[str, torch.Tensor] = {}  # the constants it reads, where another owns them (attach_constants)
@@ -55,6 +53,8 @@ class PackageRunner:
 
     def load_own_constants(self) -> None:
         """Its constants, copied into memory from its file (whose pages the runner lets go)."""
+        if self.blob is None:
+            raise ValueError(f"{self.package.name} dropped its own weights: it reads another package's")
         self.runner.update_constant_buffer_from_blob(str(self.blob))
 
     def reader(self) -> "PackageRunner":
@@ -93,9 +93,18 @@ def equal_constants(theirs: dict[str, torch.Tensor], ours: dict[str, torch.Tenso
 SHARED = "shared-constants.json"  # beside the sharer's files: which of the owner's constants each of its own is
 
 
-def package_id(package: Path) -> str:
-    """What names one build of a package: a hash of its files' names and sizes (packaged.py records them)."""
-    return hashlib.sha256((package / "file-sizes.json").read_bytes()).hexdigest()[:32]
+def own_weights(package: Path) -> Path | None:
+    """The package's file of constants, beside its library; None where it was dropped (packaged.py)."""
+    return next(iter(sorted(package.glob("data/aotinductor/*/*.blob"))), None)
+
+
+def recorded_owner(record: Path) -> str | None:
+    """The owner build a record was made with, if there is a readable one."""
+    try:
+        written = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    return written.get("owner") if isinstance(written, dict) else None
 
 
 def attach_constants(owner: PackageRunner, sharer: PackageRunner, record: Path, owner_id: str) -> tuple[int, bool]:

@@ -5,6 +5,7 @@ an engine twice with compiled attention and the compiled decode step forced on."
 
 import errno
 import fcntl
+import json
 import logging
 import os
 import pickle
@@ -23,7 +24,8 @@ from engine_checks import GREEDY
 
 from minfer import LLM
 from minfer.compiled import artifacts, cache_sweep
-from minfer.compiled.packaged import SIZES, check_sizes, record_sizes
+from minfer.compiled.packaged import BUILD_ID, SIZES, _drop_own_weights, _usable, check_sizes, package_id, record_sizes
+from minfer.compiled.shared_constants import SHARED, own_weights
 from minfer.compiled.precompiled import PrecompiledFunction
 from minfer.compiled.saved_graphs import trust_vector_isas, warm_up_saved
 from minfer.server.banner import banner_lines
@@ -158,6 +160,30 @@ def test_a_package_cut_short_is_refused_before_it_is_loaded(tmp_path):
     (folder / SIZES).unlink()
     with pytest.raises(ValueError, match=f"{SIZES} is missing"):
         check_sizes(folder)
+
+
+def test_a_batch_package_that_dropped_its_weights_is_built_again_with_a_new_lone_package(tmp_path):
+    """Once the record names the lone package's weights for every one of the batch package's, the batch package's
+    own copy leaves the disk, and its size record no longer names it; the record is good for that lone build
+    only: built again, the lone package makes the batch package unusable (so it is built again too)."""
+    paths = {"lone": tmp_path / "entry.lone", "batch": tmp_path / "entry.batch"}
+    for folder in paths.values():
+        (folder / "data" / "aotinductor" / "model").mkdir(parents=True)
+        (folder / "data" / "aotinductor" / "model" / "w.so").write_bytes(b"library")
+        (folder / "data" / "aotinductor" / "model" / "w.blob").write_bytes(b"weights")
+        (folder / BUILD_ID).write_text("build 1")
+        record_sizes(folder)
+    batch = types.SimpleNamespace(package=paths["batch"], blob=own_weights(paths["batch"]))
+    (paths["batch"] / SHARED).write_text(json.dumps({"owner": package_id(paths["lone"]), "constants": {}}))
+    _drop_own_weights(batch)
+    assert batch.blob is None and own_weights(paths["batch"]) is None
+    check_sizes(paths["batch"])  # as good a package as before
+    _usable("batch", paths["batch"], paths)
+    (paths["lone"] / BUILD_ID).write_text("build 2")  # the same files, the same sizes: another build all the same
+    record_sizes(paths["lone"])
+    with pytest.raises(ValueError, match="built again since"):
+        _usable("batch", paths["batch"], paths)
+    _usable("lone", paths["lone"], paths)
 
 
 def test_a_full_disk_compiles_in_memory(cache, monkeypatch, caplog):

@@ -179,8 +179,9 @@ def test_the_whole_forward_is_packaged_once_and_loaded_after(make_checkpoint):
     # one copy of the weights in memory: the batch package reads the lone one's constants (shared_constants.py)
     lone, batch = step.packaged.lone.constants(), step.packaged.batch.constants()
     assert lone and batch and {t.data_ptr() for t in batch.values()} <= {t.data_ptr() for t in lone.values()}
-    # as the first start recorded: the batch package's own copy, in its file apart, was never read
-    assert step.packaged.batch.shared_by == "record" and step.packaged.batch.blob.is_file()
+    # as the first start recorded: the batch package's own copy, in its file apart, was never read, and is gone
+    assert step.packaged.batch.shared_by == "record" and step.packaged.batch.blob is None
+    assert not list(entry.with_name(f"{entry.stem}.batch").rglob("*.blob"))
     assert step.packaged.lone.blob.is_file() and not step.packaged.lone.kept  # the lone package reads its own
     maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
     assert str(step.packaged.lone.blob.resolve()) not in maps  # copied in, its file's pages not kept
