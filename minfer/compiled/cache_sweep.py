@@ -2,7 +2,7 @@
 
 Every change to what an entry depends on (minfer or torch upgraded, the compiled code edited, another
 checkpoint) names a new entry (cache_key.py), and the old one would stay on disk for good: a whole-forward
-package set is 3 GB for Qwen3-0.6B in bf16. Each start that takes an entry's lock marks the entry used (the
+package set is 1.5 GB for Qwen3-0.6B in bf16. Each start that takes an entry's lock marks the entry used (the
 lock file's modification time, artifacts.py); once a process, the first time it opens the cache, every
 entry whose mark is older than MAX_UNUSED_DAYS goes, with its record, its package folders and any temporary
 files a killed start left. Two minfer versions sharing the cache keep their own entries as long as each runs

@@ -15,10 +15,10 @@ compiled step's own parts; they live beside the step's cache entry, written unde
 into a temporary folder renamed into place. Unpacked, a package loads where it lies: an archive would be
 unpacked into a temporary folder at every start (Qwen3-0.6B bf16: 14-23 s against 5-6 s). Each keeps its weights
 in a file beside its library: the lone package copies its own into memory, and the batch package reads the lone
-one's copy instead (shared_constants.py): docs/performance.md has what they cost. A package
-Inductor fails to build is built once more without epilogue fusion (`_built`). Anything that fails (an export
-a model's modules refuse, a full disk, a package that will not load) returns why, and the step compiles in
-memory as before.
+one's copy instead, and drops its own file once that is recorded (shared_constants.py, `_drop_own_weights`):
+docs/performance.md has what they cost. A package Inductor fails to build is built once more without epilogue
+fusion (`_built`). Anything that fails (an export a model's modules refuse, a full disk, a package that will not
+load) returns why, and the step compiles in memory as before.
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, 
 
 def _drop_build(package: Path) -> None:
     """AOTInductor builds a package in Inductor's cache and copies the build into the archive, leaving it there
-    too: its library with the weights inside, 1.5 GB a package for Qwen3-0.6B bf16. The package holds it."""
+    too: its library and its weights, 1.5 GB a package for Qwen3-0.6B bf16. The package holds them."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     for library in package.rglob("*.so"):
