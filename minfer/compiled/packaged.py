@@ -121,12 +121,17 @@ def _drop_own_weights(batch: PackageRunner) -> None:
     out of its size record first, then off the disk (a start killed between the two finds a package as good).
     Should the lone package be built again, the batch package is built again with it (`_usable`)."""
     folder, blob = batch.package, batch.blob
-    sizes = json.loads((folder / SIZES).read_text())
-    sizes.pop(str(blob.relative_to(folder)), None)
     part = folder / f".{SIZES}.{os.getpid()}"
-    part.write_text(json.dumps(sizes, indent=1))
-    os.replace(part, folder / SIZES)
-    blob.unlink()
+    try:
+        sizes = json.loads((folder / SIZES).read_text())
+        sizes.pop(str(blob.relative_to(folder)), None)
+        part.write_text(json.dumps(sizes, indent=1))
+        os.replace(part, folder / SIZES)
+        blob.unlink()
+    except OSError as e:  # a full or read-only disk: the file stays, read by no start, and the packages serve
+        part.unlink(missing_ok=True)
+        log.info("minfer: the batch package keeps its own copy of the weights on disk (%s)", e.strerror or e)
+        return
     batch.blob = None
     log.info("minfer: dropped the batch package's own copy of the weights (%s): it reads the lone package's",
              folder.name)

@@ -186,6 +186,25 @@ def test_a_batch_package_that_dropped_its_weights_is_built_again_with_a_new_lone
     _usable("lone", paths["lone"], paths)
 
 
+def test_a_full_disk_keeps_the_batch_packages_own_weights_and_the_packages_serve(tmp_path, monkeypatch):
+    """Dropping the batch package's own weights writes a size record first: where the disk refuses, nothing
+    changes (no half-written file left) and the start goes on with the packages it loaded."""
+    folder = tmp_path / "entry.batch"
+    (folder / "data" / "aotinductor" / "model").mkdir(parents=True)
+    (folder / "data" / "aotinductor" / "model" / "w.blob").write_bytes(b"weights")
+    record_sizes(folder)
+    batch = types.SimpleNamespace(package=folder, blob=own_weights(folder))
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    _drop_own_weights(batch)  # does not raise
+    assert batch.blob is not None and batch.blob.is_file()
+    assert sorted(p.name for p in folder.iterdir()) == ["data", SIZES]  # no half-written size record left
+    check_sizes(folder)
+
+
 def test_a_full_disk_compiles_in_memory(cache, monkeypatch, caplog):
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device")
