@@ -100,11 +100,8 @@ def own_weights(package: Path) -> Path | None:
 
 def recorded_owner(record: Path) -> str | None:
     """The owner build a record was made with, if there is a readable one."""
-    try:
-        written = json.loads(record.read_text())
-    except (OSError, ValueError):
-        return None
-    return written.get("owner") if isinstance(written, dict) else None
+    written = _read_record(record)
+    return None if written is None else written.get("owner")
 
 
 def attach_constants(owner: PackageRunner, sharer: PackageRunner, record: Path, owner_id: str) -> tuple[int, bool]:
@@ -113,8 +110,8 @@ def attach_constants(owner: PackageRunner, sharer: PackageRunner, record: Path, 
     comparing (and recorded where every one had an equal). Where its constants cannot be told apart, it reads its
     own. Returns (the bytes it shares, whether the record served)."""
     theirs = owner.constants()
-    names = _recorded(record, owner_id, sharer) if theirs is not None else None
-    recorded = names is not None and set(names.values()) <= set(theirs)
+    names = _recorded(record, owner_id, theirs, sharer) if theirs is not None else None
+    recorded = names is not None
     if recorded:
         mapping = {name: theirs[their_name] for name, their_name in names.items()}
     else:
@@ -142,18 +139,23 @@ def _compared(theirs: dict[str, torch.Tensor], sharer: PackageRunner) -> tuple[d
     return {name: theirs[names[name]] if name in names else own.clone() for name, own in ours.items()}, names
 
 
-def _recorded(record: Path, owner_id: str, sharer: PackageRunner) -> dict[str, str] | None:
+def _recorded(record: Path, owner_id: str, theirs: dict, sharer: PackageRunner) -> dict[str, str] | None:
     """Which of the owner's constants each of the sharer's is, as the record says; None where there is no record
-    for this owner, or it does not name every constant of the sharer's. (A sharer built again is a new folder,
-    without the record.)"""
+    for this owner, or it does not name every constant of the sharer's, each one of `theirs`. (A sharer built
+    again is a new folder, without the record.)"""
+    written = _read_record(record)
+    names = written.get("constants") if written is not None and written.get("owner") == owner_id else None
+    if not isinstance(names, dict) or set(names) != set(sharer.runner.get_constant_names_to_original_fqns()):
+        return None
+    return names if set(names.values()) <= set(theirs) else None
+
+
+def _read_record(record: Path) -> dict | None:
     try:
         written = json.loads(record.read_text())
     except (OSError, ValueError):
         return None
-    names = written.get("constants") if isinstance(written, dict) and written.get("owner") == owner_id else None
-    if not isinstance(names, dict) or set(names) != set(sharer.runner.get_constant_names_to_original_fqns()):
-        return None
-    return names
+    return written if isinstance(written, dict) else None
 
 
 def _write_record(record: Path, owner_id: str, names: dict[str, str]) -> None:
