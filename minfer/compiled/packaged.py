@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ..attention.paged import PagedBatch
+from ..cpu.malloc import freed_memory_returned
 from .artifacts import CacheEntry, open_cache
 from .attention import failure_line, lone_decode_tensors, with_lone_decode_tensors
 from .cache_key import common_parts
@@ -195,7 +196,8 @@ def load_or_build(
                 log.info("minfer: compiling the whole forward for %s into %s (package %d of %d, once) ...", kind,
                          path.name, number, len(paths))
                 began = time.perf_counter()
-                options = _built(model, opaque, example(kind), kind == "lone", path, options)
+                with freed_memory_returned():  # its frozen, packed and padded weights go back to the OS
+                    options = _built(model, opaque, example(kind), kind == "lone", path, options)
                 log.info("minfer: built the %s package in %.0f s", kind, time.perf_counter() - began)
                 runners[kind] = _load(path)
                 built.append(kind)

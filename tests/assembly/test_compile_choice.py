@@ -71,12 +71,12 @@ def test_a_small_model_stays_eager(model, monkeypatch):
 
 
 def test_a_model_whose_first_build_would_not_fit_in_the_free_memory_stays_eager(model, amx, monkeypatch):
-    """A first start's build held 7.0-7.2x the weights at its peak: with less free memory it would be killed."""
+    """A first start's build held 5.1-5.2x the weights at its peak: with less free memory it would be killed."""
     bf16 = model.to(torch.bfloat16)
     weights = sum(t.numel() * t.element_size() for t in [*bf16.parameters(), *bf16.buffers()])
-    monkeypatch.setattr(compile_choice, "available_memory", lambda device: 7 * weights)
+    monkeypatch.setattr(compile_choice, "available_memory", lambda device: 5 * weights)
     assert "building its packages takes about" in why_not_compiled(EngineConfig(), bf16)
-    monkeypatch.setattr(compile_choice, "available_memory", lambda device: 8 * weights)
+    monkeypatch.setattr(compile_choice, "available_memory", lambda device: 6 * weights)
     assert why_not_compiled(EngineConfig(), bf16) is None
 
 

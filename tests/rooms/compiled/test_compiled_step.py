@@ -11,8 +11,10 @@ import torch._dynamo
 from engine_checks import generate_varied_batches
 
 from minfer import LLM, EngineConfig, SamplingParams
+from minfer.compiled import packaged
 from minfer.compiled import step as compiled_step
 from minfer.cpu import linears as cpu_linears
+from minfer.cpu import malloc
 from minfer.cpu.packing import SplitRowLinear
 from minfer.compiled.step import CompiledDecodeStep, _placeholder_sequence, frozen_gemm_backends
 from minfer.engine.sequence import ScheduledChunk
@@ -273,13 +275,31 @@ def test_refused_where_it_cannot_apply(settings, message):
 
 def test_llama_with_int4_weights_is_packaged(make_checkpoint, tmp_path, monkeypatch):
     """torch 2.13's C++ codegen asserts on a fused buffer ("buf22") for Llama with int4 weights; the package is
-    built again without epilogue fusion (packaged.py's `_built`, which logs it), and the step serves through it."""
+    built again without epilogue fusion (packaged.py's `_built`, which logs it), and the step serves through it.
+    Each build runs with glibc returning what it frees (malloc.py): its copies of the weights do not stay."""
     if not int4_kernel_available():
         pytest.skip("this torch has no CPU int4 kernel")
     monkeypatch.setenv("MINFER_CACHE", str(tmp_path))
+    mmap_threshold, thresholds_in_builds = [None], []
+    mallopt = malloc.glibc_mallopt()
+
+    def recorded_mallopt(param, value):
+        if param == malloc.M_MMAP_THRESHOLD:
+            mmap_threshold[0] = value
+        return mallopt(param, value) if mallopt is not None else 1
+
+    def build(*args):
+        thresholds_in_builds.append(mmap_threshold[0])
+        return plain_build(*args)
+
+    plain_build = packaged._build
+    monkeypatch.setattr(malloc, "glibc_mallopt", lambda: recorded_mallopt)
+    monkeypatch.setattr(packaged, "_build", build)
     llm = LLM(make_checkpoint("llama-tiny"), compile_model=True, quantization="int4", num_kv_blocks=32)
     step = graph_of(llm)
     assert step.off_because is None and step.packaged is not None and step.compile_record.how == "compiled"
+    assert len(thresholds_in_builds) >= 2 and set(thresholds_in_builds) == {malloc.WHILE_LOADING}
+    assert mmap_threshold[0] == malloc.AFTER_LOADING  # and steps reuse the heap after
     got = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert step.off_because is None and step.num_whole_steps == 6  # the prompt (batch graph), 5 decodes (lone)
     assert len(got[0].token_ids) == 6
