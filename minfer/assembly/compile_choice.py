@@ -32,10 +32,11 @@ from ..quantization import quantization_of
 log = logging.getLogger("minfer")
 
 MIN_PARAMETERS = 50_000_000  # GPT-2 124M and up; minfer-tiny has ~1M
-# The memory a first start's build takes, in the weights' bytes: Inductor's freezing, packing and writing of a
-# package hold several copies at once. The peak above what the start held before it was 5.1x (GPT-2 124M bf16)
-# and 5.2x (Qwen3-0.6B bf16, its checkpoint's pages included); a build short of memory is killed, not refused.
-BUILD_PEAK = 6
+# The memory a first start's build takes, in the weights' bytes, by their quantization: Inductor's freezing,
+# packing and writing of a package hold several copies at once. The peak above what the start held before it
+# was 5.1x (GPT-2 124M bf16), 5.2x (Qwen3-0.6B bf16) and 5.8x (GPT-2 fp32), the checkpoint's pages included;
+# 7.8x (GPT-2 int8) and 7.6x (int4). A build short of memory is killed, not refused.
+BUILD_PEAK = {None: 7, "int8": 9, "int4": 9}
 # (dtype, weight quantization) pairs that compile by default
 COMPILED = {(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "int8"), (torch.float32, "int8"),
             (torch.bfloat16, "int4"), (torch.float32, "int4")}
@@ -58,7 +59,7 @@ def why_not_compiled(config: EngineConfig, model: torch.nn.Module) -> str | None
     num_parameters = sum(t.numel() for t in tensors)
     if num_parameters < MIN_PARAMETERS:
         return f"a small model ({num_parameters:,} parameters) would spend its first start compiling"
-    build = BUILD_PEAK * sum(t.numel() * t.element_size() for t in tensors)
+    build = BUILD_PEAK[quantization] * sum(t.numel() * t.element_size() for t in tensors)
     free = available_memory(model.device)
     if build > free:  # warm starts need less, but a first start must not be the one that dies
         return f"building its packages takes about {build / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free"

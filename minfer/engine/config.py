@@ -225,7 +225,7 @@ class EngineConfig:
     compile_model: bool | None = setting(
         None, bool, BOOL, "CPU only: steps through one compiled graph of the whole forward, weights frozen in for "
         "Inductor's GEMMs, kept as packages in minfer's cache: a first start of minutes, later ones load them "
-        "(default: on where it wins: AMX; fp32, bf16, int8, int4 models of 50M+ parameters, 6x their size free)",
+        "(default: on where it wins: AMX; fp32, bf16, int8, int4 models of 50M+ parameters, 7-9x their size free)",
     )
     num_threads: int | None = setting(
         None, int, POSITIVE, "CPU only: torch threads (default: every core this process may use)"

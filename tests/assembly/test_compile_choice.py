@@ -71,13 +71,16 @@ def test_a_small_model_stays_eager(model, monkeypatch):
 
 
 def test_a_model_whose_first_build_would_not_fit_in_the_free_memory_stays_eager(model, amx, monkeypatch):
-    """A first start's build held 5.1-5.2x the weights at its peak: with less free memory it would be killed."""
+    """A first start's build held 5.1-5.8x the weights at its peak, 7.6-7.8x quantized ones: with less free
+    memory it would be killed."""
     bf16 = model.to(torch.bfloat16)
     weights = sum(t.numel() * t.element_size() for t in [*bf16.parameters(), *bf16.buffers()])
-    monkeypatch.setattr(compile_choice, "available_memory", lambda device: 5 * weights)
-    assert "building its packages takes about" in why_not_compiled(EngineConfig(), bf16)
-    monkeypatch.setattr(compile_choice, "available_memory", lambda device: 6 * weights)
-    assert why_not_compiled(EngineConfig(), bf16) is None
+    for quantization, peak in [(None, 7), ("int8", 9), ("int4", 9)]:
+        config = EngineConfig(quantization=quantization)
+        monkeypatch.setattr(compile_choice, "available_memory", lambda device: (peak - 1) * weights)
+        assert "building its packages takes about" in why_not_compiled(config, bf16)
+        monkeypatch.setattr(compile_choice, "available_memory", lambda device: peak * weights)
+        assert why_not_compiled(config, bf16) is None
 
 
 def test_without_the_compile_cache_every_start_would_compile_so_it_stays_eager(model, amx, monkeypatch):
