@@ -37,6 +37,7 @@ MIN_PARAMETERS = 50_000_000  # GPT-2 124M and up; minfer-tiny has ~1M
 # was 5.1x (GPT-2 124M bf16), 5.2x (Qwen3-0.6B bf16) and 5.8x (GPT-2 fp32), the checkpoint's pages included;
 # 7.8x (GPT-2 int8) and 7.6x (int4). A build short of memory is killed, not refused.
 BUILD_PEAK = {None: 7, "int8": 9, "int4": 9}
+SHORT_OF_MEMORY = "building its packages takes about"  # how that reason opens: a start it keeps eager says so
 # (dtype, weight quantization) pairs that compile by default
 COMPILED = {(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "int8"), (torch.float32, "int8"),
             (torch.bfloat16, "int4"), (torch.float32, "int4")}
@@ -62,7 +63,7 @@ def why_not_compiled(config: EngineConfig, model: torch.nn.Module) -> str | None
     build = BUILD_PEAK[quantization] * sum(t.numel() * t.element_size() for t in tensors)
     free = available_memory(model.device)
     if build > free:  # warm starts need less, but a first start must not be the one that dies
-        return f"building its packages takes about {build / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free"
+        return f"{SHORT_OF_MEMORY} {build / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free"
     if open_cache()[0] is None:
         return "minfer's compile cache is off: every start would compile again"
     return None
@@ -72,8 +73,11 @@ def with_compile_choice(config: EngineConfig, model: torch.nn.Module) -> EngineC
     """`config` with compile_model decided, where it was left unset (None)."""
     if config.compile_model is not None:
         return config
-    compiles = why_not_compiled(config, model) is None
-    if compiles:
+    why_not = why_not_compiled(config, model)
+    if why_not is None:
         log.info("minfer: compiling the whole forward, the default on a CPU with AMX (--no-compile-model: eager); "
                  "the first start builds it (a minute or more), later ones load it")
-    return replace(config, compile_model=compiles)
+    elif why_not.startswith(SHORT_OF_MEMORY):  # the one reason a user of this CPU and model would not expect
+        log.info("minfer: the whole forward stays eager, the default's compiled path needing more memory: %s "
+                 "(--compile-model builds it all the same)", why_not)
+    return replace(config, compile_model=why_not is None)

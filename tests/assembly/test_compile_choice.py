@@ -83,6 +83,20 @@ def test_a_model_whose_first_build_would_not_fit_in_the_free_memory_stays_eager(
         assert why_not_compiled(config, bf16) is None
 
 
+def test_a_model_kept_eager_for_memory_says_so_and_a_small_one_stays_quiet(model, monkeypatch, caplog):
+    """On an AMX CPU the compiled forward is what a big model gets; where the memory keeps it eager, one log line
+    says why. A small model (the README's minfer-tiny) is eager by design, and nothing is said."""
+    monkeypatch.setattr(compile_choice, "cpu_has_amx", lambda: True)
+    bf16 = model.to(torch.bfloat16)
+    with caplog.at_level("INFO", logger="minfer"):
+        assert with_compile_choice(EngineConfig(), bf16).compile_model is False  # small
+        assert "stays eager" not in caplog.text
+        monkeypatch.setattr(compile_choice, "MIN_PARAMETERS", 0)
+        monkeypatch.setattr(compile_choice, "available_memory", lambda device: 1)
+        assert with_compile_choice(EngineConfig(), bf16).compile_model is False
+    assert "the whole forward stays eager" in caplog.text and "building its packages takes about" in caplog.text
+
+
 def test_without_the_compile_cache_every_start_would_compile_so_it_stays_eager(model, amx, monkeypatch):
     monkeypatch.setenv("MINFER_CACHE", "off")
     assert "cache is off" in why_not_compiled(EngineConfig(), model.to(torch.bfloat16))
