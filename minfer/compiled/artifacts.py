@@ -154,11 +154,12 @@ class CacheEntry:
     def write(self, data: bytes, record: dict) -> None:
         """Replace the entry with `data`, atomically, and its record beside it. Raises OSError (a full or
         read-only disk): the caller logs it and serves what it compiled."""
-        _write_atomically(self.path, data)
-        _write_atomically(self.record_path, json.dumps({**record, "key_parts": self.parts}, indent=1).encode())
+        write_atomically(self.path, data)
+        write_atomically(self.record_path, json.dumps({**record, "key_parts": self.parts}, indent=1).encode())
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
+    """`path` holds `data` whole or is as it was: written beside it, then renamed over it. Raises OSError."""
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
     try:
         with os.fdopen(fd, "wb") as f:

@@ -41,7 +41,7 @@ import torch
 
 from ..attention.paged import PagedBatch
 from ..cpu.malloc import freed_memory_returned
-from .artifacts import CacheEntry, open_cache
+from .artifacts import CacheEntry, open_cache, write_atomically
 from .attention import failure_line, lone_decode_tensors, with_lone_decode_tensors
 from .cache_key import common_parts
 from .paged_op import OpaqueAttention, compiled_step
@@ -122,15 +122,12 @@ def _drop_own_weights(batch: PackageRunner) -> None:
     out of its size record first, then off the disk (a start killed between the two finds a package as good).
     Should the lone package be built again, the batch package is built again with it (`_usable`)."""
     folder, blob = batch.package, batch.blob
-    part = folder / f".{SIZES}.{os.getpid()}"
     try:
         sizes = json.loads((folder / SIZES).read_text())
         sizes.pop(str(blob.relative_to(folder)), None)
-        part.write_text(json.dumps(sizes, indent=1))
-        os.replace(part, folder / SIZES)
+        write_atomically(folder / SIZES, json.dumps(sizes, indent=1).encode())
         blob.unlink()
     except OSError as e:  # a full or read-only disk: the file stays, read by no start, and the packages serve
-        part.unlink(missing_ok=True)
         log.info("minfer: the batch package keeps its own copy of the weights on disk (%s)", e.strerror or e)
         return
     batch.blob = None

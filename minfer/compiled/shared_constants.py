@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from .artifacts import write_atomically
 
 # bytes: what a package's own constants can count on. Their offsets in its buffer are multiples of 64, but the
 # buffer is malloc's (16-byte aligned; seen at 16 past a multiple of 64), so a kernel cannot rely on more.
@@ -159,12 +160,8 @@ def _read_record(record: Path) -> dict | None:
 
 
 def _write_record(record: Path, owner_id: str, names: dict[str, str]) -> None:
-    part = record.with_name(f".{record.name}.{os.getpid()}")
-    try:
-        part.write_text(json.dumps({"owner": owner_id, "constants": names}, indent=1))
-        os.replace(part, record)
-    except OSError:  # a full or read-only cache: the next start compares again
-        part.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # a full or read-only cache: the next start compares again
+        write_atomically(record, json.dumps({"owner": owner_id, "constants": names}, indent=1).encode())
 
 
 def _layout(tensor: torch.Tensor) -> tuple:

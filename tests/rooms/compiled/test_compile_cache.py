@@ -209,7 +209,7 @@ def test_a_full_disk_compiles_in_memory(cache, monkeypatch, caplog):
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(artifacts, "_write_atomically", full)
+    monkeypatch.setattr(artifacts, "write_atomically", full)
     with caplog.at_level(logging.WARNING, logger="minfer"):
         record, function, got = start("full")
     assert torch.equal(got, WANT) and record.how == "compiled" and "No space left on device" in record.not_saved
