@@ -79,12 +79,16 @@ class PackageRunner:
 
 def equal_constants(theirs: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> dict[str, str]:
     """For each of `ours` with an equal among `theirs` (the same bytes, dtype, shape and strides, at an address as
-    aligned as ours is sure to be), the name of that one."""
+    aligned as ours is sure to be), the name of that one. Only plain (strided) tensors are compared: a weight
+    oneDNN packed for an ATen GEMM (an fp32 package's, where timing chose that kernel) has none."""
     candidates: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
     for their_name, tensor in theirs.items():
-        candidates.setdefault(_layout(tensor), []).append((their_name, tensor))
+        if tensor.layout == torch.strided:
+            candidates.setdefault(_layout(tensor), []).append((their_name, tensor))
     equals = {}
     for name, tensor in ours.items():
+        if tensor.layout != torch.strided:
+            continue
         same = next((pair for pair in candidates.get(_layout(tensor), ()) if torch.equal(pair[1], tensor)), None)
         if same is not None and _alignment(same[1]) >= min(_alignment(tensor), ALIGNMENT):
             equals[name] = same[0]

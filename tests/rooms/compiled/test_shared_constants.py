@@ -87,6 +87,23 @@ def test_only_equal_bytes_of_the_same_layout_are_equal():
     assert equal_constants(theirs, ours) == {"w2": "w"}
 
 
+def test_a_weight_packed_by_onednn_is_its_own_and_the_others_are_still_shared(tmp_path):
+    """Where timing chose ATen's GEMM for a layer of an fp32 package, its weight is oneDNN's opaque tensor: no
+    bytes to compare (torch.equal refuses it), so it has no equal and keeps a copy of its own, while every plain
+    constant beside it is still the owner's. Comparing two such weights of one shape raised, and then both
+    packages kept a copy of everything."""
+    weight = aligned([1, 2, 3, 4, 5, 6, 7, 8]).view(2, 4)
+    owner = owner_of({"w": aligned([1, 2, 3, 4]), "packed": weight.to_mkldnn()})
+    sharer = StandIn({"w0": aligned([1, 2, 3, 4]), "packed0": weight.to_mkldnn()})
+    assert equal_constants(owner.runner.active, sharer.file) == {"w0": "w"}
+    record = tmp_path / "shared-constants.json"
+    assert attach_constants(owner, sharer, record, "owner-1") == (aligned([1, 2, 3, 4]).nbytes, False)
+    assert sharer.runner.active["w0"].data_ptr() == owner.runner.active["w"].data_ptr()
+    packed = sharer.runner.active["packed0"]
+    assert packed.is_mkldnn and packed is not owner.runner.active["packed"] and torch.equal(packed.to_dense(), weight)
+    assert not record.exists()  # its own is read at every load
+
+
 def test_a_less_aligned_equal_constant_is_not_equal():
     """An equal constant less aligned than a package's own are sure to be (ALIGNMENT) is not shared: a kernel may
     rely on that alignment. One as aligned as a package's own buffer (malloc's: maybe 16 bytes past a multiple of
