@@ -62,7 +62,8 @@ def main() -> int:
     parser.add_argument("--model", help="checkpoint directory (default: a tiny random one)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    model = args.model or str(write_random_checkpoint(Path(tempfile.mkdtemp()) / "tiny", "tiny"))
+    scratch = tempfile.TemporaryDirectory()  # the default checkpoint, removed at exit
+    model = args.model or str(write_random_checkpoint(Path(scratch.name) / "tiny", "tiny"))
     srv = create_server(EngineConfig(model, max_num_seqs=16), port=0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     port = srv.server_address[1]

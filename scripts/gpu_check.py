@@ -232,7 +232,8 @@ def qwen3() -> int:
     from minfer.engine.config import EngineConfig
     from minfer.models.registry import load_model
 
-    checkpoint = QWEN3_DIR if not DRY else write_random_checkpoint(Path(tempfile.mkdtemp()) / "q", "qwen3-tiny")
+    scratch = tempfile.TemporaryDirectory()  # the dry run's checkpoint, removed when this check returns
+    checkpoint = QWEN3_DIR if not DRY else write_random_checkpoint(Path(scratch.name) / "q", "qwen3-tiny")
     if not (Path(checkpoint) / "config.json").exists():
         return result("FAIL", f"no checkpoint at {checkpoint} (gpu_check.sh writes it first)")
     model = load_model(checkpoint, device=DEVICE, dtype=torch.bfloat16)

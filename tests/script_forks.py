@@ -45,6 +45,7 @@ def run_child(job: dict) -> None:
         if job.get("replace_env"):
             os.environ.clear()
         os.environ.update(job["env"])
+        tempfile.tempdir = None  # found again from TMPDIR, as a fresh interpreter would
         os.chdir(job.get("cwd") or os.getcwd())
         stdin = os.open(os.devnull, os.O_RDONLY)
         os.dup2(stdin, 0)

@@ -112,7 +112,8 @@ assert streamed == tok.decode(generated.token_ids) == generated.text
 
 section("a SentencePiece-style tokenizer (Llama 2's kind)")
 # A random Llama 2-style checkpoint: <unk> <s> </s>, 256 byte tokens, then pieces; `▁` stands for a space.
-sp_path = write_random_checkpoint(tempfile.mkdtemp(), "llama2-tiny")
+scratch = tempfile.TemporaryDirectory(prefix="minfer-llama2-tiny-")  # removed when the script ends
+sp_path = write_random_checkpoint(scratch.name, "llama2-tiny")
 sp = Tokenizer.from_dir(sp_path)
 text = "Hello 日本 world\n"
 ids = sp.encode_prompt(text)

@@ -102,7 +102,8 @@ assert not room.live  # every constrained sequence has let go of its matcher
 section("5. a tool call, held to its tool's schema")
 # A random Qwen3 with a template that renders tools (the writer's tools=True), its context long enough
 # for the tools' prompt. Random weights: only the grammar makes it call anything at all.
-qwen = str(write_random_checkpoint(tempfile.mkdtemp(), "qwen3-tiny", tools=True, max_position_embeddings=2048))
+scratch = tempfile.TemporaryDirectory(prefix="minfer-qwen3-tiny-")  # removed when the script ends
+qwen = str(write_random_checkpoint(scratch.name, "qwen3-tiny", tools=True, max_position_embeddings=2048))
 chat = LLM(qwen)
 info = ModelInfo("qwen", chat.tokenizer, 2048, ChatTemplate.from_dir(qwen, chat.tokenizer))
 weather = {"type": "object", "additionalProperties": False, "required": ["city", "days"], "properties": {

@@ -39,11 +39,12 @@ def test_weights_are_seeded():
 
 
 HASH_CHECKPOINTS = """
-import hashlib, pathlib, tempfile
+import hashlib, tempfile
 from minfer.checkpoints import write_random_checkpoint
 for preset in ("tiny", "llama2-tiny", "qwen3-tiny", "llama-tiny"):
-    path = pathlib.Path(write_random_checkpoint(pathlib.Path(tempfile.mkdtemp()), preset, "hub", 0))
-    print(preset, sorted((p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in path.iterdir() if p.is_file()))
+    with tempfile.TemporaryDirectory() as out:
+        path = write_random_checkpoint(out, preset, "hub", 0)
+        print(preset, sorted((p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in path.iterdir() if p.is_file()))
 """
 
 

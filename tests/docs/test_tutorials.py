@@ -102,10 +102,14 @@ def script_runs(request, make_checkpoint, tmp_path_factory):
     # does not end with one long script on one core while the other sits idle.
     keys = sorted(selected, key=lambda key: (key[1], key[2] or ""), reverse=True)
     out = tmp_path_factory.mktemp("tutorial-runs")
+    tmpdirs = {key: out / f"{key[0]}-{key[1].stem}-{key[2]}.tmp" for key in keys}  # each run's TMPDIR: it must
+    for folder in tmpdirs.values():  # leave it empty, or a reader's /tmp keeps what it wrote
+        folder.mkdir()
     jobs = [
         {
             "argv": [str(script)],
-            "env": {"MINFER_MODEL": str(checkpoints[shape]), "MINFER_EXERCISE": source or ""},
+            "env": {"MINFER_MODEL": str(checkpoints[shape]), "MINFER_EXERCISE": source or "",
+                    "TMPDIR": str(tmpdirs[shape, script, source])},
             "stdout": str(out / f"{shape}-{script.stem}-{source}.out"),
             "stderr": str(out / f"{shape}-{script.stem}-{source}.err"),
             "timeout": 180,
@@ -124,6 +128,8 @@ def script_runs(request, make_checkpoint, tmp_path_factory):
         cwd=TUTORIALS.parent, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True,
     )
     futures = {key: Future() for key in keys}
+    for key, future in futures.items():
+        future.tmpdir = tmpdirs[key]
 
     def collect():
         for line in forks.stdout:
@@ -163,6 +169,8 @@ def test_tutorial_script_runs(script_runs, shape, script):
         f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
     )
     assert result.stdout.strip(), f"{script.name} printed nothing"
+    left = sorted(p.name for p in script_runs[key].tmpdir.iterdir())
+    assert not left, f"{script.name} left {left} in its temporary folder: a reader's /tmp would keep them"
     if key[2]:
         graded = f"exercise {exercise_of(script)} graded (the reference)"
         assert graded in result.stdout, f"{script.name}{how} never printed {graded!r}: the plug did not run"
