@@ -2,6 +2,7 @@
 most steps through the whole forward with frozen weights) give eager's tokens, never recompile while serving, and fall back
 to eager when compiling fails."""
 
+import gc
 import logging
 from pathlib import Path
 
@@ -281,7 +282,8 @@ def test_refused_where_it_cannot_apply(settings, message):
 def test_llama_with_int4_weights_is_packaged(make_checkpoint, tmp_path, monkeypatch):
     """torch 2.13's C++ codegen asserts on a fused buffer ("buf22") for Llama with int4 weights; the package is
     built again without epilogue fusion (packaged.py's `_built`, which logs it), and the step serves through it.
-    Each build runs with glibc returning what it frees (malloc.py): its copies of the weights do not stay."""
+    Each build runs with glibc returning what it frees (malloc.py): its copies of the weights do not stay, and
+    no graph of the build keeps any (packaged.py's `_forget_export_trace`)."""
     if not int4_kernel_available():
         pytest.skip("this torch has no CPU int4 kernel")
     monkeypatch.setenv("MINFER_CACHE", str(tmp_path))
@@ -305,6 +307,10 @@ def test_llama_with_int4_weights_is_packaged(make_checkpoint, tmp_path, monkeypa
     assert step.off_because is None and step.packaged is not None and step.compile_record.how == "compiled"
     assert len(thresholds_in_builds) >= 2 and set(thresholds_in_builds) == {malloc.WHILE_LOADING}
     assert mmap_threshold[0] == malloc.AFTER_LOADING  # and steps reuse the heap after
+    # nor does the exported graph, whose module holds frozen copies of the weights: freed by the build itself
+    modules = [m for m in gc.get_objects() if isinstance(m, torch.nn.Module)]
+    frozen = [m for m in modules if any(name.startswith("_frozen_param") for name in m._buffers)]
+    assert not frozen, [type(m).__name__ for m in frozen]
     got = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert step.off_because is None and step.num_whole_steps == 6  # the prompt (batch graph), 5 decodes (lone)
     assert len(got[0].token_ids) == 6
