@@ -97,6 +97,21 @@ def test_a_model_kept_eager_for_memory_says_so_and_a_small_one_stays_quiet(model
     assert "the whole forward stays eager" in caplog.text and "building its packages takes about" in caplog.text
 
 
+def test_a_forced_compile_short_of_memory_is_built_but_warned_about(model, monkeypatch, caplog):
+    """--compile-model builds whatever the memory, as asked; where a first start's build would not fit, one
+    warning says so before it starts. With the memory there, or eager, nothing is said."""
+    bf16 = model.to(torch.bfloat16)
+    with caplog.at_level("INFO", logger="minfer"):
+        assert with_compile_choice(EngineConfig(compile_model=True), bf16).compile_model is True
+        assert "may be killed" not in caplog.text
+        monkeypatch.setattr(compile_choice, "available_memory", lambda device: 1)
+        assert with_compile_choice(EngineConfig(compile_model=False), bf16).compile_model is False
+        assert "may be killed" not in caplog.text
+        assert with_compile_choice(EngineConfig(compile_model=True), bf16).compile_model is True
+    (record,) = [r for r in caplog.records if "may be killed" in r.getMessage()]
+    assert record.levelname == "WARNING" and "building its packages takes about" in record.getMessage()
+
+
 def test_without_the_compile_cache_every_start_would_compile_so_it_stays_eager(model, amx, monkeypatch):
     monkeypatch.setenv("MINFER_CACHE", "off")
     assert "cache is off" in why_not_compiled(EngineConfig(), model.to(torch.bfloat16))
