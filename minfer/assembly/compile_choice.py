@@ -59,7 +59,7 @@ def why_not_compiled(config: EngineConfig, model: torch.nn.Module) -> str | None
     num_parameters = sum(t.numel() for t in itertools.chain(model.parameters(), model.buffers()))
     if num_parameters < MIN_PARAMETERS:
         return f"a small model ({num_parameters:,} parameters) would spend its first start compiling"
-    short = short_of_memory(config, model)
+    short = short_of_memory(model, quantization)
     if short is not None:  # warm starts need less, but a first start must not be the one that dies
         return short
     if open_cache()[0] is None:
@@ -67,10 +67,10 @@ def why_not_compiled(config: EngineConfig, model: torch.nn.Module) -> str | None
     return None
 
 
-def short_of_memory(config: EngineConfig, model: torch.nn.Module) -> str | None:
+def short_of_memory(model: torch.nn.Module, quantization: str | None) -> str | None:
     """Why a first start's build of the packages would not fit in the free memory (BUILD_PEAK), else None."""
     weights = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
-    build, free = BUILD_PEAK[config.quantization or quantization_of(model)] * weights, available_memory(model.device)
+    build, free = BUILD_PEAK[quantization] * weights, available_memory(model.device)
     if build <= free:
         return None
     return f"{SHORT_OF_MEMORY} {build / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free"
@@ -79,7 +79,8 @@ def short_of_memory(config: EngineConfig, model: torch.nn.Module) -> str | None:
 def with_compile_choice(config: EngineConfig, model: torch.nn.Module) -> EngineConfig:
     """`config` with compile_model decided, where it was left unset (None)."""
     if config.compile_model is not None:
-        short = short_of_memory(config, model) if config.compile_model and model.device.type == "cpu" else None
+        forced = config.compile_model and model.device.type == "cpu"
+        short = short_of_memory(model, config.quantization or quantization_of(model)) if forced else None
         if short is not None:  # asked for: built all the same, but the user hears the risk first
             log.warning("minfer: --compile-model: if its packages are not in the cache yet, %s: the build may be "
                         "killed (--no-compile-model runs eager)", short)

@@ -44,7 +44,8 @@ from minfer.checkpoints import write_random_checkpoint
 for preset in ("tiny", "llama2-tiny", "qwen3-tiny", "llama-tiny"):
     with tempfile.TemporaryDirectory() as out:
         path = write_random_checkpoint(out, preset, "hub", 0)
-        print(preset, sorted((p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in path.iterdir() if p.is_file()))
+        files = sorted(p for p in path.iterdir() if p.is_file())
+        print(preset, [(p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in files])
 """
 
 
