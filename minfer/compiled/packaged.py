@@ -45,6 +45,7 @@ from ..cpu.malloc import freed_memory_returned
 from .artifacts import CacheEntry, open_cache, write_atomically
 from .attention import failure_line, lone_decode_tensors, with_lone_decode_tensors
 from .cache_key import common_parts
+from .inductor_templates import templates_compiled_once
 from .paged_op import OpaqueAttention, compiled_step
 from .saved_graphs import CompileRecord, inductor_cache_in
 from .shared_constants import (
@@ -180,7 +181,7 @@ def load_or_build(
         entry = CacheEntry(root, "whole-forward-package", key)
         paths = {kind: entry.path.with_name(f"{entry.path.stem}.{kind}") for kind in ("lone", "batch")}  # folders
         built, runners = [], {}
-        with entry.locked() as have_lock, inductor_cache_in(root / "inductor"):
+        with entry.locked() as have_lock, inductor_cache_in(root / "inductor"), templates_compiled_once():
             for number, (kind, path) in enumerate(paths.items(), 1):
                 if path.exists():
                     try:

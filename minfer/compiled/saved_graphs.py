@@ -31,6 +31,7 @@ import torch
 
 from .artifacts import CacheEntry, open_cache
 from .cache_key import changed_sources, common_parts, traced_sources
+from .inductor_templates import templates_compiled_once
 from .precompiled import PrecompiledFunction
 
 log = logging.getLogger("minfer")
@@ -70,10 +71,12 @@ def warm_up_saved(
     root, why_off = open_cache()
     if root is None:
         log.info("minfer: the compile cache is off (%s): compiling %s in memory", why_off, name)
-        why_not = warm_up()
+        with templates_compiled_once():
+            why_not = warm_up()
         return why_not, _record(functions, start, not_saved=why_off)
     entry = CacheEntry(root, name, {"name": name, **common_parts(device), **parts})
-    with entry.locked() as have_lock, inductor_cache_in(root / "inductor"), _precompiling(functions):
+    with entry.locked() as have_lock, inductor_cache_in(root / "inductor"), _precompiling(functions), \
+            templates_compiled_once():
         _load(entry, functions)
         # Only a warm-up that torch.compiles for itself (no functions: the whole forward) is told traced or not.
         graphs_before = inductor_graph_counts()
