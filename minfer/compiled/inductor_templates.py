@@ -8,29 +8,43 @@ alone (each call's values go to `render`), so one per source serves the whole bu
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
+
+_lock = threading.Lock()
+_builds = 0  # bodies running under templates_compiled_once, on any thread
+_torch_function: Any = None  # torch's own, while ours stands in for it
+_compiled: dict[str, Any] = {}  # source -> its template, while any build runs
 
 
 @contextmanager
 def templates_compiled_once() -> Iterator[None]:
-    """While the body builds, each template source is compiled once; torch's own function is back after.
-    A torch without the function builds as it always does."""
+    """While the body builds, each template source is compiled once; torch's own function is back when the
+    last build that overlaps it ends. A torch without the function builds as it always does."""
     from torch._inductor.codegen.common import KernelTemplate  # here: importing Inductor costs a second
 
-    compile_source: Callable[[str], Any] | None = getattr(KernelTemplate, "_template_from_string", None)
-    if compile_source is None:
+    global _builds, _torch_function
+    if not hasattr(KernelTemplate, "_template_from_string"):
         yield
         return
-    compiled: dict[str, Any] = {}
-
-    def compiled_once(source: str) -> Any:
-        if source not in compiled:
-            compiled[source] = compile_source(source)
-        return compiled[source]
-
-    KernelTemplate._template_from_string = staticmethod(compiled_once)
+    with _lock:
+        if _builds == 0:
+            _torch_function = KernelTemplate.__dict__["_template_from_string"]
+            KernelTemplate._template_from_string = staticmethod(_compiled_once)
+        _builds += 1
     try:
         yield
     finally:
-        KernelTemplate._template_from_string = staticmethod(compile_source)
+        with _lock:
+            _builds -= 1
+            if _builds == 0:
+                KernelTemplate._template_from_string = _torch_function
+                _compiled.clear()
+
+
+def _compiled_once(source: str) -> Any:
+    template = _compiled.get(source)
+    if template is None:  # two threads may both compile a source: either template serves
+        template = _compiled[source] = _torch_function.__func__(source)
+    return template

@@ -27,3 +27,15 @@ def test_torch_gets_its_own_function_back_even_after_a_failed_build():
         pass
     assert KernelTemplate.__dict__["_template_from_string"].__func__ is original
     assert KernelTemplate._template_from_string(SOURCE) is not KernelTemplate._template_from_string(SOURCE)
+
+
+def test_overlapping_builds_share_the_templates_and_the_last_to_end_gives_torch_its_function_back():
+    original = KernelTemplate.__dict__["_template_from_string"].__func__
+    first = templates_compiled_once()
+    first.__enter__()
+    template = KernelTemplate._template_from_string(SOURCE)
+    with templates_compiled_once():  # another engine's build, on another thread, say
+        assert KernelTemplate._template_from_string(SOURCE) is template
+    assert KernelTemplate._template_from_string(SOURCE) is template  # the first build still runs
+    first.__exit__(None, None, None)
+    assert KernelTemplate.__dict__["_template_from_string"].__func__ is original
