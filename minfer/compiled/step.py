@@ -73,6 +73,7 @@ class CompiledDecodeStep:
     def __init__(self, model: torch.nn.Module, whole: bool = False):
         self.model = model
         self.whole = whole  # the whole forward with frozen weights (--compile-model), else the block graph
+        self.fusion_off = False  # the whole forward compiled in memory without epilogue fusion, after an error
         self.off_because: str | None = None  # why the graph stopped serving, once it has
         self.layers: list[torch.nn.Module] = []  # the blocks the block graph runs (none for the whole forward)
         if whole:
@@ -168,12 +169,30 @@ class CompiledDecodeStep:
                 with compiled_step(paged), _graph_settings(whole=False), self._blocks_compiled():
                     logits = self.model(input_ids, self.opaque.behind(paged))
         except Exception as e:  # no C++ compiler, an Inductor error: all mean "run eager"
+            if self._compiled_again_without_epilogue_fusion(e):
+                return self(input_ids, paged)
             self.off_because = failure_line(e)
             log.warning("minfer: the compiled decode step is off, running eager instead: %s", self.off_because)
             return self.model(input_ids, paged)  # rewrites the same K/V slots, if any were written
         self.compiled_batches.add(lone)
         self.num_whole_steps += self.whole
         return logits
+
+    def _compiled_again_without_epilogue_fusion(self, error: Exception) -> bool:
+        """The whole forward compiled in memory, on the Inductor error a package is built again for (packaged.py's
+        `_built`: Llama with int4 weights): compiled once more without epilogue fusion, as that package is. True
+        if so; the step then runs again."""
+        from torch._inductor.exc import InductorError
+
+        if not self.whole or self.packaged is not None or not isinstance(error, InductorError) or self.fusion_off:
+            return False
+        log.warning("minfer: Inductor failed (%s): compiling the whole forward again without epilogue fusion",
+                    failure_line(error))
+        self.fusion_off = True
+        self.graph = compile_for_cpu(self.model, **FROZEN_WEIGHTS, epilogue_fusion=False,
+                                     max_autotune_gemm_backends=frozen_gemm_backends(self.model))
+        self.compiled_batches.clear()
+        return True
 
     def _with_two_sampled_rows(self, input_ids: torch.Tensor, paged: PagedBatch) -> torch.Tensor:
         """A lone prompt's chunk, sampling its last row (the prompt's end) or none (mid-prompt), through the

@@ -114,6 +114,36 @@ def test_falls_back_to_eager_when_compiling_fails(tiny_checkpoint, monkeypatch, 
     assert got == LLM(tiny_checkpoint, num_kv_blocks=32).generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
 
 
+def test_the_whole_forward_compiled_in_memory_is_compiled_again_without_epilogue_fusion(tiny_checkpoint, monkeypatch,
+                                                                                          caplog):
+    """Where Inductor fails on the whole forward compiled in memory (the cache off), it is compiled once more without
+    epilogue fusion, as packaged.py's `_built` builds a package again: torch 2.13 asserted so ("buf22") for Llama
+    with int4 weights. Here the first compile fails alike, the second stands in for Inductor by running eager."""
+    from torch._inductor.exc import InductorError
+
+    compiles = []
+
+    def compile(fn, **kwargs):
+        compiles.append(kwargs["options"])
+        if kwargs["options"].get("epilogue_fusion") is not False:
+            def fails(*args):
+                raise InductorError(AssertionError("buf22"), None)
+            return fails
+        return fn
+
+    monkeypatch.setattr(torch, "compile", compile)
+    monkeypatch.setenv("MINFER_CACHE", "off")
+    with caplog.at_level(logging.WARNING, logger="minfer"):
+        llm = LLM(tiny_checkpoint, num_kv_blocks=32, compile_model=True)
+    step = graph_of(llm)
+    assert "compiling the whole forward again without epilogue fusion" in caplog.text
+    assert step.off_because is None and step.fusion_off and len(compiles) == 2
+    assert compiles[1] == {**compiles[0], "epilogue_fusion": False}  # nothing else changed
+    got = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
+    assert step.off_because is None and step.num_whole_steps > 0
+    assert got == LLM(tiny_checkpoint, num_kv_blocks=32).generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
+
+
 def test_whole_graph_with_frozen_weights_equals_eager(make_checkpoint):
     """--compile-model: the whole forward, its weights frozen in for Inductor's own GEMMs, serving decode,
     prefill and mixed steps (a lone sequence's prefill runs eager). fp32 greedy tokens equal eager's under
