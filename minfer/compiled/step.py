@@ -77,7 +77,7 @@ class CompiledDecodeStep:
         self.off_because: str | None = None  # why the graph stopped serving, once it has
         self.layers: list[torch.nn.Module] = []  # the blocks the block graph runs (none for the whole forward)
         if whole:
-            self.graph = compile_for_cpu(model, **FROZEN_WEIGHTS, max_autotune_gemm_backends=frozen_gemm_backends(model))
+            self.graph = compile_for_cpu(model, **whole_forward_options(model))
         else:
             try:
                 self.layers = decoder_layers(model)
@@ -137,8 +137,7 @@ class CompiledDecodeStep:
 
     def _packages(self, runner: ModelRunner, parts: dict) -> str | None:
         """Load the whole forward's AOTInductor packages, or build them (packaged.py): None, or why not."""
-        options = {**FROZEN_WEIGHTS, "max_autotune_gemm_backends": frozen_gemm_backends(self.model),
-                   "cpp.dynamic_threads": True}
+        options = whole_forward_options(self.model)
         opaque = OpaqueAttention(runner.attention)
         self.packaged, record, why_not = load_or_build(
             self.model, opaque, functools.partial(warm_up_step, runner), parts, options
@@ -189,8 +188,7 @@ class CompiledDecodeStep:
         log.warning("minfer: Inductor failed (%s): compiling the whole forward again without epilogue fusion",
                     failure_line(error))
         self.fusion_off = True
-        self.graph = compile_for_cpu(self.model, **FROZEN_WEIGHTS, epilogue_fusion=False,
-                                     max_autotune_gemm_backends=frozen_gemm_backends(self.model))
+        self.graph = compile_for_cpu(self.model, **whole_forward_options(self.model), epilogue_fusion=False)
         self.compiled_batches.clear()
         return True
 
@@ -254,6 +252,12 @@ FROZEN_WEIGHTS = {
     "autotune_num_choices_displayed": 0,
     "max_autotune_report_choices_stats": False,
 }
+
+
+def whole_forward_options(model: torch.nn.Module) -> dict:
+    """Inductor's options for `model`'s whole forward, packaged or compiled in memory: FROZEN_WEIGHTS, the GEMM
+    kernels it may choose from, and the thread count asked of OpenMP at run time (compile_for_cpu)."""
+    return {**FROZEN_WEIGHTS, "max_autotune_gemm_backends": frozen_gemm_backends(model), "cpp.dynamic_threads": True}
 
 
 def frozen_gemm_backends(model: torch.nn.Module) -> str:
