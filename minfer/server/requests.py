@@ -105,6 +105,7 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage so far in every chunk
     # The request's own name for an engine field where the two differ ({"max_tokens": "max_new_tokens"}),
     # so that an error the engine raises later names the field the client sent.
     fields: dict[str, str] = field(default_factory=dict)
@@ -250,22 +251,27 @@ def opened_body(body: dict, info: ModelInfo, endpoint: Endpoint, sampling: bool 
     return body
 
 
-def stream_flags(body: dict, endpoint: Endpoint) -> tuple[bool, bool]:
-    """(stream, include_usage)."""
+def stream_flags(body: dict, endpoint: Endpoint) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage)."""
     stream, options = get(body, "stream", False), get(body, "stream_options")
-    return stream, False if options is None else _include_usage(options, stream, endpoint)
+    return (stream, *((False, False) if options is None else _usage_options(options, stream, endpoint)))
 
 
-def _include_usage(options: dict, stream: bool, endpoint: Endpoint) -> bool:
+USAGE_OPTIONS = ("include_usage", "continuous_usage_stats")  # continuous_usage_stats: vLLM's
+
+
+def _usage_options(options: dict, stream: bool, endpoint: Endpoint) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage): as in vLLM, usage in every chunk only with include_usage too."""
     if not stream:
         raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
     for key in options:
-        if key != "include_usage":  # vLLM's continuous_usage_stats, say
+        if key not in USAGE_OPTIONS:  # OpenAI's include_obfuscation, say: it asks nothing of the text
             endpoint.log_once(f"stream_options.{key}")
-    include_usage = options.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise invalid("stream_options.include_usage", "'include_usage' must be a boolean", "invalid_type")
-    return bool(include_usage)
+    flags = [options.get(key) for key in USAGE_OPTIONS]
+    for key, flag in zip(USAGE_OPTIONS, flags):
+        if flag is not None and not isinstance(flag, bool):
+            raise invalid(f"stream_options.{key}", f"'{key}' must be a boolean", "invalid_type")
+    return bool(flags[0]), bool(flags[0] and flags[1])
 
 
 def output_budget(body: dict, name: str, num_prompt_tokens: int, info: ModelInfo, default: int | None):

@@ -255,3 +255,23 @@ def test_metrics_render_counts_finished_requests():
     assert values["minfer_time_to_first_token_seconds_count"] == "1"
     assert float(values["minfer_time_to_first_token_seconds_sum"]) == pytest.approx(0.5)
     assert float(values["minfer_time_per_output_token_seconds_sum"]) == pytest.approx(0.2)
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(info):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk carries its choice's usage so
+    far. It was logged and ignored: a field accepted and not applied."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    req = parse_chat({"messages": [{"role": "user", "content": "a"}], "stream": True, "stream_options": options}, info)
+    r = Responder("tiny", True, req, info.tokenizer)
+    prompt_tokens = len(req.prompt_token_ids)
+    [first] = r.first_chunks()
+    assert first["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+    r.delta_chunks(CompletionDelta(0, [4, 5], "xy"))
+    [last] = r.delta_chunks(CompletionDelta(0, [6], "", "stop"))
+    assert last["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 3, "total_tokens": prompt_tokens + 3}
+    plain = parse_chat({"messages": [{"role": "user", "content": "a"}], "stream": True,
+                        "stream_options": {"include_usage": True}}, info)
+    assert "usage" not in Responder("tiny", True, plain, info.tokenizer).first_chunks()[0]
+    bad = {"include_usage": True, "continuous_usage_stats": "yes"}
+    e = error_of(parse_completion, {"prompt": "a", "stream": True, "stream_options": bad}, info)
+    assert (e.status, e.param) == (400, "stream_options.continuous_usage_stats")

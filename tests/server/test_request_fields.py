@@ -81,12 +81,12 @@ def test_fields_of_neither_api_and_account_fields_are_logged_once(info, caplog, 
         for _ in range(3):
             parse_completion(body, info)
             parse_chat({"messages": CHAT, "my_trace_id": "t-1", "stream": True,
-                        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, info)  # fmt: skip
+                        "stream_options": {"include_usage": True, "include_obfuscation": True}}, info)  # fmt: skip
     lines = caplog.messages
     for name in ("'my_trace_id'", "'user'", "'metadata'", "'store'"):
         assert sum(name in line and line.startswith("/v1/completions") for line in lines) == 1, lines
     assert sum("'my_trace_id'" in line and line.startswith("/v1/chat/completions") for line in lines) == 1
-    assert sum("'stream_options.continuous_usage_stats'" in line for line in lines) == 1
+    assert sum("'stream_options.include_obfuscation'" in line for line in lines) == 1
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "model", "logprobs", "n", "anything"])
