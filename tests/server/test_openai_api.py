@@ -20,7 +20,7 @@ from minfer.server.generate_requests import parse_generate
 from minfer.server.responder import Responder
 from minfer.server.metrics import Histogram, Metrics
 from minfer.server.prometheus import histogram_lines, render
-from minfer.text.chat_template import render_chat
+from minfer.text.chat_template import ChatTemplate, render_chat
 from minfer.text.tokenizer import Tokenizer
 
 
@@ -83,6 +83,30 @@ def test_chat_template_and_max_completion_tokens(info):
     # Two budgets that disagree: one of them would be silently ignored.
     e = error_of(parse_chat, {"messages": messages, "max_tokens": 9, "max_completion_tokens": 5}, info)
     assert (e.status, e.param) == (400, "max_tokens") and "disagree" in e.message
+
+
+# Qwen3's template renders only the roles it knows: any other message (OpenAI's "developer") it drops unseen.
+KNOWN_ROLES_ONLY = (
+    "{% for m in messages %}{% if m.role in ['system', 'user', 'assistant'] %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}<|im_start|>assistant"
+)
+
+
+def test_a_developer_message_reaches_a_template_that_knows_only_system(info):
+    """OpenAI's developer messages are the system's instructions (the SDK's newer examples send them); a template
+    that knows no developer role got them dropped, and the request was answered as if they had not been sent."""
+    templated = ModelInfo("tiny", info.tokenizer, 64, ChatTemplate(KNOWN_ROLES_ONLY))
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    req = parse_chat({"messages": messages}, templated)
+    expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant"
+    assert req.prompt_token_ids == info.tokenizer.encode(expected)
+    # A template that names the role renders it as it is; so does the plain rendering.
+    naming_it = ChatTemplate(KNOWN_ROLES_ONLY.replace("'user'", "'user', 'developer'"))
+    knows = ModelInfo("tiny", info.tokenizer, 64, naming_it)
+    assert info.tokenizer.decode(parse_chat({"messages": messages}, knows).prompt_token_ids).startswith(
+        "<|im_start|>developer\nBe brief.")
+    assert parse_chat({"messages": messages}, info).prompt_token_ids == info.tokenizer.encode(
+        "developer: Be brief.\nuser: Hi\nassistant:")
 
 
 def test_assistant_content_may_be_null(info):
