@@ -28,6 +28,17 @@ def show(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+KIND_NAMES = {str: "a string", bool: "a boolean"}
+
+
+def check_optional(obj: dict, key: str, param: str, kind: type) -> None:
+    """A 400 naming `param` if obj[key] is given (not null) and not of `kind`: OpenAI's optional labels and flags
+    (a name, a description, strict) ask for no work here, but a wrong one is the client's mistake to hear of."""
+    value = obj.get(key)
+    if value is not None and not isinstance(value, kind):
+        raise invalid(param, f"'{param}' must be {KIND_NAMES[kind]}, got {show(value)}", "invalid_type")
+
+
 def message_text(content, role: str, i: int) -> str:
     """A message's content as text; a 400 naming the part at fault otherwise."""
     param = f"messages[{i}].content"
@@ -105,6 +116,7 @@ def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: b
         if m.get("role") not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}")
         text = message_text(m.get("content"), m["role"], i)
+        check_optional(m, "name", f"messages[{i}].name", str)
         rendered.append({"role": _role(m["role"], template), "content": text, **tool_fields(m, i, template)})
     variables = body.get("chat_template_kwargs")  # vLLM's extension, e.g. {"enable_thinking": false} for Qwen3
     if variables is not None and not isinstance(variables, dict):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from ..engine.structured_outputs_params import StructuredOutputsParams
 from ..errors import InvalidParameter
 from .api_errors import invalid
-from .chat_messages import show
+from .chat_messages import check_optional, show
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 READ = frozenset({"response_format", "structured_outputs", "guided_whitespace_pattern", *GUIDED})  # what endpoints read
@@ -81,6 +81,8 @@ def _response_format(value) -> dict | None:
         if not isinstance(spec, dict):
             raise invalid("response_format.json_schema", "'response_format.json_schema' must be an object "
                           f"holding the schema under 'schema', got {show(spec)}", "invalid_type")
+        for key, kind in (("name", str), ("description", str), ("strict", bool)):
+            check_optional(spec, key, f"response_format.json_schema.{key}", kind)
         schema = spec.get("schema")
         if not isinstance(schema, dict):
             raise invalid("response_format.json_schema.schema",

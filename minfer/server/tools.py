@@ -27,7 +27,7 @@ from ..engine.outputs import CompletionDelta
 from ..engine.structured_outputs_params import StructuredOutputsParams
 from .api_errors import invalid
 from ..text.chat_template import ChatTemplate
-from .chat_messages import show
+from .chat_messages import check_optional, show
 from .tool_calls import CallStream, ToolFormat, call_id, format_of, read
 
 READ = frozenset({"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"})  # chat's fields
@@ -151,6 +151,8 @@ def _check_tool(tool, i: int) -> None:
         code = "missing_required_parameter" if name is None else "invalid_value"
         raise invalid(f"tools[{i}].function.name", f"'tools[{i}].function.name' must be 1 to 64 letters, digits, "
                       f"'_' or '-', got {show(name)}", code)
+    check_optional(function, "description", f"tools[{i}].function.description", str)
+    check_optional(function, "strict", f"tools[{i}].function.strict", bool)
     parameters = function.get("parameters")
     if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
         raise invalid(f"tools[{i}].function.parameters", f"'tools[{i}].function.parameters' must be a JSON schema "

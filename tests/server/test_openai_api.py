@@ -166,6 +166,17 @@ def test_generate_fields(info):
         (parse_chat, {"messages": [{"role": "user", "content": "a"}],
                       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "logprobs": "yes"}, 400, "logprobs"),
+        # OpenAI's optional labels and flags, of the wrong kind: accepted silently, they were
+        (parse_chat, {"messages": [{"role": "user", "content": "a", "name": 7}]}, 400, "messages[0].name"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": ["x"], "schema": {}}}}, 400, "response_format.json_schema.name"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "response_format": {
+            "type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}}, 400,
+         "response_format.json_schema.strict"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {
+            "name": "f", "description": {"text": "x"}}}]}, 400, "tools[0].function.description"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {
+            "name": "f", "strict": "true"}}]}, 400, "tools[0].function.strict"),
         (parse_generate, {"prompt": "a", "stop_on_eos": "no"}, 400, "stop_on_eos"),
     ],
 )
