@@ -169,7 +169,8 @@ def test_generate_fields(info):
         # OpenAI's optional labels and flags, of the wrong kind: accepted silently, they were
         (parse_chat, {"messages": [{"role": "user", "content": "a", "name": 7}]}, 400, "messages[0].name"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "response_format": {
-            "type": "json_schema", "json_schema": {"name": ["x"], "schema": {}}}}, 400, "response_format.json_schema.name"),
+            "type": "json_schema", "json_schema": {"name": ["x"], "schema": {}}}}, 400,
+         "response_format.json_schema.name"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "response_format": {
             "type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}}, 400,
          "response_format.json_schema.strict"),
