@@ -4,7 +4,7 @@ with the server's own tokenizer (lm-evaluation-harness's `tokenizer_backend=remo
 
     POST /tokenize    {prompt | messages (with tools, chat_template_kwargs), add_special_tokens,
                        add_generation_prompt, return_token_strs} -> {count, max_model_len, tokens, token_strs}
-    POST /detokenize  {tokens} -> {prompt}
+    POST /detokenize  {model, tokens} -> {prompt}
     GET  /tokenizer_info  -> {tokenizer_class, eos_token, bos_token, pad_token, chat_template,
                               model_max_length}
 
@@ -29,6 +29,7 @@ TOKENIZE_API = frozenset({"model", "prompt", "messages", "add_special_tokens", "
                           "continue_final_message", "chat_template", "mm_processor_kwargs"})
 TOKENIZE = Endpoint("/tokenize", TOKENIZE_API - {"continue_final_message", "chat_template", "mm_processor_kwargs"},
                     TOKENIZE_API)
+DETOKENIZE = Endpoint("/detokenize", {"model", "tokens"}, frozenset({"model", "tokens"}))  # vLLM's DetokenizeRequest
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -67,6 +68,7 @@ def tokenize(body: dict, info: ModelInfo) -> dict:
 
 
 def detokenize(body: dict, info: ModelInfo) -> dict:
+    opened_body(body, info, DETOKENIZE, sampling=False)  # the model it names, and its fields
     tokens = body.get("tokens")
     if tokens is None:
         raise invalid("tokens", "'tokens' is required", "missing_required_parameter")

@@ -96,3 +96,14 @@ def test_generate_refuses_what_it_does_not_read(info, field):
     assert (e.value.status, e.value.param) == (400, field)
     if field == "max_tokens":  # the mistake the issue met: 64 tokens came back, silently
         assert "max_new_tokens" in e.value.message
+
+
+def test_detokenize_checks_the_model_it_names_as_tokenize_does(info):
+    """/detokenize answered for any model named: a client pointed at the wrong server read another tokenizer's text."""
+    from minfer.server.tokenizer_api import detokenize, tokenize
+
+    for endpoint, body in ((tokenize, {"prompt": "a"}), (detokenize, {"tokens": [1]})):
+        with pytest.raises(APIError) as e:
+            endpoint({**body, "model": "other"}, info)
+        assert (e.value.status, e.value.param) == (404, "model")
+    assert detokenize({"model": "m", "tokens": info.tokenizer.encode("ab")}, info) == {"prompt": "ab"}
