@@ -5,7 +5,7 @@ from __future__ import annotations
 from .api_errors import invalid
 from .chat_messages import show
 from .request_fields import SAMPLING
-from .requests import Endpoint, ModelInfo, ParsedRequest, get, output_budget, sampling_params
+from .requests import Endpoint, ModelInfo, ParsedRequest, get, output_budget, sampling_params, with_defaults
 
 GENERATE = Endpoint("/generate", (SAMPLING - {"ignore_eos", "best_of"}) | {"prompt", "max_new_tokens", "stop_on_eos",
                                                                            "stream"}, None)
@@ -14,7 +14,7 @@ GENERATE = Endpoint("/generate", (SAMPLING - {"ignore_eos", "best_of"}) | {"prom
 def parse_generate(body: dict, info: ModelInfo) -> ParsedRequest:
     """POST /generate: {prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, stop_on_eos, stream}."""
     GENERATE.check(body)  # minfer's own API: a field it does not read is a mistake
-    body = {**info.sampling_defaults, **body}
+    body = with_defaults(body, info.sampling_defaults)
     prompt = body.get("prompt")
     if prompt is None:
         raise invalid("prompt", "'prompt' is required", "missing_required_parameter")

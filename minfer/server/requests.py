@@ -242,13 +242,19 @@ def _is_ids(prompt: list) -> bool:
 def opened_body(body: dict, info: ModelInfo, endpoint: Endpoint, sampling: bool = True) -> dict:
     """The body with the checkpoint's sampling defaults under the fields it left out (an endpoint that
     samples); the model it names checked, and its fields checked against the contract."""
-    body = {**info.sampling_defaults, **body} if sampling else body
+    body = with_defaults(body, info.sampling_defaults) if sampling else body
     model = get(body, "model")
     if model is not None and model != info.name:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {info.name!r}", param="model",
                        code="model_not_found")
     endpoint.check(body)
     return body
+
+
+def with_defaults(body: dict, defaults: dict) -> dict:
+    """The body with the checkpoint's sampling defaults under the fields it omits or sends as null (JSON's "the
+    default", which is the checkpoint's here, as in vLLM)."""
+    return {**defaults, **{k: v for k, v in body.items() if v is not None or k not in defaults}}
 
 
 def stream_flags(body: dict, endpoint: Endpoint) -> tuple[bool, bool, bool]:

@@ -13,6 +13,7 @@ from script_forks import run_python
 
 from minfer import EngineConfig
 from minfer.engine.generation_defaults import sampling_defaults
+from minfer.server.chat_requests import parse_chat
 from minfer.server.requests import ModelInfo, parse_completion
 from minfer.server.serve import create_server
 from minfer.text.tokenizer import Tokenizer
@@ -54,6 +55,11 @@ def test_generation_config_fills_only_what_the_request_leaves_out(tuned_checkpoi
     assert (params.temperature, params.top_k, params.repetition_penalty) == (0.0, 5, 1.1)
     params = parse_completion({"prompt": "Hello", "temperature": 0.7, "top_k": -1}, info).params
     assert (params.temperature, params.top_k) == (0.7, 0)  # what the request sends wins
+    # null is JSON's "the default": the checkpoint's, as in vLLM (it was the API's: temperature 1, sampling)
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "temperature": None, "top_k": None}
+    for parse, body in ((parse_completion, {"prompt": "Hello", "temperature": None, "top_k": None}), (parse_chat, chat)):
+        params = parse(body, info).params
+        assert (params.temperature, params.top_k, params.repetition_penalty) == (0.0, 5, 1.1)
 
 
 def test_llm_generate_without_params_uses_the_checkpoints_defaults(tuned_checkpoint):
