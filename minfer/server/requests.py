@@ -299,7 +299,7 @@ def sampling_params(body: dict, max_tokens, ignore_eos, fields: dict[str, str], 
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
     n, best_of = 1 if body.get("n") is None else body["n"], body.get("best_of")
-    if best_of is not None and best_of != n:
+    if best_of is not None and (best_of != n or type(best_of) is not type(n)):  # true is not 1
         raise invalid("best_of", f"'best_of' = {best_of!r} is not supported: this server returns every sample it "
                       f"draws, so best_of may only equal n ({n}); ask for n = {best_of!r} and pick yourself",
                       "unsupported_parameter")

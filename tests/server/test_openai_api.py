@@ -144,6 +144,7 @@ def test_generate_fields(info):
         ),
         (parse_generate, {"prompt": "a", "max_new_tokens": "5"}, 400, "max_new_tokens"),
         (parse_completion, {"prompt": "a", "best_of": 2}, 400, "best_of"),
+        (parse_completion, {"prompt": "a", "best_of": True}, 400, "best_of"),  # True == 1 in Python, not in JSON
         (parse_completion, {"prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty"),
         (parse_completion, {"prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
         (parse_completion, {"prompt": "a", "min_tokens": 5, "max_tokens": 4}, 400, "min_tokens"),
