@@ -67,6 +67,10 @@ class APIHandler(InfoEndpoints):
         """Check every prompt of the request against the engine (one it refuses refuses them all), submit
         each as an engine request of its own, wait until all are admitted; always release them afterwards."""
         manager = self.server.manager
+        if len(req.prompts) > manager.max_in_flight:  # never room for it: a 429 "retry later" is retried forever
+            raise APIError(400, f"a batch of {len(req.prompts)} prompts is more than this server holds at once "
+                           f"({manager.max_in_flight}: --max-num-seqs + --max-queued): send them in smaller batches",
+                           param="prompt", code="invalid_value")
         checked = [self._checked(req, i) for i in range(len(req.prompts))]  # before anything is streamed
         handles = []
         try:

@@ -59,6 +59,15 @@ def test_queue_full_is_429(small_server):
     assert call(port, "POST", "/generate", {"prompt": "c", "max_new_tokens": 2})[0] == 200  # a slot again
 
 
+def test_a_batch_larger_than_the_server_holds_is_a_400_not_a_429(small_server):
+    """A batch of more prompts than the server holds at once (max_num_seqs + max_queued) could never be taken: a
+    429 "retry later" had clients retry it forever (the openai SDK retries a 429 by itself)."""
+    port = small_server.server_address[1]
+    status, _, body = call(port, "POST", "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1})
+    assert status == 400 and body["error"]["param"] == "prompt" and "2 prompts" in body["error"]["message"]
+    assert call(port, "POST", "/v1/completions", {"prompt": ["a"], "max_tokens": 1})[0] == 200
+
+
 def test_engine_failure_fails_requests_and_keeps_serving(small_server):
     runner = small_server.manager.scheduler.runner
     real_execute = runner.execute
