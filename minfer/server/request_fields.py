@@ -62,7 +62,7 @@ FIELDS: dict[str, Field] = {
         "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (), "logits_processors": (),
         "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
         "guided_decoding_backend": ("auto", "guidance"), "priority": (0,), "request_id": (), "cache_salt": (),
-        "kv_transfer_params": (),
+        "kv_transfer_params": (), "prompt_embeds": (), "structural_tag": (), "include_reasoning": (True,),
         "vllm_xargs": (), "add_special_tokens": (), "add_generation_prompt": (True,),
         "continue_final_message": (False,), "documents": (), "chat_template": (), "mm_processor_kwargs": (),
     }.items()},

@@ -51,6 +51,10 @@ def test_the_tables_know_every_field_of_the_installed_openai_sdk():
         (parse_chat, "audio", {"voice": "alloy"}),
         (parse_chat, "modalities", ["audio"]),
         (parse_chat, "continue_final_message", True),
+        # vLLM's, once logged and ignored: embeddings for the prompt, a structure, the reasoning left out
+        (parse_completion, "prompt_embeds", "AAAA"),
+        (parse_chat, "structural_tag", '{"type": "structural_tag", "structures": []}'),
+        (parse_chat, "include_reasoning", False),
     ],
 )
 def test_an_api_field_minfer_does_not_implement_is_a_400_naming_it(info, parse, field, value):
@@ -65,7 +69,8 @@ def test_an_api_field_minfer_does_not_implement_is_a_400_naming_it(info, parse, 
     "parse, extra",
     [
         (parse_completion, {"suffix": "", "best_of": 1, "use_beam_search": False, "guided_json": None}),
-        (parse_chat, {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "functions": None}),
+        (parse_chat, {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "functions": None,
+                      "include_reasoning": True}),
     ],
 )
 def test_the_values_that_ask_for_nothing_pass(info, parse, extra):
