@@ -125,8 +125,9 @@ class APIHandler(InfoEndpoints):
         self._openai(parse_chat(self.read_json(), self.server.info), chat=True)
 
     def _openai(self, req: ParsedRequest, chat: bool) -> None:
-        r = Responder(self.server.info.name, chat, req, self.server.info.tokenizer)
         with self._submitted(req) as handles:
+            # Only now that the engine has judged n: the Responder keeps state per choice
+            r = Responder(self.server.info.name, chat, req, self.server.info.tokenizer)
             if req.stream:
                 self._send_stream(r, req, handles)
             else:

@@ -45,7 +45,7 @@ class Responder:
         self.tools = ToolReplies(req.tools, self.num_choices) if calls else None
         # continuous_usage_stats: each chunk carries its choice's usage so far (vLLM's counts, per choice)
         self.prompt_lengths = [len(p) for p in req.prompts] if req.continuous_usage else None
-        self.generated = [0] * self.num_choices
+        self.generated = [0] * self.num_choices if req.continuous_usage else None
 
     # ---- one body --------------------------------------------------------------------
 
@@ -87,7 +87,8 @@ class Responder:
             chunks.append(self._text_chunk(delta.text, index))
         if delta.finish_reason is not None:
             chunks.append(self._final_chunk(delta.finish_reason, index))
-        self.generated[index] += 0 if self.score_only else len(delta.token_ids)
+        if self.generated is not None:
+            self.generated[index] += 0 if self.score_only else len(delta.token_ids)
         return [self._with_usage(chunk, index) for chunk in chunks]
 
     def _with_usage(self, chunk: dict, index: int) -> dict:

@@ -55,3 +55,26 @@ def test_no_field_at_an_extreme_is_a_5xx_or_fails_its_neighbours(server):
     statuses = {status for _, _, (status, _, _) in answers}
     assert 200 in statuses and 400 in statuses  # both kinds of answer were had
     wait_all_free(server)
+
+
+def test_an_n_the_engine_refuses_builds_nothing_per_choice_first(server, monkeypatch):
+    """The response's per-choice state (a logprob formatter, a tool-call reader each) was built before the engine
+    refused n: n = 10**9 with logprobs ran for many minutes and gigabytes before its 400. Here a formatter past
+    max_num_seqs fails loudly (a 500) instead of slowly."""
+    from minfer.server import logprobs_format
+
+    built, real_init = [], logprobs_format.LogprobFormatter.__init__
+
+    def counted_init(self, tokenizer):
+        built.append(1)
+        if len(built) > 16:
+            raise MemoryError("a formatter per choice of an n the engine refuses")
+        real_init(self, tokenizer)
+
+    monkeypatch.setattr(logprobs_format.LogprobFormatter, "__init__", counted_init)
+    port = server.server_address[1]
+    for path, base in ENDPOINTS.items():
+        logprobs = {"logprobs": 1} if "prompt" in base else {"logprobs": True, "top_logprobs": 1}
+        status, _, out = call(port, "POST", path, {**base, **logprobs, "n": 10**9}, timeout=60)
+        assert (status, out["error"]["param"]) == (400, "n"), out
+    assert built == []
