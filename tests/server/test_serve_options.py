@@ -57,7 +57,8 @@ def test_generation_config_fills_only_what_the_request_leaves_out(tuned_checkpoi
     assert (params.temperature, params.top_k) == (0.7, 0)  # what the request sends wins
     # null is JSON's "the default": the checkpoint's, as in vLLM (it was the API's: temperature 1, sampling)
     chat = {"messages": [{"role": "user", "content": "Hi"}], "temperature": None, "top_k": None}
-    for parse, body in ((parse_completion, {"prompt": "Hello", "temperature": None, "top_k": None}), (parse_chat, chat)):
+    completion = {"prompt": "Hello", "temperature": None, "top_k": None}
+    for parse, body in ((parse_completion, completion), (parse_chat, chat)):
         params = parse(body, info).params
         assert (params.temperature, params.top_k, params.repetition_penalty) == (0.0, 5, 1.1)
 
