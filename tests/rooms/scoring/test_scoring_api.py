@@ -276,12 +276,12 @@ def test_bad_tokenizer_requests(server, path, body, param):
 
 def test_a_batch_beyond_the_queue_is_refused_whole(tiny_checkpoint):
     """Each prompt of a batch is an engine request and counts against --max-num-seqs + --max-queued: a batch
-    that cannot all be taken gets a 429, and the prompts already taken are released."""
+    larger than both could never be taken, and gets a 400 saying so (a 429 "retry later" was retried in vain)."""
     srv = create_server(EngineConfig(str(tiny_checkpoint), num_kv_blocks=64, max_num_seqs=2), port=0, max_queued=1)
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
         status, out = post(srv, "/v1/completions", {"prompt": [[1, 2]] * 4, "max_tokens": 2})
-        assert status == 429 and "too many requests" in out["error"]["message"]
+        assert status == 400 and out["error"]["param"] == "prompt" and "4 prompts" in out["error"]["message"]
         status, out = post(srv, "/v1/completions", {"prompt": [[1, 2]] * 3, "max_tokens": 2})
         assert status == 200 and len(out["choices"]) == 3 and out["usage"]["completion_tokens"] == 6
         assert srv.manager.wait_released(5)
