@@ -72,8 +72,8 @@ class Responder:
         """Chat streams open with the assistant's role, once per choice."""
         if not self.chat:
             return []
-        return [self._with_usage(self._chunk([self._choice("", None, role=True, index=i)]), i)
-                for i in range(self.num_choices)]
+        chunks = [self._chunk([self._choice("", None, role=True, index=i)]) for i in range(self.num_choices)]
+        return chunks if self.generated is None else [self._with_usage(c, i) for i, c in enumerate(chunks)]
 
     def delta_chunks(self, delta: CompletionDelta, prompt: int = 0) -> list[dict]:
         """The chunks for one step's delta of a completion of prompt `prompt`: its text (a delta whose text
@@ -87,17 +87,16 @@ class Responder:
             chunks.append(self._text_chunk(delta.text, index))
         if delta.finish_reason is not None:
             chunks.append(self._final_chunk(delta.finish_reason, index))
-        if self.generated is not None:
+        if self.generated is not None:  # continuous_usage_stats
             self.generated[index] += 0 if self.score_only else len(delta.token_ids)
-        return [self._with_usage(chunk, index) for chunk in chunks]
+            chunks = [self._with_usage(chunk, index) for chunk in chunks]
+        return chunks
 
     def _with_usage(self, chunk: dict, index: int) -> dict:
-        """The chunk, with continuous_usage_stats its choice's usage so far."""
-        if self.prompt_lengths is not None:
-            prompt, completion = self.prompt_lengths[index // self.n], self.generated[index]
-            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                              "total_tokens": prompt + completion}
-        return chunk
+        """The chunk with its choice's usage so far (continuous_usage_stats)."""
+        prompt, completion = self.prompt_lengths[index // self.n], self.generated[index]
+        return chunk | {"usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                  "total_tokens": prompt + completion}}
 
     def _scored_chunks(self, index: int, delta: CompletionDelta) -> list[dict]:
         """A choice's echo, if due (its prompt, the prompt's logprobs); the delta's tokens then wait for the
