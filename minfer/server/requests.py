@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,9 +19,11 @@ from typing import Any
 from ..engine.sampling_params import SamplingParams
 from .api_errors import APIError, invalid
 from ..text.chat_template import ChatTemplate
-from ..text.tokenizer import Tokenizer, is_text
+from ..text.tokenizer import Tokenizer
 from .chat_messages import show
+from .json_text import SURROGATE_ESCAPE, lone_surrogate
 from .request_fields import FIELDS, OPENAI_COMPLETIONS, SAMPLING, STRUCTURED, VLLM
+from .stream_usage import read_usage_options
 from .structured_fields import read_constraint
 from .tools import Tools
 
@@ -138,28 +139,10 @@ def parse_json_body(raw: bytes) -> dict:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
-    if SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate(body)):  # a pair is a character, one alone is not
+    if SURROGATE_ESCAPE.search(raw) and (where := lone_surrogate(body)):  # a pair is a character, one alone is not
         raise APIError(400, f"'{where}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape not in a pair): it is "
                        "not text", param=where, code="invalid_json")
     return body
-
-
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # what JSON writes a UTF-16 surrogate as
-
-
-def _lone_surrogate(value, path: str = "") -> str | None:
-    """Where in a JSON value a string is not valid Unicode ("body" where it is a key at the top), else None."""
-    if isinstance(value, str):
-        return None if is_text(value) else path or "body"
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if where := _lone_surrogate(key, path) or _lone_surrogate(item, f"{path}.{key}" if path else key):
-                return where
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            if where := _lone_surrogate(item, f"{path}[{i}]"):
-                return where
-    return None
 
 
 def get(body: dict, name: str, default=None, kind: str | None = None):
@@ -242,7 +225,8 @@ def _is_ids(prompt: list) -> bool:
 def opened_body(body: dict, info: ModelInfo, endpoint: Endpoint, sampling: bool = True) -> dict:
     """The body with the checkpoint's sampling defaults under the fields it left out (an endpoint that
     samples); the model it names checked, and its fields checked against the contract."""
-    body = with_defaults(body, info.sampling_defaults) if sampling else body
+    if sampling and info.sampling_defaults:
+        body = with_defaults(body, info.sampling_defaults)
     model = get(body, "model")
     if model is not None and model != info.name:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {info.name!r}", param="model",
@@ -260,24 +244,7 @@ def with_defaults(body: dict, defaults: dict) -> dict:
 def stream_flags(body: dict, endpoint: Endpoint) -> tuple[bool, bool, bool]:
     """(stream, include_usage, continuous_usage)."""
     stream, options = get(body, "stream", False), get(body, "stream_options")
-    return (stream, *((False, False) if options is None else _usage_options(options, stream, endpoint)))
-
-
-USAGE_OPTIONS = ("include_usage", "continuous_usage_stats")  # continuous_usage_stats: vLLM's
-
-
-def _usage_options(options: dict, stream: bool, endpoint: Endpoint) -> tuple[bool, bool]:
-    """(include_usage, continuous_usage): as in vLLM, usage in every chunk only with include_usage too."""
-    if not stream:
-        raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
-    for key in options:
-        if key not in USAGE_OPTIONS:  # OpenAI's include_obfuscation, say: it asks nothing of the text
-            endpoint.log_once(f"stream_options.{key}")
-    flags = [options.get(key) for key in USAGE_OPTIONS]
-    for key, flag in zip(USAGE_OPTIONS, flags):
-        if flag is not None and not isinstance(flag, bool):
-            raise invalid(f"stream_options.{key}", f"'{key}' must be a boolean", "invalid_type")
-    return bool(flags[0]), bool(flags[0] and flags[1])
+    return (stream, *((False, False) if options is None else read_usage_options(options, stream, endpoint.log_once)))
 
 
 def output_budget(body: dict, name: str, num_prompt_tokens: int, info: ModelInfo, default: int | None):

@@ -4,7 +4,8 @@ One body (`response`) or a stream's chunks (`first_chunks`, `delta_chunks`, `usa
 completions of each of a batch of prompts: choice `i * n + j` is completion j of prompt i (vLLM's
 numbering). Usage counts each prompt once and every completion's tokens. What a request asks beyond
 the text, each choice gets from its feature's helper, made only when asked: the logprobs and the echoed
-prompt (ScoredChoices, logprobs_format.py), the tool calls read out of a chat reply (ToolReplies, tools.py).
+prompt (ScoredChoices, logprobs_format.py), the tool calls read out of a chat reply (ToolReplies, tools.py),
+the usage so far in every chunk of a stream (UsageSoFar, stream_usage.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ..engine.outputs import CompletionDelta, RequestOutput
 from ..text.tokenizer import Tokenizer
 from .logprobs_format import ScoredChoices
 from .requests import ParsedRequest
+from .stream_usage import UsageSoFar
 from .tools import ToolReplies
 
 
@@ -43,9 +45,7 @@ class Responder:
         self.scored = ScoredChoices(req, tokenizer, chat, self.num_choices) if scored else None
         calls = req.tools is not None and req.tools.choice != "none"
         self.tools = ToolReplies(req.tools, self.num_choices) if calls else None
-        # continuous_usage_stats: each chunk carries its choice's usage so far (vLLM's counts, per choice)
-        self.prompt_lengths = [len(p) for p in req.prompts] if req.continuous_usage else None
-        self.generated = [0] * self.num_choices if req.continuous_usage else None
+        self.usage_so_far = UsageSoFar(req.prompts, self.n, self.score_only) if req.continuous_usage else None
 
     # ---- one body --------------------------------------------------------------------
 
@@ -72,8 +72,11 @@ class Responder:
         """Chat streams open with the assistant's role, once per choice."""
         if not self.chat:
             return []
-        chunks = [self._chunk([self._choice("", None, role=True, index=i)]) for i in range(self.num_choices)]
-        return chunks if self.generated is None else [self._with_usage(c, i) for i, c in enumerate(chunks)]
+        chunks = []
+        for i in range(self.num_choices):
+            opening = [self._chunk([self._choice("", None, role=True, index=i)])]
+            chunks += opening if self.usage_so_far is None else self.usage_so_far.stamped(opening, i)
+        return chunks
 
     def delta_chunks(self, delta: CompletionDelta, prompt: int = 0) -> list[dict]:
         """The chunks for one step's delta of a completion of prompt `prompt`: its text (a delta whose text
@@ -87,16 +90,7 @@ class Responder:
             chunks.append(self._text_chunk(delta.text, index))
         if delta.finish_reason is not None:
             chunks.append(self._final_chunk(delta.finish_reason, index))
-        if self.generated is not None:  # continuous_usage_stats
-            self.generated[index] += 0 if self.score_only else len(delta.token_ids)
-            chunks = [self._with_usage(chunk, index) for chunk in chunks]
-        return chunks
-
-    def _with_usage(self, chunk: dict, index: int) -> dict:
-        """The chunk with its choice's usage so far (continuous_usage_stats)."""
-        prompt, completion = self.prompt_lengths[index // self.n], self.generated[index]
-        return chunk | {"usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                                  "total_tokens": prompt + completion}}
+        return chunks if self.usage_so_far is None else self.usage_so_far.stamped(chunks, index, delta)
 
     def _scored_chunks(self, index: int, delta: CompletionDelta) -> list[dict]:
         """A choice's echo, if due (its prompt, the prompt's logprobs); the delta's tokens then wait for the
