@@ -72,6 +72,19 @@ def test_bad_values_name_their_flag(settings, message):
         EngineConfig(**settings)
 
 
+@pytest.mark.parametrize("variable, value", [("MINFER_DTYPE", "bogus"), ("MINFER_DEVICE", "xyz"),
+                                             ("MINFER_ATTENTION_BACKEND", "fast")])
+def test_a_bad_default_from_the_environment_names_its_variable(monkeypatch, variable, value):
+    """No flag was given: the message points at the variable the bad value came from."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=f"^{variable} \\(the default --[a-z-]+\\) must be .*, got '{value}'"):
+        EngineConfig()
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    with pytest.raises(ValueError, match=f"^{variable} "):
+        EngineConfig.from_cli_args(parser.parse_args([]))
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
