@@ -339,7 +339,9 @@ def test_online_with_no_server_there_says_why(capsys):
     (["--base-url", "http://127.0.0.1:1", "--server-args=--max-queued 3"], "--server-args applies only when bench"),
     (["--hf-batch-size", "2"], "--hf-batch-size applies only with --baseline"),
     (["--hf-num-requests", "2"], "--hf-num-requests applies only with --baseline"),
-    (["--pretok"], "--pretok applies only to text prompts (--prompt, --prompts-file)"),
+    (["--pretok"], "--pretok applies only to text prompts (--prompt, --prompts-file, --workload copy)"),
+    (["--prompt", "Hi", "--input-len", "64"], "--input-len applies only to random prompts"),
+    (["--workload", "copy", "--input-len", "8:16"], "--input-len applies only to random prompts"),
 ])
 def test_a_flag_the_run_would_not_apply_is_refused(flags, message, capsys):
     from minfer.bench.cli import main
@@ -347,3 +349,13 @@ def test_a_flag_the_run_would_not_apply_is_refused(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--model", "minfer-tiny", *flags])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_copy_workload_is_text_prompts(capsys):
+    """--workload copy sends held-out stories: --pretok applies to them, and the header does not say random tokens."""
+    from minfer.bench.cli import main
+
+    assert main(["--model", "minfer-tiny", "--workload", "copy", "--pretok", "--num-requests", "2", "--output-len", "2",
+                 "--warmup-runs", "0", "--disable-tqdm"]) == 0
+    workload = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("workload:"))
+    assert "random" not in workload and "held-out stories" in workload
