@@ -94,10 +94,8 @@ def check_quantization_method(method: str | None) -> None:
         return
     extra = ""
     if str(method).lower() in FOREIGN_FORMATS:
-        extra = (
-            f" ({method} checkpoints are not supported: load the full-precision checkpoint and pass "
-            "--quantization int8 or int4, or write one with `minfer quantize`)"
-        )
+        extra = (f" ({method} checkpoints are not supported: load the full-precision checkpoint and pass "
+                 "--quantization int8 or int4, or write one with `minfer quantize`)")
     raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}{extra}")
 
 
