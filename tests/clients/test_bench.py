@@ -359,3 +359,11 @@ def test_copy_workload_is_text_prompts(capsys):
                  "--warmup-runs", "0", "--disable-tqdm"]) == 0
     workload = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("workload:"))
     assert "random" not in workload and "held-out stories" in workload
+
+
+def test_a_prompts_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    from minfer.bench.cli import main
+
+    (tmp_path / "p.txt").write_bytes("caf\u00e9\n".encode("latin-1"))
+    assert main(["--model", "minfer-tiny", "--prompts-file", str(tmp_path / "p.txt"), "--disable-tqdm"]) == 1
+    assert f"prompts file {str(tmp_path / 'p.txt')!r} is not UTF-8 text: byte 0xe9 at offset 3" in capsys.readouterr().err
