@@ -284,6 +284,8 @@ def test_profile_splits_a_step_into_parts(tiny_checkpoint, tmp_path, capsys, dty
         tmp_path / "p.json",
     )
     assert f"Step-time breakdown ({dtype})" in out
+    table = [line for line in out.splitlines() if line.startswith("part ") or line[:1].isalpha() and "%" in line]
+    assert len({line.index("%") for line in table if "%" in line}) == 1, table  # one column, the longest name too
     prof = json.loads((tmp_path / "p.json").read_text())["profile"]
     assert prof["peaks"]["read_gb_s"] > 0 and prof["peaks"]["matmul_gflop_s"] > 0
     prefill, decode = prof["phases"]["prefill"], prof["phases"]["decode"]
