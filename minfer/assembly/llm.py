@@ -1,9 +1,9 @@
 """LLM: offline batch generation on top of the OnlineScheduler.
 
-from .. import LLM, SamplingParams
-llm = LLM("gpt2")
-for out in llm.generate(["Hello, my name is", "The sky is"], SamplingParams(temperature=0)):
-    print(out.text)
+    from minfer import LLM, SamplingParams
+    llm = LLM("gpt2")
+    for out in llm.generate(["Hello, my name is", "The sky is"], SamplingParams(temperature=0)):
+        print(out.text)
 """
 
 from __future__ import annotations
