@@ -265,6 +265,20 @@ def test_kv_cache_memory_buys_blocks_and_max_model_len_needs_fewer(tiny):
     assert short.max_model_len == 128 and short.engine_config.num_kv_blocks == 10
 
 
+def test_num_kv_blocks_past_memory_is_refused_before_it_is_built(tiny, monkeypatch):
+    """A billion blocks took minutes of Python objects, then the machine's memory: now one sentence, at once."""
+    model, tokenizer = tiny
+    per_block = KVCache.bytes_per_block(model.config, 16, model.dtype)
+    with pytest.raises(ValueError, match=r"^--num-kv-blocks 1000000000 is more than the \d+ blocks"):
+        OnlineScheduler(model, tokenizer, num_kv_blocks=10**9)
+    monkeypatch.setattr("minfer.attention.cache_budget.available_memory", lambda device: 100 * per_block)
+    with pytest.raises(ValueError, match=r"^--num-kv-blocks 101 is a .* KV cache, more than the .* free"):
+        OnlineScheduler(model, tokenizer, num_kv_blocks=101)
+    assert OnlineScheduler(model, tokenizer, num_kv_blocks=100).engine_config.num_kv_blocks == 100
+    with pytest.raises(ValueError, match="^--num-kv-blocks 1000000000 is more"):  # before a draft's cache too
+        LLM("minfer-tiny", num_kv_blocks=10**9, speculative_method="draft", speculative_model="minfer-tiny-draft")
+
+
 def test_max_model_len_caps_requests(tiny):
     sched = OnlineScheduler(*tiny, num_kv_blocks=64, max_model_len=100)
     assert sched.max_model_len == sched.engine_config.max_model_len == 100
