@@ -19,11 +19,12 @@ from .engine.sampling_params import SamplingParams
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.generate") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("prompt", help="text to continue")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default: 32)")
     # Left out, these come from --generation-config (the checkpoint's generation_config.json), else the API's.
-    parser.add_argument("--temperature", type=float, help="0 means greedy (default: 1.0)")
-    parser.add_argument("--top-k", type=int, help="0 means off (default: 0)")
-    parser.add_argument("--top-p", type=float, help="(default: 1.0)")
+    by_default = "(default: the checkpoint's generation_config.json, else {})"
+    parser.add_argument("--temperature", type=float, help="0 means greedy " + by_default.format("1.0"))
+    parser.add_argument("--top-k", type=int, help="0 means off " + by_default.format("0"))
+    parser.add_argument("--top-p", type=float, help=by_default.format("1.0"))
     # --model, --dtype, --seed (the engine's RNG, which this one unseeded request samples from), ...
     EngineConfig.add_cli_arguments(parser.add_argument_group("engine"), exclude=("max_num_seqs",))
     args = parser.parse_args(argv)
