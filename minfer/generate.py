@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 from .engine.config import EngineConfig
 from .assembly.llm import LLM
@@ -18,10 +19,12 @@ from .engine.sampling_params import SamplingParams
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.generate") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("prompt", help="text to continue")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default: 32)")
+    # Left out, these come from --generation-config (the checkpoint's generation_config.json), else the API's.
+    by_default = "(default: the checkpoint's generation_config.json, else {})"
+    parser.add_argument("--temperature", type=float, help="0 means greedy " + by_default.format("1.0"))
+    parser.add_argument("--top-k", type=int, help="0 means off " + by_default.format("0"))
+    parser.add_argument("--top-p", type=float, help=by_default.format("1.0"))
     # --model, --dtype, --seed (the engine's RNG, which this one unseeded request samples from), ...
     EngineConfig.add_cli_arguments(parser.add_argument_group("engine"), exclude=("max_num_seqs",))
     args = parser.parse_args(argv)
@@ -30,11 +33,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.generate")
         print(f"error: the prompt is not {sys.getfilesystemencoding()} text: byte 0x{ord(undecodable[0]) - 0xDC00:02x} "
               "does not decode", file=sys.stderr)
         return 1
+    given = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p") if getattr(args, name) is not None}
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
-        )
+        SamplingParams(max_tokens=args.max_tokens, **given)  # a bad value is refused before the model loads
         llm = LLM(config=EngineConfig.from_cli_args(args, max_num_seqs=1))  # one request: a small KV cache
+        params = replace(llm.get_default_sampling_params(), max_tokens=args.max_tokens, **given)
         request_id = llm.scheduler.add_request(args.prompt, sampling_params=params)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

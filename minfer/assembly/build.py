@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from ..attention.cache_budget import choose_num_blocks
+from ..attention.cache_budget import check_num_blocks, choose_num_blocks
 from ..compiled import cuda_graphs
 from ..compiled.forward import CompiledForward
 from ..compiled.step import CompiledDecodeStep
@@ -104,6 +104,8 @@ def with_speculation(
     if draft is not None:
         draft, draft_attention = draft
         extra = DraftProposer.bytes_per_block(draft, config.block_size)
+        if config.num_kv_blocks is not None:  # as given: refused before the draft's cache is built
+            check_num_blocks(model.config, config.block_size, model.dtype, model.device, config.num_kv_blocks)
         num_blocks = config.num_kv_blocks or kv_blocks(config, model, context_len, extra)
         config = replace(config, num_kv_blocks=num_blocks, kv_cache_memory=None, gpu_memory_utilization=None)
         proposer = DraftProposer(draft, draft_attention, num_blocks, config.block_size, model.config)

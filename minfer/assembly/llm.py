@@ -1,14 +1,15 @@
 """LLM: offline batch generation on top of the OnlineScheduler.
 
-from .. import LLM, SamplingParams
-llm = LLM("gpt2")
-for out in llm.generate(["Hello, my name is", "The sky is"], SamplingParams(temperature=0)):
-    print(out.text)
+    from minfer import LLM, SamplingParams
+    llm = LLM("gpt2")
+    for out in llm.generate(["Hello, my name is", "The sky is"], SamplingParams(temperature=0)):
+        print(out.text)
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import operator
 from dataclasses import fields, replace
 
@@ -20,6 +21,8 @@ from ..engine.generation_defaults import sampling_defaults
 from ..engine.sampling_params import SamplingParams
 from ..engine.outputs import RequestOutput
 from .build import build_engine
+
+log = logging.getLogger("minfer")
 
 
 class LLM:
@@ -40,7 +43,9 @@ class LLM:
         config = replace(config or EngineConfig(), **settings)
         self.scheduler = build_engine(config)  # the model loaded and prepared, every feature attached
         self.model, self.tokenizer = self.scheduler.model, self.scheduler.tokenizer
-        self.sampling_defaults, _ = sampling_defaults(self.model.model_dir, config.generation_config)
+        self.sampling_defaults, not_applied = sampling_defaults(self.model.model_dir, config.generation_config)
+        if not_applied:  # as the server's banner says: reported, never silently dropped
+            log.warning("minfer: generation_config.json: not applied: %s", ", ".join(not_applied))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() samples with when given no SamplingParams: the checkpoint's

@@ -68,3 +68,17 @@ def choose_num_blocks(
             "a shorter --max-model-len, or --num-kv-blocks"
         )
     return int(num_blocks)
+
+
+def check_num_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+                     num_blocks: int) -> None:
+    """--num-kv-blocks as given, refused before anything is built if it cannot be: past a layer's 32-bit index,
+    or more bytes than the device has free (a billion blocks took minutes of Python objects, then the memory)."""
+    largest = MAX_LAYER_ELEMENTS // KVCache.layer_elements_per_block(config, block_size) - 1  # the null block too
+    if num_blocks > largest:
+        raise ValueError(f"--num-kv-blocks {num_blocks} is more than the {largest} blocks of {block_size} tokens "
+                         "one layer's cache may hold (kernels index it in 32 bits)")
+    size, free = num_blocks * KVCache.bytes_per_block(config, block_size, dtype), available_memory(device)
+    if size > free:
+        raise ValueError(f"--num-kv-blocks {num_blocks} is a {size / 2**30:.2f} GiB KV cache, more than the "
+                         f"{free / 2**30:.2f} GiB free on {device}: give fewer blocks, or --kv-cache-memory SIZE")

@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
     w.add_argument("--input-len", default="128", help="prompt tokens: N, or A:B drawn uniformly per request")
     w.add_argument("--output-len", default="128", help="generated tokens, exactly (ignore_eos): N or A:B")
     w.add_argument(
-        "--prompt", action="append", help="a text prompt instead of random tokens (repeatable; --input-len is unused)"
+        "--prompt", action="append", help="a text prompt instead of random tokens (repeatable; then no --input-len)"
     )
     w.add_argument("--prompts-file", help="text prompts, one per line, used in turn")
     w.add_argument(
@@ -122,12 +122,15 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
     if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
         p.error(f"--logprobs must be from 0 to {MAX_LOGPROBS}")
     starts_server = args.mode == "online" and not args.base_url
+    texts = args.prompt or args.prompts_file or args.workload == "copy"  # else random token prompts
     for flag, given, applies, where in (  # a flag this run would not apply is a mistake, not a no-op
             ("--tokenizer", args.tokenizer, args.base_url, "with --base-url"),
             ("--server-args", args.server_args, starts_server, "when bench starts a server (--mode online)"),
             ("--hf-batch-size", args.hf_batch_size != p.get_default("hf_batch_size"), args.baseline, "with --baseline"),
             ("--hf-num-requests", args.hf_num_requests, args.baseline, "with --baseline"),
-            ("--pretok", args.pretok, args.prompt or args.prompts_file, "to text prompts (--prompt, --prompts-file)")):
+            ("--input-len", args.input_len != p.get_default("input_len"), not texts,
+             "to random prompts (not --prompt, --prompts-file, --workload copy: their lengths are the texts')"),
+            ("--pretok", args.pretok, texts, "to text prompts (--prompt, --prompts-file, --workload copy)")):
         if given and not applies:
             p.error(f"{flag} applies only {where}")
     return args

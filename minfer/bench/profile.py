@@ -32,6 +32,7 @@ from .roofline import best_time, measure_bandwidth, module_bytes, weight_linears
 from .workload import BenchRequest
 
 REST = "norms, GELU, residuals, Python"  # the step's wall time that no part covers
+PART_WIDTH = len(REST) + 1  # the table's first column: the longest part name, then a space
 ROWS = (
     "host: schedule",
     "host: prepare",
@@ -223,13 +224,13 @@ def format_profile(p: dict) -> str:
                 "splits them)"
             )
         lines.append(
-            f"{'part':<24}{'ms/step':>9}{'share':>8}{'MB/step':>10}{'GB/s':>8}{'GFLOP/step':>12}"
+            f"{'part':<{PART_WIDTH}}{'ms/step':>9}{'share':>8}{'MB/step':>10}{'GB/s':>8}{'GFLOP/step':>12}"
             f"{'GFLOP/s':>9}  {'bound':<8}{'of floor':>8}"
         )
         for r in ph["rows"]:
             of_floor = "" if r["of_floor"] is None else f"{r['of_floor']:.0%}"
             lines.append(
-                f"{r['part']:<24}{r['ms_per_step']:>9.2f}{r['share']:>8.1%}{r['mb_per_step']:>10.1f}"
+                f"{r['part']:<{PART_WIDTH}}{r['ms_per_step']:>9.2f}{r['share']:>8.1%}{r['mb_per_step']:>10.1f}"
                 f"{r['gb_s']:>8.1f}{r['gflop_per_step']:>12.2f}{r['gflop_s']:>9.1f}  {r['bound']:<8}"
                 f"{of_floor:>8}"
             )

@@ -23,7 +23,11 @@ def format_header(args, dtype: str, threads: str, attention: str, machine: str) 
     target = f"{args.base_url} (served name {args.model!r})" if args.base_url else args.model
     rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate:g} req/s (Poisson)"
     concurrency = f", at most {args.max_concurrency} in flight" if args.max_concurrency else ""
-    prompts = "text prompts" if (args.prompt or args.prompts_file) else f"{_lengths(args.input_len)} random tokens"
+    prompts = f"{_lengths(args.input_len)} random tokens"
+    if args.workload == "copy":
+        prompts = "held-out stories (copy)"
+    elif args.prompt or args.prompts_file:
+        prompts = "text prompts"
     rows = [
         ("model", target),
         ("mode", "online: HTTP streams to a server" if args.mode == "online" else "offline: the engine in this process"),

@@ -76,7 +76,11 @@ def read_prompts(prompts: list[str] | None, prompts_file: str | None) -> list[st
         path = Path(prompts_file)
         if not path.is_file():
             raise FileNotFoundError(f"prompts file {prompts_file!r} does not exist")
-        texts += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        try:
+            texts += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except UnicodeDecodeError as e:  # its own message names neither the file nor what is wrong with it
+            raise ValueError(f"prompts file {prompts_file!r} is not UTF-8 text: byte 0x{e.object[e.start]:02x} at "
+                             f"offset {e.start}") from None
         if not texts:
             raise ValueError(f"prompts file {prompts_file!r} holds no prompt")
     if any(not t for t in texts):

@@ -94,10 +94,8 @@ def check_quantization_method(method: str | None) -> None:
         return
     extra = ""
     if str(method).lower() in FOREIGN_FORMATS:
-        extra = (
-            f" ({method} checkpoints are not supported: load the full-precision checkpoint and pass "
-            "--quantization int8 or int4, or write one with `minfer quantize`)"
-        )
+        extra = (f" ({method} checkpoints are not supported: load the full-precision checkpoint and pass "
+                 "--quantization int8 or int4, or write one with `minfer quantize`)")
     raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}{extra}")
 
 
@@ -119,10 +117,10 @@ def setting(default, type, check: Check, help: str, convert=None, metavar: str |
     `convert` normalises what Python callers may also pass (a Path, a torch.dtype, "2GiB"), and
     `check` judges the result. None is allowed where the default is None: the engine chooses. A
     default that is an EnvVar is read when a config is made (settings.py): the environment's, else its own."""
-    metadata = {"type": type, "check": check, "help": help, "convert": convert, "metavar": metavar}
+    metadata = {"type": type, "check": check, "help": help, "convert": convert, "metavar": metavar, "env": None}
     if isinstance(default, tuple):  # (EnvVar, fallback)
         var, fallback = default
-        return field(default_factory=lambda: var.get(fallback), metadata=metadata)
+        return field(default_factory=lambda: var.get(fallback), metadata={**metadata, "env": var})
     return field(default=default, metadata=metadata)
 
 
@@ -295,8 +293,10 @@ class EngineConfig:
                 ok = check.ok(value)
             except (TypeError, ValueError, RuntimeError):  # what torch.device and parse_size raise
                 ok = False
-            if not ok:
-                raise ValueError(f"{flag(f)} must be {check.must}, got {given!r}")
+            if not ok:  # name where the value came from: a flag, or the variable that set its default
+                var = f.metadata["env"]
+                source = f"{var.name} (the default {flag(f)})" if var and var.get() == given else flag(f)
+                raise ValueError(f"{source} must be {check.must}, got {given!r}")
             object.__setattr__(self, f.name, value)  # frozen: checked once, then never changed
         device = torch.device(self.device).type
         if self.gpu_memory_utilization is not None and device != "cuda":

@@ -53,7 +53,8 @@ BOOL = Rule(lambda v: isinstance(v, bool), "a bool")
 RULES: dict[str, Rule] = {
     "max_tokens": Rule(lambda v: _int(v) and v >= 1, "an int >= 1"),
     "temperature": Rule(lambda v: _number(v) and v >= 0, "a number >= 0", float),  # 0: greedy
-    "top_k": Rule(lambda v: _int(v) and v >= 0, "an int >= 0"),  # 0: off
+    # 0: off; -1 too, as in vLLM (its scripts pass it)
+    "top_k": Rule(lambda v: _int(v) and v >= -1, "an int >= 0 (or -1, off as 0 is)", lambda v: max(v, 0)),
     "top_p": Rule(lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]", float),  # 1: off
     "seed": Rule(lambda v: v is None or _int(v), "None or an int"),
     "stop": Rule(lambda v: v is None or _stop(v), "None, a non-empty str or a list of non-empty str",

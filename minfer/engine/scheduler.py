@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from ..attention.cache_budget import choose_num_blocks
+from ..attention.cache_budget import check_num_blocks, choose_num_blocks
 from ..attention.backend import AttentionBackend
 from ..attention.torch_sdpa import TorchBackend
 from ..errors import InvalidParameter
@@ -71,6 +71,8 @@ class OnlineScheduler:
             model.config, block_size, model.dtype, model.device, config.max_num_seqs,
             config.kv_cache_memory, config.gpu_memory_utilization, self.context_len,
         )
+        if config.num_kv_blocks is not None:  # as given: one sentence if it cannot be, before it is built
+            check_num_blocks(model.config, block_size, model.dtype, model.device, num_kv_blocks)
         self.allocator = BlockAllocator(num_kv_blocks, block_size, config.enable_prefix_caching)
         self.attention = attention or TorchBackend(model.device, model.dtype)
         self.kv_cache = self.attention.new_cache(model.config, num_kv_blocks, block_size, model.device, model.dtype)

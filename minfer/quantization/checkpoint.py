@@ -27,7 +27,7 @@ from torch import nn
 from ..cpu.malloc import freed_memory_returned
 from ..models.loader import load_model_weights, retie, tied_parameters
 from .embedding import QuantizedEmbedding
-from .int4 import Int4Linear, quantize_int4
+from .int4 import DEFAULT_GROUP_SIZE, Int4Linear, quantize_int4
 from .int8 import Int8Linear, quantize_int8
 from .linear import QuantizedLinear
 from .transform import check_quantization, find_token_embedding, quantization_of
@@ -232,11 +232,23 @@ class QuantizedWeights:
 
     def loads(self, raw_config: dict, config_path: Path) -> bool:
         self.stored = spec_from_config(raw_config, config_path)  # refuses GPTQ, AWQ, ... clearly
-        if self.stored is not None and self.spec is not None and self.stored.method != self.spec.method:
-            raise ValueError(
-                f"{config_path.parent} holds {self.stored.method} weights; it cannot be loaded as {self.spec.method}"
-            )
+        if self.stored is not None and self.spec is not None:
+            self._check_asked(config_path.parent)
         return self.stored is not None or self.spec is not None
+
+    def _check_asked(self, where: Path) -> None:
+        """The weights are quantized already: a setting asked for that they were not written with cannot apply.
+        Only what differs from a default is judged (quantize_lm_head True, group_size None: given or not)."""
+        stored, asked = self.stored, self.spec
+        if stored.method != asked.method:
+            raise ValueError(f"{where} holds {stored.method} weights; it cannot be loaded as {asked.method}")
+        stored_groups = stored.group_size or DEFAULT_GROUP_SIZE
+        if asked.group_size is not None and asked.group_size != stored_groups:
+            raise ValueError(f"{where} holds int4 weights in groups of {stored_groups}; it cannot be loaded with "
+                             f"groups of {asked.group_size} (quantize its full-precision checkpoint again)")
+        if stored.quantize_lm_head and not asked.quantize_lm_head:
+            raise ValueError(f"{where} holds its LM head quantized; it cannot be loaded with --no-quantize-lm-head "
+                             "(quantize its full-precision checkpoint with --no-quantize-lm-head)")
 
     def load(self, model: nn.Module, model_dir: Path, device, dtype: torch.dtype) -> nn.Module:
         """`model` (on the meta device) filled from a quantized checkpoint, or from a float one quantized

@@ -140,3 +140,20 @@ def test_generate_cli_names_a_prompt_that_is_not_text(tiny_checkpoint, capsys):
     assert main(["--model", str(tiny_checkpoint), argv_text]) == 1
     encoding = sys.getfilesystemencoding()
     assert capsys.readouterr().err == f"error: the prompt is not {encoding} text: byte 0xff does not decode\n"
+
+
+def test_generate_cli_samples_with_the_generation_config(tiny_checkpoint, tmp_path, capsys):
+    """--generation-config (auto, or DIR) gives the flags left out their defaults, as it does the server's requests."""
+    from minfer.generate import main
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.0}')
+    flags = ["--model", str(tiny_checkpoint), "--num-kv-blocks", "32", "--max-tokens", "12"]
+    texts = []
+    for seed in ("1", "2"):  # greedy whatever the engine's seed
+        assert main([*flags, "--generation-config", str(tmp_path), "--seed", seed, "The cache"]) == 0
+        texts.append(capsys.readouterr().out)
+    llm = LLM(tiny_checkpoint, num_kv_blocks=32)
+    greedy = llm.generate(["The cache"], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+    assert texts == ["The cache" + greedy.text + "\n"] * 2
+    assert main([*flags, "--generation-config", str(tmp_path), "--temperature", "1", "The cache"]) == 0
+    assert capsys.readouterr().out != texts[0]  # a flag given wins over the file

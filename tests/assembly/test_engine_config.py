@@ -72,6 +72,19 @@ def test_bad_values_name_their_flag(settings, message):
         EngineConfig(**settings)
 
 
+@pytest.mark.parametrize("variable, value", [("MINFER_DTYPE", "bogus"), ("MINFER_DEVICE", "xyz"),
+                                             ("MINFER_ATTENTION_BACKEND", "fast")])
+def test_a_bad_default_from_the_environment_names_its_variable(monkeypatch, variable, value):
+    """No flag was given: the message points at the variable the bad value came from."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=f"^{variable} \\(the default --[a-z-]+\\) must be .*, got '{value}'"):
+        EngineConfig()
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    with pytest.raises(ValueError, match=f"^{variable} "):
+        EngineConfig.from_cli_args(parser.parse_args([]))
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
@@ -250,6 +263,20 @@ def test_kv_cache_memory_buys_blocks_and_max_model_len_needs_fewer(tiny):
         OnlineScheduler(model, tokenizer, kv_cache_memory=10 * per_block)
     short = OnlineScheduler(model, tokenizer, kv_cache_memory=10 * per_block, max_model_len=128)
     assert short.max_model_len == 128 and short.engine_config.num_kv_blocks == 10
+
+
+def test_num_kv_blocks_past_memory_is_refused_before_it_is_built(tiny, monkeypatch):
+    """A billion blocks took minutes of Python objects, then the machine's memory: now one sentence, at once."""
+    model, tokenizer = tiny
+    per_block = KVCache.bytes_per_block(model.config, 16, model.dtype)
+    with pytest.raises(ValueError, match=r"^--num-kv-blocks 1000000000 is more than the \d+ blocks"):
+        OnlineScheduler(model, tokenizer, num_kv_blocks=10**9)
+    monkeypatch.setattr("minfer.attention.cache_budget.available_memory", lambda device: 100 * per_block)
+    with pytest.raises(ValueError, match=r"^--num-kv-blocks 101 is a .* KV cache, more than the .* free"):
+        OnlineScheduler(model, tokenizer, num_kv_blocks=101)
+    assert OnlineScheduler(model, tokenizer, num_kv_blocks=100).engine_config.num_kv_blocks == 100
+    with pytest.raises(ValueError, match="^--num-kv-blocks 1000000000 is more"):  # before a draft's cache too
+        LLM("minfer-tiny", num_kv_blocks=10**9, speculative_method="draft", speculative_model="minfer-tiny-draft")
 
 
 def test_max_model_len_caps_requests(tiny):

@@ -284,6 +284,8 @@ def test_profile_splits_a_step_into_parts(tiny_checkpoint, tmp_path, capsys, dty
         tmp_path / "p.json",
     )
     assert f"Step-time breakdown ({dtype})" in out
+    table = [line for line in out.splitlines() if line.startswith("part ") or line[:1].isalpha() and "%" in line]
+    assert len({line.index("%") for line in table if "%" in line}) == 1, table  # one column, the longest name too
     prof = json.loads((tmp_path / "p.json").read_text())["profile"]
     assert prof["peaks"]["read_gb_s"] > 0 and prof["peaks"]["matmul_gflop_s"] > 0
     prefill, decode = prof["phases"]["prefill"], prof["phases"]["decode"]
@@ -339,7 +341,9 @@ def test_online_with_no_server_there_says_why(capsys):
     (["--base-url", "http://127.0.0.1:1", "--server-args=--max-queued 3"], "--server-args applies only when bench"),
     (["--hf-batch-size", "2"], "--hf-batch-size applies only with --baseline"),
     (["--hf-num-requests", "2"], "--hf-num-requests applies only with --baseline"),
-    (["--pretok"], "--pretok applies only to text prompts (--prompt, --prompts-file)"),
+    (["--pretok"], "--pretok applies only to text prompts (--prompt, --prompts-file, --workload copy)"),
+    (["--prompt", "Hi", "--input-len", "64"], "--input-len applies only to random prompts"),
+    (["--workload", "copy", "--input-len", "8:16"], "--input-len applies only to random prompts"),
 ])
 def test_a_flag_the_run_would_not_apply_is_refused(flags, message, capsys):
     from minfer.bench.cli import main
@@ -347,3 +351,21 @@ def test_a_flag_the_run_would_not_apply_is_refused(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--model", "minfer-tiny", *flags])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_copy_workload_is_text_prompts(capsys):
+    """--workload copy sends held-out stories: --pretok applies to them, and the header does not say random tokens."""
+    from minfer.bench.cli import main
+
+    assert main(["--model", "minfer-tiny", "--workload", "copy", "--pretok", "--num-requests", "2", "--output-len", "2",
+                 "--warmup-runs", "0", "--disable-tqdm"]) == 0
+    workload = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("workload:"))
+    assert "random" not in workload and "held-out stories" in workload
+
+
+def test_a_prompts_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    from minfer.bench.cli import main
+
+    (tmp_path / "p.txt").write_bytes("caf\u00e9\n".encode("latin-1"))
+    assert main(["--model", "minfer-tiny", "--prompts-file", str(tmp_path / "p.txt"), "--disable-tqdm"]) == 1
+    assert f"prompts file {str(tmp_path / 'p.txt')!r} is not UTF-8 text: byte 0xe9 at offset 3" in capsys.readouterr().err

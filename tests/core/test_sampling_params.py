@@ -21,6 +21,7 @@ def test_params_defaults_and_normalisation():
     assert SP(stop_token_ids=(50256,)).stop_token_ids == [50256]
     assert SP(temperature=1).temperature == 1.0 and isinstance(SP(temperature=1).temperature, float)
     assert SP(seed=-5).seed == -5
+    assert SP(top_k=-1).top_k == 0 and not SP(top_k=-1).uses_sampling_controls  # vLLM's other "off"
 
 
 @pytest.mark.parametrize(
@@ -33,7 +34,7 @@ def test_params_defaults_and_normalisation():
         ({"temperature": math.nan}, "temperature"),
         ({"temperature": math.inf}, "temperature"),
         ({"temperature": "1"}, "temperature"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),
         ({"top_k": 1.5}, "top_k"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),

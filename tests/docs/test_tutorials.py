@@ -200,6 +200,18 @@ def test_unfilled_exercise_fails(script_runs, stage):
     assert f"exercise {stage} graded" not in result.stdout
 
 
+def test_stage_15_without_transformers_says_what_to_install():
+    """Stage 15 checks every number against transformers: without it (a plain install, as tutorials/README.md
+    says) it stops with a sentence, not an import traceback."""
+    hide = "import runpy, sys; sys.modules['transformers'] = None; sys.path.insert(0, sys.argv[1]); " \
+           "runpy.run_path(sys.argv[2], run_name='__main__')"
+    script = TUTORIALS / "15_scoring_text.py"
+    done = subprocess.run([sys.executable, "-c", hide, str(TUTORIALS), str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert 'stage 15 checks every number against transformers: pip install -e ".[tutorials]"' in done.stderr
+
+
 def test_model_path_order(monkeypatch, tiny_checkpoint, capsys):
     """MINFER_MODEL first; then gpt2; with no gpt2 to be had, minfer-tiny, which ships with minfer."""
     monkeypatch.syspath_prepend(str(TUTORIALS))

@@ -138,3 +138,12 @@ def test_disable_log_requests(tiny_checkpoint, caplog, log_requests):
             srv.stop(grace=0.5)
     assert ('"POST /v1/completions" 200' in caplog.text) == log_requests
     assert "listening on http://127.0.0.1:" in caplog.text  # the banner logs either way
+
+
+def test_llm_names_the_generation_config_keys_it_does_not_apply(tuned_checkpoint, caplog):
+    """LLM, as the server's banner, says which generation_config.json keys its default params leave out."""
+    from minfer import LLM
+
+    with caplog.at_level(logging.WARNING, logger="minfer"):
+        LLM(str(tuned_checkpoint), num_kv_blocks=64)
+    assert "not applied: max_new_tokens=50 (not supported yet)" in caplog.text

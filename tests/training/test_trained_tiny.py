@@ -148,6 +148,14 @@ def test_eval_ppl_refuses_settings_it_would_not_apply(argv, message, capsys):
     assert code in (1, 2) and message in capsys.readouterr().err
 
 
+def test_eval_ppl_names_a_file_that_is_not_utf8(tmp_path, capsys):
+    from minfer.bench.perplexity import main
+
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    assert main(["--model", "minfer-tiny", str(tmp_path / "latin1.txt")]) == 1
+    assert capsys.readouterr().err == f"error: {tmp_path / 'latin1.txt'} is not UTF-8 text: byte 0xe9 at offset 3\n"
+
+
 def test_windows_score_every_token_but_the_first_once():
     for n, window, stride in [(2, 4, 2), (10, 4, 2), (11, 4, 3), (9, 4, 3), (100, 16, 1), (3, 8, 4), (9, 2, 1)]:
         scored = [t for begin, end, first in windows(n, window, stride) for t in range(first, end)]

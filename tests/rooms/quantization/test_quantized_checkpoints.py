@@ -35,6 +35,18 @@ def test_quantized_checkpoint_round_trip(make_checkpoint, tmp_path, preset, meth
         LLM(str(out), quantization="int4" if method == "int8" else "int8")
 
 
+@needs_int4
+def test_a_quantized_checkpoint_refuses_settings_it_was_not_written_with(make_checkpoint, tmp_path):
+    """Its weights are quantized already: a group size or a float head it was not written with cannot be applied."""
+    out = save_quantized(load_model(make_checkpoint(), weights=QuantizedWeights(QuantizationSpec("int4"))),
+                         make_checkpoint(), tmp_path / "q4", QuantizationSpec("int4"))  # groups of 64, head quantized
+    with pytest.raises(ValueError, match="holds int4 weights in groups of 64; it cannot be loaded with groups of 32"):
+        LLM(str(out), quantization="int4", quantization_group_size=32)
+    with pytest.raises(ValueError, match="its LM head quantized; it cannot be loaded with --no-quantize-lm-head"):
+        LLM(str(out), quantization="int4", quantize_lm_head=False)
+    assert LLM(str(out), quantization="int4", quantization_group_size=64).generate([[1, 2]], GREEDY, use_tqdm=False)
+
+
 def quantized_copy(make_checkpoint, tmp_path):
     from minfer import quantize
 
