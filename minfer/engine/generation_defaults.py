@@ -37,8 +37,9 @@ def sampling_defaults(model_dir: str | Path, setting: str = "auto") -> tuple[dic
 
 
 def with_defaults(body: dict, defaults: dict) -> dict:
-    """The request body with the checkpoint's defaults under the fields it left out."""
-    return {**defaults, **body} if defaults else body
+    """The request body with the checkpoint's defaults under the fields it omits or sends as null (JSON's "the
+    default", which is the checkpoint's here, as in vLLM)."""
+    return {**defaults, **{k: v for k, v in body.items() if v is not None or k not in defaults}}
 
 
 def describe(defaults: dict, notes: list[str], setting: str) -> str:

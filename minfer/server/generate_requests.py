@@ -5,7 +5,8 @@ from __future__ import annotations
 from .api_errors import invalid
 from .chat_messages import show
 from .request_fields import SAMPLING
-from .requests import Endpoint, ModelInfo, ParsedRequest, get, output_budget, sampling_params, with_defaults
+from ..engine.generation_defaults import with_defaults
+from .requests import Endpoint, ModelInfo, ParsedRequest, get, output_budget, sampling_params
 
 GENERATE = Endpoint("/generate", (SAMPLING - {"ignore_eos", "best_of"}) | {"prompt", "max_new_tokens", "stop_on_eos",
                                                                            "stream"}, None)

@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.generation_defaults import with_defaults
 from ..engine.sampling_params import SamplingParams
 from .api_errors import APIError, invalid
 from ..text.chat_template import ChatTemplate
@@ -233,12 +234,6 @@ def opened_body(body: dict, info: ModelInfo, endpoint: Endpoint, sampling: bool 
                        code="model_not_found")
     endpoint.check(body)
     return body
-
-
-def with_defaults(body: dict, defaults: dict) -> dict:
-    """The body with the checkpoint's sampling defaults under the fields it omits or sends as null (JSON's "the
-    default", which is the checkpoint's here, as in vLLM)."""
-    return {**defaults, **{k: v for k, v in body.items() if v is not None or k not in defaults}}
 
 
 def stream_flags(body: dict, endpoint: Endpoint) -> tuple[bool, bool, bool]:
