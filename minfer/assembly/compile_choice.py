@@ -1,20 +1,24 @@
 """Whether a CPU runs the whole forward compiled (--compile-model) when nobody said either way.
 
-It does where it won at batch 1 and at batches alike: on a CPU with AMX, for fp32 and bf16 models and int8
-and int4 (weight-only) ones, of MIN_PARAMETERS or more, with minfer's compile cache open. There the first
-start compiles the forward into two AOTInductor packages (minutes) and every later start loads them in
-seconds (compiled/packaged.py). docs/performance.md ("By default on AMX") has the side-by-side figures: each
-faster at batch 1, and as fast or faster at 64 requests and 16 streams.
+It does where it won at batch 1 and at batches alike, for models of MIN_PARAMETERS or more, with minfer's
+compile cache open. There the first start compiles the forward into two AOTInductor packages (minutes) and
+every later start loads them in seconds (compiled/packaged.py):
+- on a CPU with AMX, for fp32 and bf16 models and int8 and int4 (weight-only) ones: docs/performance.md
+  ("By default on AMX") has the side-by-side figures, each faster at batch 1, and as fast or faster at 64
+  requests and 16 streams;
+- on a CPU with AVX512-BF16 and no AMX (Zen 4, Zen 5), for bf16 models: 1.4-1.6x eager's speed at batch 1
+  and as fast or faster at 64 requests and 16 streams, where its GEMMs autotune between Inductor's templates
+  and oneDNN ("AVX512-BF16 without AMX"). Measured on an AMX host with AMX taken away from torch, oneDNN and
+  Inductor; the Zen 5 VM measured before the packages had the compiled forward slower than eager (12.0 against
+  9.3-10.1 ms/token). int8 stays eager there: 1.55x at batch 1 but 5% slower at 64 requests.
 
-Elsewhere it stays off too: without AMX the compiled forward was slower than eager at batch 1 (a Zen 5 VM,
-bf16: 12.0 against 9.3-10.1 ms/token); a small model (minfer-tiny, the tests' checkpoints) would spend its
-first start compiling what runs in milliseconds; fp16, --quantize-activations, speculative decoding and
---compile-decode-step were not measured with it, or do not compile with it; building the packages holds
-several copies of the weights at once, which must fit in the free memory (BUILD_PEAK); and without the cache every
-start would compile again.
+Elsewhere it stays off: an AVX2-only CPU was not measured with the packages; a small model (minfer-tiny, the
+tests' checkpoints) would spend its first start compiling what runs in milliseconds; fp16,
+--quantize-activations, speculative decoding and --compile-decode-step were not measured with it, or do not
+compile with it; building the packages holds several copies of the weights at once, which must fit in the free
+memory (BUILD_PEAK); and without the cache every start would compile again.
 --compile-model forces it anywhere on a CPU; --no-compile-model or --enforce-eager keeps the plain path.
 """
-
 from __future__ import annotations
 
 import itertools
@@ -25,7 +29,7 @@ import torch
 
 from ..attention.cache_budget import available_memory
 from ..compiled.artifacts import open_cache
-from ..cpu.features import cpu_has_amx
+from ..cpu.features import cpu_has_amx, cpu_has_native_bf16
 from ..engine.config import EngineConfig
 from ..quantization import quantization_of
 
@@ -38,9 +42,19 @@ MIN_PARAMETERS = 50_000_000  # GPT-2 124M and up; minfer-tiny has ~1M
 # 7.8x (GPT-2 int8) and 7.6x (int4). A build short of memory is killed, not refused.
 BUILD_PEAK = {None: 7, "int8": 9, "int4": 9}
 SHORT_OF_MEMORY = "building its packages takes about"  # how that reason opens: a start it keeps eager says so
-# (dtype, weight quantization) pairs that compile by default
-COMPILED = {(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "int8"), (torch.float32, "int8"),
-            (torch.bfloat16, "int4"), (torch.float32, "int4")}
+# (dtype, weight quantization) pairs that compile by default, by what the CPU has
+COMPILED_ON_AMX = {(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "int8"), (torch.float32, "int8"),
+                   (torch.bfloat16, "int4"), (torch.float32, "int4")}
+COMPILED_ON_AVX512_BF16 = {(torch.bfloat16, None)}
+
+
+def compiled_here() -> tuple[str, set]:
+    """This CPU's kind, and the (dtype, weight quantization) pairs it compiles by default."""
+    if cpu_has_amx():
+        return "AMX", COMPILED_ON_AMX
+    if cpu_has_native_bf16():
+        return "AVX512-BF16", COMPILED_ON_AVX512_BF16
+    return "neither AMX nor AVX512-BF16", set()
 
 
 def why_not_compiled(config: EngineConfig, model: torch.nn.Module) -> str | None:
@@ -51,11 +65,12 @@ def why_not_compiled(config: EngineConfig, model: torch.nn.Module) -> str | None
         return "another choice of how steps run was given"
     if config.speculative_method is not None:
         return "speculative decoding is not measured with it"
-    if not cpu_has_amx():
-        return "this CPU has no AMX: eager ran faster"
+    kind, compiled = compiled_here()
+    if not compiled:
+        return f"this CPU has {kind}: its compiled forward was not measured faster"
     quantization = config.quantization or quantization_of(model)
-    if (model.dtype, quantization) not in COMPILED:
-        return f"{model.dtype} with {quantization or 'unquantized'} weights is not measured compiled"
+    if (model.dtype, quantization) not in compiled:
+        return f"{model.dtype} with {quantization or 'unquantized'} weights is not compiled by default on {kind}"
     num_parameters = sum(t.numel() for t in itertools.chain(model.parameters(), model.buffers()))
     if num_parameters < MIN_PARAMETERS:
         return f"a small model ({num_parameters:,} parameters) would spend its first start compiling"
@@ -87,8 +102,8 @@ def with_compile_choice(config: EngineConfig, model: torch.nn.Module) -> EngineC
         return config
     why_not = why_not_compiled(config, model)
     if why_not is None:
-        log.info("minfer: compiling the whole forward, the default on a CPU with AMX (--no-compile-model: eager); "
-                 "the first start builds it (a minute or more), later ones load it")
+        log.info("minfer: compiling the whole forward, the default on a CPU with %s (--no-compile-model: eager); "
+                 "the first start builds it (a minute or more), later ones load it", compiled_here()[0])
     elif why_not.startswith(SHORT_OF_MEMORY):  # the one reason a user of this CPU and model would not expect
         log.info("minfer: the whole forward stays eager, the default's compiled path needing more memory: %s "
                  "(--compile-model builds it all the same)", why_not)
