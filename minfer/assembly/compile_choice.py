@@ -6,11 +6,12 @@ every later start loads them in seconds (compiled/packaged.py):
 - on a CPU with AMX, for fp32 and bf16 models and int8 and int4 (weight-only) ones: docs/performance.md
   ("By default on AMX") has the side-by-side figures, each faster at batch 1, and as fast or faster at 64
   requests and 16 streams;
-- on a CPU with AVX512-BF16 and no AMX (Zen 4, Zen 5), for bf16 models: 1.4-1.6x eager's speed at batch 1
-  and as fast or faster at 64 requests and 16 streams, where its GEMMs autotune between Inductor's templates
-  and oneDNN ("AVX512-BF16 without AMX"). Measured on an AMX host with AMX taken away from torch, oneDNN and
-  Inductor; the Zen 5 VM measured before the packages had the compiled forward slower than eager (12.0 against
-  9.3-10.1 ms/token). int8 stays eager there: 1.55x at batch 1 but 5% slower at 64 requests.
+- on a CPU with AVX512-BF16 and no AMX (Zen 4, Zen 5), for bf16 models, unquantized or int4: 1.4-1.8x eager's
+  speed at batch 1 and as fast or faster at 64 requests and 16 streams, where its GEMMs autotune between
+  Inductor's templates and oneDNN ("AVX512-BF16 without AMX"). Measured on an AMX host with AMX taken away from
+  torch, oneDNN and Inductor (scripts/without_amx.py); the Zen 5 VM measured before the packages had the compiled
+  forward slower than eager (12.0 against 9.3-10.1 ms/token). int8 stays eager there: 1.55x at batch 1 but 5%
+  slower at 64 requests.
 
 Elsewhere it stays off: an AVX2-only CPU was not measured with the packages; a small model (minfer-tiny, the
 tests' checkpoints) would spend its first start compiling what runs in milliseconds; fp16,
@@ -45,7 +46,7 @@ SHORT_OF_MEMORY = "building its packages takes about"  # how that reason opens: 
 # (dtype, weight quantization) pairs that compile by default, by what the CPU has
 COMPILED_ON_AMX = {(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "int8"), (torch.float32, "int8"),
                    (torch.bfloat16, "int4"), (torch.float32, "int4")}
-COMPILED_ON_AVX512_BF16 = {(torch.bfloat16, None)}
+COMPILED_ON_AVX512_BF16 = {(torch.bfloat16, None), (torch.bfloat16, "int4")}
 
 
 def compiled_here() -> tuple[str, set]:
