@@ -20,6 +20,7 @@ from ..errors import InvalidParameter
 from ..engine.generation_defaults import sampling_defaults
 from ..engine.sampling_params import SamplingParams
 from ..engine.outputs import RequestOutput
+from ..text.chat_template import ChatTemplate
 from .build import build_engine
 
 log = logging.getLogger("minfer")
@@ -85,6 +86,39 @@ class LLM:
         finally:  # an error (or Ctrl-C) must not leave requests holding KV blocks
             for i in ids:
                 self.scheduler.discard_request(i)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, each
+        rendered through the checkpoint's chat template (one `role: content` line each where it has none) and
+        answered to the end of the assistant's turn, as the server's /v1/chat/completions does.
+        `chat_template` (a file, or the template itself) replaces the checkpoint's; `chat_template_kwargs` are
+        more names the template reads (Qwen3's {"enable_thinking": False})."""
+        one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else messages
+        def is_conversation(c) -> bool:
+            return isinstance(c, list) and bool(c) and all(isinstance(m, dict) and "role" in m for m in c)
+
+        if not isinstance(conversations, list) or not all(map(is_conversation, conversations)):
+            raise InvalidParameter("messages", "messages must be a conversation (a list of {'role', 'content'} "
+                                   f"dicts) or a list of them, got {messages!r:.100}")
+        template = ChatTemplate.from_dir(self.model.model_dir, self.tokenizer, override=chat_template)
+        prompts = [self.tokenizer.encode(template.render(c, variables=chat_template_kwargs))
+                   for c in conversations]  # the template writes BOS where it wants one
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+        stops = template.stop_token_ids  # its end-of-turn tokens end the reply
+        if stops:
+            sampling_params = [p if not isinstance(p, SamplingParams) or p.ignore_eos
+                               else replace(p, stop_token_ids=[*(p.stop_token_ids or ()), *stops])
+                               for p in sampling_params]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> dict:
         return self.scheduler.stats()

@@ -1,8 +1,7 @@
 """Chat messages -> the prompt text, through the checkpoint's chat template (text/chat_template.py).
 
 A message is {"role", "content"}: content a string, or a list of text parts ({"type": "text", "text": ...});
-an assistant's may be null, as OpenAI allows. A "developer" message is a "system" one to a template
-that does not name that role. An assistant message may hold the `tool_calls` it made
+an assistant's may be null, as OpenAI allows. An assistant message may hold the `tool_calls` it made
 (OpenAI's shape: id, type, function name and arguments as a JSON string), and a `tool` message answers
 one, naming it by `tool_call_id`: both reach the template as OpenAI sends them, which is what tool-aware
 templates read. GPT-2 has no template, so its messages render as one `role: content` line each, then
@@ -90,14 +89,6 @@ def tool_fields(m: dict, i: int, template: ChatTemplate) -> dict:
     return {"tool_calls": calls}
 
 
-def _role(role: str, template: ChatTemplate) -> str:
-    """The role as the template reads it. OpenAI's "developer" messages are the system's instructions, and a
-    template that never names the role would drop them unseen (Qwen3's) or refuse them: it gets "system"."""
-    if role == "developer" and template.source is not None and "developer" not in template.source:
-        return "system"
-    return role
-
-
 def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> str:
     """body["messages"] checked and rendered with the chat template (chat completions and /tokenize), with
@@ -117,7 +108,7 @@ def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: b
             raise invalid(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}")
         text = message_text(m.get("content"), m["role"], i)
         check_optional(m, "name", f"messages[{i}].name", str)
-        rendered.append({"role": _role(m["role"], template), "content": text, **tool_fields(m, i, template)})
+        rendered.append({"role": m["role"], "content": text, **tool_fields(m, i, template)})
     variables = body.get("chat_template_kwargs")  # vLLM's extension, e.g. {"enable_thinking": false} for Qwen3
     if variables is not None and not isinstance(variables, dict):
         raise invalid("chat_template_kwargs", f"'chat_template_kwargs' must be an object, got {show(variables)}",

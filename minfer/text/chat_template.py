@@ -103,11 +103,15 @@ class ChatTemplate:
     ) -> str:
         """The prompt text for these messages, ending where the assistant's reply begins. `variables`
         are more names the template may read (Qwen3's `enable_thinking`, for one); `tools`, the tool
-        definitions, for a template that supports them."""
+        definitions, for a template that supports them. A "developer" message is a "system" one to a
+        template that never names that role."""
         if self._template is None:
             return render_chat(messages)
         from jinja2.exceptions import TemplateError
 
+        if "developer" not in self.source:  # OpenAI's developer messages are the system's instructions: a
+            # template that never names the role would drop them unseen (Qwen3's) or refuse them
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         try:
             context = {**self.special_tokens, **(variables or {})}
             # tools None when there are none, as transformers renders them: templates test `if tools`.

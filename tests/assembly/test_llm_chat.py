@@ -1,0 +1,68 @@
+"""LLM.chat answers a conversation in-process as the server's /v1/chat/completions does: the same prompt through
+the checkpoint's chat template, ended at the end of the assistant's turn."""
+
+import pytest
+from engine_checks import assert_all_free
+
+from minfer import LLM, SamplingParams
+from minfer.errors import InvalidParameter
+from minfer.server.chat_requests import parse_chat
+from minfer.server.requests import ModelInfo
+from minfer.text.chat_template import ChatTemplate
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+HELLO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+FOLLOW_UP = [*HELLO, {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "And then?"}]
+
+
+@pytest.fixture(scope="module")
+def llm(make_checkpoint):
+    return LLM(make_checkpoint("qwen3-tiny"), num_kv_blocks=48)
+
+
+def served(llm, messages):
+    """What the server's chat path makes of these messages: the prompt's ids and the SamplingParams."""
+    template = ChatTemplate.from_dir(llm.model.model_dir, llm.tokenizer)
+    info = ModelInfo("m", llm.tokenizer, 512, template)
+    req = parse_chat({"messages": messages, "max_tokens": GREEDY.max_tokens, "temperature": 0}, info)
+    return req.prompts[0], req.params
+
+
+def test_a_conversation_is_answered_as_the_server_answers_it(llm):
+    ids, params = served(llm, HELLO)
+    assert params.stop_token_ids  # the template's end of turn: the reply stops there
+    (out,) = llm.chat(HELLO, GREEDY, use_tqdm=False)
+    (want,) = llm.generate([ids], params, use_tqdm=False)
+    assert out.prompt_token_ids == ids and out.token_ids == want.token_ids and out.text == want.text
+    assert GREEDY.stop_token_ids is None  # the caller's params are left as they were
+    assert_all_free(llm)
+
+
+def test_a_list_of_conversations_is_answered_in_order_each_as_alone(llm):
+    alone = [llm.chat(c, GREEDY, use_tqdm=False)[0].text for c in (HELLO, FOLLOW_UP)]
+    together = llm.chat([HELLO, FOLLOW_UP], GREEDY, use_tqdm=False)
+    assert [o.text for o in together] == alone
+    assert together[1].prompt_token_ids == served(llm, FOLLOW_UP)[0]
+
+
+def test_a_template_given_and_its_variables_are_used(llm):
+    template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}{{ greeting }}"
+    (out,) = llm.chat(HELLO, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False, chat_template=template,
+                      chat_template_kwargs={"greeting": "hey"})
+    assert out.prompt_token_ids == llm.tokenizer.encode("Be brief.|Hello there|hey")
+
+
+@pytest.mark.parametrize("messages", ["hi", [[]], [{"content": "no role"}], [HELLO, "hi"], None])
+def test_what_is_no_conversation_is_refused_naming_messages(llm, messages):
+    with pytest.raises(InvalidParameter, match="messages must be a conversation") as e:
+        llm.chat(messages, GREEDY, use_tqdm=False)
+    assert e.value.param == "messages"
+
+
+def test_no_conversations_no_outputs(llm):
+    assert llm.chat([], GREEDY, use_tqdm=False) == []  # as generate([]) is
+
+
+def test_a_developer_message_is_a_system_one_to_a_template_without_that_role(llm):
+    developer = [{"role": "developer", "content": "Be brief."}, HELLO[1]]
+    assert llm.chat(developer, GREEDY, use_tqdm=False)[0].prompt_token_ids == served(llm, HELLO)[0]
