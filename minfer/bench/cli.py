@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shlex
 import sys
@@ -53,11 +54,8 @@ NO_MODEL_HINT = (
 
 
 def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument(
         "--mode",
         choices=["offline", "online"],
@@ -389,6 +387,8 @@ def main(argv: list[str] | None = None, prog: str = "python bench.py") -> int:
         return run(args)
     except ModelNotFoundError as e:
         print(NO_MODEL_HINT.format(model=args.model, why=str(e).split(" (")[0]), file=sys.stderr)
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as minfer generate does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # or the exit's flush fails once more
     except (ValueError, OSError, ImportError) as e:  # bad flags, files or servers: one line, no traceback
         print(f"bench.py: error: {e}", file=sys.stderr)
     return 1

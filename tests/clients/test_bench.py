@@ -6,7 +6,10 @@ test_bench_requests.py."""
 import itertools
 import json
 import statistics
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 from bench_runs import WORKLOAD, run_bench
@@ -369,3 +372,13 @@ def test_a_prompts_file_that_is_not_utf8_is_named(tmp_path, capsys):
     (tmp_path / "p.txt").write_bytes("caf\u00e9\n".encode("latin-1"))
     assert main(["--model", "minfer-tiny", "--prompts-file", str(tmp_path / "p.txt"), "--disable-tqdm"]) == 1
     assert f"prompts file {str(tmp_path / 'p.txt')!r} is not UTF-8 text: byte 0xe9 at offset 3" in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_ends_the_run_quietly(tiny_checkpoint):
+    """`python bench.py ... | head -1`: the report's reader is gone, and bench stops without an error line."""
+    proc = subprocess.Popen([sys.executable, "bench.py", "--model", str(tiny_checkpoint), *WORKLOAD],
+                            cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()  # the header's first line, then the reader goes
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 1 and "error" not in err and "Traceback" not in err, err
