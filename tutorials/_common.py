@@ -50,6 +50,21 @@ def exercise_source() -> str | None:
     return value
 
 
+def refuse_an_exercise_flag_where_there_is_none() -> None:
+    """`--exercise` on a stage without an exercise would run minfer's own code and pass: say there is none."""
+    if not any(arg == "--exercise" or arg.startswith("--exercise=") for arg in sys.argv[1:]):
+        return
+    from exercises.plug import EXERCISES
+
+    stage = os.path.basename(sys.argv[0]).split("_", 1)[0]
+    if stage not in EXERCISES:
+        raise SystemExit(f"stage {stage} has no exercise (--exercise): stages {', '.join(sorted(EXERCISES))} "
+                         "have one (tutorials/README.md)")
+
+
+refuse_an_exercise_flag_where_there_is_none()  # as each stage imports this module, before it loads a model
+
+
 def exercise(stage: str, namespace: dict | None = None):
     """Plug the stage's exercise into the engine if --exercise or MINFER_EXERCISE asks (else do nothing);
     call .graded() on the result at the stage's end. namespace: the script's globals, for an exercise

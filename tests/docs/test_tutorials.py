@@ -200,6 +200,14 @@ def test_unfilled_exercise_fails(script_runs, stage):
     assert f"exercise {stage} graded" not in result.stdout
 
 
+def test_exercise_flag_on_a_stage_without_an_exercise_says_there_is_none():
+    """It would run minfer's own code and pass, as if something had been graded."""
+    done = subprocess.run([sys.executable, str(TUTORIALS / "04_sampling.py"), "--exercise"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr and done.stdout == "", done.stderr
+    assert "stage 04 has no exercise (--exercise): stages 03, 07, 08, 09, 10, 11 have one" in done.stderr
+
+
 def test_stage_15_without_transformers_says_what_to_install():
     """Stage 15 checks every number against transformers: without it (a plain install, as tutorials/README.md
     says) it stops with a sentence, not an import traceback."""
