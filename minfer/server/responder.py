@@ -72,11 +72,8 @@ class Responder:
         """Chat streams open with the assistant's role, once per choice."""
         if not self.chat:
             return []
-        chunks = []
-        for i in range(self.num_choices):
-            opening = [self._chunk([self._choice("", None, role=True, index=i)])]
-            chunks += opening if self.usage_so_far is None else self.usage_so_far.stamped(opening, i)
-        return chunks
+        chunks = [self._chunk([self._choice("", None, role=True, index=i)]) for i in range(self.num_choices)]
+        return chunks if self.usage_so_far is None else self.usage_so_far.openings(chunks)
 
     def delta_chunks(self, delta: CompletionDelta, prompt: int = 0) -> list[dict]:
         """The chunks for one step's delta of a completion of prompt `prompt`: its text (a delta whose text

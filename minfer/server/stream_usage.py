@@ -35,6 +35,10 @@ class UsageSoFar:
         self.score_only = score_only  # the prompt scored, nothing generated: its completion counts none
         self.generated = [0] * (len(prompts) * n)
 
+    def openings(self, chunks: list[dict]) -> list[dict]:
+        """A chat stream's first chunks, chunk i choice i's, each with its usage (nothing generated yet)."""
+        return [self.stamped([chunk], i)[0] for i, chunk in enumerate(chunks)]
+
     def stamped(self, chunks: list[dict], index: int, delta: CompletionDelta | None = None) -> list[dict]:
         """The chunks of choice `index`, each with its usage, the tokens of `delta` (the step's) counted."""
         if delta is not None and not self.score_only:
