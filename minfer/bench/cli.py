@@ -189,7 +189,7 @@ def offline_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResu
     if args.warmup_runs:
         progress(f"warming up ({args.warmup_runs} small unmeasured run{'s' if args.warmup_runs > 1 else ''}) ...")
     for _ in range(args.warmup_runs):
-        run_offline(llm.scheduler, warm, progress=False)
+        run_offline(llm.scheduler, warm, progress=False, defaults=llm.sampling_defaults)
     results, summaries = [], []
     for k, workload in enumerate(workloads):
         progress(f"measuring run {k + 1} of {len(workloads)} ...")
@@ -197,7 +197,8 @@ def offline_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResu
             torch.cuda.reset_peak_memory_stats(device)
         bar = not args.disable_tqdm
         before = counters_of_stats(llm.scheduler.stats())
-        results.append(run_offline(llm.scheduler, workload, args.max_concurrency, bar, f"run {k}", args.n))
+        results.append(run_offline(llm.scheduler, workload, args.max_concurrency, bar, f"run {k}", args.n,
+                                   llm.sampling_defaults))
         spec = spec_summary(before, counters_of_stats(llm.scheduler.stats()))
         summaries.append(run_summary(results[-1], **peak_memory(device), **spec))
     return results, summaries, llm.scheduler

@@ -31,6 +31,7 @@ def run_offline(
     progress: bool = True,
     desc: str = "minfer",
     n: int = 1,
+    defaults: dict | None = None,
 ) -> RunResult:
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     live: dict[str, RequestRecord] = {}  # submitted, not yet finished
@@ -47,7 +48,7 @@ def run_offline(
         ):
             r = pending.popleft()
             submit = time.perf_counter() - t0
-            rid = submit_request(scheduler, r, n)
+            rid = submit_request(scheduler, r, n, defaults)
             live[rid] = unscheduled[rid] = RequestRecord(
                 r.index, r.input_len, n * r.output_len, submit_time=submit, num_choices=n
             )
@@ -83,15 +84,14 @@ def run_offline(
     return RunResult(sorted(done, key=lambda r: r.index), duration, steps)
 
 
-def submit_request(scheduler: OnlineScheduler, r: BenchRequest, n: int = 1) -> str:
-    # Greedy, and ignore_eos so every request produces exactly its output length. n > 1 samples (seeded),
-    # or the n choices would all be the same.
+def submit_request(scheduler: OnlineScheduler, r: BenchRequest, n: int = 1, defaults: dict | None = None) -> str:
+    """Greedy, and ignore_eos so every request produces exactly its output length. n > 1 samples (seeded),
+    or the n choices would all be the same. `defaults`: the checkpoint's sampling defaults (--generation-config),
+    under the fields the workload sets, as the server fills the fields an online run's requests leave out."""
     constraint = StructuredOutputsParams(**r.structured_outputs) if r.structured_outputs else None
     common = dict(max_tokens=r.output_len, ignore_eos=True, logprobs=r.logprobs, structured_outputs=constraint)
-    if n == 1:
-        params = SamplingParams(temperature=0.0, **common)
-    else:
-        params = SamplingParams(temperature=1.0, seed=r.index, n=n, **common)
+    sampling = dict(temperature=0.0) if n == 1 else dict(temperature=1.0, seed=r.index, n=n)
+    params = SamplingParams(**{**(defaults or {}), **sampling, **common})
     if r.prompt_token_ids is not None:
         return scheduler.add_request(prompt_token_ids=r.prompt_token_ids, sampling_params=params)
     return scheduler.add_request(r.prompt, sampling_params=params)

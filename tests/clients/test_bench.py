@@ -382,3 +382,24 @@ def test_a_reader_that_goes_ends_the_run_quietly(tiny_checkpoint):
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(60) == 1 and "error" not in err and "Traceback" not in err, err
+
+
+def test_offline_requests_take_the_checkpoint_defaults_as_served_ones_do(tiny_checkpoint, tmp_path, monkeypatch,
+                                                                         capsys):
+    """Online, the server fills the fields bench's requests leave out from generation_config.json
+    (--generation-config); offline runs fill them the same way, under the fields the workload sets."""
+    from minfer.engine.scheduler import OnlineScheduler
+
+    (tmp_path / "generation_config.json").write_text('{"top_k": 3, "temperature": 0.7, "repetition_penalty": 1.1}')
+    sent = []
+    add_request = OnlineScheduler.add_request
+    monkeypatch.setattr(OnlineScheduler, "add_request",
+                        lambda self, *a, sampling_params, **k: sent.append(sampling_params) or add_request(
+                            self, *a, sampling_params=sampling_params, **k))
+    run_bench(capsys, "--model", tiny_checkpoint, *WORKLOAD, "--n", "2", "--generation-config", tmp_path)
+    measured = [p for p in sent if p.n == 2]  # the warm-up's are greedy, one choice each
+    assert measured and all((p.top_k, p.repetition_penalty, p.temperature) == (3, 1.1, 1.0) for p in measured)
+    assert all((p.top_k, p.repetition_penalty) == (3, 1.1) for p in sent)
+    sent.clear()
+    run_bench(capsys, "--model", tiny_checkpoint, *WORKLOAD, "--generation-config", "vllm")
+    assert sent and all((p.top_k, p.repetition_penalty, p.temperature) == (0, 1.0, 0.0) for p in sent)
