@@ -9,7 +9,7 @@ every later start loads them in seconds (compiled/packaged.py):
 - on a CPU with AVX512-BF16 and no AMX (Zen 4, Zen 5), for bf16 models, unquantized or int4: 1.4-1.8x eager's
   speed at batch 1 and as fast or faster at 64 requests and 16 streams, where its GEMMs autotune between
   Inductor's templates and oneDNN ("AVX512-BF16 without AMX"). Measured on an AMX host with AMX taken away from
-  torch, oneDNN and Inductor (scripts/without_amx.py); the Zen 5 VM measured before the packages had the compiled
+  torch, oneDNN and Inductor (scripts/imitate_cpu.py); the Zen 5 VM measured before the packages had the compiled
   forward slower than eager (12.0 against 9.3-10.1 ms/token). int8 stays eager there: 1.55x at batch 1 but 5%
   slower at 64 requests.
 
