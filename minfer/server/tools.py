@@ -157,3 +157,18 @@ def _check_tool(tool, i: int) -> None:
     if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
         raise invalid(f"tools[{i}].function.parameters", f"'tools[{i}].function.parameters' must be a JSON schema "
                       f"of an object, got {show(parameters)}", "invalid_type")
+    if parameters is not None:  # what every choice reads, "auto" too (it only renders them): its shape, at least
+        _check_object_schema(parameters, f"tools[{i}].function.parameters")
+
+
+def _check_object_schema(schema: dict, param: str) -> None:
+    """An object schema's `properties` (an object of schemas) and `required` (a list of names): OpenAI refuses
+    a tool whose parameters are not a valid schema, where a template would render it into the prompt as it is."""
+    properties, required = schema.get("properties"), schema.get("required")
+    if properties is not None and not (isinstance(properties, dict)
+                                       and all(isinstance(p, (dict, bool)) for p in properties.values())):
+        raise invalid(f"{param}.properties", f"'{param}.properties' must be an object of schemas, got "
+                      f"{show(properties)}", "invalid_type")
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise invalid(f"{param}.required", f"'{param}.required' must be a list of property names, got "
+                      f"{show(required)}", "invalid_type")

@@ -179,6 +179,12 @@ def test_generate_fields(info):
             "name": "f", "description": {"text": "x"}}}]}, 400, "tools[0].function.description"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {
             "name": "f", "strict": "true"}}]}, 400, "tools[0].function.strict"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": "x"}}}]}, 400,
+         "tools[0].function.parameters.properties"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"properties": {"a": {"type": "string"}}, "required": "a"}}}]}, 400,
+         "tools[0].function.parameters.required"),
         (parse_generate, {"prompt": "a", "stop_on_eos": "no"}, 400, "stop_on_eos"),
     ],
 )
