@@ -35,7 +35,7 @@ from ..speculative.speculation import Speculation
 from ..speculative.speculator import Speculator
 from ..structured.structured import Structured
 from ..text.tokenizer import Tokenizer
-from .compile_choice import with_compile_choice
+from .compile_choice import lone_only, with_compile_choice
 from .memory import with_profiled_budget
 from .prepare import prepare_model
 
@@ -61,7 +61,7 @@ def build_engine(
         config, speculation = with_speculation(config, model, context_len, draft)
     step = None
     if config.compile_decode_step or config.compile_model:
-        step = CompiledDecodeStep(model, whole=config.compile_model)
+        step = CompiledDecodeStep(model, whole=config.compile_model, lone_only=lone_only(config, model))
     graphs = cuda_graphs.wants_decode_graphs(model.device, config.enforce_eager, attention)
     compiled = None
     # compiled/forward.py: warm-ups, graphs, fallbacks, and what /health says of the compile cache

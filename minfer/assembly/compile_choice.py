@@ -10,16 +10,19 @@ every later start loads them in seconds (compiled/packaged.py):
   speed at batch 1 and as fast or faster at 64 requests and 16 streams, where its GEMMs autotune between
   Inductor's templates and oneDNN ("AVX512-BF16 without AMX"). Measured on an AMX host with AMX taken away from
   torch, oneDNN and Inductor (scripts/imitate_cpu.py); the Zen 5 VM measured before the packages had the compiled
-  forward slower than eager (12.0 against 9.3-10.1 ms/token). int8 stays eager there: 1.55x at batch 1 but 5%
-  slower at 64 requests.
+  forward slower than eager (12.0 against 9.3-10.1 ms/token);
+- for int8 models there, and on an AVX2-only CPU (fp32 activations), a lone sequence's decode alone (`lone_only`):
+  compiled whole, int8 ran batch 1 1.3-1.6x faster but 64 requests 5-15% slower, so batches and prefill stay
+  eager, and only the lone decode's package is built.
 
-Elsewhere it stays off: an AVX2-only CPU was not measured with the packages; a small model (minfer-tiny, the
+Elsewhere it stays off: other pairs were not measured faster without AMX; a small model (minfer-tiny, the
 tests' checkpoints) would spend its first start compiling what runs in milliseconds; fp16,
 --quantize-activations, speculative decoding and --compile-decode-step were not measured with it, or do not
 compile with it; building the packages holds several copies of the weights at once, which must fit in the free
 memory (BUILD_PEAK); and without the cache every start would compile again.
 --compile-model forces it anywhere on a CPU; --no-compile-model or --enforce-eager keeps the plain path.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -47,15 +50,26 @@ SHORT_OF_MEMORY = "building its packages takes about"  # how that reason opens: 
 COMPILED_ON_AMX = {(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "int8"), (torch.float32, "int8"),
                    (torch.bfloat16, "int4"), (torch.float32, "int4")}
 COMPILED_ON_AVX512_BF16 = {(torch.bfloat16, None), (torch.bfloat16, "int4")}
+# pairs whose batch package lost to eager there (int8: eager rounds batches to int8 or widens the weights, the
+# graph lowers every row count to the one-row kernel's GEMM): a lone sequence's decode alone compiles
+LONE_ONLY_ON_AVX512_BF16 = {(torch.bfloat16, "int8")}
+LONE_ONLY_ON_AVX2 = {(torch.float32, "int8")}
 
 
-def compiled_here() -> tuple[str, set]:
-    """This CPU's kind, and the (dtype, weight quantization) pairs it compiles by default."""
+def compiled_here() -> tuple[str, set, set]:
+    """This CPU's kind, the (dtype, weight quantization) pairs it compiles by default, and those of them whose
+    lone decode alone compiles."""
     if cpu_has_amx():
-        return "AMX", COMPILED_ON_AMX
+        return "AMX", COMPILED_ON_AMX, set()
     if cpu_has_native_bf16():
-        return "AVX512-BF16", COMPILED_ON_AVX512_BF16
-    return "neither AMX nor AVX512-BF16", set()
+        return "AVX512-BF16", COMPILED_ON_AVX512_BF16 | LONE_ONLY_ON_AVX512_BF16, LONE_ONLY_ON_AVX512_BF16
+    return "AVX2 alone", LONE_ONLY_ON_AVX2, LONE_ONLY_ON_AVX2
+
+
+def lone_only(config: EngineConfig, model: torch.nn.Module) -> bool:
+    """Whether the whole forward compiles for a lone sequence's decode alone, batches and prefill eager: where
+    its batch package lost to eager on this CPU, whether the compile was chosen or asked for."""
+    return (model.dtype, config.quantization or quantization_of(model)) in compiled_here()[2]
 
 
 def why_not_compiled(config: EngineConfig, model: torch.nn.Module) -> str | None:
@@ -66,9 +80,7 @@ def why_not_compiled(config: EngineConfig, model: torch.nn.Module) -> str | None
         return "another choice of how steps run was given"
     if config.speculative_method is not None:
         return "speculative decoding is not measured with it"
-    kind, compiled = compiled_here()
-    if not compiled:
-        return f"this CPU has {kind}: its compiled forward was not measured faster"
+    kind, compiled, _ = compiled_here()
     quantization = config.quantization or quantization_of(model)
     if (model.dtype, quantization) not in compiled:
         return f"{model.dtype} with {quantization or 'unquantized'} weights is not compiled by default on {kind}"
@@ -103,8 +115,9 @@ def with_compile_choice(config: EngineConfig, model: torch.nn.Module) -> EngineC
         return config
     why_not = why_not_compiled(config, model)
     if why_not is None:
-        log.info("minfer: compiling the whole forward, the default on a CPU with %s (--no-compile-model: eager); "
-                 "the first start builds it (a minute or more), later ones load it", compiled_here()[0])
+        log.info("minfer: compiling the whole forward%s, the default on a CPU with %s (--no-compile-model: eager); "
+                 "the first start builds it (a minute or more), later ones load it",
+                 " for a lone sequence's decode" if lone_only(config, model) else "", compiled_here()[0])
     elif why_not.startswith(SHORT_OF_MEMORY):  # the one reason a user of this CPU and model would not expect
         log.info("minfer: the whole forward stays eager, the default's compiled path needing more memory: %s "
                  "(--compile-model builds it all the same)", why_not)

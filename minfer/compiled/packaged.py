@@ -167,11 +167,12 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 
 def load_or_build(
-    model: torch.nn.Module, opaque: OpaqueAttention, example: Callable[[str], tuple], parts: dict, options: dict
+    model: torch.nn.Module, opaque: OpaqueAttention, example: Callable[[str], tuple], parts: dict, options: dict,
+    kinds: tuple[str, ...] = ("lone", "batch"),
 ) -> tuple[PackagedForward | None, CompileRecord | None, str | None]:
     """The packages for `model`: loaded from the cache, else built there from `example("lone")` and
-    `example("batch")`, each a (rows, batch) of that kind (made only to build). Returns (the forward, how it
-    was had, None), or (None, None, why not)."""
+    `example("batch")`, each a (rows, batch) of that kind (made only to build); `kinds` ("lone",): the lone
+    decode's alone. Returns (the forward, how it was had, None), or (None, None, why not)."""
     start = time.perf_counter()
     root, why_off = open_cache()
     if root is None:
@@ -179,7 +180,7 @@ def load_or_build(
     try:
         key = {**common_parts(), **parts, "weights": weights_fingerprint(model)}
         entry = CacheEntry(root, "whole-forward-package", key)
-        paths = {kind: entry.path.with_name(f"{entry.path.stem}.{kind}") for kind in ("lone", "batch")}  # folders
+        paths = {kind: entry.path.with_name(f"{entry.path.stem}.{kind}") for kind in kinds}  # folders
         built, runners = [], {}
         with entry.locked() as have_lock, inductor_cache_in(root / "inductor"), templates_compiled_once():
             for number, (kind, path) in enumerate(paths.items(), 1):
@@ -201,12 +202,13 @@ def load_or_build(
                 runners[kind] = _load(path)
                 built.append(kind)
             runners["lone"].load_own_constants()
-            _share(runners["lone"], runners["batch"], paths, may_drop=have_lock)
+            if "batch" in runners:
+                _share(runners["lone"], runners["batch"], paths, may_drop=have_lock)
     except Exception as e:  # an export the model refuses, a full disk, a package that does not load
         return None, None, failure_line(e)
     how = "compiled" if built else "loaded"
     record = CompileRecord(how, time.perf_counter() - start, len(paths) - len(built), len(built), path=entry.path)
-    return PackagedForward(runners["lone"], runners["batch"], opaque.backend.lone_decode_in_graph), record, None
+    return PackagedForward(runners["lone"], runners.get("batch"), opaque.backend.lone_decode_in_graph), record, None
 
 
 def _load(path: Path) -> PackageRunner:

@@ -70,9 +70,10 @@ class CompiledDecodeStep:
     """Called as the model is, (input_ids (N,), paged) -> logits (S, V); runs all-decode steps' blocks
     compiled, or (`whole`) the steps `serves` names through the frozen whole-forward graph."""
 
-    def __init__(self, model: torch.nn.Module, whole: bool = False):
+    def __init__(self, model: torch.nn.Module, whole: bool = False, lone_only: bool = False):
         self.model = model
         self.whole = whole  # the whole forward with frozen weights (--compile-model), else the block graph
+        self.lone_only = whole and lone_only  # the whole forward for a lone sequence's decode alone: batches eager
         self.fusion_off = False  # the whole forward compiled in memory without epilogue fusion, after an error
         self.off_because: str | None = None  # why the graph stopped serving, once it has
         self.layers: list[torch.nn.Module] = []  # the blocks the block graph runs (none for the whole forward)
@@ -120,6 +121,7 @@ class CompiledDecodeStep:
         parts = {
             "model": model_fingerprint(self.model), "whole": self.whole, "block_size": runner.block_size,
             "attention": runner.attention.name, "lone_decode_in_graph": runner.attention.lone_decode_in_graph,
+            **({"lone_only": True} if self.lone_only else {}),  # its own entry: the keys before it stay as they were
         }
         if self.whole and runner.device.type == "cpu":
             why_not = self._packages(runner, parts)
@@ -139,18 +141,19 @@ class CompiledDecodeStep:
         """Load the whole forward's AOTInductor packages, or build them (packaged.py): None, or why not."""
         options = whole_forward_options(self.model)
         opaque = OpaqueAttention(runner.attention)
+        kinds = ("lone",) if self.lone_only else ("lone", "batch")
         self.packaged, record, why_not = load_or_build(
-            self.model, opaque, functools.partial(warm_up_step, runner), parts, options
+            self.model, opaque, functools.partial(warm_up_step, runner), parts, options, kinds
         )
         if self.packaged is not None:
             self.compile_record = record
-            self.compiled_batches = {True, False}
+            self.compiled_batches = {True} if self.lone_only else {True, False}
         return why_not
 
     def __call__(self, input_ids: torch.Tensor, paged: PagedBatch) -> torch.Tensor:
         meta = paged.attention
         num_sampled, num_tokens = paged.sample_rows.shape[0], input_ids.shape[0]
-        if self.whole and not self.off_because and num_tokens >= 2 and num_sampled < 2:
+        if self.whole and not self.lone_only and not self.off_because and num_tokens >= 2 and num_sampled < 2:
             return self._with_two_sampled_rows(input_ids, paged)
         if self.off_because or not self.serves(meta.all_decode, num_sampled, num_tokens):
             self.num_eager_steps += 1
@@ -208,10 +211,11 @@ class CompiledDecodeStep:
         forward: a lone sequence's decode (its graph), and steps of two rows or more that sample two or
         more (the other; `__call__` pads a chunk that samples fewer). Sizes of 1 and 0 are specialised, so
         a step sampling several rows of one (n completions forking from a one-token prompt) would compile a
-        third graph, with a third copy of the frozen weights: it runs eager."""
+        third graph, with a third copy of the frozen weights: it runs eager. `lone_only`: the lone decode alone."""
         if not self.whole:
             return all_decode
-        return (num_sampled >= 2 and num_tokens >= 2) or (num_sampled == 1 and num_tokens == 1)
+        lone = num_sampled == 1 and num_tokens == 1
+        return lone or (not self.lone_only and num_sampled >= 2 and num_tokens >= 2)
 
     @contextmanager
     def _blocks_compiled(self) -> Iterator[None]:

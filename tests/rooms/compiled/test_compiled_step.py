@@ -344,3 +344,26 @@ def test_llama_with_int4_weights_is_packaged(make_checkpoint, tmp_path, monkeypa
     got = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert step.off_because is None and step.num_whole_steps == 6  # the prompt (batch graph), 5 decodes (lone)
     assert len(got[0].token_ids) == 6
+
+
+def test_int8_without_amx_packages_the_lone_decode_alone(tiny_checkpoint, tmp_path, monkeypatch):
+    """Where int8's batch package lost to eager (AVX512-BF16 or AVX2 without AMX: assembly/compile_choice.py), only a
+    lone sequence's decode is packaged and compiled; batches and prefill run eager, and serve what eager serves."""
+    from minfer.assembly import compile_choice
+
+    monkeypatch.setenv("MINFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(compile_choice, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(compile_choice, "cpu_has_native_bf16", lambda: False)  # AVX2 alone: fp32 activations
+    settings = dict(quantization="int8", num_kv_blocks=40, max_num_seqs=4)
+    llm = LLM(tiny_checkpoint, compile_model=True, **settings)
+    step = graph_of(llm)
+    assert step.lone_only and step.off_because is None and step.packaged is not None and step.packaged.batch is None
+    entry = step.compile_record.path
+    assert {p.suffix for p in entry.parent.glob(entry.stem + ".*") if p.is_dir()} == {".lone"}
+    alone = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
+    assert step.num_whole_steps == GREEDY.max_tokens - 1  # every decode; the prompt ran eager
+    whole, eager_steps = step.num_whole_steps, step.num_eager_steps
+    batch = llm.generate([[5, 6, 7], [9, 10, 11, 12]], GREEDY, use_tqdm=False)
+    assert step.num_whole_steps == whole and step.num_eager_steps > eager_steps  # batches eager
+    eager = LLM(tiny_checkpoint, compile_model=False, **settings)
+    assert batch[0].token_ids == alone.token_ids == eager.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
