@@ -37,6 +37,7 @@ from ..models.registry import load_model
 from ..quantization import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization, quantize_model
 from ..quantization.checkpoint import QuantizationSpec, QuantizedWeights
 from ..text.tokenizer import Tokenizer
+from .workload import utf8_text
 
 
 @dataclass(frozen=True)
@@ -93,10 +94,7 @@ def file_perplexity(
 ) -> tuple[Perplexity, int, int]:
     """(the result, window, stride) for the text file at `path` under checkpoint `model_name`,
     quantized as the engine's --quantization would (quantization/) if one is given."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:  # its own message names neither the file nor what to do
-        raise ValueError(f"{path} is not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start}") from None
+    text = utf8_text(Path(path), str(path))
     check_quantization(quantization, group_size, quantize_lm_head, quantize_activations)
     spec = None if quantization is None else QuantizationSpec(quantization, group_size, quantize_lm_head)
     model = load_model(model_name, device=device, dtype=resolve_dtype(dtype, torch.device(device)), weights=QuantizedWeights(spec))

@@ -69,6 +69,15 @@ def arrival_times(n: int, rate: float, rng: random.Random) -> list[float]:
     return times
 
 
+def utf8_text(path: Path, name: str) -> str:
+    """The file's text; a ValueError naming it (`name`), the byte and its offset where it is not UTF-8 (the
+    codec's own message names neither the file nor what is wrong with it)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name} is not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start}") from None
+
+
 def read_prompts(prompts: list[str] | None, prompts_file: str | None) -> list[str]:
     """Text prompts from --prompt (repeatable) and --prompts-file (one per line, blank lines skipped)."""
     texts = list(prompts or [])
@@ -76,11 +85,7 @@ def read_prompts(prompts: list[str] | None, prompts_file: str | None) -> list[st
         path = Path(prompts_file)
         if not path.is_file():
             raise FileNotFoundError(f"prompts file {prompts_file!r} does not exist")
-        try:
-            texts += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        except UnicodeDecodeError as e:  # its own message names neither the file nor what is wrong with it
-            raise ValueError(f"prompts file {prompts_file!r} is not UTF-8 text: byte 0x{e.object[e.start]:02x} at "
-                             f"offset {e.start}") from None
+        texts += [line for line in utf8_text(path, f"prompts file {prompts_file!r}").splitlines() if line.strip()]
         if not texts:
             raise ValueError(f"prompts file {prompts_file!r} holds no prompt")
     if any(not t for t in texts):
