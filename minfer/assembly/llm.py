@@ -64,13 +64,7 @@ class LLM:
         choice, in `index` order. A prompt is a text or its token ids (prompt_list says every form taken);
         sampling_params is one for every prompt or a list of one per prompt."""
         prompts = prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
-        listed = isinstance(sampling_params, (list, tuple))
-        if not listed or not all(isinstance(p, SamplingParams) for p in sampling_params):
-            raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {sampling_params!r:.200}")
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        sampling_params = self._params_per_prompt(sampling_params, len(prompts))
         ids = []
         try:
             for prompt, params in zip(prompts, sampling_params):
@@ -102,23 +96,25 @@ class LLM:
         more names the template reads (Qwen3's {"enable_thinking": False})."""
         one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if one else messages
-        def is_conversation(c) -> bool:
-            return isinstance(c, list) and bool(c) and all(isinstance(m, dict) and "role" in m for m in c)
-
-        if not isinstance(conversations, list) or not all(map(is_conversation, conversations)):
+        if not isinstance(conversations, list) or not all(map(_is_conversation, conversations)):
             raise InvalidParameter("messages", "messages must be a conversation (a list of {'role', 'content'} "
                                    f"dicts) or a list of them, got {messages!r:.100}")
         template = ChatTemplate.from_dir(self.model.model_dir, self.tokenizer, override=chat_template)
         prompts = [self.tokenizer.encode(template.render(c, variables=chat_template_kwargs))
                    for c in conversations]  # the template writes BOS where it wants one
+        per_prompt = self._params_per_prompt(sampling_params, len(prompts))
+        return self.generate(prompts, [template.ending_turns(p) for p in per_prompt], use_tqdm)
+
+    def _params_per_prompt(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt: the one given for all, the checkpoint's defaults if none, or the list."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
-        stops = template.stop_token_ids  # its end-of-turn tokens end the reply
-        if stops:
-            sampling_params = [p if not isinstance(p, SamplingParams) or p.ignore_eos
-                               else replace(p, stop_token_ids=[*(p.stop_token_ids or ()), *stops])
-                               for p in sampling_params]
-        return self.generate(prompts, sampling_params, use_tqdm)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * num_prompts
+        listed = isinstance(sampling_params, (list, tuple))
+        if not listed or not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {sampling_params!r:.200}")
+        if len(sampling_params) != num_prompts:
+            raise ValueError(f"got {len(sampling_params)} sampling params for {num_prompts} prompts")
+        return list(sampling_params)
 
     def stats(self) -> dict:
         return self.scheduler.stats()
@@ -127,6 +123,10 @@ class LLM:
         """Release the engine's CUDA graphs and their memory (vLLM frees them at shutdown). The model and its
         cache go with the last reference to this LLM, as any tensor does."""
         self.scheduler.close()
+
+
+def _is_conversation(messages) -> bool:
+    return isinstance(messages, list) and bool(messages) and all(isinstance(m, dict) and "role" in m for m in messages)
 
 
 def prompt_list(prompts) -> list[str | list[int]]:

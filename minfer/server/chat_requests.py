@@ -40,7 +40,5 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
     params = sampling_params(body, output_budget(body, name, len(ids), info, None),
                              get(body, "ignore_eos", False, "bool"), fields, logprobs=logprobs,
                              structured_outputs=constraint)
-    stops = info.chat_template.stop_token_ids
-    if stops and not params.ignore_eos:  # the reply ends at the end of its turn
-        params.stop_token_ids = [*(params.stop_token_ids or ()), *stops]
+    params = info.chat_template.ending_turns(params)  # the reply ends at the end of its turn
     return ParsedRequest([ids], params, *stream_flags(body, CHAT), fields, tools=tools)

@@ -23,6 +23,7 @@ A template that reads the variable `tools` renders a request's tool definitions 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -119,6 +120,13 @@ class ChatTemplate:
                                          add_generation_prompt=add_generation_prompt)
         except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise ChatTemplateError(f"the chat template could not render these messages: {e}") from None
+
+    def ending_turns(self, params):
+        """`params` (SamplingParams) stopping at this template's end-of-turn tokens too: the reply ends with its
+        turn, unless the params ignore EOS."""
+        if not self.stop_token_ids or params.ignore_eos:
+            return params
+        return replace(params, stop_token_ids=[*(params.stop_token_ids or ()), *self.stop_token_ids])
 
 
 def read_template_option(value: str) -> str:
