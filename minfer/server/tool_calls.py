@@ -123,7 +123,7 @@ def read(fmt: ToolFormat, text: str, names: set[str], final: bool, partial: bool
             break
         if fmt.open or at == 0:  # between Llama 3's calls stands their separator, not content
             pieces.append(text[at:start])
-        end, after = _end_of_call(fmt, text, start)
+        end, after = _end_of_call(fmt, text, start, final and not partial)
         if end < 0:  # open: it may still become a call
             if partial and (call := _open_call(fmt, text[start + len(fmt.open) :])) is not None:
                 calls.append(call)
@@ -149,16 +149,33 @@ def _next_call(fmt: ToolFormat, text: str, at: int) -> int:
     return at + len(rest) - len(stripped) if stripped.startswith("{") else -1
 
 
-def _end_of_call(fmt: ToolFormat, text: str, start: int) -> tuple[int, int]:
-    """(where the call's JSON ends, where the text after it starts), or (-1, -1) while it is open."""
+def _end_of_call(fmt: ToolFormat, text: str, start: int, whole: bool) -> tuple[int, int]:
+    """(where the call's JSON ends, where the text after it starts), or (-1, -1) while it is open. A closing
+    tag inside one of the JSON's strings (an argument may well hold "</tool_call>") does not close it: only
+    one outside them does, or, in a `whole` reply where none does (a stray quote), the first of all."""
     if fmt.close:
-        end = text.find(fmt.close, start)
+        end = _close_outside_strings(fmt, text, start + len(fmt.open))
+        if end < 0 and whole:
+            end = text.find(fmt.close, start)
         return (end, end + len(fmt.close)) if end >= 0 else (-1, -1)
     try:
         _, end = json.JSONDecoder().raw_decode(text, start)
     except ValueError:
         return -1, -1
     return end, end
+
+
+def _close_outside_strings(fmt: ToolFormat, text: str, at: int) -> int:
+    """Where the first closing tag at or after `at` that no JSON string holds starts, or -1. Whether a
+    point is inside a string depends on the text before it alone, so a stream's prefix finds what the whole
+    reply does."""
+    in_string = False
+    for m in re.finditer(r'\\.?|"|' + re.escape(fmt.close), text[at:], re.S):  # an escape hides its character
+        if m.group() == '"':
+            in_string = not in_string
+        elif not in_string and m.group() == fmt.close:
+            return at + m.start()
+    return -1
 
 
 def _opening_prefix(fmt: ToolFormat, tail: str) -> int:

@@ -86,6 +86,21 @@ def test_enforced_calls_parse_and_validate_streamed_and_not(client, server, choi
     wait_all_free(server)
 
 
+def test_a_closing_tag_in_an_enforced_argument_is_the_same_call_streamed_and_not(client, server):
+    """An argument may hold the format's closing tag as text: the call is still one call, streamed or not."""
+    say = {"type": "object", "additionalProperties": False, "required": ["s"],
+           "properties": {"s": {"const": "a</tool_call>b"}}}
+    tools = [{"type": "function", "function": {"name": "say", "parameters": say}}]
+    fields = {"tools": tools, "tool_choice": "required", "temperature": 0, "max_tokens": 200}
+    reply = create(client, server, **fields).choices[0]
+    assert reply.finish_reason == "tool_calls" and reply.message.content is None, reply
+    [call] = reply.message.tool_calls
+    assert json.loads(call.function.arguments) == {"s": "a</tool_call>b"}
+    content, calls, finish = streamed(client, server, **fields)
+    assert (content, [(name, arguments) for _, name, arguments in calls], finish) == \
+        ("", [("say", call.function.arguments)], "tool_calls")
+
+
 def test_parallel_tool_calls_false_holds_one_call_each(client, server):
     out = create(client, server, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=3,
                  temperature=1.0, seed=7)
@@ -185,6 +200,7 @@ def test_a_template_without_tools_says_so(make_checkpoint):
 
 NAMES = {"get_weather", "add"}
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": "}"}}}\n</tool_call>'
+TAG_IN_ARGUMENT = '<tool_call>\n{"name": "add", "arguments": {"a": "x</tool_call>\\"y"}}\n</tool_call>'
 
 
 @pytest.mark.parametrize("fmt, text, content, calls", [
@@ -196,6 +212,9 @@ CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": "}"}}}\n</
     (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1\n</tool_call>',  # bad JSON: content
      '<tool_call>\n{"name": "add", "arguments": {"a": 1\n</tool_call>', []),
     (HERMES, 'Hi <tool_call>\n{"name": "add", "argu', 'Hi <tool_call>\n{"name": "add", "argu', []),  # cut by length
+    (HERMES, TAG_IN_ARGUMENT + " Done.", "Done.", [("add", '{"a": "x</tool_call>\\"y"}')]),  # a tag in a string
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": "1}\n</tool_call>',  # a stray quote: the first tag
+     '<tool_call>\n{"name": "add", "arguments": {"a": "1}\n</tool_call>', []),
     (LLAMA3_JSON, '{"name": "add", "parameters": {"a": 2}}; {"name": "get_weather", "parameters": {}}', "",
      [("add", '{"a": 2}'), ("get_weather", "{}")]),
     (LLAMA3_JSON, 'The answer is {"name": "add", "parameters": {}}', 'The answer is {"name": "add", "parameters": {}}',
@@ -213,6 +232,18 @@ def test_auto_replies_read_the_same_whole_and_streamed(fmt, text, content, calls
         for d in deltas:
             got.setdefault(d["index"], [d["function"].get("name"), ""])[1] += d["function"]["arguments"]
     assert got_content == content and [tuple(v) for v in got.values()] == calls
+
+
+def test_an_enforced_call_reads_past_a_closing_tag_in_its_arguments():
+    """Held to the grammar (partial), a call streams its arguments as they grow: "</tool_call>" inside one
+    of its strings neither ends the call nor turns what was sent into content."""
+    stream, got = CallStream(HERMES, NAMES, partial=True), ""
+    for i, char in enumerate(TAG_IN_ARGUMENT):
+        content, deltas = stream.add(char, final=i == len(TAG_IN_ARGUMENT) - 1)
+        assert content == ""
+        got += "".join(d["function"]["arguments"] for d in deltas)
+    whole = read(HERMES, TAG_IN_ARGUMENT, NAMES, final=True, partial=True)
+    assert got == whole.calls[0].arguments == '{"a": "x</tool_call>\\"y"}' and whole.content == ""
 
 
 def test_content_that_may_open_a_call_is_held_back():
