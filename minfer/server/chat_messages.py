@@ -64,15 +64,21 @@ def message_text(content, role: str, i: int) -> str:
     raise invalid(param, f"'{param}' must be a string or a list of text parts, got {show(content)}", "invalid_type")
 
 
-def tool_fields(m: dict, i: int, template: ChatTemplate) -> dict:
+def tool_fields(m: dict, i: int, template: ChatTemplate, call_ids: set[str]) -> dict:
     """An assistant message's tool_calls, or a tool message's tool_call_id (and name), checked where the
-    template renders tools (one that does not refuses a tool message itself, or shows it as text)."""
+    template renders tools (one that does not refuses a tool message itself, or shows it as text). A tool
+    message answers a call an earlier assistant message made (`call_ids`, which this adds to), as OpenAI
+    requires."""
     if not template.supports_tools:
         return {}
     if m["role"] == "tool":
-        if not isinstance(m.get("tool_call_id"), str):
+        answered = m.get("tool_call_id")
+        if not isinstance(answered, str):
             raise invalid(f"messages[{i}].tool_call_id", f"'messages[{i}].tool_call_id' is required: a tool message "
                           "answers the call it names", "missing_required_parameter")
+        if answered not in call_ids:
+            raise invalid(f"messages[{i}].tool_call_id", f"'messages[{i}].tool_call_id' is {show(answered)}, the id "
+                          "of no tool call in an earlier assistant message: a tool message answers one of them")
         return {k: m[k] for k in ("tool_call_id", "name") if m.get(k) is not None}
     calls = m.get("tool_calls")
     if m["role"] != "assistant" or calls is None:
@@ -80,13 +86,39 @@ def tool_fields(m: dict, i: int, template: ChatTemplate) -> dict:
     if not isinstance(calls, list):
         raise invalid(f"messages[{i}].tool_calls", f"'messages[{i}].tool_calls' must be a list", "invalid_type")
     for k, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(
-                function.get("arguments"), str):
+        param = f"messages[{i}].tool_calls[{k}]"
+        if not isinstance(call, dict):
             shape = '{"id", "type": "function", "function": {"name", "arguments": a JSON string}}'
-            raise invalid(f"messages[{i}].tool_calls[{k}]", f"'messages[{i}].tool_calls[{k}]' must be {shape}",
-                          "invalid_type")
+            raise invalid(param, f"'{param}' must be {shape}, got {show(call)}", "invalid_type")
+        _require(call, "id", str, f"{param}.id", "the id its tool message names")
+        if call.get("type", "function") != "function":
+            raise invalid(f"{param}.type", f"'{param}.type' must be 'function', got {show(call['type'])}")
+        function = _require(call, "function", dict, f"{param}.function", "an object with the name and arguments")
+        _require(function, "name", str, f"{param}.function.name", "the name of the function called")
+        _arguments(function, f"{param}.function")
+        call_ids.add(call["id"])
     return {"tool_calls": calls}
+
+
+def _require(obj: dict, key: str, kind: type, param: str, what: str):
+    value = obj.get(key)
+    if not isinstance(value, kind):
+        raise invalid(param, f"'{param}' must be {what}, got {show(value)}",
+                      "missing_required_parameter" if value is None else "invalid_type")
+    return value
+
+
+def _arguments(function: dict, param: str) -> dict:
+    """A call's arguments, read from their JSON text: an object ("" for none, as vLLM reads it)."""
+    text = _require(function, "arguments", str, f"{param}.arguments", "a JSON object as text")
+    try:
+        arguments = json.loads(text) if text else {}
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise invalid(f"{param}.arguments", f"'{param}.arguments' must be a JSON object as text, such as "
+                      f"'{{\"city\": \"Paris\"}}', got {show(text)}")
+    return arguments
 
 
 def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: bool = True,
@@ -100,7 +132,7 @@ def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: b
         raise invalid("messages", f"'messages' must be a list, got {show(messages)}", "invalid_type")
     if not messages:
         raise invalid("messages", "'messages' is empty: give at least one message")
-    rendered = []
+    rendered, call_ids = [], set()
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise invalid(f"messages[{i}]", f"'messages[{i}]' must be an object, got {show(m)}", "invalid_type")
@@ -108,7 +140,7 @@ def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: b
             raise invalid(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}")
         text = message_text(m.get("content"), m["role"], i)
         check_optional(m, "name", f"messages[{i}].name", str)
-        rendered.append({"role": m["role"], "content": text, **tool_fields(m, i, template)})
+        rendered.append({"role": m["role"], "content": text, **tool_fields(m, i, template, call_ids)})
     variables = body.get("chat_template_kwargs")  # vLLM's extension, e.g. {"enable_thinking": false} for Qwen3
     if variables is not None and not isinstance(variables, dict):
         raise invalid("chat_template_kwargs", f"'chat_template_kwargs' must be an object, got {show(variables)}",

@@ -150,6 +150,15 @@ def post(server, body):
     return resp.status, out
 
 
+ANSWER = {"role": "tool", "tool_call_id": "c1", "content": "3"}
+
+
+def called(call: dict) -> dict:
+    """An assistant message that called add (id c1), with `call`'s fields in place of its own."""
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}, **call}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
 BAD = [  # (fields, the param the 400 names, words in its message)
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name", "letters"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", "letters"),
@@ -172,8 +181,20 @@ BAD = [  # (fields, the param the 400 names, words in its message)
       "tool_choice": "required"}, "tools", "nope"),
     ({"messages": [*ASK, {"role": "tool", "content": "sunny"}], "tools": TOOLS}, "messages[1].tool_call_id",
      "tool_call_id"),
-    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"function": {"name": "add"}}]}], "tools": TOOLS},
-     "messages[1].tool_calls[0]", "arguments"),
+    ({"messages": [*ASK, called({"function": {"name": "add"}})], "tools": TOOLS},
+     "messages[1].tool_calls[0].function.arguments", "JSON object"),
+    ({"messages": [*ASK, called({"function": {"name": "add", "arguments": "{'a': 1}"}}), ANSWER], "tools": TOOLS},
+     "messages[1].tool_calls[0].function.arguments", "JSON object"),
+    ({"messages": [*ASK, called({"function": {"name": "add", "arguments": "[1]"}})], "tools": TOOLS},
+     "messages[1].tool_calls[0].function.arguments", "JSON object"),
+    ({"messages": [*ASK, called({"id": None}), ANSWER], "tools": TOOLS}, "messages[1].tool_calls[0].id", "id"),
+    ({"messages": [*ASK, called({"function": {"arguments": "{}"}})], "tools": TOOLS},
+     "messages[1].tool_calls[0].function.name", "name"),
+    ({"messages": [*ASK, called({"type": "retrieval"})], "tools": TOOLS}, "messages[1].tool_calls[0].type",
+     "'function'"),
+    ({"messages": [*ASK, called({}), {**ANSWER, "tool_call_id": "c2"}], "tools": TOOLS}, "messages[2].tool_call_id",
+     "no tool call"),
+    ({"messages": [*ASK, ANSWER, called({})], "tools": TOOLS}, "messages[1].tool_call_id", "no tool call"),
 ]
 
 
