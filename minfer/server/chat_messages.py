@@ -3,8 +3,8 @@
 A message is {"role", "content"}: content a string, or a list of text parts ({"type": "text", "text": ...});
 an assistant's may be null, as OpenAI allows. An assistant message may hold the `tool_calls` it made
 (OpenAI's shape: id, type, function name and arguments as a JSON string), and a `tool` message answers
-one, naming it by `tool_call_id`: both reach the template as OpenAI sends them, which is what tool-aware
-templates read. GPT-2 has no template, so its messages render as one `role: content` line each, then
+one, naming it by `tool_call_id`: both reach a tool-aware template as OpenAI sends them, but for the
+arguments, which it gets as an object (as transformers and vLLM hand them over). GPT-2 has no template, so its messages render as one `role: content` line each, then
 `assistant:` for the model to continue:
 
     system: You are terse.
@@ -68,7 +68,8 @@ def tool_fields(m: dict, i: int, template: ChatTemplate, call_ids: set[str]) -> 
     """An assistant message's tool_calls, or a tool message's tool_call_id (and name), checked where the
     template renders tools (one that does not refuses a tool message itself, or shows it as text). A tool
     message answers a call an earlier assistant message made (`call_ids`, which this adds to), as OpenAI
-    requires."""
+    requires. Each call's arguments reach the template as an object, as transformers' and vLLM's do: a
+    template that writes `arguments | tojson` (Llama 3.1's) would write a JSON string's text as a string."""
     if not template.supports_tools:
         return {}
     if m["role"] == "tool":
@@ -85,6 +86,7 @@ def tool_fields(m: dict, i: int, template: ChatTemplate, call_ids: set[str]) -> 
         return {}
     if not isinstance(calls, list):
         raise invalid(f"messages[{i}].tool_calls", f"'messages[{i}].tool_calls' must be a list", "invalid_type")
+    read = []
     for k, call in enumerate(calls):
         param = f"messages[{i}].tool_calls[{k}]"
         if not isinstance(call, dict):
@@ -95,9 +97,9 @@ def tool_fields(m: dict, i: int, template: ChatTemplate, call_ids: set[str]) -> 
             raise invalid(f"{param}.type", f"'{param}.type' must be 'function', got {show(call['type'])}")
         function = _require(call, "function", dict, f"{param}.function", "an object with the name and arguments")
         _require(function, "name", str, f"{param}.function.name", "the name of the function called")
-        _arguments(function, f"{param}.function")
+        read.append({**call, "function": {**function, "arguments": _arguments(function, f"{param}.function")}})
         call_ids.add(call["id"])
-    return {"tool_calls": calls}
+    return {"tool_calls": read}
 
 
 def _require(obj: dict, key: str, kind: type, param: str, what: str):

@@ -13,6 +13,10 @@ import pytest
 from serving import serving, wait_all_free
 
 from minfer import EngineConfig
+from minfer.server.chat_requests import parse_chat
+from minfer.server.requests import ModelInfo
+from minfer.text.chat_template import ChatTemplate
+from minfer.text.tokenizer import Tokenizer
 from minfer.server.tool_calls import HERMES, LLAMA3_JSON, CallStream, read
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit", "days"], "properties": {
@@ -205,6 +209,18 @@ def test_bad_input_is_a_400_naming_the_field(server, fields, param, words):
     assert words in out["error"]["message"], out["error"]["message"]
     assert post(server, {"messages": ASK, "max_tokens": 2})[0] == 200  # and it keeps serving
     wait_all_free(server)
+
+
+def test_a_template_gets_a_calls_arguments_as_an_object(make_checkpoint):
+    """As transformers and vLLM hand them over: Llama 3.1's template writes `arguments | tojson`, which made
+    a JSON string of the text OpenAI sends. No arguments ("") are an empty object."""
+    tokenizer = Tokenizer.from_dir(make_checkpoint("qwen3-tiny", tools=True))
+    template = ChatTemplate("{{ tools | length }}{% for m in messages %}{% for c in m.tool_calls or [] %}"
+                            "{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}")
+    info = ModelInfo("q", tokenizer, 512, template)
+    messages = [*ASK, called({}), ANSWER, called({"id": "c2", "function": {"name": "now", "arguments": ""}})]
+    prompt = parse_chat({"messages": messages, "tools": TOOLS, "max_tokens": 1}, info).prompt_token_ids
+    assert tokenizer.decode(prompt) == '3{"a": 1}{}'
 
 
 def test_a_template_without_tools_says_so(make_checkpoint):
