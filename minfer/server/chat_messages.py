@@ -46,6 +46,8 @@ def message_text(content, role: str, i: int) -> str:
     if content is None and role == "assistant":
         return ""
     if isinstance(content, list):
+        if not content:  # OpenAI's 400 too: an empty list is no content, not an empty text
+            raise invalid(param, f"'{param}' is an empty list: give at least one content part, or a string")
         for k, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else None

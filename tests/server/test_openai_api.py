@@ -161,6 +161,9 @@ def test_generate_fields(info):
         (parse_chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content[0]"),
         (parse_chat, {"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content"),
         (parse_chat, {"messages": [{"role": "user", "content": ["hi"]}]}, 400, "messages[0].content[0]"),
+        (parse_chat, {"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),  # OpenAI's 400
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": []}]}, 400,
+         "messages[1].content"),
         (parse_chat, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content[0].text"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400,
          "tools[0].function"),  # the tool's own fault first, before this model's template (which renders none)
