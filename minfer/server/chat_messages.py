@@ -4,8 +4,8 @@ A message is {"role", "content"}: content a string, or a list of text parts ({"t
 an assistant's may be null, as OpenAI allows. An assistant message may hold the `tool_calls` it made
 (OpenAI's shape: id, type, function name and arguments as a JSON string), and a `tool` message answers
 one, naming it by `tool_call_id`: both reach a tool-aware template as OpenAI sends them, but for the
-arguments, which it gets as an object (as transformers and vLLM hand them over). GPT-2 has no template, so its messages render as one `role: content` line each, then
-`assistant:` for the model to continue:
+arguments, which it gets as an object (as transformers and vLLM hand them over). GPT-2 has no template,
+so its messages render as one `role: content` line each, then `assistant:` for the model to continue:
 
     system: You are terse.
     user: Hi!
