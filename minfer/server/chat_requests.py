@@ -24,7 +24,10 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
     constraint, source = read_constraint(body) if STRUCTURED & body.keys() else (None, None)
     if tools is not None and tools.enforced:  # "required" or a named function: the grammar of its calls
         constraint, source = tools.constraint(constraint, source), "tools"
-    if constraint is not None:  # a constrained reply starts with what its grammar wants: no <think> block first
+        body = without_thinking(body)  # a constrained reply starts with what its grammar wants: no <think> first
+    elif tools is not None and tools.strict and constraint is None:  # free text, calls held to the tools
+        constraint, source = tools.constraint(), "tools"
+    elif constraint is not None:
         body = without_thinking(body)
     ids = info.tokenizer.encode(render_messages(body, info.chat_template, tools=tools and tools.rendered))  # BOS too
     # max_completion_tokens is the current name; max_tokens the deprecated one. No limit: up to the context.

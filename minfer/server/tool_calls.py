@@ -34,13 +34,39 @@ class ToolFormat:
     def grammar(self, tools: list[dict], names: list[str], parallel: bool) -> str:
         """A Lark grammar (llguidance's, with %json) for calls to `names`, their arguments valid against
         the tools' parameters: exactly one call, or with `parallel` one or more."""
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", self.arguments],
-                  "properties": {"name": {"const": t["function"]["name"]}, self.arguments: parameters(t)}}
-                 for t in tools if t["function"]["name"] in names]
-        schema = {"x-guidance": {"whitespace_pattern": WHITESPACE}, "anyOf": calls}
+        body = self._body([(t, parameters(t)) for t in tools if t["function"]["name"] in names])
         call = f"{json.dumps(self.open + chr(10))} body {json.dumps(chr(10) + self.close)}" if self.open else "body"
         more = f" ({json.dumps(self.separator)} call)*" if parallel else ""
-        return f"start: call{more}\ncall: {call}\nbody: %json {json.dumps(schema)}"
+        return f"start: call{more}\ncall: {call}\n{body}"
+
+    def auto_grammar(self, tools: list[dict], parallel: bool) -> str:
+        """The grammar of an "auto" reply with a strict tool: text, but every call it opens is a call to a
+        tool, a strict one's arguments valid against its parameters (another's, any object); with
+        `parallel`, as many calls as it likes, else one at most. Lexemes' `&` and `~` are llguidance's."""
+        body = self._body([(t, parameters(t) if t["function"].get("strict") else {"type": "object"}) for t in tools])
+        if not self.open:  # Llama 3's: the reply is the calls, or text that does not open as a call would
+            more = f" ({json.dumps(self.separator)} body)*" if parallel else ""
+            return f"start: TEXT | calls\nTEXT: /{ANY}/ & ~/[ \\t\\n]*\\{{{ANY}/\ncalls: body{more}\n{body}"
+        # As llguidance's StructTag: the text before an opening is lazy (it ends at the opening, and a call
+        # follows); the text after the last call holds no opening.
+        return (f"%llguidance {{}}\nstart: call{'*' if parallel else '?'} tail\ntail: TAIL\n"
+                f"TAIL: /{ANY}/ & ~/{ANY}{_regex(self.open)}{ANY}/\nopening[lazy]: TEXT {json.dumps(self.open)}\n"
+                f"TEXT: /{ANY}/\ncall: opening {json.dumps(chr(10))} body {json.dumps(chr(10) + self.close)}\n{body}")
+
+    def _body(self, tools: list[tuple[dict, dict]]) -> str:
+        """The rule `body`: a call's JSON object, one alternative per (tool, schema of its arguments)."""
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", self.arguments],
+                  "properties": {"name": {"const": t["function"]["name"]}, self.arguments: schema}}
+                 for t, schema in tools]
+        return f"body: %json {json.dumps({'x-guidance': {'whitespace_pattern': WHITESPACE}, 'anyOf': calls})}"
+
+
+ANY = r"(.|\n)*"  # any text, as a regex
+
+
+def _regex(text: str) -> str:
+    """`text` as a regex matching it (Rust's syntax: only its own metacharacters escaped)."""
+    return "".join("\\" + c if c in r"\.+*?()|[]{}^$#&-~/" else c for c in text)
 
 
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments", "\n")

@@ -7,7 +7,9 @@
   back in `tool_calls`), "none" (no tools rendered, content only), "required" (a call to one of the
   tools), or `{"type": "function", "function": {"name": ...}}` (a call to that one). "required" and a
   named function are enforced: a grammar (tool_calls.py) that the structured/ room holds the reply to,
-  so the call's name is a tool's and its arguments validate against that tool's parameters.
+  so the call's name is a tool's and its arguments validate against that tool's parameters. Under "auto", a
+  tool with `strict: true` holds every call the reply makes to the tools (a strict one's arguments to its
+  parameters), its text left free; a response_format, which leaves no room for a call, goes first.
 - `parallel_tool_calls` (default true): enforced replies hold one call, or with it one or more; an
   "auto" reply without it gives back its first call only.
 OpenAI's older `functions` and `function_call` are refused, pointing here.
@@ -56,9 +58,17 @@ class Tools:
     def enforced(self) -> bool:
         return self.choice in ("required", "function")
 
+    @property
+    def strict(self) -> bool:
+        """Under "auto", a tool asks for `strict`: the reply's calls are held to the tools, its text is free."""
+        return self.choice == "auto" and any(t["function"].get("strict") is True for t in self.tools)
+
     def constraint(self, other: StructuredOutputsParams | None = None, source: str | None = None):
         """The grammar a "required" or named reply is held to (a StructuredOutputsParams), which leaves no
-        room for another constraint (`other`, from the request's field `source`)."""
+        room for another constraint (`other`, from the request's field `source`); under "auto" with a strict
+        tool, the grammar of text whose calls are held to the tools."""
+        if not self.enforced:
+            return StructuredOutputsParams(grammar=self.format.auto_grammar(self.tools, self.parallel))
         if other is not None:
             raise invalid(source, f"'{source}' and tool_choice {self.choice!r} both hold the reply to a format: "
                           "a call's format is the tool's")

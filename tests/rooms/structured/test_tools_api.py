@@ -14,10 +14,11 @@ from serving import serving, wait_all_free
 
 from minfer import EngineConfig
 from minfer.server.chat_requests import parse_chat
+from minfer.structured.grammars import Grammars
 from minfer.server.requests import ModelInfo
 from minfer.text.chat_template import ChatTemplate
 from minfer.text.tokenizer import Tokenizer
-from minfer.server.tool_calls import HERMES, LLAMA3_JSON, CallStream, read
+from minfer.server.tool_calls import HERMES, LLAMA3_JSON, CallStream, format_of, read
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit", "days"], "properties": {
     "city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]},
@@ -103,6 +104,51 @@ def test_a_closing_tag_in_an_enforced_argument_is_the_same_call_streamed_and_not
     content, calls, finish = streamed(client, server, **fields)
     assert (content, [(name, arguments) for _, name, arguments in calls], finish) == \
         ("", [("say", call.function.arguments)], "tool_calls")
+
+
+STRICT = [{"type": "function", "function": {**TOOLS[1]["function"], "strict": True}}, TOOLS[2]]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_strict_tools_hold_an_auto_replys_calls(server, parallel):
+    """Under "auto", a strict tool's calls validate against its parameters, as OpenAI's do: the reply is held
+    to text whose calls are calls to the tools (a strict one's arguments its parameters', another's any
+    object); without parallel_tool_calls, one call at most."""
+    info, fmt = server.info, format_of(server.info.chat_template)
+    params = parse_chat({"messages": ASK, "tools": STRICT, "parallel_tool_calls": parallel}, info).params
+    grammars = Grammars(info.tokenizer, info.tokenizer.vocab_size)
+
+    def takes(text):
+        matcher = grammars.matcher(params.structured_outputs)
+        return matcher.consume_tokens(info.tokenizer.encode(text)) and matcher.is_accepting()
+
+    def call(name, arguments):
+        body = json.dumps({"name": name, fmt.arguments: arguments})
+        return f"{fmt.open}\n{body}\n{fmt.close}" if fmt.open else body
+
+    first, second = call("add", {"a": 1, "b": 2}), call("now", {"x": [1]})
+    assert takes("No call: just text, {braces} and all.")
+    assert takes(("Let me add. " if fmt.open else "") + first)
+    assert takes(first + (fmt.separator if not fmt.open else "\n") + second) == parallel
+    assert not takes(call("add", {"a": 1, "b": 200})) and not takes(call("add", {"a": 1}))  # not add's parameters
+    assert not takes(call("fly", {}))  # not a tool
+    loose = parse_chat({"messages": ASK, "tools": TOOLS}, info).params  # no strict tool: nothing is enforced
+    assert loose.structured_outputs is None
+
+
+def test_strict_tools_leave_an_auto_replys_text_free(client, server):
+    """A reply held to strict tools that writes no call is content, as without them; a response_format
+    goes first (it leaves no room for a call)."""
+    reply = create(client, server, tools=STRICT, temperature=0, max_tokens=20).choices[0]
+    assert reply.message.tool_calls is None and reply.message.content
+    ids = parse_chat({"messages": ASK, "tools": STRICT}, server.info).prompt_token_ids
+    free = client.completions.create(model=server.info.name, prompt=ids, temperature=0, max_tokens=20,
+                                     extra_body={"structured_outputs": {"regex": "(.|\n)*"}})  # any valid UTF-8
+    assert reply.message.content == free.choices[0].text.strip()  # the mask took no text but a call's opening
+    formatted = create(client, server, tools=STRICT, temperature=0, max_tokens=40,
+                       response_format={"type": "json_object"}).choices[0]
+    assert formatted.finish_reason == "length" or isinstance(json.loads(formatted.message.content), dict)
+    wait_all_free(server)
 
 
 def test_parallel_tool_calls_false_holds_one_call_each(client, server):
