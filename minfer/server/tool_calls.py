@@ -106,13 +106,14 @@ class CallStream:
         self.text = ""
         self.content_sent = 0
         self.sent: list[list] = []  # per call: [id, arguments sent]
+        self.complete = True  # every call read so far has closed
 
     def add(self, piece: str, final: bool) -> tuple[str, list[dict]]:
         """(content to send, tool-call deltas to send) once `piece` has joined the reply."""
         self.text += piece
         reading = read(self.fmt, self.text, self.names, final, self.partial)
         content, self.content_sent = reading.content[self.content_sent :], len(reading.content)
-        deltas = []
+        deltas, self.complete = [], all(call.complete for call in reading.calls[: self.limit])
         for i, call in enumerate(reading.calls[: self.limit]):
             if i == len(self.sent):
                 self.sent.append([call_id(), ""])

@@ -92,14 +92,21 @@ class ToolReplies:
         if not calls:
             return {"role": "assistant", "content": reading.content}, finish_reason
         message = {"role": "assistant", "content": reading.content or None, "tool_calls": calls}
-        return message, "tool_calls" if finish_reason == "stop" else finish_reason
+        return message, _finish_reason(finish_reason, all(c.complete for c in reading.calls[: self.limit]))
 
     def add(self, index: int, delta: CompletionDelta) -> tuple[str, list[dict]]:
         """A streamed reply's delta: (content to send, tool-call deltas to send)."""
         return self.streams[index].add(delta.text, final=delta.finish_reason is not None)
 
     def finish_reason(self, index: int, finish_reason: str | None) -> str | None:
-        return "tool_calls" if self.streams[index].called and finish_reason == "stop" else finish_reason
+        stream = self.streams[index]
+        return _finish_reason(finish_reason, stream.complete) if stream.called else finish_reason
+
+
+def _finish_reason(finish_reason: str | None, complete: bool) -> str | None:
+    """A reply that called: "tool_calls" where it stopped with its calls whole. A stop string may cut an
+    enforced call short (its arguments are then a prefix, as "length" leaves them): that reply says "stop"."""
+    return "tool_calls" if finish_reason == "stop" and complete else finish_reason
 
 
 def read_tools(body: dict, template: ChatTemplate) -> Tools | None:

@@ -106,6 +106,19 @@ def test_a_closing_tag_in_an_enforced_argument_is_the_same_call_streamed_and_not
         ("", [("say", call.function.arguments)], "tool_calls")
 
 
+def test_a_call_a_stop_string_cuts_short_is_not_finish_reason_tool_calls(client, server):
+    """A stop string may end an enforced call inside its arguments: the reply then says "stop" (its arguments a
+    prefix, as "length" leaves them), streamed or not, where "tool_calls" told a client to run it."""
+    fields = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}, "stop": ['"b"'],
+              "temperature": 0}  # add's arguments are {"a": ..., "b": ...}: cut after a
+    reply = create(client, server, **fields).choices[0]
+    [call] = reply.message.tool_calls
+    assert reply.finish_reason == "stop" and '"a"' in call.function.arguments and '"b"' not in call.function.arguments
+    content, calls, finish = streamed(client, server, **fields)
+    assert (content, [(name, arguments) for _, name, arguments in calls], finish) == \
+        ("", [("add", call.function.arguments)], "stop")
+
+
 STRICT = [{"type": "function", "function": {**TOOLS[1]["function"], "strict": True}}, TOOLS[2]]
 
 
