@@ -85,8 +85,9 @@ class MaskedRows:
 
 
 class MaskFiller:
-    def __init__(self, vocab_size: int, device: torch.device):
+    def __init__(self, vocab_size: int, device: torch.device, end_ids: list[int] = ()):
         self.vocab_size = vocab_size
+        self.end_ids = frozenset(end_ids)  # the ids llguidance knows as an end of sentence (the checkpoint's EOS)
         self.words = (vocab_size + 31) // 32
         self.device = device
         self.host = torch.empty(0, self.words, dtype=torch.int32)  # grown on demand; pinned on a GPU
@@ -140,6 +141,7 @@ class StepMasks:
         filler, start = self.filler, time.perf_counter()
         self.job.result()  # the masks, if the forward did not outlast them
         waited = time.perf_counter()
+        self._allow_stop_tokens_where_the_grammar_may_end()
         self._free_rows_with_nothing_to_draw()
         if logits.dtype not in filler.biases:
             filler.biases[logits.dtype] = bias_table(logits.dtype, logits.device)
@@ -153,6 +155,19 @@ class StepMasks:
         filler.stats.wait_seconds += waited - start
         filler.stats.apply_seconds += time.perf_counter() - waited
         return logits
+
+    def _allow_stop_tokens_where_the_grammar_may_end(self) -> None:
+        """A row whose grammar may end here (its mask allows an end of sentence) allows its sequence's other stop
+        tokens too, which llguidance does not know: a chat template's end of turn that the checkpoint does not
+        name as an end of sentence, a request's stop_token_ids. Masked, the reply could only run to max_tokens."""
+        ends, vocab = self.filler.end_ids, self.filler.vocab_size
+        by_byte = self.bits.view(torch.uint8)  # (R, 4W): token t is bit t % 8 of byte t // 8
+        for g in self.groups:
+            stops = [t for t in g.seq.stop_token_ids if t < vocab and t not in ends]
+            for r in range(g.first, g.first + g.num_rows) if stops else ():
+                if any(int(by_byte[r, e // 8]) >> (e % 8) & 1 for e in ends if e < vocab):
+                    for t in stops:
+                        by_byte[r, t // 8] |= 1 << (t % 8)
 
     def _free_rows_with_nothing_to_draw(self) -> None:
         """A row whose mask allows no token the request may draw (its grammar dead-ends, or allows only an

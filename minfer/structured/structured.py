@@ -49,7 +49,7 @@ class Held:
 class Structured:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, device: torch.device, speculating: bool = False):
         self.grammars = Grammars(tokenizer, vocab_size)
-        self.masks = MaskFiller(vocab_size, device)
+        self.masks = MaskFiller(vocab_size, device, tokenizer.eos_token_ids)
         self.live: weakref.WeakKeyDictionary[Sequence, Held] = weakref.WeakKeyDictionary()  # while they run
         self.speculating = speculating  # the engine verifies proposals: say once how constrained ones are
         self._said_how_proposals_are_checked = False
@@ -106,6 +106,8 @@ class Structured:
                 seen.add(seq)
                 new = seq.output_token_ids[held.consumed :]
                 held.consumed += len(new)
+                if seq.is_finished and new and new[-1] not in self.masks.end_ids and new[-1] in seq.stop_token_ids:
+                    new = new[:-1]  # a stop token the grammar does not know (masks.py allowed it where it may end)
                 if not held.matcher.consume_tokens(new):  # drawn where nothing was allowed (masks.py)
                     log.warning("request %s: its %s allowed no token it could draw (%s); it ends with "
                                 "finish_reason %r", seq.request_id, seq.params.structured_outputs.kind,

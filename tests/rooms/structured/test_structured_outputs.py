@@ -131,6 +131,24 @@ def test_stop_strings_and_max_tokens_compose(tiny_checkpoint):
     assert long.finish_reason == "length" and len(long.token_ids) == 6 and long.text.startswith("{")
 
 
+def test_a_stop_token_the_grammar_does_not_know_ends_the_reply_where_the_grammar_may_end(tiny_checkpoint):
+    """llguidance knows the checkpoint's EOS alone: a request's other stop token (a chat template's end of turn
+    the checkpoint does not list as EOS, say) is allowed where the grammar may end, and ends the reply with
+    "stop", as it does unconstrained; masked, the reply ran to max_tokens."""
+    llm = LLM(tiny_checkpoint)
+    bang = llm.tokenizer.encode("!")[-1]  # "!": no text the regex allows
+    bias = {bang: 100, **{e: -100 for e in llm.tokenizer.eos_token_ids}}
+    params = [constrained({"regex": "[a-z ]{0,60}"}, stop_token_ids=[bang], logit_bias=bias, max_tokens=8,
+                          temperature=0),
+              SamplingParams(stop_token_ids=[bang], logit_bias=bias, max_tokens=8, temperature=0)]
+    outs = llm.generate(["Once"] * 2, params, use_tqdm=False)
+    assert [(o.finish_reason, o.token_ids) for o in outs] == [("stop", [bang])] * 2
+    held = constrained({"regex": "[a-z]{3}"}, stop_token_ids=[bang], logit_bias=bias, max_tokens=8, temperature=0)
+    out = llm.generate(["Once"], held, use_tqdm=False)[0]  # where the grammar may not end yet, still masked
+    assert out.finish_reason == "stop" and len(out.text) == 3 and out.text.isalpha(), out
+    assert_all_free(llm)
+
+
 @pytest.mark.parametrize("grammar, regex", [
     ('start: "[" WORD ("," WORD)? "]"\nWORD: /[a-z]{1,4}/', r"\[[a-z]{1,4}(,[a-z]{1,4})?\]"),  # Lark
     ('root ::= "x" [0-9] [0-9]?', r"x[0-9][0-9]?"),  # llama.cpp's GBNF
