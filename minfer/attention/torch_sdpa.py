@@ -135,8 +135,8 @@ class TorchBackend(AttentionBackend):
         with part("context read"):
             ks, vs = gather_slots(kv_cache, group.slots).permute(2, 0, 3, 1, 4)  # 2 x (S, Hkv, L, D)
         with part("attention"):
-            gqa = q.shape[1] != kv_cache.shape[2]
-            y = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=group.mask, scale=scale, enable_gqa=gqa)
+            gqa = q.shape[1] != kv_cache.shape[2]  # grouped queries: fewer K/V heads than query heads
+            y = F.scaled_dot_product_attention(q[:, :, None], ks, vs, attn_mask=group.mask, scale=scale, enable_gqa=gqa)
         return y.squeeze(2)  # (S, H, D)
 
     # ---- what a device may do its own way (cpu/tiled_attention.py's CPUTiledBackend does) -------

@@ -89,8 +89,9 @@ def train_sentencepiece_tokenizer(vocab_size: int, alphabet_size: int = 100) -> 
     `alphabet_size` most frequent characters and WHOLE_CHARACTERS."""
     learned = vocab_size - len(SENTENCEPIECE_SPECIALS) - len(BYTE_TOKENS)
     if learned < alphabet_size:
-        raise ValueError(f"vocab_size must be at least {len(SENTENCEPIECE_SPECIALS) + len(BYTE_TOKENS) + alphabet_size} "
-                         f"(the special and byte tokens and the alphabet), got {vocab_size}")
+        least = len(SENTENCEPIECE_SPECIALS) + len(BYTE_TOKENS) + alphabet_size
+        raise ValueError(f"vocab_size must be at least {least} (the special and byte tokens and the alphabet), "
+                         f"got {vocab_size}")
     metaspace = dict(replacement="▁", prepend_scheme="first")
     alphabet = _alphabet(alphabet_size)
     trainer = trainers.BpeTrainer(vocab_size=learned, limit_alphabet=len(alphabet), initial_alphabet=alphabet,
@@ -99,7 +100,8 @@ def train_sentencepiece_tokenizer(vocab_size: int, alphabet_size: int = 100) -> 
     pieces.pre_tokenizer = pre_tokenizers.Metaspace(**metaspace, split=True)  # learn no piece across words
     pieces.train_from_iterator(_training_text(0, 0, lines=True), trainer)
     if pieces.get_vocab_size() != learned:
-        raise ValueError(f"the corpus gives only {pieces.get_vocab_size()} pieces; vocab_size {vocab_size} is too large")
+        raise ValueError(f"the corpus gives only {pieces.get_vocab_size()} pieces; vocab_size {vocab_size} is "
+                         "too large")
     learned_vocab = sorted(pieces.get_vocab().items(), key=lambda item: item[1])
     vocab = {t: i for i, t in enumerate(SENTENCEPIECE_SPECIALS + BYTE_TOKENS + [t for t, _ in learned_vocab])}
     merges = [tuple(pair) for pair in json.loads(pieces.to_str())["model"]["merges"]]
@@ -109,5 +111,6 @@ def train_sentencepiece_tokenizer(vocab_size: int, alphabet_size: int = 100) -> 
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SENTENCEPIECE_SPECIALS])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
     return tok

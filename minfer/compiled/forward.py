@@ -174,7 +174,8 @@ class CompiledForward:
         cache = self.compile_cache()
         if cache:
             paths["compile_cache"] = cache
-        return {"num_path_fallbacks": len(self.fallbacks), "compiled_paths": paths | {"fallbacks": list(self.fallbacks)}}
+        return {"num_path_fallbacks": len(self.fallbacks),
+                "compiled_paths": paths | {"fallbacks": list(self.fallbacks)}}
 
     def compile_cache(self) -> dict[str, str]:
         """How each path that compiled at start-up had its graphs: "loaded (warm, 1.2 s)" from minfer's

@@ -72,7 +72,8 @@ def optimize_for_cpu(model: nn.Module, pack: bool = True) -> None:
     """Swap every nn.Linear of `model` for its fast CPU equivalent, in place; `model.lm_head`, if it
     has one, becomes an LMHead. Calling it again changes nothing. `pack=False` leaves the linears
     that would be prepacked plain: for a graph with frozen weights, which Inductor packs itself."""
-    dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype  # a model says: its first tensor may be int8
+    # a model says: its first tensor may be int8
+    dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
     packed = packing_available(dtype)
     if packed:
         if not pack:

@@ -185,7 +185,8 @@ class CPUTiledBackend(TorchBackend):
         out = torch.empty_like(q).unsqueeze(2)  # (S, H, 1, D)
         for i in range(0, S, step):
             with part("context read"):
-                kv = self.reader.read(kv_cache, group.slots[i : i + step])  # (T, L, 2, Hkv, D), valid until the next read
+                # (T, L, 2, Hkv, D), valid until the next read
+                kv = self.reader.read(kv_cache, group.slots[i : i + step])
                 ks, vs = kv.permute(2, 0, 3, 1, 4)  # 2 x (T, Hkv, L, D)
             mask = None if group.mask is None else group.mask[i : i + step]  # (T, 1, 1, L)
             with part("attention"):

@@ -41,7 +41,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
            histories: Sequence[TokenHistory] | None = None) -> torch.Tensor:
     """Pick one token per row of `logits` (B, V). Returns (B,) int64 on logits.device. `histories`, each
     row's tokens, are read only by the penalties and min_tokens (logits_processors.py)."""
-    assert len(params) == logits.shape[0] and len(generators) == logits.shape[0], "need one params and generator per row"
+    assert len(params) == len(generators) == logits.shape[0], "need one params and generator per row"
     return sample_with(logits, params, lambda: _uniforms(generators, params, logits.device), histories)
 
 

@@ -48,7 +48,8 @@ def _logit_bias(v) -> bool:
     return isinstance(v, dict) and all(_int(t) and t >= 0 and _number(b) and -100 <= b <= 100 for t, b in v.items())
 
 
-NUM_LOGPROBS = Rule(lambda v: v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS), f"None or an int in [0, {MAX_LOGPROBS}]")
+NUM_LOGPROBS = Rule(lambda v: v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS),
+                    f"None or an int in [0, {MAX_LOGPROBS}]")
 BOOL = Rule(lambda v: isinstance(v, bool), "a bool")
 RULES: dict[str, Rule] = {
     "max_tokens": Rule(lambda v: _int(v) and v >= 1, "an int >= 1"),
@@ -95,7 +96,8 @@ class SamplingParams:
     # The controls below follow vLLM's semantics (logits_processors.py applies them).
     presence_penalty: float = 0.0  # [-2, 2]: minus this for every token already in the output
     frequency_penalty: float = 0.0  # [-2, 2]: minus this times the token's count in the output
-    repetition_penalty: float = 1.0  # > 0: a token seen in prompt or output has its logit divided (>0) or multiplied (<=0)
+    # > 0: a token seen in prompt or output has its logit divided (where > 0) or multiplied (where <= 0)
+    repetition_penalty: float = 1.0
     min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p x the likeliest one
     logit_bias: dict[int, float] | None = None  # {token id: bias in [-100, 100]} added to the logits
     min_tokens: int = 0  # no stop token, EOS or stop string can end the output before this many tokens

@@ -96,7 +96,8 @@ class OnlineScheduler:
             max_model_len=min(self.context_len, num_kv_blocks * block_size),
             **features.running(),  # what the features run as: the attention, a compiled step whose warm-up failed
         )
-        self.limits = RequestLimits(model.config.vocab_size, config.max_num_seqs, self.context_len, block_size, num_kv_blocks)
+        self.limits = RequestLimits(model.config.vocab_size, config.max_num_seqs, self.context_len, block_size,
+                                    num_kv_blocks)
         self.requests: dict[str, Request] = {}  # every request not yet popped or discarded
         self.finished_ids: list[str] = []  # finished since the last pop_finished_ids()
         self._ids = itertools.count()
@@ -161,7 +162,8 @@ class OnlineScheduler:
             self.batcher.add(seq)
         return request_id
 
-    def _checked(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams) -> CheckedRequest:
+    def _checked(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                 params: SamplingParams) -> CheckedRequest:
         """A request given as text or token ids, checked."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -169,7 +171,8 @@ class OnlineScheduler:
             raise ValueError("give exactly one of prompt or prompt_token_ids")
         if prompt is not None:
             if not isinstance(prompt, str):
-                raise InvalidParameter("prompt", f"prompt must be a string, got {type(prompt).__name__}", "invalid_type")
+                raise InvalidParameter("prompt", f"prompt must be a string, got {type(prompt).__name__}",
+                                       "invalid_type")
             if not is_text(prompt):  # else the tokenizer's TypeError, for a str
                 raise InvalidParameter("prompt", "the prompt holds a lone UTF-16 surrogate (U+D800-U+DFFF not in a "
                                        "pair): it is not text")

@@ -158,8 +158,8 @@ def read_checked_weights(
                             f"tensor {key!r} in {file.name} has shape {list(tensor.get_shape())}, "
                             f"but config.json implies {list(expected[name])}"
                         )
-                    tensor = (f.get_tensor(key) if take is None else read_alone(file, key)).to(device=device, dtype=dtype)
-                    tensor = tensor.contiguous()
+                    tensor = f.get_tensor(key) if take is None else read_alone(file, key)
+                    tensor = tensor.to(device=device, dtype=dtype).contiguous()
                     if take is not None and take(name, tensor):
                         taken.add(name)
                     else:

@@ -74,7 +74,8 @@ def quantize_weight(weight: torch.Tensor, spec: QuantizationSpec) -> dict[str, t
     return {"qweight": nibbles, "scales_and_zeros": sz}
 
 
-def check_stored(name: str, stored: dict[str, torch.Tensor], spec: QuantizationSpec, out_features: int, in_features: int):
+def check_stored(name: str, stored: dict[str, torch.Tensor], spec: QuantizationSpec, out_features: int,
+                 in_features: int):
     """ValueError naming `name` unless `stored` holds the tensors, dtypes and shapes `spec` makes for an
     (out, in) weight: a damaged checkpoint must not load and run garbage."""
     if spec.method == "int8":
