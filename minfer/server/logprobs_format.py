@@ -20,6 +20,7 @@ and chat's `bytes` gives its exact bytes. JSON has no -inf: it is written as -99
 
 from __future__ import annotations
 
+import codecs
 import math
 
 from ..engine.outputs import CompletionDelta, RequestOutput
@@ -36,11 +37,19 @@ def _finite(logprob: float) -> float:
 
 class LogprobFormatter:
     """Formats one completion's logprobs; it remembers the text offset reached, so a stream's chunks
-    continue each other's `text_offset`."""
+    continue each other's `text_offset`. A token's offset is where its text starts in the choice's text:
+    counted from the bytes the tokens add (a special token, such as a BOS, adds none), in characters, a
+    character split over tokens counted once, at its start."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.text_offset = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # holds a character's first bytes
+
+    def resume_at(self, offset: int) -> None:
+        """The text so far is `offset` characters long (an echoed prompt's own text): count on from there."""
+        self.text_offset = offset
+        self._utf8.reset()
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes the token adds to the text; a special token (which adds none) shows as its name."""
@@ -49,6 +58,11 @@ class LogprobFormatter:
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
+    def _ends_a_broken_character(self, token_id: int) -> bool:
+        """Whether the token's first byte cannot continue the bytes held: they show as one U+FFFD before it."""
+        data = self.tokenizer.token_bytes[token_id]
+        return bool(data) and data[0] & 0xC0 != 0x80 and bool(self._utf8.getstate()[0])
+
     def completion(self, token_ids: list[int], entries: list[TokenLogprob | None], k: int) -> dict:
         """The completions API's logprobs object for these tokens (entries aligned with token_ids), each
         with its k likeliest tokens."""
@@ -56,8 +70,8 @@ class LogprobFormatter:
         for token_id, entry in zip(token_ids, _trimmed(entries, k)):
             text = self.token_text(token_id)
             out["tokens"].append(text)
-            out["text_offset"].append(self.text_offset)
-            self.text_offset += len(text)
+            out["text_offset"].append(self.text_offset + self._ends_a_broken_character(token_id))
+            self.text_offset += len(self._utf8.decode(self.tokenizer.token_bytes[token_id]))
             if entry is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -172,7 +186,19 @@ class ScoredChoices:
         text = self.req.prompt_texts[prompt] if self.req.prompt_texts else None
         text = text if text is not None else self.tokenizer.decode(self.req.prompts[prompt])
         entries = prompt_logprobs if prompt_logprobs is not None else [None] * len(self.req.prompts[prompt])
-        return text, self._logprobs(index, self.req.prompts[prompt], entries), asked
+        logprobs = self._logprobs(index, self.req.prompts[prompt], entries)
+        if logprobs is not None:
+            self._fit_offsets(logprobs["text_offset"], self.formatters[index], len(text))
+        return text, logprobs, asked
+
+    @staticmethod
+    def _fit_offsets(offsets: list[int], fmt: LogprobFormatter, text_len: int) -> None:
+        """The prompt's tokens may spell more than its text: a SentencePiece decoder drops the space its
+        first token begins with. The offsets count from the text's start, and the completion's from its end."""
+        extra = fmt.text_offset - text_len
+        if extra > 0:
+            offsets[:] = [max(0, o - extra) for o in offsets]
+        fmt.resume_at(text_len)
 
 
 def _with(choice: dict, logprobs, prompt_logprobs=None) -> dict:
