@@ -49,6 +49,9 @@ class RoutingHandler(TimedHandler):
         self._status: int | str = "-"
         self.log_note = ""  # words for this request's log line: the endpoint adds the token counts
         self._streaming = False  # the handler serves every request of a keep-alive connection
+        # Until read_json reads it, a body would be read as the next request: an error must close then
+        lengths, chunked = self.headers.get_all("Content-Length") or (), "Transfer-Encoding" in self.headers
+        self._body_unread = chunked or any(length != "0" for length in lengths)
         try:
             route = self.route_of(path)
             if route not in self.ROUTES:
@@ -85,7 +88,8 @@ class RoutingHandler(TimedHandler):
         super().send_response(code, message)
 
     def _send_error_json(self, e: APIError) -> None:
-        self.close_connection = True  # the request body may be unread: don't reuse the connection
+        # A 4xx after the whole body was read leaves the connection usable (clients pool theirs)
+        self.close_connection = self.close_connection or self._body_unread or self._streaming or e.status >= 500
         if not self._streaming:  # once a stream's headers are out, ending the connection is all we can do
             try:
                 self.send_json(e.status, e.body(), e.headers)
@@ -133,6 +137,7 @@ class RoutingHandler(TimedHandler):
         raw = self.rfile.read(size)
         if len(raw) < size:
             raise ClientGone()
+        self._body_unread = False
         return parse_json_body(raw)
 
     def send_json(self, status: int, obj: dict, headers: dict | None = None) -> None:

@@ -1,6 +1,7 @@
 """Connection limits (minfer/server/connections.py, connection_limits.py): request, keep-alive and write timeouts, and the connection cap,
 on an in-process server with short limits."""
 
+import http.client
 import json
 import socket
 import socketserver
@@ -105,6 +106,28 @@ def test_content_lengths_that_disagree_are_a_400_and_the_connection_closes(serve
     with connect(server) as sock:  # the same length twice frames one body: served
         sock.sendall(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
         assert read_until_closed(sock)[0].startswith(b"HTTP/1.1 200")
+
+
+def test_a_4xx_after_the_body_is_read_keeps_the_connection(server):
+    """A pooled client (the openai SDK's) reuses its connection after a 400; where the body may be unread
+    (it could be read as the next request), the connection closes."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+    sent = [("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": -1}, 400),
+            ("POST", "/v1/completions", '{"prompt": "Hi",', 400),  # not JSON
+            ("GET", "/nowhere", None, 404),
+            ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, 200)]
+    sockets = set()
+    for method, path, body, status in sent:
+        conn.request(method, path, body=body if body is None or isinstance(body, str) else json.dumps(body))
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == status and resp.getheader("Connection") != "close"
+        sockets.add(conn.sock)
+    assert len(sockets) == 1  # one connection served all four
+    conn.request("POST", "/nowhere", body=json.dumps({"prompt": "Hi"}))  # the body unread: closed
+    resp = conn.getresponse()
+    assert resp.status == 404 and resp.getheader("Connection") == "close"
+    conn.close()
 
 
 @pytest.mark.parametrize("length", [b"\xb2", b"-5", b"+5", b"0x10", b"5 5"])
