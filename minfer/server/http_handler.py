@@ -5,8 +5,8 @@ RoutingHandler knows nothing of the engine: a subclass (endpoints.py) names its
 routes in ROUTES and implements a `handle_<name>` method for each. The
 standard library calls `do_<METHOD>` for each request; every method goes to
 `route_request`, which answers 404 for an unknown path and 405 for a known path
-asked with the wrong method. Timeouts and the connection cap come from the
-TimedHandler base (connections.py).
+asked with the wrong method; HEAD on a GET route gets the GET's headers, without its
+body. Timeouts and the connection cap come from the TimedHandler base (connections.py).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class RoutingHandler(TimedHandler):
             if route not in self.ROUTES:
                 raise APIError(404, f"no such endpoint: {path}", code="not_found")
             method, name, needs_key = self.ROUTES[route]
-            if self.command != method:
+            if self.command != method and (self.command, method) != ("HEAD", "GET"):  # HEAD: a GET's headers
                 raise APIError(405, f"{path} accepts {method} only, not {self.command}", code="method_not_allowed",
                                headers={"Allow": method})
             if needs_key and self.server.api_key is not None:
@@ -81,7 +81,7 @@ class RoutingHandler(TimedHandler):
         return path
 
     # http.server calls do_<METHOD>; the routes decide what each method may do (404 / 405)
-    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = route_request
+    do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = route_request
 
     def send_response(self, code: int, message: str | None = None) -> None:
         self._status = code
@@ -147,7 +147,8 @@ class RoutingHandler(TimedHandler):
         close = {"Connection": "close"} if self.close_connection else {}
         self._send_headers(status, {"Content-Type": content_type, "Content-Length": str(len(data)), **(headers or {}),
                                     **close})
-        self.wfile.write(data)
+        if self.command != "HEAD":  # the headers say what a GET would get; the body stays here
+            self.wfile.write(data)
 
     def begin_stream(self, content_type: str, headers: dict | None = None) -> None:
         self._send_headers(200, {"Content-Type": content_type, "Cache-Control": "no-cache", **(headers or {}),

@@ -65,6 +65,8 @@ class InfoEndpoints(RoutingHandler):
 
     def handle_engine_events(self) -> None:
         self.begin_stream("text/event-stream")
+        if self.command == "HEAD":  # the headers only: a HEAD reply has no body
+            return
         live_view.stream_events(self.server.manager.events, self.write_chunk, self.client_gone)
         self.end_stream()
 

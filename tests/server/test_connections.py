@@ -130,6 +130,32 @@ def test_a_4xx_after_the_body_is_read_keeps_the_connection(server):
     conn.close()
 
 
+def test_head_gets_a_gets_headers_without_its_body(server):
+    """HEAD on a GET route: the GET's status and headers, no body (it was a 501 with an HTML body); on a POST
+    route a 405 naming POST. The connection serves on: a stray body would be read as the next reply."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+    conn.request("GET", "/v1/models")
+    got = conn.getresponse()
+    body = got.read()
+    for method, path, status, content_type in [("HEAD", "/v1/models", 200, "application/json"),
+                                               ("HEAD", "/engine/events", 200, "text/event-stream"),
+                                               ("HEAD", "/v1/completions", 405, "application/json"),
+                                               ("HEAD", "/nowhere", 404, "application/json")]:
+        conn.request(method, path)
+        resp = conn.getresponse()
+        assert (resp.status, resp.getheader("Content-Type"), resp.read()) == (status, content_type, b"")
+        assert status != 405 or resp.getheader("Allow") == "POST"
+    sock = conn.sock
+    conn.request("GET", "/v1/models")
+    again = conn.getresponse()
+    assert again.read() == body and conn.sock is sock  # the same connection, in step
+    conn.close()
+    raw = connect(server)
+    raw.sendall(b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    reply, _ = read_until_closed(raw)
+    assert reply.endswith(b"\r\n\r\n") and b"Content-Length: %d\r\n" % len(body) in reply  # no byte of body
+
+
 @pytest.mark.parametrize("length", [b"\xb2", b"-5", b"+5", b"0x10", b"5 5"])
 def test_a_content_length_that_is_not_a_number_is_a_400(server, length):
     with connect(server) as sock:  # (latin-1 "\xb2" reads as "²", a digit to str.isdigit: it was a 500)
