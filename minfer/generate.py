@@ -32,11 +32,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.generate")
     if undecodable:
         print(f"error: the prompt is not {sys.getfilesystemencoding()} text: byte 0x{ord(undecodable[0]) - 0xDC00:02x} "
               "does not decode", file=sys.stderr)
-        return 1
+        return 2
     given = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p") if getattr(args, name) is not None}
+    try:  # a bad value is refused before the model loads, with argparse's status for a bad argument
+        SamplingParams(max_tokens=args.max_tokens, **given)
+        config = EngineConfig.from_cli_args(args, max_num_seqs=1)  # one request: a small KV cache
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
-        SamplingParams(max_tokens=args.max_tokens, **given)  # a bad value is refused before the model loads
-        llm = LLM(config=EngineConfig.from_cli_args(args, max_num_seqs=1))  # one request: a small KV cache
+        llm = LLM(config=config)
         params = replace(llm.get_default_sampling_params(), max_tokens=args.max_tokens, **given)
         request_id = llm.scheduler.add_request(args.prompt, sampling_params=params)
     except (ValueError, OSError) as e:

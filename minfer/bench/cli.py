@@ -131,6 +131,12 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
             ("--pretok", args.pretok, texts, "to text prompts (--prompt, --prompts-file, --workload copy)")):
         if given and not applies:
             p.error(f"{flag} applies only {where}")
+    if args.baseline and args.n > 1:
+        p.error("--baseline runs transformers' generate once per prompt: compare with --n 1")
+    try:  # the engine's flags, judged before anything loads: a bad one exits 2, as argparse's own do
+        EngineConfig.from_cli_args(args)
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -293,10 +299,8 @@ def header(args, engine: EngineConfig) -> str:
 
 
 def run(args) -> int:
-    engine = EngineConfig.from_cli_args(args)  # ValueError naming the flag if one is bad
+    engine = EngineConfig.from_cli_args(args)  # parse_args has judged the flags
     model_dir = find_model_dir(args)
-    if args.baseline and args.n > 1:
-        raise ValueError("--baseline runs transformers' generate once per prompt: compare with --n 1")
     if (args.baseline or args.roofline or args.profile) and model_dir is None:
         raise ValueError(
             "--baseline, --roofline and --profile load the checkpoint here: pass its directory as --tokenizer"

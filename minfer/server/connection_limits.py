@@ -43,4 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
-    return ConnectionLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ConnectionLimits)})
+    """The limits the flags set; a bad value is a ValueError naming its flag."""
+    try:
+        return ConnectionLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ConnectionLimits)})
+    except ValueError as e:  # "request_timeout must be ..." -> "--request-timeout must be ..."
+        field, rest = str(e).split(" ", 1)
+        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None

@@ -231,15 +231,22 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") ->
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s", stream=sys.stderr)
 
+    try:  # a bad flag value: one line, with argparse's status for a bad argument, before the model loads
+        config, limits = EngineConfig.from_cli_args(args), limits_from_args(args)
+        if args.max_queued < 0:
+            raise ValueError(f"--max-queued must be an integer >= 0, got {args.max_queued}")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         server = create_server(
-            EngineConfig.from_cli_args(args),
+            config,
             host=args.host,
             port=args.port,
             max_queued=args.max_queued,
             api_key=args.api_key,
             served_model_name=args.served_model_name,
-            limits=limits_from_args(args),
+            limits=limits,
             chat_template=args.chat_template,
             log_requests=not args.disable_log_requests,
         )

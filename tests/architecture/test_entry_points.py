@@ -137,9 +137,18 @@ def test_generate_cli_names_a_prompt_that_is_not_text(tiny_checkpoint, capsys):
     from minfer.generate import main
 
     argv_text = b"a\xffb".decode(sys.getfilesystemencoding(), "surrogateescape")  # how Python hands argv over
-    assert main(["--model", str(tiny_checkpoint), argv_text]) == 1
+    assert main(["--model", str(tiny_checkpoint), argv_text]) == 2  # a bad argument: argparse's status
     encoding = sys.getfilesystemencoding()
     assert capsys.readouterr().err == f"error: the prompt is not {encoding} text: byte 0xff does not decode\n"
+
+
+@pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "temperature must be"),
+                                            (["--block-size", "0"], "--block-size must be a positive integer")])
+def test_generate_cli_exits_2_on_a_bad_flag_value(flags, message, capsys):
+    from minfer.generate import main
+
+    assert main(["--model", "/nonexistent", *flags, "hi"]) == 2  # judged before the model loads
+    assert message in capsys.readouterr().err
 
 
 def test_generate_cli_samples_with_the_generation_config(tiny_checkpoint, tmp_path, capsys):

@@ -347,6 +347,8 @@ def test_online_with_no_server_there_says_why(capsys):
     (["--pretok"], "--pretok applies only to text prompts (--prompt, --prompts-file, --workload copy)"),
     (["--prompt", "Hi", "--input-len", "64"], "--input-len applies only to random prompts"),
     (["--workload", "copy", "--input-len", "8:16"], "--input-len applies only to random prompts"),
+    (["--block-size", "0"], "--block-size must be a positive integer"),  # the engine's flags, as argparse's
+    (["--baseline", "hf", "--n", "2"], "compare with --n 1"),
 ])
 def test_a_flag_the_run_would_not_apply_is_refused(flags, message, capsys):
     from minfer.bench.cli import main

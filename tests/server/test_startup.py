@@ -103,18 +103,21 @@ def test_port_in_use_is_named_before_the_model_loads(tiny_checkpoint):
 
 
 @pytest.mark.parametrize(
-    "argv, message",
+    "argv, message, status",
     [
-        (["--model", "/nonexistent/ckpt"], "is not a directory"),
-        (["--model", "/tmp"], "no config.json"),
-        (["--block-size", "0"], "--block-size must be a positive integer"),
-        (["--attention-backend", "fast"], "--attention-backend must be one of auto, compiled, eager"),
+        (["--model", "/nonexistent/ckpt"], "is not a directory", 1),
+        (["--model", "/tmp"], "no config.json", 1),
+        # a bad flag value exits 2, as argparse's own errors do
+        (["--block-size", "0"], "--block-size must be a positive integer", 2),
+        (["--attention-backend", "fast"], "--attention-backend must be one of auto, compiled, eager", 2),
+        (["--request-timeout", "0"], "--request-timeout must be a number of seconds > 0", 2),
+        (["--max-queued", "-1"], "--max-queued must be an integer >= 0", 2),
     ],
 )
-def test_bad_starts_are_one_line(tiny_checkpoint, argv, message):
+def test_bad_starts_are_one_line(tiny_checkpoint, argv, message, status):
     argv = argv if argv[0] == "--model" else ["--model", str(tiny_checkpoint), *argv]
     done = serve(*argv, "--port", "0")
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == status and "Traceback" not in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
 
 
