@@ -12,6 +12,9 @@ import dataclasses
 from dataclasses import dataclass
 
 
+MAX_SECONDS = 10**8  # 3 years, as good as none: a socket timeout past time_t's range fails every read
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     request_timeout: float = 30.0  # seconds for a whole request: line, headers, body
@@ -22,8 +25,8 @@ class ConnectionLimits:
     def __post_init__(self):
         for name in ("request_timeout", "keepalive_timeout", "write_timeout"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+            if not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS:  # NaN, inf too
+                raise ValueError(f"{name} must be a number of seconds > 0, at most {MAX_SECONDS:,}, got {value!r}")
         if not isinstance(self.max_connections, int) or self.max_connections < 1:
             raise ValueError(f"max_connections must be an integer >= 1, got {self.max_connections!r}")
 

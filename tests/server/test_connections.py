@@ -270,8 +270,9 @@ def test_a_handler_thread_that_fails_to_start_gives_its_connection_back(server, 
 
 
 @pytest.mark.parametrize(
-    "field, value", [("request_timeout", 0), ("keepalive_timeout", -1), ("write_timeout", "5"), ("max_connections", 0)]
-)
+    "field, value", [("request_timeout", 0), ("keepalive_timeout", -1), ("write_timeout", "5"), ("max_connections", 0),
+                     ("request_timeout", 1e10), ("write_timeout", float("inf")), ("keepalive_timeout", float("nan"))]
+)  # 1e10 s overflowed the socket's timeout: every request's read failed
 def test_bad_limits_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         ConnectionLimits(**{field: value})
