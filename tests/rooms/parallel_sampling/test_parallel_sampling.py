@@ -180,3 +180,14 @@ def test_n_takes_its_slots_and_more_than_the_batch_is_refused(long_checkpoint):
         assert sum(s.seats for s in sched.running) <= 4  # a prompt holds its forks' seats until they start
     assert all(len(sched.pop_responses(i)) == 3 for i in ids)
     assert_all_free(llm)
+
+
+def test_generate_returns_each_prompts_choices_flat_in_prompt_order(llm):
+    """LLM.generate's documented shape (docs/sampling.md): one RequestOutput per choice, a prompt's n together,
+    in `index` order, prompts in order (vLLM's generate nests them instead: RequestOutput.outputs)."""
+    prompts = [prompt_of(5, seed=3), prompt_of(9, seed=4)]
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=1, n=n) for n in (2, 3)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [(o.prompt_token_ids, o.index) for o in outs] == [(prompts[0], 0), (prompts[0], 1),
+                                                             (prompts[1], 0), (prompts[1], 1), (prompts[1], 2)]
+    assert_all_free(llm)
