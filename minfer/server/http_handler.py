@@ -40,6 +40,7 @@ class RoutingHandler(TimedHandler):
 
     # path -> (method, name of its handle_<name> method, whether it needs the API key); set by a subclass
     ROUTES: dict[str, tuple[str, str, bool]] = {}
+    _body_unread = False  # route_request sets it per request
 
     # ---- routing, errors, logging --------------------------------------------------
 
@@ -144,9 +145,7 @@ class RoutingHandler(TimedHandler):
         self.send_body(status, json.dumps(obj).encode(), "application/json", headers)
 
     def send_body(self, status: int, data: bytes, content_type: str, headers: dict | None = None) -> None:
-        close = {"Connection": "close"} if self.close_connection else {}
-        self._send_headers(status, {"Content-Type": content_type, "Content-Length": str(len(data)), **(headers or {}),
-                                    **close})
+        self._send_headers(status, {"Content-Type": content_type, "Content-Length": str(len(data)), **(headers or {})})
         if self.command != "HEAD":  # the headers say what a GET would get; the body stays here
             self.wfile.write(data)
 
@@ -156,6 +155,8 @@ class RoutingHandler(TimedHandler):
         self._streaming = True
 
     def _send_headers(self, status: int, headers: dict[str, str]) -> None:
+        if self.close_connection or self._body_unread:  # a body no endpoint read would be taken for the next request
+            headers["Connection"] = "close"  # http.server closes the connection after it, too
         self.send_response(status)
         for name, value in headers.items():
             self.send_header(name, value)

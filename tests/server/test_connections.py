@@ -156,6 +156,16 @@ def test_head_gets_a_gets_headers_without_its_body(server):
     assert reply.endswith(b"\r\n\r\n") and b"Content-Length: %d\r\n" % len(body) in reply  # no byte of body
 
 
+def test_a_body_no_endpoint_reads_closes_the_connection(server):
+    """A GET with a body: answered, then the connection closes (kept, the body was read as the next request's
+    method: a 501 "Unsupported method ('{}GET')")."""
+    with connect(server) as sock:
+        sock.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}" + request(b"GET", b"/version"))
+        reply, _ = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 200 ") and b"Connection: close\r\n" in reply
+    assert reply.count(b"HTTP/1.1 ") == 1
+
+
 @pytest.mark.parametrize("length", [b"\xb2", b"-5", b"+5", b"0x10", b"5 5"])
 def test_a_content_length_that_is_not_a_number_is_a_400(server, length):
     with connect(server) as sock:  # (latin-1 "\xb2" reads as "²", a digit to str.isdigit: it was a 500)
