@@ -147,10 +147,7 @@ def create_server(
     `chat_template` (a file or a Jinja string) replaces the checkpoint's; log_requests=False drops the
     one log line per request. Raises ValueError/OSError for a bad model, setting or address. Run it
     with serve_forever()."""
-    if api_key is not None and not api_key.strip():  # every request would be a 401: an unset shell variable, say
-        raise ValueError("--api-key is empty: give a key, or leave the flag out to serve without one")
-    if served_model_name is not None and not served_model_name.strip():
-        raise ValueError("--served-model-name is empty: give a name, or leave the flag out to serve the model's own")
+    check_server_flags(api_key, served_model_name, max_queued)
     if isinstance(config, EngineConfig):
         config = replace(config, **settings)
     else:
@@ -184,6 +181,16 @@ def create_server(
     for line in lines:
         log.info("minfer: %s", line)
     return server
+
+
+def check_server_flags(api_key: str | None, served_model_name: str | None, max_queued: int) -> None:
+    """The server's own settings that need no model: a ValueError naming the flag of a bad one."""
+    if api_key is not None and not api_key.strip():  # every request would be a 401: an unset shell variable, say
+        raise ValueError("--api-key is empty: give a key, or leave the flag out to serve without one")
+    if served_model_name is not None and not served_model_name.strip():
+        raise ValueError("--served-model-name is empty: give a name, or leave the flag out to serve the model's own")
+    if not isinstance(max_queued, int) or max_queued < 0:
+        raise ValueError(f"--max-queued must be an integer >= 0, got {max_queued!r}")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -233,8 +240,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") ->
 
     try:  # a bad flag value: one line, with argparse's status for a bad argument, before the model loads
         config, limits = EngineConfig.from_cli_args(args), limits_from_args(args)
-        if args.max_queued < 0:
-            raise ValueError(f"--max-queued must be an integer >= 0, got {args.max_queued}")
+        check_server_flags(args.api_key, args.served_model_name, args.max_queued)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

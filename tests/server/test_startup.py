@@ -322,5 +322,5 @@ def test_an_empty_key_or_name_is_refused_before_the_model_loads(flag, capsys):
     """An empty --api-key made every request a 401; an empty --served-model-name was served as the model's own."""
     from minfer.server.serve import main
 
-    assert main(["--model", "/nonexistent/not-even-checked", "--port", "0", flag, " "]) == 1
+    assert main(["--model", "/nonexistent/not-even-checked", "--port", "0", flag, " "]) == 2  # a bad argument
     assert capsys.readouterr().err.startswith(f"error: {flag} is empty: give ")
