@@ -60,7 +60,7 @@ class RoutingHandler(TimedHandler):
             method, name, needs_key = self.ROUTES[route]
             if self.command != method and (self.command, method) != ("HEAD", "GET"):  # HEAD: a GET's headers
                 raise APIError(405, f"{path} accepts {method} only, not {self.command}", code="method_not_allowed",
-                               headers={"Allow": method})
+                               headers={"Allow": "GET, HEAD" if method == "GET" else method})
             if needs_key and self.server.api_key is not None:
                 self.authorize(self.server.api_key)
             getattr(self, "handle_" + name)()

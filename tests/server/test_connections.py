@@ -145,6 +145,9 @@ def test_head_gets_a_gets_headers_without_its_body(server):
         resp = conn.getresponse()
         assert (resp.status, resp.getheader("Content-Type"), resp.read()) == (status, content_type, b"")
         assert status != 405 or resp.getheader("Allow") == "POST"
+    conn.request("DELETE", "/v1/models")
+    resp = conn.getresponse()
+    assert (resp.status, resp.getheader("Allow")) == (405, "GET, HEAD") and resp.read()
     sock = conn.sock
     conn.request("GET", "/v1/models")
     again = conn.getresponse()
