@@ -38,11 +38,12 @@ def _finite(logprob: float) -> float:
 class LogprobFormatter:
     """Formats one completion's logprobs; it remembers the text offset reached, so a stream's chunks
     continue each other's `text_offset`. A token's offset is where its text starts in the choice's text:
-    counted from the bytes the tokens add (a special token, such as a BOS, adds none), in characters, a
-    character split over tokens counted once, at its start."""
+    counted in characters from the bytes the tokens add (a special token adds none, or its name where the
+    text shows special tokens), a character split over tokens counted once, at its start."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, specials_shown: bool = False):
         self.tokenizer = tokenizer
+        self.specials_shown = specials_shown  # skip_special_tokens false: their names are in the text
         self.text_offset = 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # holds a character's first bytes
 
@@ -58,10 +59,14 @@ class LogprobFormatter:
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def _ends_a_broken_character(self, token_id: int) -> bool:
-        """Whether the token's first byte cannot continue the bytes held: they show as one U+FFFD before it."""
-        data = self.tokenizer.token_bytes[token_id]
-        return bool(data) and data[0] & 0xC0 != 0x80 and bool(self._utf8.getstate()[0])
+    def advance(self, token_id: int) -> int:
+        """The token's offset in the text; the text is then counted on past the token."""
+        data = self.token_bytes(token_id) if self.specials_shown else self.tokenizer.token_bytes[token_id]
+        # bytes held that this token cannot continue never became a character: the text shows a U+FFFD first
+        broken = bool(data) and data[0] & 0xC0 != 0x80 and bool(self._utf8.getstate()[0])
+        offset = self.text_offset + broken
+        self.text_offset += len(self._utf8.decode(data))
+        return offset
 
     def completion(self, token_ids: list[int], entries: list[TokenLogprob | None], k: int) -> dict:
         """The completions API's logprobs object for these tokens (entries aligned with token_ids), each
@@ -70,8 +75,7 @@ class LogprobFormatter:
         for token_id, entry in zip(token_ids, _trimmed(entries, k)):
             text = self.token_text(token_id)
             out["tokens"].append(text)
-            out["text_offset"].append(self.text_offset + self._ends_a_broken_character(token_id))
-            self.text_offset += len(self._utf8.decode(self.tokenizer.token_bytes[token_id]))
+            out["text_offset"].append(self.advance(token_id))
             if entry is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -127,7 +131,8 @@ class ScoredChoices:
         self.scoring = None if chat else req.scoring  # echo and prompt_logprobs: completions' only
         self.score_only = self.scoring is not None and self.scoring.score_only
         asked = req.params.logprobs is not None  # else only echo or prompt_logprobs
-        self.formatters = [LogprobFormatter(tokenizer) for _ in range(num_choices)] if asked else []
+        shown = not req.params.skip_special_tokens
+        self.formatters = [LogprobFormatter(tokenizer, shown) for _ in range(num_choices)] if asked else []
         self.pending: list[list] = [[] for _ in range(num_choices)]  # (token id, logprob) awaiting text
         self.echoed = [False] * num_choices
 
@@ -187,18 +192,21 @@ class ScoredChoices:
         text = text if text is not None else self.tokenizer.decode(self.req.prompts[prompt])
         entries = prompt_logprobs if prompt_logprobs is not None else [None] * len(self.req.prompts[prompt])
         logprobs = self._logprobs(index, self.req.prompts[prompt], entries)
-        if logprobs is not None:
-            self._fit_offsets(logprobs["text_offset"], self.formatters[index], len(text))
+        if logprobs is not None:  # the completion's offsets count on from the echoed text's end
+            logprobs["text_offset"] = self._prompt_offsets(prompt, text)
+            self.formatters[index].resume_at(len(text))
         return text, logprobs, asked
 
-    @staticmethod
-    def _fit_offsets(offsets: list[int], fmt: LogprobFormatter, text_len: int) -> None:
-        """The prompt's tokens may spell more than its text: a SentencePiece decoder drops the space its
-        first token begins with. The offsets count from the text's start, and the completion's from its end."""
-        extra = fmt.text_offset - text_len
-        if extra > 0:
-            offsets[:] = [max(0, o - extra) for o in offsets]
-        fmt.resume_at(text_len)
+    def _prompt_offsets(self, prompt: int, text: str) -> list[int]:
+        """Where each prompt token starts in the echoed text. A prompt sent as text: the tokenizer's own offsets
+        (a special token written in it spans its name; one the tokenizer adds, a BOS, none). Sent as ids (the
+        text their decoding): counted from their bytes, less the space a SentencePiece decoder drops."""
+        if self.req.prompt_texts and self.req.prompt_texts[prompt] is not None:
+            return self.tokenizer.prompt_offsets(text)
+        counter = LogprobFormatter(self.tokenizer)
+        offsets = [counter.advance(t) for t in self.req.prompts[prompt]]
+        extra = counter.text_offset - len(text)
+        return [max(0, o - extra) for o in offsets] if extra > 0 else offsets
 
 
 def _with(choice: dict, logprobs, prompt_logprobs=None) -> dict:

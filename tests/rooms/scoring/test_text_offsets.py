@@ -1,6 +1,7 @@
 """/v1/completions' `text_offset`: where each token's text starts in the choice's text, with echo, whatever
-the tokenizer adds (Llama's BOS, a SentencePiece first token's space) or splits (a character over two tokens),
-streamed or not. (A BOS once shifted every offset by its name's length, and each split character by one.)"""
+the tokenizer adds (Llama's BOS, a SentencePiece first token's space), splits (a character over two tokens)
+or reads as one special token (its name written in the prompt), streamed or not. (A BOS once shifted every
+offset by its name's length, and each split character by one.)"""
 
 import json
 
@@ -10,40 +11,65 @@ from serving import API_KEY, call, serving, stream_events
 from minfer import EngineConfig
 from minfer.text.tokenizer import Tokenizer
 
-PROMPT = "Hello world, é 日本 ok"  # é and 日 are two and three bytes: the test tokenizers split them
+# é and 日 are two and three bytes: the test tokenizers split them; each model reads its own special token
+# (GPT-2's <|endoftext|>, Llama 2's <s>, Llama 3's <|begin_of_text|>) as one id, whose name the echoed text holds
+PROMPT = "Hello world, é 日本 <|endoftext|><s><|begin_of_text|> ok"
 
 
-def expected_offsets(tok: Tokenizer, text: str, ids: list[int]) -> list[int]:
-    """Each token's offset, from where its bytes start in the text's UTF-8 (a character it only ends counts
-    from the character's start)."""
-    data = text.encode()
-    spelt = b"".join(tok.token_bytes[i] for i in ids)
+def expected_offsets(text: str, pieces: list[bytes]) -> list[int]:
+    """Each token's offset, from where its bytes (`pieces`) start in the text's UTF-8 (a character it only ends
+    counts from the character's start)."""
+    data, spelt = text.encode(), b"".join(pieces)
     skipped = len(spelt) - len(data)  # a SentencePiece decoder drops the first token's space
     assert spelt[skipped:] == data and skipped in (0, 1)
     starts, at = [], -skipped
-    for i in ids:
+    for piece in pieces:
         starts.append(len(data[: max(0, at)].decode("utf-8", "ignore")))
-        at += len(tok.token_bytes[i])
+        at += len(piece)
     return starts
 
 
-@pytest.mark.parametrize("preset", ["tiny", "llama-tiny", "llama2-tiny"])
-def test_echoed_offsets_index_the_text(make_checkpoint, preset):
-    ckpt = make_checkpoint(preset)
-    tok = Tokenizer.from_dir(ckpt)
-    ids = tok.encode_prompt(PROMPT)
-    assert len(ids) > len(tok.encode(PROMPT)) or preset == "tiny"  # the Llamas' BOS is in the prompt
-    body = {"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 3, "temperature": 0}
+def offsets_and_stream(ckpt, body) -> tuple[dict, list[int]]:
+    """The whole choice, and the text_offset its stream's chunks carry, one after another."""
     with serving(EngineConfig(str(ckpt), num_kv_blocks=64), api_key=API_KEY) as srv:
         port = srv.server_address[1]
         status, _, whole = call(port, "POST", "/v1/completions", body)
         events = stream_events(port, "/v1/completions", body)
     assert status == 200, whole
-    choice = whole["choices"][0]
-    offsets, text = choice["logprobs"]["text_offset"], choice["text"]
-    assert text.startswith(PROMPT)
-    assert offsets[: len(ids)] == expected_offsets(tok, PROMPT, ids)
-    assert offsets[len(ids)] == len(PROMPT)  # the completion's first token starts where the prompt ends
-    assert offsets == sorted(offsets) and all(o <= len(text) for o in offsets)
     streamed = [o for e in events[:-1] for c in e["choices"] if c["logprobs"] for o in c["logprobs"]["text_offset"]]
-    assert streamed == offsets, json.dumps(events)
+    assert streamed == whole["choices"][0]["logprobs"]["text_offset"], json.dumps(events)
+    return whole["choices"][0], streamed
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny", "llama2-tiny"])
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_echoed_offsets_index_the_text(make_checkpoint, preset, as_ids):
+    ckpt = make_checkpoint(preset)
+    tok = Tokenizer.from_dir(ckpt)
+    ids = tok.encode_prompt(PROMPT)
+    added = len(ids) - len(tok.encode(PROMPT))
+    assert added == (preset != "tiny")  # the Llamas' BOS
+    body = {"prompt": ids if as_ids else PROMPT, "echo": True, "logprobs": 1, "max_tokens": 3, "temperature": 0}
+    choice, offsets = offsets_and_stream(ckpt, body)
+    if as_ids:  # echoed as their decoding, which drops special tokens
+        prompt, pieces = tok.decode(ids), [tok.token_bytes[t] for t in ids]
+    else:  # echoed as sent: the special token written in it spans its name; the BOS, nothing
+        spelt = [tok.token_bytes[t] or tok.id_to_token(t).encode() for t in ids[added:]]
+        prompt, pieces = PROMPT, [b""] * added + spelt
+        assert sum(not tok.token_bytes[t] for t in ids[added:]) == 1
+    assert choice["text"].startswith(prompt) and len(offsets) == len(ids) + 3
+    assert offsets[: len(ids)] == expected_offsets(prompt, pieces)
+    assert offsets[len(ids)] == len(prompt)  # the completion's first token starts where the prompt ends
+    assert offsets == sorted(offsets) and all(o <= len(choice["text"]) for o in offsets)
+
+
+def test_special_tokens_shown_in_the_text_span_their_names(make_checkpoint):
+    """skip_special_tokens false: a generated special token's name is in the text, and in the offsets."""
+    ckpt = make_checkpoint("tiny")
+    eos = Tokenizer.from_dir(ckpt).eos_token_id
+    body = {"prompt": "Hi", "max_tokens": 3, "ignore_eos": True, "logit_bias": {str(eos): 100}, "logprobs": 0}
+    shown, offsets = offsets_and_stream(ckpt, {**body, "skip_special_tokens": False})
+    name = shown["logprobs"]["tokens"][0]
+    assert shown["text"] == name * 3 and offsets == [0, len(name), 2 * len(name)]
+    hidden, offsets = offsets_and_stream(ckpt, body)
+    assert hidden["text"] == "" and offsets == [0, 0, 0]
