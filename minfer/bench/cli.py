@@ -56,12 +56,8 @@ NO_MODEL_HINT = (
 def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument(
-        "--mode",
-        choices=["offline", "online"],
-        default="offline",
-        help="offline: minfer in-process; online: HTTP to minfer.serve (or to --base-url)",
-    )
+    p.add_argument("--mode", choices=["offline", "online"], default="offline",
+                   help="offline: minfer in-process; online: HTTP to minfer.serve (or to --base-url)")
     p.add_argument("--model", default="gpt2", help="checkpoint dir or Hub id (--base-url: the served name)")
     p.add_argument("--tokenizer", help="with --base-url: a checkpoint directory, for random prompts")
     p.add_argument("--base-url", help="measure this OpenAI-compatible server instead of starting minfer.serve")
@@ -70,9 +66,8 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
     w.add_argument("--num-requests", type=int, default=64)
     w.add_argument("--input-len", default="128", help="prompt tokens: N, or A:B drawn uniformly per request")
     w.add_argument("--output-len", default="128", help="generated tokens, exactly (ignore_eos): N or A:B")
-    w.add_argument(
-        "--prompt", action="append", help="a text prompt instead of random tokens (repeatable; then no --input-len)"
-    )
+    w.add_argument("--prompt", action="append",
+                   help="a text prompt instead of random tokens (repeatable; then no --input-len)")
     w.add_argument("--prompts-file", help="text prompts, one per line, used in turn")
     w.add_argument(
         "--workload",
@@ -133,10 +128,10 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
             p.error(f"{flag} applies only {where}")
     if args.baseline and args.n > 1:
         p.error("--baseline runs transformers' generate once per prompt: compare with --n 1")
-    try:  # the engine's flags, judged before anything loads: a bad one exits 2, as argparse's own do
+    try:  # the engine's flags, judged before anything loads: one line, with argparse's status for a bad flag
         EngineConfig.from_cli_args(args)
     except ValueError as e:
-        p.error(str(e))
+        p.exit(2, f"bench.py: error: {e}\n")
     return args
 
 

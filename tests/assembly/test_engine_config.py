@@ -364,7 +364,7 @@ def test_serve_command_reports_its_flags_in_health(tiny_checkpoint, tmp_path):
 def test_serve_refuses_a_bad_flag_in_one_line(tiny_checkpoint, argv, message):
     cmd = [sys.executable, "-m", "minfer.serve", "--model", str(tiny_checkpoint), "--port", "0", *argv]
     done = run_python(cmd, timeout=120)  # in a fork of a process that has imported torch
-    assert done.returncode == 1 and done.stdout == ""
+    assert done.returncode == 2 and done.stdout == ""  # a bad flag: argparse's status
     assert done.stderr.startswith(message) and done.stderr.count("\n") == 1, done.stderr
 
 
@@ -373,8 +373,10 @@ def test_bench_engine_flags(tiny_checkpoint, capsys):
     config = EngineConfig.from_cli_args(args)
     assert config.block_size == 32 and not config.enable_prefix_caching and config.dtype == "float32"
     assert config.to_cli_args() == ["--block-size", "32", "--no-enable-prefix-caching"]  # what online mode passes
-    assert bench.main(["--model", str(tiny_checkpoint), "--kv-cache-memory", "lots"]) == 1
+    with pytest.raises(SystemExit) as e:  # judged with the other flags, before anything loads
+        bench.main(["--model", str(tiny_checkpoint), "--kv-cache-memory", "lots"])
     err = capsys.readouterr().err
+    assert e.value.code == 2
     assert err.startswith("bench.py: error: --kv-cache-memory must be a size") and err.count("\n") == 1
 
 
