@@ -51,8 +51,8 @@ class RoutingHandler(TimedHandler):
         self.log_note = ""  # words for this request's log line: the endpoint adds the token counts
         self._streaming = False  # the handler serves every request of a keep-alive connection
         # Until read_json reads it, a body would be read as the next request: an error must close then
-        lengths, chunked = self.headers.get_all("Content-Length") or (), "Transfer-Encoding" in self.headers
-        self._body_unread = chunked or any(length != "0" for length in lengths)
+        lengths = set(self.headers.get_all("Content-Length") or ()) - {"0"}
+        self._body_unread = bool(lengths) or "Transfer-Encoding" in self.headers
         try:
             route = self.route_of(path)
             if route not in self.ROUTES:
