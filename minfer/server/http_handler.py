@@ -50,9 +50,8 @@ class RoutingHandler(TimedHandler):
         self._status: int | str = "-"
         self.log_note = ""  # words for this request's log line: the endpoint adds the token counts
         self._streaming = False  # the handler serves every request of a keep-alive connection
-        # Until read_json reads it, a body would be read as the next request: an error must close then
-        lengths = set(self.headers.get_all("Content-Length") or ()) - {"0"}
-        self._body_unread = bool(lengths) or "Transfer-Encoding" in self.headers
+        lengths = set(self.headers.get_all("Content-Length") or ()) - {"0"}  # until read_json reads a body, the
+        self._body_unread = bool(lengths) or "Transfer-Encoding" in self.headers  # next request would start in it
         try:
             route = self.route_of(path)
             if route not in self.ROUTES:
