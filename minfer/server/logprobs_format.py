@@ -202,11 +202,21 @@ class ScoredChoices:
         (a special token written in it spans its name; one the tokenizer adds, a BOS, none). Sent as ids (the
         text their decoding): counted from their bytes, less the space a SentencePiece decoder drops."""
         if self.req.prompt_texts and self.req.prompt_texts[prompt] is not None:
-            return self.tokenizer.prompt_offsets(text)
+            return prompt_offsets(self.tokenizer, text)
         counter = LogprobFormatter(self.tokenizer)
         offsets = [counter.advance(t) for t in self.req.prompts[prompt]]
         extra = counter.text_offset - len(text)
         return [max(0, o - extra) for o in offsets] if extra > 0 else offsets
+
+
+def prompt_offsets(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Where each token of tokenizer.encode_prompt(text) starts in `text`, in characters: a character split
+    over tokens at the character, a token the post-processor adds (a BOS) where it stands, at no width."""
+    starts, end = [], 0
+    for start, stop in tokenizer.backend.encode(text, add_special_tokens=True).offsets:
+        starts.append(end if start == stop else min(start, end))  # a space trim_offsets cut off is the token's
+        end = max(end, stop)
+    return starts
 
 
 def _with(choice: dict, logprobs, prompt_logprobs=None) -> dict:

@@ -84,15 +84,6 @@ class Tokenizer:
         template writes these tokens itself, so rendered chats go through encode.)"""
         return self.backend.encode(text, add_special_tokens=True).ids
 
-    def prompt_offsets(self, text: str) -> list[int]:
-        """Where each token of encode_prompt(text) starts in `text`, in characters: a character split over
-        tokens at the character, a token the post-processor adds (a BOS) where it stands, at no width."""
-        starts, end = [], 0
-        for start, stop in self.backend.encode(text, add_special_tokens=True).offsets:
-            starts.append(end if start == stop else min(start, end))  # a space trim_offsets cut off is the token's
-            end = max(end, stop)
-        return starts
-
     def decode(self, ids: Iterable[int]) -> str:
         """Text for `ids`, skipping special tokens and ids outside the vocabulary.
 
