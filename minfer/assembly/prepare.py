@@ -32,7 +32,8 @@ from .selector import choose_attention_backend
 log = logging.getLogger("minfer")
 
 
-def prepare_model(model: torch.nn.Module, config: EngineConfig | None = None) -> tuple[torch.nn.Module, AttentionBackend]:
+def prepare_model(model: torch.nn.Module,
+                  config: EngineConfig | None = None) -> tuple[torch.nn.Module, AttentionBackend]:
     """Make `model` (any models.CausalLM) ready to run, in place, and choose its attention backend."""
     config = config or EngineConfig()
     if config.quantization is not None:

@@ -133,6 +133,7 @@ def verdict(minfer: float | None, hf: float | None, higher_is_better: bool) -> s
 def format_comparison(minfer: dict, hf: dict, batch_size: int) -> str:
     lines = [f"{' minfer vs transformers (batch ' + str(batch_size) + ') ':=^72}"]
     for key, label, unit, higher in RATIOS:
-        figures = "" if minfer.get(key) is None or hf.get(key) is None else f" ({minfer[key]:.1f} vs {hf[key]:.1f} {unit})"
+        both = minfer.get(key) is not None and hf.get(key) is not None
+        figures = f" ({minfer[key]:.1f} vs {hf[key]:.1f} {unit})" if both else ""
         lines.append(f"{label + ':':<26}{verdict(minfer.get(key), hf.get(key), higher)}{figures}")
     return "\n".join(lines + ["=" * 72])

@@ -97,7 +97,8 @@ def file_perplexity(
     text = utf8_text(Path(path), str(path))
     check_quantization(quantization, group_size, quantize_lm_head, quantize_activations)
     spec = None if quantization is None else QuantizationSpec(quantization, group_size, quantize_lm_head)
-    model = load_model(model_name, device=device, dtype=resolve_dtype(dtype, torch.device(device)), weights=QuantizedWeights(spec))
+    model = load_model(model_name, device=device, dtype=resolve_dtype(dtype, torch.device(device)),
+                       weights=QuantizedWeights(spec))
     if quantize_activations:  # the weights are quantized already: this sets how int8 linears multiply
         quantize_model(model, quantization, group_size, quantize_lm_head, quantize_activations=True)
     ids = Tokenizer.from_dir(model.model_dir).encode(text)
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.bench.perp
     else:
         print(f"perplexity {result.perplexity:.4f} (loss {result.loss:.4f} nats/token over {result.tokens} tokens; "
               f"windows of {window}, stride {stride}; {args.model}, {args.dtype}"
-              f"{', ' + args.quantization if args.quantization else ''}{' (int8 activations)' if args.quantize_activations else ''})")
+              f"{', ' + args.quantization if args.quantization else ''}"
+              f"{' (int8 activations)' if args.quantize_activations else ''})")
     return 0
 
 

@@ -30,7 +30,8 @@ def format_header(args, dtype: str, threads: str, attention: str, machine: str) 
         prompts = "text prompts"
     rows = [
         ("model", target),
-        ("mode", "online: HTTP streams to a server" if args.mode == "online" else "offline: the engine in this process"),
+        ("mode", "online: HTTP streams to a server" if args.mode == "online"
+         else "offline: the engine in this process"),
         ("device", f"{args.device} ({machine})"),
         ("dtype", dtype),
         ("threads", threads),

@@ -11,8 +11,8 @@ prefill merge into one span, "queued+prefill" (submit -> first streamed chunk).
 
 Process "engine" has a "step" span per scheduler step (online: read from the
 server's /engine/events feed, so minfer.serve only) and counters sampled at each
-step's start: batch size, prefill vs decode tokens, KV blocks in use, preemptions. Watching the batch grow and shrink as requests come and go is
-continuous batching.
+step's start: batch size, prefill vs decode tokens, KV blocks in use, preemptions. Watching the batch
+grow and shrink as requests come and go is continuous batching.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ FROM_STATS = [
 ]
 # Speculative decoding's counters (vLLM's spec_decode_* names), when the engine speculates.
 SPEC_DECODE = [
-    ("spec_decode_num_drafts_total", "Verifications: steps in which a sequence checked proposals.", "spec_decode_num_drafts"),
+    ("spec_decode_num_drafts_total", "Verifications: steps in which a sequence checked proposals.",
+     "spec_decode_num_drafts"),
     ("spec_decode_num_draft_tokens_total", "Proposed tokens verified.", "spec_decode_num_draft_tokens"),
     ("spec_decode_num_accepted_tokens_total", "Proposed tokens accepted.", "spec_decode_num_accepted_tokens"),
 ]
@@ -122,11 +123,11 @@ def connection_lines(stats: ConnectionStats) -> str:
     with stats._lock:
         timeouts = {f'kind="{kind}"': n for kind, n in stats.timeouts.items()}
         lines = [
-            *metric("minfer_http_connections_open", "gauge", "Connections being served (each has a thread).", stats.open),
+            *metric("minfer_http_connections_open", "gauge", "Connections being served (each has a thread).",
+                    stats.open),
             *metric("minfer_http_connections_max", "gauge", "The --max-connections cap.", stats.max_connections),
-            *metric(
-                "minfer_http_connections_refused_total", "counter", "Connections refused at the cap (503).", stats.refused
-            ),
+            *metric("minfer_http_connections_refused_total", "counter", "Connections refused at the cap (503).",
+                    stats.refused),
             *metric("minfer_http_timeouts_total", "counter", "Connections closed by a timeout, by kind.", timeouts),
         ]
     return "\n".join(lines) + "\n"

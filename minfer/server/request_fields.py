@@ -33,7 +33,8 @@ FIELDS: dict[str, Field] = {
     "stream_options": F("openai", "object"), "max_tokens": F("openai"), "max_completion_tokens": F("openai"),
     "chat_template_kwargs": F("vllm", "object"),
     # sampling (engine/sampling_params.py judges the values)
-    "temperature": F("openai", sets="temperature"), "top_p": F("openai", sets="top_p"), "seed": F("openai", sets="seed"),
+    "temperature": F("openai", sets="temperature"), "top_p": F("openai", sets="top_p"),
+    "seed": F("openai", sets="seed"),
     "stop": F("openai", sets="stop"), "presence_penalty": F("openai", sets="presence_penalty"),
     "frequency_penalty": F("openai", sets="frequency_penalty"), "logit_bias": F("openai"),
     "top_k": F("vllm", sets="top_k"), "min_p": F("vllm", sets="min_p"), "min_tokens": F("vllm", sets="min_tokens"),

@@ -183,7 +183,8 @@ def _scoring(body: dict) -> tuple[Scoring, dict]:
     score_only = body.get("max_tokens") == 0 and type(body.get("max_tokens")) is int
     if score_only and not echo:
         raise invalid("max_tokens", "'max_tokens' may be 0 only with 'echo': true (to score the prompt)")
-    return Scoring(logprobs, echo, asked is not None, score_only), dict(logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    fields = dict(logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    return Scoring(logprobs, echo, asked is not None, score_only), fields
 
 
 def _prompt_batch(prompt, tokenizer: Tokenizer) -> tuple[list[list[int]], list[str | None]]:

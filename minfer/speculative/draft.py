@@ -9,8 +9,9 @@ plainly (unseeded in a large batch, paused, prefilling) costs the draft nothing,
 next speculates.
 
 Which draft positions hold K/V. DraftProposer remembers, per sequence, what it last wrote; num_valid()
-cuts that at the first position whose token the sequence did not keep (a rejected proposal). Take a speculating sequence whose first c
-tokens the target has computed (num_computed_tokens = c); its last token t_c is computed by neither.
+cuts that at the first position whose token the sequence did not keep (a rejected proposal). Take a
+speculating sequence whose first c tokens the target has computed (num_computed_tokens = c); its last
+token t_c is computed by neither.
 - Forward 0 runs its positions v .. c, v = num_valid(seq): the ones the draft lacks (after a
   verification: 0 or 1 of them; at its first speculation, or after a preemption, all of them), then
   t_c, whose logits give d_0.

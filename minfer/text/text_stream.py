@@ -15,7 +15,7 @@ class TextStream:
     def __init__(self, detokenizer: IncrementalDetokenizer, stop: list[str] | None = None, include_stop: bool = False):
         self.detokenizer = detokenizer
         self.stop = stop or []
-        self.include_stop = include_stop  # cut after the stop string rather than before it (vLLM's include_stop_str_in_output)
+        self.include_stop = include_stop  # cut after the stop string, not before (include_stop_str_in_output)
         self.text = ""
         self.num_streamed_chars = 0  # how much of `text` pop_new_text has handed out
         self.hit_stop = False  # a stop string was found: the text is final

@@ -123,7 +123,8 @@ ended by `<|endoftext|>`. {o['num_stories']:,} training stories from seed {o['se
 {tokenizer_origin(o)}. After each story, with chance
 {o['retell']} (`--retell`), one of the last three is told again word for word (`with_retellings` in stories.py):
 text that repeats itself, as real text does, from which a model can learn to copy from its context (what
-n-gram speculative decoding needs; how far this one did is under Results). With the retellings the training text is {r['train_tokens']:,} tokens.
+n-gram speculative decoding needs; how far this one did is under Results). \
+With the retellings the training text is {r['train_tokens']:,} tokens.
 `heldout.txt` holds {o['heldout_stories']} more stories from their own seed stream
 (`"heldout-{o['seed']}"`), {r['heldout_tokens']:,} tokens, never trained on, without retellings.
 
@@ -131,7 +132,8 @@ n-gram speculative decoding needs; how far this one did is under Results). With 
 
 {o['steps']:,} steps of AdamW (betas 0.9/0.95, weight decay {o['weight_decay']} on matrices), batches of
 {o['batch_size']} windows of {o['n_positions']} tokens at random offsets ({r['tokens_seen']:,} tokens,
-{r['tokens_seen'] / r['train_tokens']:.2f} passes over the data), learning rate {o['lr']} after {o['warmup_steps']} warm-up
+{r['tokens_seen'] / r['train_tokens']:.2f} passes over the data), learning rate {o['lr']} \
+after {o['warmup_steps']} warm-up
 steps, cosine decay to a tenth; gradients clipped to norm 1; {start(o)}.{warmup_text(r.get('copy_warmup'))}
 
 | step | train loss (last {o['eval_every']} steps) | held-out loss |
@@ -169,7 +171,8 @@ Every random choice comes from `--seed`, so the same command with the same `--th
 machine writes bit-identical weights (tests/training/test_trained_tiny.py checks that on a shortened run).
 A quick check that a machine follows the same path: `{check}`
 prints `step 5/5: train loss {first:.4f}`, the mean of this run's first five steps (neither warm-up,
-of the learning rate or of copying, depends on `--steps`). Another CPU or thread count rounds matmuls differently and the weights
+of the learning rate or of copying, depends on `--steps`). \
+Another CPU or thread count rounds matmuls differently and the weights
 drift apart; the losses should land close, but by how much has not been measured.
 """
 
