@@ -2,7 +2,8 @@
 folders, modules, anchors and `Class.method`s, and each of them must exist.
 
 - every relative link resolves to a file or folder, and a `#anchor` into a markdown file to one of
-  its headings (GitHub's slugs);
+  its headings (GitHub's slugs); a link whose text is a file's path (`[scoring/logprobs.py](...)`) links to
+  that file;
 - every `minfer/...` path and every dotted `minfer.x.y` module name exists, and every `tests/...` path;
 - every backticked `Name.attr` in docs/ and tutorials/ whose Name is a class defined in minfer/
   names something that class (or a minfer class it derives from) defines;
@@ -23,7 +24,8 @@ from pathlib import Path
 
 import pytest
 from markdown_files import (
-    ALL_MARKDOWN, DOCS, README, ROOT, TESTS_README, TUTORIALS, anchors, code_spans, github_slug, lines_of, links, rel,
+    ALL_MARKDOWN, DOCS, README, ROOT, TESTS_README, TUTORIALS, anchors, code_spans, github_slug, line_at, lines_of,
+    links, paragraphs, rel,
 )
 
 PACKAGE = ROOT / "minfer"
@@ -54,6 +56,27 @@ def test_relative_links_resolve():
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
                 broken.append(f"{where}: {rel(dest)} has no heading with the anchor #{anchor}")
     assert not broken, f"{len(broken)} broken link(s):\n" + "\n".join(broken)
+
+
+# A link whose text is a file name or the tail of a path: `[scoring/logprobs.py](../minfer/scoring/logprobs.py)`.
+PATH_LINK = re.compile(r"\[`?([\w.-]+(?:/[\w.-]+)*\.(?:py|md|sh|js|css|html|json|txt))`?\]\(\s*<?([^)\s>#]+)")
+
+
+def test_link_texts_name_their_targets():
+    """The path a link shows is the path it opens: after a file moves, the old name must not stay as the text."""
+    wrong, seen = [], 0
+    for md in ALL_MARKDOWN:
+        for start, text in paragraphs(md):
+            for m in PATH_LINK.finditer(text):
+                shown, target = m.groups()
+                if re.match(r"[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):
+                    continue
+                seen += 1
+                dest = (md.parent / target).resolve()
+                if not dest.as_posix().endswith("/" + shown.removeprefix("./")):
+                    wrong.append(f"{rel(md)}:{line_at(start, text, m.start())}: [{shown}] links to {target}")
+    assert seen > 100, f"only {seen} links showing a path: the pattern is broken"
+    assert not wrong, f"{len(wrong)} link(s) whose text names another file:\n" + "\n".join(wrong)
 
 
 def module_path(parts: list[str]) -> Path | None:
