@@ -152,7 +152,8 @@ class EngineConfig:
         "gpt2",
         str,
         Check(lambda v: isinstance(v, str) and v != "", "a checkpoint directory or Hub repo id"),
-        "local checkpoint directory or Hub repo id",
+        "a local checkpoint directory, a model minfer ships (minfer-tiny, minfer-tiny-llama) or a Hub repo id"
+        " (default: gpt2)",
         convert=lambda v: os.fspath(v) if isinstance(v, os.PathLike) else v,
     )
     # $MINFER_DEVICE may change the default, as $MINFER_ATTENTION_BACKEND does below: the tests' way to
