@@ -363,21 +363,19 @@ class EngineConfig:
 
     @classmethod
     def add_cli_arguments(cls, parser, exclude: tuple[str, ...] = ()) -> None:
-        """One flag per field (but those in `exclude`, which the caller defines itself), default from
-        the field. Text that is no number stays text, for from_cli_args to refuse naming the flag."""
+        """One flag per field (but those in `exclude`, which the caller defines itself), default from the field,
+        shown in --help unless the help says it. Text that is no number stays text, for from_cli_args to refuse."""
         for f in fields(cls):
             if f.name in exclude:
                 continue
-            meta = f.metadata
+            meta, default = f.metadata, default_of(f)
+            shown = "default:" in meta["help"] or "(default" in meta["help"] or default is None or default is False
+            text = meta["help"] if shown else meta["help"] + " (default: %(default)s)"
             if meta["type"] is bool:
-                parser.add_argument(
-                    flag(f), action=argparse.BooleanOptionalAction, default=default_of(f), help=meta["help"]
-                )
+                parser.add_argument(flag(f), action=argparse.BooleanOptionalAction, default=default, help=text)
             else:
                 metavar = meta["metavar"] or ("N" if meta["type"] is int else None)
-                parser.add_argument(
-                    flag(f), type=or_text(meta["type"]), default=default_of(f), metavar=metavar, help=meta["help"]
-                )
+                parser.add_argument(flag(f), type=or_text(meta["type"]), default=default, metavar=metavar, help=text)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides) -> EngineConfig:

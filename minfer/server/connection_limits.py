@@ -42,7 +42,8 @@ FLAG_HELP = {  # one --flag per ConnectionLimits field
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(ConnectionLimits):
         flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(flag, type=type(f.default), default=f.default, help=FLAG_HELP[f.name])
+        parser.add_argument(flag, type=type(f.default), default=f.default,
+                            help=FLAG_HELP[f.name] + " (default: %(default)s)")
 
 
 def limits_from_args(args: argparse.Namespace) -> ConnectionLimits:

@@ -215,10 +215,17 @@ def port_number(text: str) -> int:
 
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
-    parser.add_argument("--port", type=port_number, default=8000, help="port to listen on (0: any free port)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server; default: %(default)s)"
+    )
+    parser.add_argument(
+        "--port", type=port_number, default=8000, help="port to listen on (0: any free port; default: %(default)s)"
+    )
     EngineConfig.add_cli_arguments(parser)  # --model, --dtype, --block-size, ...
-    parser.add_argument("--max-queued", type=int, default=128, help="requests that may wait for a slot; more get 429")
+    parser.add_argument(
+        "--max-queued", type=int, default=128, help="requests that may wait for a slot; more get 429"
+        " (default: %(default)s)",
+    )
     parser.add_argument(
         "--api-key",
         default=settings.API_KEY.get(),
@@ -233,7 +240,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") ->
     )
     add_arguments(parser)  # timeouts and the connection cap
     parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log verbosity"
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="server log verbosity (default: %(default)s)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s", stream=sys.stderr)

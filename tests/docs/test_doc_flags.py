@@ -85,9 +85,9 @@ def command_of(command: str) -> tuple[str, ...] | None:
 
 
 @cache
-def help_flags(key: tuple[str, ...]) -> frozenset[str] | None:
-    """The flags a command's `--help` lists (None if it has no `--help`), run in this process (as the command
-    would run, through runpy), the help unwrapped."""
+def help_text(key: tuple[str, ...]) -> str | None:
+    """A command's `--help` (None if it has none), run in this process as the command would run (runpy), one
+    option a line."""
     kind, target, *argv = key
     out, saved_argv, saved_columns = io.StringIO(), sys.argv, os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "1000"  # argparse wraps at the terminal's width: one option a line
@@ -109,7 +109,12 @@ def help_flags(key: tuple[str, ...]) -> frozenset[str] | None:
             os.environ.pop("COLUMNS", None)
         else:
             os.environ["COLUMNS"] = saved_columns
-    return frozenset(FLAG.findall(out.getvalue())) or None
+    return out.getvalue() or None
+
+
+def help_flags(key: tuple[str, ...]) -> frozenset[str] | None:
+    """The flags a command's `--help` lists (None if it has no `--help`)."""
+    return frozenset(FLAG.findall(help_text(key) or "")) or None
 
 
 def has(flags: frozenset[str], flag: str) -> bool:
@@ -171,3 +176,76 @@ def test_other_programs_flags_are_named_in_the_docs():
     named = {f for page in PAGES for _, span in code_spans(page) for f in FLAG.findall(span)}
     assert set(OTHER_PROGRAMS) <= named, set(OTHER_PROGRAMS) - named
     assert not set(OTHER_PROGRAMS) & every_commands_flags()
+
+
+SERVE = ("module", "minfer", "serve")
+
+
+def stated_defaults() -> list[tuple[str, str, str]]:
+    """(file:line, flag, default) from the docs' tables that give flags' defaults: a "flag (default)" column of
+    `--flag VALUE` spans (reliability.md), or a "flag" column beside a "default" one (speculative.md: `--a`,
+    `--b` | 2, 4)."""
+    out = []
+    for page in DOCS:
+        header = None
+        for number, line, fenced in lines_of(page):
+            if fenced or not line.startswith("|"):
+                header = None
+                continue
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if header is None:
+                header = cells
+                continue
+            if set(cells[0]) <= set("-: "):
+                continue  # the separator row
+            where = f"{rel(page)}:{number}"
+            if "flag (default)" in header:
+                for flag, value in re.findall(r"`(--[a-z][\w-]*) ([^`]+)`", cells[header.index("flag (default)")]):
+                    out.append((where, flag, value))
+            elif "flag" in header and "default" in header:
+                flags = FLAG.findall(cells[header.index("flag")])
+                values = [v.strip() for v in cells[header.index("default")].split(",")]
+                out += [(where, flag, value) for flag, value in zip(flags, values)] if len(flags) == len(values) else [
+                    (where, ", ".join(flags), f"{len(values)} defaults for {len(flags)} flags")]
+    return out
+
+
+def options(help: str) -> dict[str, str]:
+    """--help's text for each option: its line, and the next ones where the flag is too long to share one."""
+    out, current = {}, None
+    for line in help.splitlines():
+        if line.startswith("  -"):
+            current = FLAG.match(line.strip()).group(0) if FLAG.match(line.strip()) else None
+            if current:
+                out[current] = line
+        elif current and line.startswith("    "):
+            out[current] += " " + line.strip()
+        else:
+            current = None
+    return out
+
+
+def same(stated: str, shown: str) -> bool:
+    try:
+        return float(stated) == float(shown)
+    except ValueError:
+        return stated.lower() == shown.lower()
+
+
+def test_flag_defaults_in_the_docs_are_the_servers():
+    """The defaults the docs' tables give (reliability.md's timeouts, speculative.md's options) are the ones
+    `minfer serve --help` shows; "none" in the docs: the help shows none, or says none."""
+    rows = stated_defaults()
+    assert len(rows) >= 8, f"only {len(rows)} stated defaults found: the tables or the pattern changed"
+    lines = options(help_text(SERVE) or "")
+    wrong = []
+    for where, flag, stated in rows:
+        if flag not in lines:
+            wrong.append(f"{where}: {flag} ({stated}): `minfer serve --help` has no such flag")
+            continue
+        shown = re.search(r"default: ([^);]+)", lines[flag])
+        if stated.lower() == "none" and (shown is None or shown.group(1).strip().lower() == "none"):
+            continue
+        if shown is None or not same(stated, shown.group(1).strip()):
+            wrong.append(f"{where}: {flag}: the docs say {stated}, --help says {shown and shown.group(1)!r}")
+    assert not wrong, f"{len(wrong)} default(s) the docs and --help disagree on:\n" + "\n".join(wrong)
