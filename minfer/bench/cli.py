@@ -41,7 +41,7 @@ from .metrics import RunResult, format_summary, median_summary, summarize
 from .offline import run_offline
 from .online import Endpoint, EngineFeedReader, ServerProcess, refuse_if_all_failed, run_online
 from .profile import format_profile, profile_steps
-from .report import format_header, format_masks, memory_owner, progress, result_title
+from .report import DefaultsOnce, format_header, format_masks, memory_owner, progress, result_title
 from .roofline import format_roofline, roofline
 from .speculation import counters_of_server, counters_of_stats, format_spec, spec_summary
 from .trace import write_trace
@@ -54,8 +54,7 @@ NO_MODEL_HINT = (
 
 
 def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], formatter_class=DefaultsOnce)
     p.add_argument("--mode", choices=["offline", "online"], default="offline",
                    help="offline: minfer in-process; online: HTTP to minfer.serve (or to --base-url)")
     p.add_argument("--model", default="gpt2", help="checkpoint dir or Hub id (--base-url: the served name)")

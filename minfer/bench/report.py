@@ -1,12 +1,22 @@
 """What bench.py prints around its figures: a header that echoes what is measured, progress
-lines while it loads and warms up, and titles that say which mode ran and whose memory is shown."""
+lines while it loads and warms up, and titles that say which mode ran and whose memory is shown; and its
+--help, each flag with its default once."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
 _START = time.perf_counter()
+
+
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default, once: not "(default: 64) (default: None)" after a help that says it in words."""
+
+    def _get_help_string(self, action):
+        said = "default:" in (action.help or "") or "(default" in (action.help or "")
+        return action.help if said else super()._get_help_string(action)
 
 
 def progress(message: str) -> None:

@@ -249,3 +249,14 @@ def test_flag_defaults_in_the_docs_are_the_servers():
         if shown is None or not same(stated, shown.group(1).strip()):
             wrong.append(f"{where}: {flag}: the docs say {stated}, --help says {shown and shown.group(1)!r}")
     assert not wrong, f"{len(wrong)} default(s) the docs and --help disagree on:\n" + "\n".join(wrong)
+
+
+def test_help_states_each_default_once():
+    """What the docs send readers to: no option of a minfer command's --help gives two defaults (bench's used to
+    say "int4 only: weights per scale (default: 64) (default: None)")."""
+    twice = []
+    for name in SUBCOMMANDS:
+        for flag, text in options(help_text(("module", "minfer", name)) or "").items():
+            if len(re.findall(r"\(default|default:", text)) > 1:
+                twice.append(f"minfer {name} --help: {text.strip()}")
+    assert not twice, "options whose help gives two defaults:\n" + "\n".join(twice)
