@@ -76,6 +76,9 @@ def command_of(command: str) -> tuple[str, ...] | None:
         return ("module", words[2])
     if words[:1] == ["minfer"] and len(words) > 1 and not words[1].startswith("-"):
         return ("module", "minfer", words[1])
+    if words and words[0].endswith(".py") and not words[0].startswith("tutorials/"):  # `bench.py --n 4`, `quant_ab.py`
+        script = words[0] if words[0] == "bench.py" or "/" in words[0] else f"scripts/{words[0]}"
+        return command_of(shlex.join(["python", script, *words[1:]])) if (ROOT / script).is_file() else None
     if words[:1] == ["python"] and len(words) > 1 and (words[1] == "bench.py" or words[1].startswith("scripts/")):
         if words[1] == "scripts/imitate_cpu.py":  # `imitate_cpu.py KIND bench.py ...`: the command it wraps
             rest = words[3:]
