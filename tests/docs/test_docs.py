@@ -302,6 +302,32 @@ def test_architecture_names_table_names_minfer_code():
     assert not missing, "names the architecture page maps that minfer does not define:\n" + "\n".join(missing)
 
 
+ENDPOINT = re.compile(r"(?:(GET|POST) )?(/(?:v1|health|metrics|version|generate|tokeni|detokeni|engine)[\w/{}.-]*|/)")
+
+
+def test_endpoints_named_are_served():
+    """`POST /tokenize`, `GET /health`, `/v1/chat/completions`: each endpoint the docs name in code is a route
+    of the server (APIHandler.ROUTES), with the method they give it."""
+    from minfer.server.endpoints import APIHandler
+
+    wrong, seen = [], 0
+    for md in ALL_MARKDOWN:
+        for number, span in code_spans(md):
+            m = ENDPOINT.fullmatch(span)
+            if not m:
+                continue
+            seen += 1
+            method, path = m.groups()
+            route = APIHandler.ROUTES.get(path)
+            if route is None:
+                wrong.append(f"{rel(md)}:{number}: `{span}`: the server has no route {path}")
+            elif method and route[0] != method:
+                wrong.append(f"{rel(md)}:{number}: `{span}`: {path} answers {route[0]}, not {method}")
+    assert seen > 30, f"only {seen} endpoints named: the pattern is broken"
+    message = f"{len(wrong)} endpoint(s) named in the docs that the server does not serve so:\n"
+    assert not wrong, message + "\n".join(wrong)
+
+
 def bench_lines_in_docs() -> list[tuple[str, str]]:
     out = []
     for md in DOCS:
