@@ -328,6 +328,18 @@ def test_endpoints_named_are_served():
     assert not wrong, message + "\n".join(wrong)
 
 
+def test_minfer_variables_named_are_read():
+    """Each MINFER_* variable the prose names is read: by minfer (an EnvVar of settings.py, which `minfer settings`
+    lists), or, for the course's and the tests' own, by tutorials/_common.py or a test."""
+    tests = [path for path in (ROOT / "tests").rglob("*.py") if path.parent != ROOT / "tests" / "docs"]  # not these
+    readers = [PACKAGE / "settings.py", ROOT / "tutorials" / "_common.py", *tests]
+    read = {name for path in readers for name in re.findall(r"[\"'](MINFER_[A-Z_]+)[\"']", path.read_text())}
+    assert {"MINFER_DEVICE", "MINFER_MODEL"} <= read, sorted(read)
+    unread = [f"{rel(md)}:{number}: {name}" for md in ALL_MARKDOWN for number, line, _ in lines_of(md)
+              for name in re.findall(r"\bMINFER_[A-Z_]*[A-Z]\b", line) if name not in read]
+    assert not unread, "MINFER_ variables the docs name that nothing reads:\n" + "\n".join(unread)
+
+
 def bench_lines_in_docs() -> list[tuple[str, str]]:
     out = []
     for md in DOCS:
