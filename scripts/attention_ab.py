@@ -37,9 +37,8 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument(
-        "--backends", default="torch,flex", help="names in attention/selector.py, or flex-static; the first the reference"
-    )
+    p.add_argument("--backends", default="torch,flex",
+                   help="names in attention/selector.py, or flex-static; the first the reference")
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

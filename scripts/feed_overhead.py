@@ -84,9 +84,8 @@ def main() -> int:
     finally:
         srv.stop()
     for n, values in results.items():
-        print(
-            f"{n} viewers: {' '.join(f'{v:.3f}' for v in values)} ms/step (median {sorted(values)[len(values) // 2]:.3f})"
-        )
+        median = sorted(values)[len(values) // 2]
+        print(f"{n} viewers: {' '.join(f'{v:.3f}' for v in values)} ms/step (median {median:.3f})")
     return 0
 
 

@@ -133,7 +133,8 @@ def error_against_plain(backend, heads: int, kv_heads: int, head_dim: int, seqs:
     shape = argparse.Namespace(num_layers=2, num_kv_heads=kv_heads, head_dim=head_dim)
     with torch.inference_mode(False):
         cache = backend.new_cache(shape, num_blocks, B, DEVICE, dtype)
-        cache.kv[:, : num_blocks * B] = torch.randn(cache.kv[:, : num_blocks * B].shape, generator=gen).to(DEVICE, dtype)
+        written = cache.kv[:, : num_blocks * B]
+        written.copy_(torch.randn(written.shape, generator=gen).to(DEVICE, dtype))
     slots = torch.tensor([t[(n - 1) // B] * B + (n - 1) % B for t, n in zip(tables, lens)], device=DEVICE)
     layout = StepLayout(slots, list(range(seqs)), [1] * seqs, lens, tables, B, num_blocks)
     q = torch.randn(seqs, heads, head_dim, generator=gen).to(DEVICE, dtype)
@@ -258,7 +259,8 @@ def qwen3() -> int:
     run = run_offline(engine, workload, progress=False)
     summary = summarize(run.records, run.duration)
     paths = engine.stats().get("compiled_paths")
-    print(f"{num_requests} requests: {summary['output_throughput']:.0f} output tok/s over {run.duration:.1f} s; {paths}", flush=True)
+    print(f"{num_requests} requests: {summary['output_throughput']:.0f} output tok/s over {run.duration:.1f} s; "
+          f"{paths}", flush=True)
     notes = (
         f"batch-1 TPOT {figures['measured_tpot_ms']:.2f} ms with graphs, {eager_tpot:.2f} eager, floor "
         f"{figures['floor_tpot_ms']:.2f} (matmuls {figures['matmul_floor_ms']:.2f}); {num_requests} requests of "

@@ -54,7 +54,8 @@ def main() -> None:
         for batch in batches:
             prompts = [[(7 * i + j) % 1000 + 10 for j in range(32 if batch > 1 else 4)] for i in range(batch)]
             for name, llm in engines.items():
-                llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # warm: shapes compile
+                # warm: shapes compile
+                llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
                 start = time.perf_counter()
                 llm.generate(prompts, greedy, use_tqdm=False)
                 best[batch, name] = min(best.get((batch, name), float("inf")), time.perf_counter() - start)

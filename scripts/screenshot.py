@@ -5,8 +5,8 @@ headless Chromium, with a small KV cache (64 blocks) and a real-sized one (8,000
 
 Without --model it serves minfer-tiny, the small trained model minfer ships. Clients
 stream requests that share a 64-token prefix (prefix-cache hits); in the small cache not all
-of them fit (preemptions). The playground streams a story. The page is captured mid-run. With --num-kv-blocks it makes one
-picture, of that cache, at --out.
+of them fit (preemptions). The playground streams a story. The page is captured mid-run. With
+--num-kv-blocks it makes one picture, of that cache, at --out.
 Needs Chromium, chromium-driver and Selenium (pip install -e '.[test]').
 """
 

@@ -86,7 +86,8 @@ def main() -> None:
             shares = ", ".join(f"{label}/plain {values[-1]:.2f}" for label, values in ratios.items())
             print(f"{name:<14} round {r + 1}: {figures}; {shares}", flush=True)
         for label, (drafts0, proposed0, accepted0) in before.items():
-            drafts, proposed, accepted = (a - b for a, b in zip(_counts(engines[label]), (drafts0, proposed0, accepted0)))
+            now = _counts(engines[label])
+            drafts, proposed, accepted = (a - b for a, b in zip(now, (drafts0, proposed0, accepted0)))
             rate = accepted / proposed if proposed else float("nan")
             length = 1 + accepted / drafts if drafts else float("nan")
             print(f"{name:<14} {label}: median ratio {statistics.median(ratios[label]):.2f}; acceptance rate "

@@ -81,8 +81,8 @@ for name, shape in expected.items():
     want = shape[::-1] if name.endswith(CONV1D_WEIGHTS) else shape  # Conv1D weights come out [out, in]
     assert tuple(state[name].shape) == want, name
 print(
-    f"{len(expected) - 1} tensors (and the LM head's name for wte): the 'transformer.' prefix dropped, the mask buffers "
-    f"skipped, and the {len(CONV1D_WEIGHTS)} Conv1D weights of each block transposed to nn.Linear's [out, in]"
+    f"{len(expected) - 1} tensors (and the LM head's name for wte): the 'transformer.' prefix dropped, the mask "
+    f"buffers skipped, and the {len(CONV1D_WEIGHTS)} Conv1D weights of each block transposed to nn.Linear's [out, in]"
 )
 
 with safe_open(str(file_of[w_name]), framework="pt") as f:

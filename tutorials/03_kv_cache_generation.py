@@ -156,4 +156,5 @@ out = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0
 assert out.token_ids == cached_tokens
 print(f"LLM.generate: the same {len(out.token_ids)} tokens")
 graded.graded()
-print("\nOK: same tokens with and without the cache, quadratic vs linear work, chunks after a past, and the engine agrees.")
+print("\nOK: same tokens with and without the cache, quadratic vs linear work, chunks after a past, "
+      "and the engine agrees.")

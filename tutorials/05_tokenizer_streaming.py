@@ -137,7 +137,8 @@ assert pieces == ["", "", "\ufffd\ufffd w", ""] and "".join(pieces) == sp.decode
 
 # A random model writes byte tokens half the time: the stream still ends up equal to decode().
 sp_llm = LLM(str(sp_path), num_kv_blocks=16, max_num_seqs=1)
-generated = sp_llm.generate(["Once upon a time"], SamplingParams(max_tokens=40, seed=0, ignore_eos=True), use_tqdm=False)[0]
+generated = sp_llm.generate(["Once upon a time"], SamplingParams(max_tokens=40, seed=0, ignore_eos=True),
+                            use_tqdm=False)[0]
 detok = sp.detokenizer()
 streamed = "".join(detok.add(i) for i in generated.token_ids) + detok.flush()
 print(f"{len(generated.token_ids)} generated tokens -> {streamed!r}")

@@ -157,7 +157,8 @@ def engine_again() -> None:
 
 
 print("the time of each, in turns (printed, never asserted: on a model this small a step's Python dominates):")
-show(interleaved({"static batch": lambda: static_batch(prompts, max_new), "the engine": engine_again}, rounds=5), width=14)
+show(interleaved({"static batch": lambda: static_batch(prompts, max_new), "the engine": engine_again}, rounds=5),
+     width=14)
 print(
     "\nOK: padded static batching is correct but wastes "
     f"{waste:.0%} of its work here; the engine wastes none and returns requests as they finish."

@@ -158,7 +158,8 @@ with torch.inference_mode():
         for _ in range(NEW):
             seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
         assert out.token_ids == seq[0, len(prompt) :].tolist(), "the paged engine must match the plain model"
-print(f"LLM.generate, {len(prompts)} prompts batched, paged: the same {NEW} greedy tokens each as the model without a cache")
+print(f"LLM.generate, {len(prompts)} prompts batched, paged: the same {NEW} greedy tokens each as the model "
+      "without a cache")
 assert llm.stats()["num_kv_blocks_free"] == 32
 
 graded.graded()

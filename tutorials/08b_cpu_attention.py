@@ -67,7 +67,12 @@ tiled = lambda: backend.decode_attention(q_dec, big_kv, group, scale)  # noqa: E
 reader = backend.reader  # the tiles' buffers, reused across layers and steps
 dense_k = big_kv[grid, 0].transpose(1, 2).contiguous()  # (S, H, L, D)
 dense_v = big_kv[grid, 1].transpose(1, 2).contiguous()
-contiguous = lambda: F.scaled_dot_product_attention(q_dec.unsqueeze(2), dense_k, dense_v, scale=scale).squeeze(2)  # noqa: E731
+
+
+def contiguous() -> torch.Tensor:
+    return F.scaled_dot_product_attention(q_dec.unsqueeze(2), dense_k, dense_v, scale=scale).squeeze(2)
+
+
 check("tiled read vs gather-everything", tiled(), gather_all())
 per_tile = reader.seqs_per_tile(big_kv, L)
 context_bytes = 2 * S * L * H * D * 4

@@ -11,7 +11,7 @@ RequestOutput.num_cached_tokens and in the prefill tokens each step computes,
 while the greedy output stays the same.
 
     python tutorials/09_prefix_caching.py   # MINFER_MODEL=/path to choose the checkpoint
-    python tutorials/09_prefix_caching.py --exercise   # with your register_full_blocks and match_prefix (tutorials/exercises/)
+    python tutorials/09_prefix_caching.py --exercise   # your register_full_blocks and match_prefix (exercises/)
 """
 
 from _common import exercise, model_path, section
@@ -20,7 +20,8 @@ from _timing import BUSY_MACHINE, Timing, claim, show
 from minfer import LLM, OnlineScheduler, SamplingParams
 from minfer.engine.block_allocator import BlockAllocator, block_hash
 
-graded = exercise("09")  # --exercise: your register_full_blocks and match_prefix (tutorials/exercises/) run instead of minfer's
+# --exercise: your register_full_blocks and match_prefix (tutorials/exercises/) run instead of minfer's
+graded = exercise("09")
 # ---------------------------------------------------------------------------------------
 section("part 1: the prefix index, by hand (blocks of 4 tokens)")
 BLOCK_SIZE = 4
@@ -49,7 +50,8 @@ hits = alloc.match_prefix(b)
 alloc.share(hits)  # B references A's blocks: no new memory, and their 8 tokens need no compute
 table_b = hits + alloc.allocate(1)
 print(
-    f"B: tokens {b}, block table {table_b}: {len(hits) * BLOCK_SIZE} tokens reused, {len(b) - len(hits) * BLOCK_SIZE} to compute"
+    f"B: tokens {b}, block table {table_b}: {len(hits) * BLOCK_SIZE} tokens reused, "
+    f"{len(b) - len(hits) * BLOCK_SIZE} to compute"
 )
 assert table_b[:2] == table_a[:2] and [alloc.blocks[x].ref_count for x in table_a[:2]] == [2, 2]
 

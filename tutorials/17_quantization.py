@@ -48,7 +48,8 @@ def relative_rms_error(approx: torch.Tensor) -> float:
 
 errors = {"int8, per channel": relative_rms_error(dequantize_int8(*quantize_int8(weight)))}
 for group in (32, 64, 128):
-    errors[f"int4, group {group}"] = relative_rms_error(dequantize_int4(*quantize_int4(weight, group))[:, : weight.shape[1]])
+    restored = dequantize_int4(*quantize_int4(weight, group))[:, : weight.shape[1]]
+    errors[f"int4, group {group}"] = relative_rms_error(restored)
 for name, error in errors.items():
     print(f"  {name:<18} RMS error {error:.2%} of the RMS weight")
 # 4 bits have 16 levels, 8 bits 255: int4's step is ~16x int8's, so its error is far larger...

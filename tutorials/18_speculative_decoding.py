@@ -123,4 +123,5 @@ claim(timings, "ngram", "draft", "the n-gram proposer is the faster here",
       "A draft's forwards cost a share of the model's each (all of it, when the model is its own draft), "
       "which the n-gram lookup does not pay; how much that weighs depends on this CPU. " + BUSY_MACHINE)
 if draft == path:
-    assert drafted.scheduler.features.speculation.speculator.stats.acceptance_rate > 0.99  # its own draft is always right
+    # its own draft is always right
+    assert drafted.scheduler.features.speculation.speculator.stats.acceptance_rate > 0.99

@@ -353,7 +353,8 @@ def run(args) -> int:
         "torch_dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "thread_count_changes": scheduler.features.threads.changes if scheduler and scheduler.features.threads else None,  # by CpuShare, under load
+        # by CpuShare, under load
+        "thread_count_changes": threads.changes if (threads := scheduler and scheduler.features.threads) else None,
         "machine": machine(args.device),
     }
     records = [dict(r.to_json(), run=k) for k, res in enumerate(results) for r in res.records]

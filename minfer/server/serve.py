@@ -177,7 +177,8 @@ def create_server(
     bound = "http://{}:{}".format(*server.server_address[:2])
     lines = banner_lines(scheduler, config.dtype, bound, api_key is not None)
     lines.append(describe_defaults(defaults, not_applied, config.generation_config))
-    lines.append(f"chat template: {'--chat-template' if chat_template else 'the checkpoint' if template.source else 'plain'}")
+    source = "--chat-template" if chat_template else "the checkpoint" if template.source else "plain"
+    lines.append(f"chat template: {source}")
     for line in lines:
         log.info("minfer: %s", line)
     return server
@@ -232,9 +233,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") ->
         help="require 'Authorization: Bearer KEY' (default: $MINFER_API_KEY, else none)",
     )
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    parser.add_argument(
-        "--chat-template", default=None, help="a Jinja chat template, or a file holding one, instead of the checkpoint's"
-    )
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, or a file holding one, instead of the checkpoint's")
     parser.add_argument(
         "--disable-log-requests", action="store_true", help="no log line per request (start-up and errors still log)"
     )

@@ -175,6 +175,18 @@ def test_no_module_is_too_long():
     assert not long, f"modules over {MAX_LINES} lines hold two concepts; split them:\n" + "\n".join(long)
 
 
+def test_no_line_is_wider_than_the_project_width():
+    """The code a reader reads (the package, the tutorials, the scripts) is written to pyproject's width."""
+    import tomllib
+
+    width = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["ruff"]["line-length"]
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "tutorials").rglob("*.py"), *(ROOT / "scripts").rglob("*.py"),
+             ROOT / "bench.py"]
+    wide = [f"{p.relative_to(ROOT)}:{i}: {len(line)} columns" for p in files
+            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if len(line) > width]
+    assert not wide, f"lines over {width} columns:\n" + "\n".join(wide)
+
+
 def test_the_checker_sees_what_it_must():
     """Upward imports inside a function, under TYPE_CHECKING and of a sibling module are all found."""
     source = (

@@ -159,7 +159,8 @@ def counted(exercise: Exercise, seam: Seam, function, calls: dict[str, int], lab
                 raise
             # An error in a thread would leave the stage waiting on events that never come.
             traceback.print_exc()
-            print(f"exercise {exercise.stage}: {seam.function} raised in its thread (above)", file=sys.stderr, flush=True)
+            print(f"exercise {exercise.stage}: {seam.function} raised in its thread (above)", file=sys.stderr,
+                  flush=True)
             os._exit(1)
 
     return wrapper

@@ -49,7 +49,8 @@ _SOLUTIONS = {  # stage -> the stub's function names -> minfer's own, looked up 
         "register_full_blocks": minfer_own(BlockAllocator, "register_full_blocks"),
         "match_prefix": minfer_own(BlockAllocator, "match_prefix"),
     },
-    "10": lambda: {"admit": minfer_own(ContinuousBatcher, "_admit"), "preempt": minfer_own(ContinuousBatcher, "_preempt")},
+    "10": lambda: {"admit": minfer_own(ContinuousBatcher, "_admit"),
+                   "preempt": minfer_own(ContinuousBatcher, "_preempt")},
     "11": lambda: {"run": minfer_own(SchedulerManager, "_run")},
 }
 

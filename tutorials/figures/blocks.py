@@ -80,8 +80,8 @@ def block_tables(out) -> None:
     colour = {"A": A, "B": B}
 
     svg = Svg(760, 340, "Block tables and the free queue (stage 07)")
-    svg.text(20, 24, "BlockAllocator(10 blocks of 4 slots): A has 11 tokens, B has 8, grown one token at a time, in turns",
-             size=13, bold=True)
+    svg.text(20, 24, "BlockAllocator(10 blocks of 4 slots): A has 11 tokens, B has 8, grown one token at a time, "
+             "in turns", size=13, bold=True)
     # The cache: every block with its 4 slots, each slot showing which token of which sequence it holds.
     slot_w, gap, x0, y0 = 17, 5, 20, 58
     block_box = {}
@@ -163,7 +163,8 @@ def paged_read(out) -> None:
     last = (50 + padded[-1] * 42 + 38, y + 32 + 12)
     svg.curve(last[0], last[1], cache[num_blocks][0] + 20, 58 + 28, bend=40, stroke=NULL, width=1, dash="3 3")
     svg.text(last[0] + 24, y + 50, "B's padding reads the zeroed null block, not", size=10, fill=NULL, italic=True)
-    svg.text(last[0] + 24, y + 64, "its own unwritten slots (a masked NaN still poisons)", size=10, fill=NULL, italic=True)
+    svg.text(last[0] + 24, y + 64, "its own unwritten slots (a masked NaN still poisons)", size=10, fill=NULL,
+             italic=True)
     svg.text(20, 312, "one gather: kv_cache[group.slots] (S, L, 2, H, D), keys and values together", size=11, mono=True)
     svg.text(20, 330, "then sdpa(q (S, H, 1, D), keys, values, attn_mask=group.mask (S, 1, 1, L)) → (S, H, D)",
              size=11, mono=True)
@@ -209,8 +210,8 @@ def shared_prefix(out) -> None:
     svg = Svg(900, 330, "Shared prefix blocks (stage 09)")
     svg.text(20, 24, f"OnlineScheduler on minfer-tiny, {alloc.num_blocks} blocks of {size}: request 1 has finished, "
              "then requests 2 and 3 start with its system prompt", size=13, bold=True)
-    svg.text(20, 46, "hᵢ = hash(hᵢ₋₁, the block's tokens): a full block's name covers every token before it", size=11,
-             fill=SHARED)
+    svg.text(20, 46, "hᵢ = hash(hᵢ₋₁, the block's tokens): a full block's name covers every token before it",
+             size=11, fill=SHARED)
     cache = block_row(svg, 20, 84, list(range(alloc.num_blocks)), fill, str, w=36, gap=7,
                       bottom=lambda b: f"ref {refs[b]}" if refs[b] else ("cached" if fill(b) == CACHED else ""))
     chain = tables["request 2"][:3]
