@@ -11,9 +11,9 @@ every later start loads them in seconds (compiled/packaged.py):
   Inductor's templates and oneDNN ("AVX512-BF16 without AMX"). Measured on an AMX host with AMX taken away from
   torch, oneDNN and Inductor (scripts/imitate_cpu.py); the Zen 5 VM measured before the packages had the compiled
   forward slower than eager (12.0 against 9.3-10.1 ms/token);
-- for int8 models there, and on an AVX2-only CPU (fp32 activations), a lone sequence's decode alone (`lone_only`):
-  compiled whole, int8 ran batch 1 1.3-1.6x faster but 64 requests 5-15% slower, so batches and prefill stay
-  eager, and only the lone decode's package is built.
+- for int8 models there, and on an AVX2-only CPU (fp32 activations) for int8 and int4 ones, a lone sequence's
+  decode alone (`lone_only`): compiled whole, int8 ran batch 1 1.3-1.6x faster but 64 requests 5-15% slower, so
+  batches and prefill stay eager, and only the lone decode's package is built (int4 on AVX2: batch 1 1.13-1.17x).
 
 Elsewhere it stays off: other pairs were not measured faster without AMX; a small model (minfer-tiny, the
 tests' checkpoints) would spend its first start compiling what runs in milliseconds; fp16,
@@ -53,7 +53,7 @@ COMPILED_ON_AVX512_BF16 = {(torch.bfloat16, None), (torch.bfloat16, "int4")}
 # pairs whose batch package lost to eager there (int8: eager rounds batches to int8 or widens the weights, the
 # graph lowers every row count to the one-row kernel's GEMM): a lone sequence's decode alone compiles
 LONE_ONLY_ON_AVX512_BF16 = {(torch.bfloat16, "int8")}
-LONE_ONLY_ON_AVX2 = {(torch.float32, "int8")}
+LONE_ONLY_ON_AVX2 = {(torch.float32, "int8"), (torch.float32, "int4")}
 
 
 def compiled_here() -> tuple[str, set, set]:

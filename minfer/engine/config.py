@@ -224,7 +224,8 @@ class EngineConfig:
     compile_model: bool | None = setting(
         None, bool, BOOL, "CPU only: one compiled graph of the whole forward, weights frozen in, kept as packages "
         "in minfer's cache: a first start of minutes, later ones load them (default: where it wins: AMX; bf16, int4 "
-        "on AVX512-BF16, int8 lone decodes without AMX; models of 50M+ parameters, 7-9x their size free)",
+        "on AVX512-BF16, int8 lone decodes without AMX, int4 ones on AVX2; models of 50M+ parameters, 7-9x their "
+        "size free)",
     )
     num_threads: int | None = setting(
         None, int, POSITIVE, "CPU only: torch threads (default: every core this process may use)"
