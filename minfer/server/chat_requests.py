@@ -14,7 +14,8 @@ from .tools import read_tools
 
 CHAT = Endpoint("/v1/chat/completions", SAMPLING | STRUCTURED | TOOLS | {"model", "messages", "max_tokens",
                 "max_completion_tokens", "stream", "stream_options", "chat_template_kwargs", "logprobs",
-                "top_logprobs"}, OPENAI_CHAT | VLLM)
+                "top_logprobs"}, OPENAI_CHAT | VLLM,
+                asks_nothing={"add_special_tokens": (False,)})  # vLLM's default: the template writes its own
 
 
 def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:

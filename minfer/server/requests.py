@@ -44,8 +44,9 @@ KINDS = {  # kind -> (description for the error message, check)
 class Endpoint:
     """What one endpoint reads, which API's fields it knows (None: minfer's own), and the contract's rule."""
 
-    def __init__(self, path: str, reads: set[str], api: frozenset[str] | None):
+    def __init__(self, path: str, reads: set[str], api: frozenset[str] | None, asks_nothing: dict | None = None):
         self.path, self.reads, self.api = path, frozenset(reads), api
+        self.asks_nothing = asks_nothing or {}  # a field's own values here: its API's default differs by endpoint
         self._logged: set[str] = set()
         self._lock = threading.Lock()
 
@@ -60,7 +61,7 @@ class Endpoint:
         if self.api is None:
             hint = " (it takes 'max_new_tokens')" if name == "max_tokens" else ""
             raise invalid(name, f"'{name}' is not a field of {self.path}{hint}", "unknown_parameter")
-        nothing = FIELDS[name].asks_nothing if name in self.api else None
+        nothing = self.asks_nothing.get(name, FIELDS[name].asks_nothing) if name in self.api else None
         if nothing is None:
             self.log_once(name)
         elif value is not None and not any(value == v and type(value) is type(v) for v in nothing):
@@ -75,7 +76,8 @@ class Endpoint:
 
 
 COMPLETIONS = Endpoint("/v1/completions", SAMPLING | STRUCTURED | {"model", "prompt", "max_tokens", "stream",
-                       "stream_options", "echo", "logprobs", "prompt_logprobs"}, OPENAI_COMPLETIONS | VLLM)
+                       "stream_options", "echo", "logprobs", "prompt_logprobs"}, OPENAI_COMPLETIONS | VLLM,
+                       asks_nothing={"add_special_tokens": (True,)})  # vLLM's default: what a prompt gets
 
 
 @dataclass

@@ -55,6 +55,9 @@ def test_the_tables_know_every_field_of_the_installed_openai_sdk():
         (parse_completion, "prompt_embeds", "AAAA"),
         (parse_chat, "structural_tag", '{"type": "structural_tag", "structures": []}'),
         (parse_chat, "include_reasoning", False),
+        # vLLM's add_special_tokens, against the endpoint's own default
+        (parse_completion, "add_special_tokens", False),
+        (parse_chat, "add_special_tokens", True),
     ],
 )
 def test_an_api_field_minfer_does_not_implement_is_a_400_naming_it(info, parse, field, value):
@@ -68,9 +71,10 @@ def test_an_api_field_minfer_does_not_implement_is_a_400_naming_it(info, parse, 
 @pytest.mark.parametrize(
     "parse, extra",
     [
-        (parse_completion, {"suffix": "", "best_of": 1, "use_beam_search": False, "guided_json": None}),
+        (parse_completion, {"suffix": "", "best_of": 1, "use_beam_search": False, "guided_json": None,
+                            "add_special_tokens": True}),  # vLLM's default for a prompt: what minfer does
         (parse_chat, {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "functions": None,
-                      "include_reasoning": True}),
+                      "include_reasoning": True, "add_special_tokens": False}),  # a template writes its own
     ],
 )
 def test_the_values_that_ask_for_nothing_pass(info, parse, extra):
