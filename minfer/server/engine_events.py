@@ -245,6 +245,12 @@ class EngineFeed:
             if not self.active:  # the worker stops publishing: what is here would go stale
                 self._first += len(self._events)
                 self._events.clear()
+            self._cond.notify_all()  # wakes wait_viewers_gone
+
+    def wait_viewers_gone(self, timeout: float) -> bool:
+        """After close(): wait until every viewer has left (written the end of its stream)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._viewers == 0, timeout)
 
     def read(self, viewer: "Viewer", timeout: float) -> list[dict]:
         """The events the viewer has not seen, from a snapshot on if it has none (new, or fell behind
@@ -257,7 +263,8 @@ class EngineFeed:
                     self.snapshot_wanted = True
                     self._wake()
             if viewer.cursor is None or viewer.cursor == end:
-                self._cond.wait(timeout)
+                if not self._closed:  # a viewer that was busy writing missed close()'s notify: no wait then
+                    self._cond.wait(timeout)
                 if self._closed:
                     raise FeedClosed()
                 return []

@@ -94,10 +94,12 @@ class MinferServer(CappedHTTPServer):
     def stop(self, grace: float = 3.0) -> None:
         """Graceful shutdown: fail in-flight requests (streams get an error chunk), stop accepting, and
         give handlers `grace` seconds to write their last bytes. Call from a thread other than serve_forever's."""
+        deadline = time.monotonic() + grace
         self.manager.shutdown()
         self.shutdown()  # serve_forever returns within its 0.5 s poll interval
         self.server_close()
         self.manager.wait_released(grace)
+        self.manager.events.wait_viewers_gone(max(0.0, deadline - time.monotonic()))  # they end their streams
 
 
 # ---- building and running the server -------------------------------------------------

@@ -3,11 +3,13 @@ that replay to the allocator's true block states, no text in the feed, the API k
 
 import http.client
 import json
+import signal
 import socket
 import threading
 import time
 
 import pytest
+from serving import ServerProcess, open_stream
 
 from minfer import EngineConfig
 from minfer.server.engine_events import EngineFeed, FeedClosed
@@ -236,3 +238,30 @@ def test_stop_ends_the_event_stream(tiny_checkpoint):
     assert reader.ended.wait(5), "the SSE stream outlived the server"
     assert time.monotonic() - start < 5
     assert reader.raw[-1] == b"0\r\n" or b"".join(reader.raw).endswith(b"\n\n")  # ended cleanly
+
+
+def test_sigterm_under_load_ends_every_viewer_stream(tiny_checkpoint, tmp_path):
+    """A viewer busy with a flowing feed missed the engine's close and waited out its read; the process had
+    exited by then and its streams were cut mid-chunk, never ended."""
+    srv = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--num-kv-blocks", "64")
+    try:
+        stream = open_stream(srv.port, {"prompt": "hi", "max_tokens": 400, "ignore_eos": True})  # a busy engine
+        viewers = []
+        for _ in range(4):
+            viewer = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            viewer.sendall(b"GET /engine/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer test-key\r\n\r\n")
+            assert viewer.recv(65536).startswith(b"HTTP/1.1 200")
+            viewers.append(viewer)
+        time.sleep(0.3)  # step events flowing
+        srv.proc.send_signal(signal.SIGTERM)
+        for viewer in viewers:
+            received = b""
+            while chunk := viewer.recv(65536):
+                received += chunk
+            assert received.endswith(b"0\r\n\r\n"), received[-80:]  # the last chunk: the stream ended
+        assert srv.proc.wait(timeout=10) == 0
+        stream.close()
+        assert "Traceback" not in (tmp_path / "server.log").read_text()
+    finally:
+        srv.stop()
+
