@@ -42,7 +42,11 @@ def page() -> bytes:
 def stream_events(feed: EngineFeed, write: Callable[[bytes], None], client_gone: Callable[[], bool]) -> None:
     """Write the feed to one viewer as SSE until it leaves (a write raises) or the engine stops."""
     interval = 1.0 / MESSAGES_PER_SECOND
-    with feed.subscribe() as viewer:
+    try:
+        viewer = feed.subscribe()
+    except FeedClosed:  # the engine stopped before this viewer came: an empty stream, ended
+        return
+    with viewer:
         last_write = time.monotonic()
         while True:
             try:

@@ -265,3 +265,14 @@ def test_sigterm_under_load_ends_every_viewer_stream(tiny_checkpoint, tmp_path):
     finally:
         srv.stop()
 
+
+def test_a_viewer_arriving_as_the_engine_stops_gets_an_ended_stream(tiny_checkpoint):
+    srv = create_server(EngineConfig(str(tiny_checkpoint), num_kv_blocks=64), port=0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        srv.manager.shutdown()  # the engine has stopped; the server still accepts, for a moment
+        conn, resp = request(srv, "GET", "/engine/events", headers={})
+        assert resp.status == 200 and resp.read() == b""  # ended at once, cleanly: no error mid-stream
+        conn.close()
+    finally:
+        srv.stop()
