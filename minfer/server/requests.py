@@ -255,10 +255,16 @@ def output_budget(body: dict, name: str, num_prompt_tokens: int, info: ModelInfo
     return room if default is None else min(default, room)
 
 
+# Each stop string is searched for after every token, on the engine's one thread: thousands slow every request.
+MAX_STOP_STRINGS = 64  # OpenAI allows 4; vLLM does not limit them
+
+
 def sampling_params(body: dict, max_tokens, ignore_eos, fields: dict[str, str], **extra: Any) -> SamplingParams:
     """The request's SamplingParams, JSON's conventions applied (null is the default, top_k -1 is vLLM's
     "off", best_of may only equal n); SamplingParams judges the values."""
     kwargs = {f.sets: body[name] for name, f in FIELDS.items() if f.sets and body.get(name) is not None}
+    if isinstance(kwargs.get("stop"), list) and len(kwargs["stop"]) > MAX_STOP_STRINGS:
+        raise invalid("stop", f"'stop' lists {len(kwargs['stop'])} strings; at most {MAX_STOP_STRINGS} are allowed")
     if kwargs.get("top_k") == -1 and type(kwargs["top_k"]) is int:
         kwargs["top_k"] = 0
     if body.get("logit_bias") is not None:

@@ -78,3 +78,16 @@ def test_an_n_the_engine_refuses_builds_nothing_per_choice_first(server, monkeyp
         status, _, out = call(port, "POST", path, {**base, **logprobs, "n": 10**9}, timeout=60)
         assert (status, out["error"]["param"]) == (400, "n"), out
     assert built == []
+
+
+def test_stop_lists_are_bounded(server):
+    """Every stop string is searched for after every token on the engine's one thread: a single request
+    listing 50,000 (a 0.5 MB body) made each step some 60x slower, for every request on the server."""
+    port = server.server_address[1]
+    many = {"prompt": "Once", "max_tokens": 3, "stop": [f"zq{i}" for i in range(50_000)]}
+    status, _, body = call(port, "POST", "/v1/completions", many)
+    assert status == 400 and body["error"]["param"] == "stop" and "at most" in body["error"]["message"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stop": many["stop"]}
+    assert call(port, "POST", "/v1/chat/completions", chat)[0] == 400
+    status, _, body = call(port, "POST", "/v1/completions", {**many, "stop": many["stop"][:64]})
+    assert status == 200, body
