@@ -41,6 +41,10 @@ KINDS = {  # kind -> (description for the error message, check)
 }
 
 
+# Clients may invent any number of names: past these, an endpoint neither logs nor keeps more.
+MAX_LOGGED_FIELDS = 100
+
+
 class Endpoint:
     """What one endpoint reads, which API's fields it knows (None: minfer's own), and the contract's rule."""
 
@@ -69,10 +73,12 @@ class Endpoint:
 
     def log_once(self, name: str) -> None:
         with self._lock:
-            if name in self._logged:
+            if name in self._logged or len(self._logged) >= MAX_LOGGED_FIELDS:
                 return
             self._logged.add(name)
-        log.warning("%s: ignoring the field %r, which minfer does not use (logged once)", self.path, name)
+            last = len(self._logged) == MAX_LOGGED_FIELDS
+        log.warning("%s: ignoring the field %r, which minfer does not use (logged once%s)", self.path, name,
+                    f"; {MAX_LOGGED_FIELDS} such names now: no more are logged" if last else "")
 
 
 COMPLETIONS = Endpoint("/v1/completions", SAMPLING | STRUCTURED | {"model", "prompt", "max_tokens", "stream",
