@@ -97,9 +97,12 @@ ASKS = [
 def constrained(target: Target, tally: Tally, end: float, seed: int) -> None:
     rng = random.Random(seed)
     turn = seed % len(ASKS)
+    tools_served = True  # until the server says its chat template renders none (--base-url: any server)
     while time.monotonic() < end:
         fields, endpoint, check = ASKS[turn]
         turn = (turn + 1) % len(ASKS)
+        if "tools" in fields and not tools_served:
+            continue
         body = {"max_tokens": 40, "n": rng.choice([1, 1, 2]), "stream": rng.random() < 0.5, **fields}
         body.update({"temperature": 0} if rng.random() < 0.5 else {"temperature": 0.9, "seed": rng.randrange(2**31)})
         prompt = [rng.randrange(256) for _ in range(rng.randint(1, 12))]  # byte tokens: in any GPT-2 vocabulary
@@ -113,6 +116,9 @@ def constrained(target: Target, tally: Tally, end: float, seed: int) -> None:
             tally.fail(f"constrained: {type(e).__name__}: {e}")
             time.sleep(0.2)  # no hot loop against a server that is gone
             continue
+        if replies is NO_TOOLS:
+            tools_served = False
+            continue
         if replies is None:
             continue
         kind = "tool" if "tools" in fields else "constrained"
@@ -124,9 +130,12 @@ def constrained(target: Target, tally: Tally, end: float, seed: int) -> None:
         tally.count(f"{kind} requests answered")
 
 
+NO_TOOLS: list = []  # _ask's answer when the server's chat template renders no tools
+
+
 def _ask(target: Target, tally: Tally, endpoint: str, body: dict) -> list[tuple[str, list, str]] | None:
     """Each choice's (text, [(name, arguments)], finish_reason), in index order; None if the request was
-    refused or broken."""
+    refused or broken; NO_TOOLS if it had tools the server's template cannot render."""
     conn = target.connection()
     try:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
@@ -139,6 +148,9 @@ def _ask(target: Target, tally: Tally, endpoint: str, body: dict) -> list[tuple[
         check_error_reply(tally, "constrained", resp.status, payload)  # a 5xx or a stack trace fails
         if resp.status == 429:
             tally.count("constrained requests refused with 429")
+        elif resp.status == 400 and "tools" in body and b"does not render tools" in payload:  # a 400 as it should be
+            tally.count("tool requests refused: the chat template renders no tools")
+            return NO_TOOLS
         elif resp.status < 500:
             tally.fail(f"constrained: got {resp.status}: {payload[:200]!r}")
         return None

@@ -132,6 +132,9 @@ def soak(target: Target, cfg: SoakConfig, tally: Tally, progress: Callable[[str]
         "constrained outputs that stopped (each meets its constraint)": c["constrained outputs ending with stop"],
         "constrained outputs cut at max_tokens": c["constrained outputs ending with length"],
         "tool requests answered": c["tool requests answered"],
+        "tool requests refused: the chat template renders no tools": c[
+            "tool requests refused: the chat template renders no tools"
+        ],
         "tool calls returned (each naming a tool, its arguments valid)": c["tool calls returned"],
         "stopped readers cut off": c["stopped readers cut off"],
         "stopped readers whose stream fit in the socket buffers": c[

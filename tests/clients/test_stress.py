@@ -5,6 +5,7 @@ For the long run: MINFER_SOAK_SECONDS=60 pytest tests/clients/test_stress.py, or
 import glob
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -90,3 +91,20 @@ def test_cli_refuses_flags_it_would_not_apply(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         main([*argv, "--duration", "1"])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_tool_requests_to_a_server_without_a_tool_template_are_not_failures(tiny_checkpoint):
+    """--base-url at a server whose chat template renders no tools (minfer-tiny's): its 400 is right, and the
+    constrained client counted every one of them as a failure of the server (217 in a 2-minute run)."""
+    from serving import serving
+
+    from minfer import EngineConfig
+    from minfer.stress.clients import Target
+    from minfer.stress.constrained import constrained
+
+    with serving(EngineConfig(str(tiny_checkpoint), num_kv_blocks=64)) as srv:
+        tally = Tally()
+        constrained(Target("127.0.0.1", srv.server_address[1], stall_limit=10), tally, time.monotonic() + 4, seed=3)
+    assert tally.failures == []
+    assert tally.counts["tool requests refused: the chat template renders no tools"] == 1  # then none are sent
+    assert tally.counts["constrained requests answered"] > 0
