@@ -10,6 +10,7 @@ blocks before its next step.
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 from ..engine.outputs import RequestOutput
@@ -72,7 +73,7 @@ class APIHandler(InfoEndpoints):
                            f"({manager.max_in_flight}: --max-num-seqs + --max-queued): send them in smaller batches",
                            param="prompt", code="invalid_value")
         checked = [self._checked(req, i) for i in range(len(req.prompts))]  # before anything is streamed
-        handles = []
+        handles, self._client_check_due = [], time.monotonic() + CLIENT_CHECK_SECONDS  # see _next_event
         try:
             for request in checked:
                 handles.append(manager.submit(request))  # EngineError (an APIError) when it cannot take it
@@ -91,15 +92,21 @@ class APIHandler(InfoEndpoints):
             raise (_at_index(error, i) if len(req.prompts) > 1 else error) from None
 
     def _next_event(self, handle: RequestHandle) -> RequestEvent:
-        """The request's next event (an Error raises APIError), checking between waits whether the client left."""
+        """The request's next event (an Error raises APIError), checking now and then whether the client left."""
         while True:
             event = handle.next_event(timeout=CLIENT_CHECK_SECONDS)
             if isinstance(event, Error):
                 raise APIError(event.status, event.message)
+            if (event is None or time.monotonic() > self._client_check_due) and self._client_left():  # events or not
+                raise ClientGone()
             if event is not None:
                 return event
-            if self.client_gone():
-                raise ClientGone()
+
+    def _client_left(self) -> bool:
+        """Has the client closed its socket? A request that writes nothing until its end would never notice
+        otherwise. The next look is due CLIENT_CHECK_SECONDS from now."""
+        self._client_check_due = time.monotonic() + CLIENT_CHECK_SECONDS
+        return self.client_gone()
 
     def _events(self, handle: RequestHandle):
         """Yield each CompletionDelta as it comes, then the RequestOutputs (a tuple, one per choice)."""

@@ -107,6 +107,27 @@ def test_non_stream_client_that_leaves_is_discarded(small_server):
     assert m["minfer_kv_blocks_free"] == m["minfer_kv_blocks_total"]
 
 
+def test_a_client_that_leaves_while_tokens_flow_is_discarded(small_server):
+    """The handler looked for a vanished client only after 0.5 s without an event: a non-stream request
+    (or a stream whose text is held back) that sampled every step ran to max_tokens for nobody, holding its
+    slot and blocks (30 such requests, n = 4, kept all 64 slots of a server busy for over 12 s)."""
+    scheduler = small_server.manager.scheduler
+    real_step = scheduler.step
+    scheduler.step = lambda: (time.sleep(0.002), real_step())[1]  # 1000 tokens: 2 s at least
+    port = small_server.server_address[1]
+    data = json.dumps({"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+        while metrics(port)["minfer_generation_tokens_total"] < 5:  # running, a token every step
+            time.sleep(0.01)
+    deadline = time.monotonic() + 10
+    while (m := metrics(port))["minfer_requests_aborted_total"] + m["minfer_requests_finished_total"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert m["minfer_requests_aborted_total"] == 1 and m["minfer_requests_finished_total"] == 0
+    assert m["minfer_generation_tokens_total"] < 900
+
+
 def test_dead_worker_fails_requests_and_health_says_503(small_server):
     def broken(request_id):
         raise RuntimeError("bug outside step()")
