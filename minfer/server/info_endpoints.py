@@ -67,8 +67,7 @@ class InfoEndpoints(RoutingHandler):
         self.begin_stream("text/event-stream")
         if self.command == "HEAD":  # the headers only: a HEAD reply has no body
             return
-        live_view.stream_events(self.server.manager.events, self.write_chunk, self.client_gone)
-        self.end_stream()
+        live_view.stream_events(self.server.manager.events, self.write_chunk, self.end_stream, self.client_gone)
 
     def handle_tokenize(self) -> None:
         self.send_json(200, tokenizer_api.tokenize(self.read_json(), self.server.info))

@@ -39,27 +39,29 @@ def page() -> bytes:
     return html.encode()
 
 
-def stream_events(feed: EngineFeed, write: Callable[[bytes], None], client_gone: Callable[[], bool]) -> None:
-    """Write the feed to one viewer as SSE until it leaves (a write raises) or the engine stops."""
+def stream_events(feed: EngineFeed, write: Callable[[bytes], None], end: Callable[[], None],
+                  client_gone: Callable[[], bool]) -> None:
+    """Write the feed to one viewer as SSE until it leaves (a write raises) or the engine stops, then `end` the
+    stream while still subscribed: the server's stop waits for its viewers to leave, then the process exits."""
     interval = 1.0 / MESSAGES_PER_SECOND
     try:
         viewer = feed.subscribe()
     except FeedClosed:  # the engine stopped before this viewer came: an empty stream, ended
-        return
+        return end()
     with viewer:
         last_write = time.monotonic()
         while True:
             try:
                 events = viewer.read(timeout=CLIENT_CHECK_SECONDS)
             except FeedClosed:
-                return
+                return end()
             now = time.monotonic()
             if events:
                 write(b"data: " + json.dumps(events, separators=(",", ":")).encode() + b"\n\n")
                 last_write = now
                 time.sleep(interval)  # what the engine does meanwhile comes in the next message
             elif client_gone():
-                return
+                return end()
             elif now - last_write > KEEPALIVE_SECONDS:
                 write(b": keep-alive\n\n")
                 last_write = now

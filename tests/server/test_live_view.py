@@ -276,3 +276,32 @@ def test_a_viewer_arriving_as_the_engine_stops_gets_an_ended_stream(tiny_checkpo
         conn.close()
     finally:
         srv.stop()
+
+
+def test_a_viewer_has_ended_its_stream_before_it_counts_as_gone(tiny_checkpoint, monkeypatch):
+    """stop() waits for viewers to leave, then the process exits: a viewer left (unsubscribed) first and
+    ended its stream after, so at SIGTERM one stream in a few was still cut."""
+    from minfer.server.endpoints import APIHandler
+
+    real_end = APIHandler.end_stream
+    monkeypatch.setattr(APIHandler, "end_stream", lambda self: (time.sleep(0.3), real_end(self)))  # a slow end
+    srv = create_server(EngineConfig(str(tiny_checkpoint), num_kv_blocks=64), port=0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        viewer = socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=10)
+        viewer.sendall(b"GET /engine/events HTTP/1.1\r\nHost: x\r\n\r\n")
+        received = viewer.recv(65536)
+        while b"data: " not in received:
+            received += viewer.recv(65536)
+        srv.manager.shutdown()
+        assert srv.manager.events.wait_viewers_gone(5)
+        viewer.setblocking(False)
+        received = b""
+        while True:
+            try:
+                received += viewer.recv(65536)
+            except BlockingIOError:
+                break
+        assert received.endswith(b"0\r\n\r\n"), received[-40:]  # already out: the process may exit now
+    finally:
+        srv.stop()
