@@ -38,10 +38,11 @@ class TextStream:
         return self.hit_stop
 
     def _cut_at_stop(self, num_new_chars: int) -> None:
-        """Cut the text at the first stop string, if its last num_new_chars completed one: only the tail can
-        hold a stop string that was not there before."""
-        search_from = max(0, len(self.text) - num_new_chars - max(map(len, self.stop)) + 1)
-        hits = [(i, len(s)) for i, s in ((self.text.find(s, search_from), s) for s in self.stop) if i >= 0]
+        """Cut the text at the first stop string that ends in its last num_new_chars, as vLLM's
+        check_stop_strings does: one wholly before them was found already, or was made before min_tokens,
+        when stop strings do not count (and may have been streamed)."""
+        end = len(self.text) - num_new_chars + 1  # s found at end - len(s) or later ends in the new chars
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, max(0, end - len(s))), s) for s in self.stop) if i >= 0]
         if hits:
             start, length = min(hits)  # the stop string that starts first
             self.text = self.text[: start + length if self.include_stop else start]  # and all after it

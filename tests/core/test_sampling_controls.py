@@ -293,6 +293,23 @@ def test_min_tokens_holds_back_stop_tokens_and_strings(llm):
     assert len(early.token_ids) == 1 and len(late.token_ids) == 8 and late.text == text
 
 
+def test_a_stop_string_counts_where_it_ends_in_new_text(llm):
+    """Past min_tokens, a stop string ends the output where it ends in a new token's text, as vLLM's
+    check_stop_strings searches: one wholly in the text made before (when stop strings did not count yet)
+    does not, however long another stop string is, and the text already streamed is never cut back."""
+    (token,) = llm.tokenizer.encode("ken")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={token: 100}, min_tokens=3,
+                            stop=["k", "a longer stop string"])
+    sched = llm.scheduler
+    request_id = sched.add_request(prompt_token_ids=[1, 2, 3], sampling_params=params)
+    streamed = ""
+    while sched.has_unfinished():
+        sched.step()
+        streamed += "".join(d.text for d in sched.get_new_outputs(request_id))
+    out = sched.pop_response(request_id)
+    assert out.token_ids == [token] * 4 and out.finish_reason == "stop"
+    assert out.text == streamed == "ken" * 3
+
 def test_include_stop_str_and_skip_special_tokens(llm, tiny_checkpoint):
     tokenizer = Tokenizer.from_dir(tiny_checkpoint)
     ids = tokenizer.encode("once upon a time there was")
