@@ -129,7 +129,7 @@ class ContinuousBatcher:
             return None
         self.allocator.share(hits)
         seq.block_table = hits + self.allocator.allocate(new_blocks)
-        seq.num_computed_tokens, seq.num_cached_tokens = cached, min(cached, seq.num_prompt_tokens)
+        seq.num_computed_tokens = seq.num_cached_tokens = cached
         self.prefix_cache_hit_tokens += cached
         seq.status = Status.RUNNING
         return ScheduledChunk(seq, cached, n)

@@ -126,15 +126,3 @@ def test_prefix_hits_after_preemption_and_after_finishing(tiny_checkpoint):
     out = llm.generate([turn], short, use_tqdm=False)[0]
     assert out.num_cached_tokens == 64 and out.token_ids == alone.generate([turn], short, use_tqdm=False)[0].token_ids
     assert_all_free(llm)
-
-
-def test_cached_tokens_are_prompt_tokens_after_a_preemption(tiny_checkpoint):
-    """num_cached_tokens counts prompt tokens: a preempted sequence re-admitted finds blocks holding its
-    generated tokens too, which are not the prompt's (nor more of them than the prompt has)."""
-    g = torch.Generator().manual_seed(3)
-    a, b = (torch.randint(0, 511, (8,), generator=g).tolist() for _ in range(2))
-    llm = LLM(tiny_checkpoint, num_kv_blocks=7, max_num_seqs=2)  # two 80-token sequences need 10 blocks
-    outs = llm.generate([a, b], SamplingParams(max_tokens=72, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert [o.num_preemptions for o in outs] == [0, 1] and llm.stats()["prefix_cache_hit_tokens"] == 32
-    assert [o.num_cached_tokens for o in outs] == [0, 8]  # its whole prompt, not the 32 tokens it found
-    assert_all_free(llm)
