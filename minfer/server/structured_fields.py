@@ -3,7 +3,7 @@
 Three ways to ask, on /v1/completions and /v1/chat/completions alike; a request uses one of them:
 - OpenAI's `response_format`: {"type": "text"} (asks nothing), {"type": "json_object"}, or
   {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} (the openai SDK's `parse` sends
-  this; minfer enforces the schema whatever `strict` says);
+  this; `name` is required, as OpenAI and vLLM require it; minfer enforces the schema whatever `strict` says);
 - vLLM's `structured_outputs`: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}, with
   "whitespace_pattern" or "disable_any_whitespace" for JSON;
 - vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, with
@@ -15,6 +15,8 @@ names the request's field too (ParsedRequest.fields maps "structured_outputs" to
 
 from __future__ import annotations
 
+import re
+
 from ..engine.structured_outputs_params import StructuredOutputsParams
 from ..errors import InvalidParameter
 from .api_errors import invalid
@@ -24,6 +26,7 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 READ = frozenset({"response_format", "structured_outputs", "guided_whitespace_pattern", *GUIDED})  # what endpoints read
 SUPPORTED = ("json", "regex", "choice", "grammar", "json_object", "whitespace_pattern", "disable_any_whitespace")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 
 
 def read_constraint(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -81,7 +84,8 @@ def _response_format(value) -> dict | None:
         if not isinstance(spec, dict):
             raise invalid("response_format.json_schema", "'response_format.json_schema' must be an object "
                           f"holding the schema under 'schema', got {show(spec)}", "invalid_type")
-        for key, kind in (("name", str), ("description", str), ("strict", bool)):
+        _check_schema_name(spec.get("name"))
+        for key, kind in (("description", str), ("strict", bool)):
             check_optional(spec, key, f"response_format.json_schema.{key}", kind)
         schema = spec.get("schema")
         if not isinstance(schema, dict):
@@ -92,6 +96,19 @@ def _response_format(value) -> dict | None:
     wanted = ", ".join(repr(k) for k in RESPONSE_FORMATS)
     code = "unsupported_parameter" if isinstance(kind, str) else "invalid_value"
     raise invalid("response_format.type", f"'response_format.type' must be one of {wanted}, got {show(kind)}", code)
+
+
+def _check_schema_name(name) -> None:
+    """OpenAI requires the schema's name, in the alphabet and length of a function's name (vLLM requires it too)."""
+    param = "response_format.json_schema.name"
+    if name is None:
+        raise invalid(param, f"Missing required parameter: '{param}': name the schema (1 to 64 letters, digits, "
+                      "'_' or '-')", "missing_required_parameter")
+    if not isinstance(name, str):
+        raise invalid(param, f"'{param}' must be a string, got {show(name)}", "invalid_type")
+    if not SCHEMA_NAME.fullmatch(name):
+        raise invalid(param, f"'{param}' must be 1 to 64 letters, digits, '_' or '-', got {show(name)}",
+                      "invalid_value")
 
 
 def _structured_outputs(value) -> dict:

@@ -176,7 +176,7 @@ def test_generate_fields(info):
             "type": "json_schema", "json_schema": {"name": ["x"], "schema": {}}}}, 400,
          "response_format.json_schema.name"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "response_format": {
-            "type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}}, 400,
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}}, 400,
          "response_format.json_schema.strict"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {
             "name": "f", "description": {"text": "x"}}}]}, 400, "tools[0].function.description"),

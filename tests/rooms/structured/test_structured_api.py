@@ -112,6 +112,12 @@ BAD = [  # (endpoint, fields, the param the 400 names, words in its message)
     ("chat", {"response_format": {"type": "json_schema"}}, "response_format.json_schema", "schema"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format.json_schema.schema", "JSON schema object"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"schema": PET}}},  # OpenAI requires it
+     "response_format.json_schema.name", "Missing required parameter"),
+    ("completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "my pet", "schema": PET}}},
+     "response_format.json_schema.name", "letters, digits"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "p" * 65, "schema": PET}}},
+     "response_format.json_schema.name", "1 to 64"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format", "nope"),
     ("completions", {"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "uniqueItems"),
