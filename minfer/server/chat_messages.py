@@ -3,7 +3,8 @@
 A message is {"role", "content"}: content a string, or a list of text parts ({"type": "text", "text": ...});
 an assistant's may be null, as OpenAI allows. An assistant message may hold the `tool_calls` it made
 (OpenAI's shape: id, type, function name and arguments as a JSON string), and a `tool` message answers
-one, naming it by `tool_call_id`: both reach a tool-aware template as OpenAI sends them, but for the
+one, naming it by `tool_call_id`, in the order OpenAI requires (ToolTurns: every call answered before the
+next message that is not a tool message). Both reach a tool-aware template as OpenAI sends them, but for the
 arguments, which it gets as an object (as transformers and vLLM hand them over). GPT-2 has no template,
 so its messages render as one `role: content` line each, then `assistant:` for the model to continue:
 
@@ -66,12 +67,51 @@ def message_text(content, role: str, i: int) -> str:
     raise invalid(param, f"'{param}' must be a string or a list of text parts, got {show(content)}", "invalid_type")
 
 
-def tool_fields(m: dict, i: int, template: ChatTemplate, call_ids: set[str]) -> dict:
+class ToolTurns:
+    """The order OpenAI requires of a conversation's calls: an assistant message with `tool_calls` is followed by
+    tool messages, one answering each call (by `tool_call_id`) before any other message comes, and a tool
+    message answers a call of the assistant message its run of tool messages follows."""
+
+    def __init__(self):
+        self.caller: int | None = None  # the index of the assistant message whose calls the tool messages answer
+        self.calls: list[str] = []  # its calls' ids
+        self.unanswered: list[str] = []
+
+    def check_answer(self, answered: str, i: int) -> None:
+        if answered not in self.calls:
+            of = f"of messages[{self.caller}] (its calls: {', '.join(self.calls)})" if self.caller is not None \
+                else "right before it"
+            raise invalid(f"messages[{i}].tool_call_id", f"'messages[{i}].tool_call_id' is {show(answered)}, the "
+                          f"id of no tool call {of}: a tool message answers a call of the assistant message it follows")
+        if answered in self.unanswered:
+            self.unanswered.remove(answered)
+
+    def check_turn(self, role: str, i: int) -> None:
+        """A message that is not a tool message: the previous calls must all have been answered."""
+        if self.unanswered:
+            raise invalid(f"messages[{i}].role", f"'messages[{self.caller}]' is an assistant message with "
+                          "'tool_calls': tool messages must follow it, answering each 'tool_call_id', before "
+                          f"messages[{i}] (a {role} message). No tool message answers {', '.join(self.unanswered)}")
+        self.caller, self.calls = None, []
+
+    def called(self, ids: list[str], i: int) -> None:
+        self.caller, self.calls, self.unanswered = i, ids, list(ids)
+
+    def check_end(self, add_generation_prompt: bool) -> None:
+        """A reply asked for after calls nobody answered: OpenAI's 400. Without a reply asked for (/tokenize's
+        add_generation_prompt false), the conversation may end at its calls."""
+        if self.unanswered and add_generation_prompt:
+            param = f"messages[{self.caller}].tool_calls"
+            raise invalid(param, f"'{param}': the conversation ends before tool messages answer each "
+                          f"'tool_call_id'. No tool message answers {', '.join(self.unanswered)}")
+
+
+def tool_fields(m: dict, i: int, template: ChatTemplate, turns: ToolTurns) -> dict:
     """An assistant message's tool_calls, or a tool message's tool_call_id (and name), checked where the
-    template renders tools (one that does not refuses a tool message itself, or shows it as text). A tool
-    message answers a call an earlier assistant message made (`call_ids`, which this adds to), as OpenAI
-    requires. Each call's arguments reach the template as an object, as transformers' and vLLM's do: a
-    template that writes `arguments | tojson` (Llama 3.1's) would write a JSON string's text as a string."""
+    template renders tools (one that does not refuses a tool message itself, or shows it as text), and in the
+    order OpenAI requires (`turns`). Each call's arguments reach the template as an object, as transformers'
+    and vLLM's do: a template that writes `arguments | tojson` (Llama 3.1's) would write a JSON string's text
+    as a string."""
     if not template.supports_tools:
         return {}
     if m["role"] == "tool":
@@ -79,15 +119,17 @@ def tool_fields(m: dict, i: int, template: ChatTemplate, call_ids: set[str]) -> 
         if not isinstance(answered, str):
             raise invalid(f"messages[{i}].tool_call_id", f"'messages[{i}].tool_call_id' is required: a tool message "
                           "answers the call it names", "missing_required_parameter")
-        if answered not in call_ids:
-            raise invalid(f"messages[{i}].tool_call_id", f"'messages[{i}].tool_call_id' is {show(answered)}, the id "
-                          "of no tool call in an earlier assistant message: a tool message answers one of them")
+        turns.check_answer(answered, i)
         return {k: m[k] for k in ("tool_call_id", "name") if m.get(k) is not None}
+    turns.check_turn(m["role"], i)
     calls = m.get("tool_calls")
     if m["role"] != "assistant" or calls is None:
         return {}
     if not isinstance(calls, list):
         raise invalid(f"messages[{i}].tool_calls", f"'messages[{i}].tool_calls' must be a list", "invalid_type")
+    if not calls:  # OpenAI's 400 too: leave tool_calls out (or null) for a message that calls nothing
+        raise invalid(f"messages[{i}].tool_calls", f"'messages[{i}].tool_calls' is an empty list: give at least "
+                      "one call, or leave it out", "empty_array")
     read = []
     for k, call in enumerate(calls):
         param = f"messages[{i}].tool_calls[{k}]"
@@ -100,7 +142,7 @@ def tool_fields(m: dict, i: int, template: ChatTemplate, call_ids: set[str]) -> 
         function = _require(call, "function", dict, f"{param}.function", "an object with the name and arguments")
         _require(function, "name", str, f"{param}.function.name", "the name of the function called")
         read.append({**call, "function": {**function, "arguments": _arguments(function, f"{param}.function")}})
-        call_ids.add(call["id"])
+    turns.called([call["id"] for call in read], i)
     return {"tool_calls": read}
 
 
@@ -136,7 +178,7 @@ def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: b
         raise invalid("messages", f"'messages' must be a list, got {show(messages)}", "invalid_type")
     if not messages:
         raise invalid("messages", "'messages' is empty: give at least one message")
-    rendered, call_ids = [], set()
+    rendered, turns = [], ToolTurns()
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise invalid(f"messages[{i}]", f"'messages[{i}]' must be an object, got {show(m)}", "invalid_type")
@@ -144,7 +186,9 @@ def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: b
             raise invalid(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}")
         text = message_text(m.get("content"), m["role"], i)
         check_optional(m, "name", f"messages[{i}].name", str)
-        rendered.append({"role": m["role"], "content": text, **tool_fields(m, i, template, call_ids)})
+        rendered.append({"role": m["role"], "content": text, **tool_fields(m, i, template, turns)})
+    if template.supports_tools:
+        turns.check_end(add_generation_prompt)
     variables = body.get("chat_template_kwargs")  # vLLM's extension, e.g. {"enable_thinking": false} for Qwen3
     if variables is not None and not isinstance(variables, dict):
         raise invalid("chat_template_kwargs", f"'chat_template_kwargs' must be an object, got {show(variables)}",

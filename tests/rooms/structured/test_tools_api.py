@@ -222,6 +222,9 @@ def called(call: dict) -> dict:
     return {"role": "assistant", "content": None, "tool_calls": [call]}
 
 
+CALLED_TWICE = {"role": "assistant", "content": None, "tool_calls": [
+    called({})["tool_calls"][0], called({"id": "c2", "function": {"name": "now", "arguments": "{}"}})["tool_calls"][0]]}
+
 BAD = [  # (fields, the param the 400 names, words in its message)
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name", "letters"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", "letters"),
@@ -258,6 +261,16 @@ BAD = [  # (fields, the param the 400 names, words in its message)
     ({"messages": [*ASK, called({}), {**ANSWER, "tool_call_id": "c2"}], "tools": TOOLS}, "messages[2].tool_call_id",
      "no tool call"),
     ({"messages": [*ASK, ANSWER, called({})], "tools": TOOLS}, "messages[1].tool_call_id", "no tool call"),
+    # OpenAI's order: an assistant's calls are answered by the tool messages right after it, each of them
+    ({"messages": [*ASK, called({}), {"role": "user", "content": "and?"}], "tools": TOOLS}, "messages[2].role",
+     "No tool message answers c1"),
+    ({"messages": [*ASK, called({})], "tools": TOOLS}, "messages[1].tool_calls", "No tool message answers c1"),
+    ({"messages": [*ASK, CALLED_TWICE, ANSWER, *ASK], "tools": TOOLS}, "messages[3].role",
+     "No tool message answers c2"),
+    ({"messages": [*ASK, called({}), ANSWER, *ASK, ANSWER], "tools": TOOLS}, "messages[4].tool_call_id",
+     "no tool call"),  # an answer to an earlier turn's call, after a user message
+    ({"messages": [*ASK, {"role": "assistant", "content": "Hi", "tool_calls": []}, *ASK], "tools": TOOLS},
+     "messages[1].tool_calls", "empty list"),
 ]
 
 
@@ -277,7 +290,8 @@ def test_a_template_gets_a_calls_arguments_as_an_object(make_checkpoint):
     template = ChatTemplate("{{ tools | length }}{% for m in messages %}{% for c in m.tool_calls or [] %}"
                             "{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}")
     info = ModelInfo("q", tokenizer, 512, template)
-    messages = [*ASK, called({}), ANSWER, called({"id": "c2", "function": {"name": "now", "arguments": ""}})]
+    messages = [*ASK, called({}), ANSWER, called({"id": "c2", "function": {"name": "now", "arguments": ""}}),
+                {**ANSWER, "tool_call_id": "c2"}]
     prompt = parse_chat({"messages": messages, "tools": TOOLS, "max_tokens": 1}, info).prompt_token_ids
     assert tokenizer.decode(prompt) == '3{"a": 1}{}'
 
@@ -362,6 +376,8 @@ def test_tokenize_renders_tools_as_the_chat_prompt_does(client, server):
         return data["count"]
 
     with_tools, without = tokenize({"messages": ASK, "tools": TOOLS}), tokenize({"messages": ASK})
+    # No reply asked for: a conversation may end at calls not yet answered (with one, it is OpenAI's 400)
+    assert tokenize({"messages": [*ASK, called({})], "tools": TOOLS, "add_generation_prompt": False}) > without
     assert with_tools > without
     assert with_tools == create(client, server, tools=TOOLS, max_tokens=1).usage.prompt_tokens
     assert without == create(client, server, max_tokens=1).usage.prompt_tokens
