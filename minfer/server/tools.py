@@ -10,8 +10,8 @@
   so the call's name is a tool's and its arguments validate against that tool's parameters. Under "auto", a
   tool with `strict: true` holds every call the reply makes to the tools (a strict one's arguments to its
   parameters), its text left free; a response_format, which leaves no room for a call, goes first.
-- `parallel_tool_calls` (default true): enforced replies hold one call, or with it one or more; an
-  "auto" reply without it gives back its first call only.
+- `parallel_tool_calls` (default true): a "required" reply holds one call, or with it one or more; a named
+  function is called exactly once either way; an "auto" reply without it gives back its first call only.
 OpenAI's older `functions` and `function_call` are refused, pointing here.
 
 Unless tool_choice is "none", the replies are read back for calls (ToolReplies, with tool_calls.py's
@@ -152,7 +152,9 @@ def read_tools(body: dict, template: ChatTemplate) -> Tools | None:
     elif choice not in CHOICES:
         raise invalid("tool_choice", f"'tool_choice' must be one of {', '.join(CHOICES)} or a named function, "
                       f"got {show(choice)}")
-    return Tools(tools, choice, named, True if parallel is None else parallel, format_of(template))
+    # A named function is called once, as OpenAI's forced function is (and vLLM's), whatever parallel_tool_calls says
+    parallel = choice != "function" and parallel is not False
+    return Tools(tools, choice, named, parallel, format_of(template))
 
 
 def _check_tool(tool, i: int) -> None:

@@ -149,6 +149,24 @@ def test_strict_tools_hold_an_auto_replys_calls(server, parallel):
     assert loose.structured_outputs is None
 
 
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_a_named_function_is_called_exactly_once(server, parallel):
+    """OpenAI's forced function is one call of it (vLLM's too): parallel_tool_calls, true by default, lets
+    "required" make several calls, not a named function call it twice."""
+    info, fmt = server.info, format_of(server.info.chat_template)
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}}
+    params = parse_chat({**body, **({} if parallel is None else {"parallel_tool_calls": parallel})}, info).params
+    grammars = Grammars(info.tokenizer, info.tokenizer.vocab_size)
+
+    def takes(text):
+        matcher = grammars.matcher(params.structured_outputs)
+        return matcher.consume_tokens(info.tokenizer.encode(text)) and matcher.is_accepting()
+
+    call = json.dumps({"name": "add", fmt.arguments: {"a": 1, "b": 2}})
+    call = f"{fmt.open}\n{call}\n{fmt.close}" if fmt.open else call
+    assert takes(call) and not takes(call + fmt.separator + call)
+
+
 def test_strict_tools_leave_an_auto_replys_text_free(client, server):
     """A reply held to strict tools that writes no call is content, as without them; a response_format
     goes first (it leaves no room for a call)."""
