@@ -45,4 +45,6 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
                              get(body, "ignore_eos", False, "bool"), fields, logprobs=logprobs,
                              structured_outputs=constraint)
     params = info.chat_template.ending_turns(params)  # the reply ends at the end of its turn
+    if tools is not None:
+        params = tools.uncut(params)
     return ParsedRequest([ids], params, *stream_flags(body, CHAT), fields, tools=tools)

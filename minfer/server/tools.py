@@ -12,6 +12,9 @@
   parameters), its text left free; a response_format, which leaves no room for a call, goes first.
 - `parallel_tool_calls` (default true): a "required" reply holds one call, or with it one or more; a named
   function is called exactly once either way; an "auto" reply without it gives back its first call only.
+- `stop` (not a tools field, but it meets them): stop strings end a reply's text. An enforced reply is calls
+  only, so none apply to it (they could only cut a call in half); in an "auto" reply they act on the text as
+  the model writes it, and a call they cut is content, as a call max_tokens cuts is.
 OpenAI's older `functions` and `function_call` are refused, pointing here.
 
 Unless tool_choice is "none", the replies are read back for calls (ToolReplies, with tool_calls.py's
@@ -23,9 +26,10 @@ still open a call held back until it cannot.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..engine.outputs import CompletionDelta
+from ..engine.sampling_params import SamplingParams
 from ..engine.structured_outputs_params import StructuredOutputsParams
 from .api_errors import invalid
 from ..text.chat_template import ChatTemplate
@@ -75,6 +79,11 @@ class Tools:
         names = [self.named] if self.named else self.names
         return StructuredOutputsParams(grammar=self.format.grammar(self.tools, names, self.parallel))
 
+    def uncut(self, params: SamplingParams) -> SamplingParams:
+        """`params` for a reply to these tools. Stop strings end a reply's text, never a call: an enforced reply
+        is calls only, so there they could only cut a call in half (vLLM's do), into arguments no client runs."""
+        return replace(params, stop=None) if self.enforced else params
+
 
 class ToolReplies:
     """One response's chat replies, read for calls to the request's tools: every call, or without
@@ -104,8 +113,8 @@ class ToolReplies:
 
 
 def _finish_reason(finish_reason: str | None, complete: bool) -> str | None:
-    """A reply that called: "tool_calls" where it stopped with its calls whole. A stop string may cut an
-    enforced call short (its arguments are then a prefix, as "length" leaves them): that reply says "stop"."""
+    """A reply that called: "tool_calls" where it stopped with its calls whole; any other ending keeps its
+    reason ("length" where max_tokens cut a call)."""
     return "tool_calls" if finish_reason == "stop" and complete else finish_reason
 
 

@@ -106,17 +106,22 @@ def test_a_closing_tag_in_an_enforced_argument_is_the_same_call_streamed_and_not
         ("", [("say", call.function.arguments)], "tool_calls")
 
 
-def test_a_call_a_stop_string_cuts_short_is_not_finish_reason_tool_calls(client, server):
-    """A stop string may end an enforced call inside its arguments: the reply then says "stop" (its arguments a
-    prefix, as "length" leaves them), streamed or not, where "tool_calls" told a client to run it."""
+def test_stop_strings_do_not_cut_an_enforced_call(client, server):
+    """Stop strings end a reply's text, and an enforced reply is calls only: a stop string the call writes
+    ('"b"', add's second key) does not cut it in half (vLLM's would, into arguments no client can run). The
+    same stop string ends an "auto" reply's text."""
     fields = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}, "stop": ['"b"'],
-              "temperature": 0}  # add's arguments are {"a": ..., "b": ...}: cut after a
+              "temperature": 0}
     reply = create(client, server, **fields).choices[0]
     [call] = reply.message.tool_calls
-    assert reply.finish_reason == "stop" and '"a"' in call.function.arguments and '"b"' not in call.function.arguments
+    assert reply.finish_reason == "tool_calls" and '"b"' in call.function.arguments
+    jsonschema.validate(json.loads(call.function.arguments), ADD)
     content, calls, finish = streamed(client, server, **fields)
     assert (content, [(name, arguments) for _, name, arguments in calls], finish) == \
-        ("", [("add", call.function.arguments)], "stop")
+        ("", [("add", call.function.arguments)], "tool_calls")
+    text = create(client, server, tools=TOOLS, stop=['"b"'], temperature=0,  # "auto": text, which it ends
+                  extra_body={"structured_outputs": {"regex": 'x"b"y'}}).choices[0]
+    assert (text.message.content, text.finish_reason) == ("x", "stop")
 
 
 STRICT = [{"type": "function", "function": {**TOOLS[1]["function"], "strict": True}}, TOOLS[2]]
