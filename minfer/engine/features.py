@@ -71,6 +71,7 @@ class Structured(Protocol):
     def check(self, params: SamplingParams) -> None: ...  # at the edge: the grammar compiles, else InvalidParameter
     def add(self, seqs: list[Sequence]) -> None: ...  # a new request's sequences: a matcher each
     def start(self, chunks: list[ScheduledChunk]): ...  # before the forward: the step's masks begin filling
+    def until_complete(self, seq: Sequence, tokens: list[int]) -> list[int]: ...  # a verification's tokens, cut
     def advance(self, chunks: list[ScheduledChunk]) -> list[tuple[Sequence, str]]: ...  # which end, and why
 
 

@@ -241,12 +241,14 @@ class OnlineScheduler:
 
     def _record_tokens(self, chunks: list[ScheduledChunk], drawn: list[int], now: float) -> dict[str, int]:
         """Give each sampler of each chunk the token(s) it drew: into its sequence, text and timeline."""
-        out, row = {}, 0
+        out, row, structured = {}, 0, self.features.structured
         for chunk in chunks:
             request = self.requests[chunk.seq.request_id]
             request.num_steps += 1
             num_sampled = len(chunk.sampled_rows())
             for seq, tokens in chunk.emitted(drawn[row : row + num_sampled]):
+                if len(tokens) > 1 and structured is not None and structured.live:  # structured/: a verification's
+                    tokens = structured.until_complete(seq, tokens)  # tokens end where they complete the grammar
                 for token in tokens:  # a stop or max_tokens among several ends the sequence there
                     finished = request.choices[seq.index].add_token(token, now)
                     out[seq.request_id] = token  # a request with n > 1 appears once, with its last choice's

@@ -9,7 +9,8 @@ The core calls a `Speculation` at four lines (engine/features.py names them):
 - `sample`, in the runner: plain rows are sampled as the core samples them, verify rows by the
   acceptance rule (verify.py); which proposals were accepted rides in the step's one host sync (`read`);
 - `settle`, after the tokens are recorded: a verification emitted its accepted proposals and one more
-  token (fewer if a stop came first); their K/V stay, the rejected ones' slots are written over later
+  token (fewer if a stop came first, or a proposal completed the sequence's grammar:
+  structured/ ends its tokens there); their K/V stay, the rejected ones' slots are written over later
   and blocks that held only rejected proposals go back (the batcher's `computed` and `shrink`).
 """
 

@@ -1,12 +1,15 @@
 """Structured outputs in the engine: which sequences hold a grammar, and what each step does to them.
 
-The core calls a `Structured` at four lines (engine/features.py names them):
+The core calls a `Structured` at five lines (engine/features.py names them):
 - `check`, where the engine checks a request once (the server's handler thread, or add_request): the
   constraint compiles (grammars.py), or InvalidParameter names it, which the server answers with a 400;
 - `add`: each of a new request's sequences (n of them) gets a matcher of its own, a copy of the
   compiled grammar in its start state;
 - `start`, as the runner lays a step out: the masks of the step's constrained rows begin filling, to be
   applied to the logits after the forward (masks.py). Only sequences that hold a matcher pay anything;
+- `until_complete`, as a verification's tokens are recorded: they end at the one that completes the
+  grammar. Plain decoding ends the request there; a verification may have accepted proposals past it
+  (the completed grammar's end of sentence, which the mask allows), which plain decoding never draws;
 - `advance`, after the step's tokens are recorded: each matcher takes its sequence's new tokens. A
   grammar that has completed (nothing but an end of sentence may follow) ends its request with "stop",
   whatever ignore_eos or min_tokens say. A token the matcher refuses can only come from a row that had
@@ -92,6 +95,23 @@ class Structured:
                 i += n
             logit_row += len(rows)
         return self.masks.start(import_llguidance(), groups) if groups else None
+
+    def until_complete(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """The tokens a sequence emits this step, up to the one that completes its grammar (all of them if
+        none does). The matcher is left as it was: `advance` feeds it what the sequence kept."""
+        held = self.live.get(seq)
+        if held is None:
+            return tokens
+        matcher, taken = held.matcher, 0
+        for token in tokens[:-1]:  # the last token ends the emission anyway
+            if matcher.try_consume_tokens([token]) != 1:  # refused (a stop token it does not know): advance says
+                break
+            taken += 1
+            if matcher.is_stopped():
+                break
+        stopped = matcher.is_stopped()
+        matcher.rollback(taken)
+        return tokens[:taken] if stopped else tokens
 
     def advance(self, chunks: list[ScheduledChunk]) -> list[tuple[Sequence, str]]:
         """Each matcher takes the tokens its sequence was given this step. Returns the sequences to end,

@@ -315,14 +315,49 @@ def test_a_discarded_constrained_request_frees_everything(tiny_checkpoint):
     assert_all_free(llm)
 
 
-@pytest.mark.xfail(strict=True, reason="a verification emits one token past a proposal that completes the grammar")
-def test_a_proposal_that_completes_the_grammar_is_the_last_token():
-    """Plain decoding ends a request at the token that completes its grammar. minfer-tiny's draft proposes the
-    regex's closing "." and then its end of text, which the target's only allowed token there (the completed
-    grammar's mask) accepts: the speculative output has one token more than plain decoding's."""
-    prompt = [326, 798, 404, 739, 496, 319, 349, 338, 112, 711, 204, 10, 8, 532, 569, 728]
-    prompt += prompt[:13]
-    params = constrained({"regex": r"[a-z ]{2,12}\."}, max_tokens=40, temperature=0)
+# minfer-tiny, greedy, writes "[83, 82, 422, 290, 13]" here under the regex: its "." (13) completes the grammar.
+COMPLETED_PROMPT = [326, 798, 404, 739, 496, 319, 349, 338, 112, 711, 204, 10, 8, 532, 569, 728]
+COMPLETED_PROMPT += COMPLETED_PROMPT[:13]
+COMPLETED_REGEX = {"regex": r"[a-z ]{2,12}\."}
+DRAFT = {"speculative_method": "draft", "speculative_model": "minfer-tiny-draft"}
+# n-gram lookup finds the output, and its end of text and more after it, earlier in the prompt.
+NGRAM_PROMPT = COMPLETED_PROMPT + [83, 82, 422, 290, 13, 799, 5, 6] + COMPLETED_PROMPT[-6:]
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True], ids=["eos", "ignore_eos"])
+@pytest.mark.parametrize(
+    "prompt, speculation",
+    [
+        (COMPLETED_PROMPT, DRAFT | {"num_speculative_tokens": 4}),  # the last proposal completes the grammar
+        (COMPLETED_PROMPT, DRAFT | {"num_speculative_tokens": 6}),  # a middle one does: two proposals after it
+        (NGRAM_PROMPT, {"speculative_method": "ngram", "ngram_min": 1, "num_speculative_tokens": 4}),
+        (NGRAM_PROMPT, {"speculative_method": "ngram", "ngram_min": 1, "num_speculative_tokens": 6}),
+    ],
+    ids=["draft-last", "draft-middle", "ngram-last", "ngram-middle"],
+)
+def test_a_proposal_that_completes_the_grammar_is_the_last_token(prompt, speculation, ignore_eos):
+    """Plain decoding ends a request at the token that completes its grammar. A verification whose accepted
+    proposals run past that token (the completed grammar's end of text, which its mask allows, and with
+    ignore_eos whatever follows) emits only up to it: the same tokens, finish_reason and usage."""
+    params = constrained(COMPLETED_REGEX, max_tokens=40, temperature=0, ignore_eos=ignore_eos, logprobs=1)
     plain = LLM("minfer-tiny").generate([prompt], params, use_tqdm=False)[0]
-    llm = LLM("minfer-tiny", speculative_method="draft", speculative_model="minfer-tiny-draft")
-    assert llm.generate([prompt], params, use_tqdm=False)[0].token_ids == plain.token_ids
+    assert plain.token_ids[-1] == 13 and plain.finish_reason == "stop"
+    llm = LLM("minfer-tiny", **speculation)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert llm.stats()["spec_decode_num_accepted_tokens"] >= 4  # the "." (the 4th proposal) was accepted
+    assert (out.token_ids, out.finish_reason) == (plain.token_ids, plain.finish_reason)
+    assert (len(out.prompt_token_ids), out.num_cached_tokens) == (len(plain.prompt_token_ids), plain.num_cached_tokens)
+    assert out.text == plain.text and len(out.logprobs) == len(plain.logprobs) == len(plain.token_ids)
+    assert_all_free(llm)
+
+
+def test_a_sampled_verification_ends_where_plain_decoding_does():
+    """Seeded sampling draws the tokens plain decoding would; the grammar ends both at the same token."""
+    plain_llm = LLM("minfer-tiny")
+    llm = LLM("minfer-tiny", **DRAFT, num_speculative_tokens=6)
+    for seed in range(4):
+        params = constrained(COMPLETED_REGEX, max_tokens=40, temperature=0.8, seed=seed)
+        plain = plain_llm.generate([COMPLETED_PROMPT], params, use_tqdm=False)[0]
+        out = llm.generate([COMPLETED_PROMPT], params, use_tqdm=False)[0]
+        assert (out.token_ids, out.finish_reason) == (plain.token_ids, plain.finish_reason), seed
+    assert not llm.scheduler.features.structured.live
