@@ -81,8 +81,8 @@ def run(sched: OnlineScheduler, arrivals: dict[int, list[tuple]], width: int = 1
         for name, seq in seqs.items():
             computed, preemptions, status = before[name]
             admitted = status is Status.WAITING and seq.status is not Status.WAITING
-            if admitted:
-                computed = seq.num_cached_tokens  # whatever the prefix cache (stage 09) already had
+            if admitted:  # its first chunk starts past whatever the prefix cache (stage 09) already had
+                computed = next(chunk.start for chunk in sched.last_chunks if chunk.seq is seq)
             if seq.num_preemptions > preemptions:
                 did[name] = "PREEMPTED"
             elif seq.status is Status.WAITING:
@@ -149,12 +149,14 @@ section("preemption: 3 requests that need 3 blocks each, on a cache of 8 blocks"
 small = OnlineScheduler(model, tokenizer, block_size=16, num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=64)
 requests = {1: [(name, prompt(20, 5 + i), greedy(20)) for i, name in enumerate("XYZ")]}  # 20 + 20 tokens: 3 blocks
 outs, history = run(small, requests)
-print({name: (o.num_preemptions, o.num_cached_tokens) for name, o in outs.items()}, "(preemptions, cached tokens)")
+print({name: (o.num_preemptions, o.num_recompute_cached_tokens) for name, o in outs.items()},
+      "(preemptions, tokens the recompute found cached)")
 assert small.num_preemptions > 0 and sum(o.num_preemptions for o in outs.values()) == small.num_preemptions
 # The newest running request is the one preempted: it frees its blocks and waits at the queue's front.
 assert steps_of(history, "Z", "PREEMPTED") and not steps_of(history, "X", "PREEMPTED")
-# Its 2 full blocks stayed in the prefix cache (stage 09) while it waited: the recompute found them.
-assert outs["Z"].num_cached_tokens == 32
+# Its 2 full blocks stayed in the prefix cache (stage 09) while it waited: the recompute found them, 32 tokens
+# of its 20-token prompt and its first outputs. Its usage's cached prompt tokens stay those of its first admission.
+assert outs["Z"].num_recompute_cached_tokens == 32 and outs["Z"].num_cached_tokens == 0
 for name, ids, params in requests[1]:
     assert outs[name].token_ids == run_alone(ids, params), f"{name}: preemption must not change the output"
 print("every output equals the same request run alone, preemptions and all")

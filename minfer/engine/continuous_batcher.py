@@ -31,7 +31,8 @@ class ContinuousBatcher:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
-        self.prefix_cache_hit_tokens = 0
+        self.prefix_cache_hit_tokens = 0  # prompt tokens first admissions found cached
+        self.recompute_cache_hit_tokens = 0  # tokens re-admissions of preempted sequences found cached
         self.speculation = speculation  # speculative/: a decode may verify proposals in the same step
 
     def add(self, seq: Sequence) -> None:
@@ -129,8 +130,13 @@ class ContinuousBatcher:
             return None
         self.allocator.share(hits)
         seq.block_table = hits + self.allocator.allocate(new_blocks)
-        seq.num_computed_tokens = seq.num_cached_tokens = cached
-        self.prefix_cache_hit_tokens += cached
+        seq.num_computed_tokens = cached
+        if seq.num_preemptions:  # a recompute: it finds its own blocks, generated tokens too, not just its prompt's
+            seq.num_recompute_cached_tokens += cached
+            self.recompute_cache_hit_tokens += cached
+        else:
+            seq.num_cached_tokens = cached
+            self.prefix_cache_hit_tokens += cached
         seq.status = Status.RUNNING
         return ScheduledChunk(seq, cached, n)
 

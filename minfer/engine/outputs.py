@@ -15,7 +15,10 @@ class RequestOutput:
     token_ids: list[int]  # generated tokens, a stop token included
     text: str  # generated text, stop strings and stop tokens excluded
     finish_reason: str | None  # "stop" or "length"
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (at its first admission)
+    # Tokens its re-admissions after preemption found in the prefix cache and did not recompute: its prompt's and
+    # its generated ones, summed over its preemptions. Work the cache spared, not usage: it may exceed the prompt.
+    num_recompute_cached_tokens: int = 0
     num_preemptions: int = 0
     arrival_time: float = 0.0  # time.perf_counter() values, for latency metrics
     first_token_time: float | None = None

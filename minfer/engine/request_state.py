@@ -63,7 +63,8 @@ class Choice:
         return RequestOutput(
             request_id=request_id, index=seq.index, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
             token_ids=seq.output_token_ids, text=self.text.text, finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions, arrival_time=arrival_time,
+            num_cached_tokens=seq.num_cached_tokens, num_recompute_cached_tokens=seq.num_recompute_cached_tokens,
+            num_preemptions=seq.num_preemptions, arrival_time=arrival_time,
             first_token_time=self.token_times[0] if self.token_times else None, token_times=self.token_times,
             finish_time=self.finish_time, logprobs=seq.logprobs, prompt_logprobs=seq.prompt_logprobs,
         )

@@ -133,6 +133,10 @@ class OnlineScheduler:
         return self.batcher.prefix_cache_hit_tokens
 
     @property
+    def recompute_cache_hit_tokens(self) -> int:
+        return self.batcher.recompute_cache_hit_tokens
+
+    @property
     def max_model_len(self) -> int:
         """The longest request (prompt + max_tokens) add_request can accept."""
         return self.engine_config.max_model_len
@@ -355,7 +359,8 @@ class OnlineScheduler:
             "num_running": len(batcher.running),
             "num_waiting": len(batcher.waiting),
             "num_preemptions": batcher.num_preemptions,
-            "prefix_cache_hit_tokens": batcher.prefix_cache_hit_tokens,
+            "prefix_cache_hit_tokens": batcher.prefix_cache_hit_tokens,  # prompt tokens, at first admission
+            "recompute_cache_hit_tokens": batcher.recompute_cache_hit_tokens,  # preempted sequences' re-admissions
             "num_steps": self.num_steps,
         }
 

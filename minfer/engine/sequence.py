@@ -45,7 +45,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
-        self.num_cached_tokens = 0  # prompt tokens the prefix cache served at admission
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache served at its first admission
+        self.num_recompute_cached_tokens = 0  # tokens re-admissions after a preemption found cached (outputs too)
         self.num_preemptions = 0
         self.status = Status.WAITING
         self.finish_reason: str | None = None

@@ -24,8 +24,14 @@ FROM_STATS = [
     (
         "prefix_cache_hit_tokens_total",
         "counter",
-        "Prompt tokens served from the prefix cache.",
+        "Prompt tokens served from the prefix cache (at each request's first admission).",
         "prefix_cache_hit_tokens",
+    ),
+    (
+        "recompute_cache_hit_tokens_total",
+        "counter",
+        "Tokens preempted sequences found in the prefix cache when re-admitted, not recomputed (outputs too).",
+        "recompute_cache_hit_tokens",
     ),
 ]
 # Speculative decoding's counters (vLLM's spec_decode_* names), when the engine speculates.

@@ -75,7 +75,7 @@ def test_engine_batched_equals_alone_and_transformers(make_checkpoint, preset):
         assert isinstance(busy.model.lm_head, LMHead)
     together = busy.generate(prompts, greedy, use_tqdm=False)
     stats = busy.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    assert stats["num_preemptions"] > 0 and stats["recompute_cache_hit_tokens"] > 0
     assert_all_free(busy)
     alone_llm = LLM(path, num_kv_blocks=40, enable_prefix_caching=False)
     eos = busy.tokenizer.eos_token_ids

@@ -37,7 +37,7 @@ def test_the_plain_core_equals_the_whole_engine(plain, tiny_checkpoint):
     assert type(sched.attention) is TorchBackend and not any(vars(sched.features).get(k) for k in
                                                              ("scoring", "forks", "speculation", "compiled", "threads"))
     outs = run(sched, prompts, params)
-    assert sched.num_preemptions > 0 and sched.prefix_cache_hit_tokens > 0
+    assert sched.num_preemptions > 0 and sched.recompute_cache_hit_tokens > 0
     whole = LLM(tiny_checkpoint).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in whole]
     assert sched.allocator.num_free_blocks == sched.allocator.num_blocks and not sched.requests

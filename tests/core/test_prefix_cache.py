@@ -118,11 +118,36 @@ def test_prefix_hits_after_preemption_and_after_finishing(tiny_checkpoint):
     llm = LLM(tiny_checkpoint, num_kv_blocks=7, max_num_seqs=2)  # two 80-token sequences need 10 blocks
     first, second = llm.generate([a, b], params, use_tqdm=False)
     assert (first.num_preemptions, second.num_preemptions) == (0, 1)
-    assert second.num_cached_tokens == 32, "re-admitted, it found the two blocks it had computed"
+    assert second.num_recompute_cached_tokens == 32, "re-admitted, it found the two blocks it had computed"
+    assert second.num_cached_tokens == 0, "its first admission found nothing: the prompt's cached tokens"
     alone = LLM(tiny_checkpoint, num_kv_blocks=64, enable_prefix_caching=False)
     assert second.token_ids == alone.generate([b], params, use_tqdm=False)[0].token_ids
     turn = b + second.token_ids + [7]  # its 79 computed tokens filled 4 blocks
     short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     out = llm.generate([turn], short, use_tqdm=False)[0]
     assert out.num_cached_tokens == 64 and out.token_ids == alone.generate([turn], short, use_tqdm=False)[0].token_ids
+    assert_all_free(llm)
+
+
+def test_cached_prompt_tokens_never_exceed_the_prompt_after_a_preemption(tiny_checkpoint):
+    """A preempted sequence's recompute finds its own full blocks, generated tokens too: 32 tokens of a 20-token
+    prompt. The prompt's cached tokens (usage, bench, prefix_cache_hit_tokens) stay those of its first admission;
+    what the recompute was spared is counted apart."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 511, (20,), generator=g).tolist() for _ in range(3)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)  # 40 tokens each: 3 blocks
+    llm = LLM(tiny_checkpoint, block_size=16, num_kv_blocks=8, max_num_seqs=4)
+    prefix_hits, recompute_hits = llm.stats()["prefix_cache_hit_tokens"], llm.stats()["recompute_cache_hit_tokens"]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    preempted = [o for o in outs if o.num_preemptions]
+    assert preempted and all(o.num_recompute_cached_tokens > len(o.prompt_token_ids) for o in preempted)
+    assert all(o.num_cached_tokens <= len(o.prompt_token_ids) for o in outs)
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0]  # three fresh prompts, admitted together
+    stats = llm.stats()
+    assert stats["prefix_cache_hit_tokens"] - prefix_hits == sum(o.num_cached_tokens for o in outs)
+    assert stats["recompute_cache_hit_tokens"] - recompute_hits == sum(o.num_recompute_cached_tokens for o in outs)
+    # Asked again, each prompt is served by the cache at admission: its full block, 16 of its 20 tokens.
+    again = llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert [o.num_cached_tokens for o in again] == [16, 16, 16]
+    assert all(o.num_recompute_cached_tokens == 0 for o in again)
     assert_all_free(llm)

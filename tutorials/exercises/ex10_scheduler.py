@@ -14,9 +14,11 @@ What you work with, on `self` (a ContinuousBatcher):
 - self.allocator (a BlockAllocator: match_prefix, share, allocate, free, num_free_blocks,
   num_unreferenced), self.block_size;
 - self.waiting (a deque) and self.running (a list, in admission order);
-- self.num_preemptions and self.prefix_cache_hit_tokens: counters that stats() reports.
+- self.num_preemptions, self.prefix_cache_hit_tokens and self.recompute_cache_hit_tokens: counters that
+  stats() reports.
 On a Sequence `seq`: seq.token_ids, seq.num_tokens, seq.block_table, seq.num_computed_tokens,
-seq.num_cached_tokens, seq.max_cached_tokens (None, or how far a prefix hit may reach),
+seq.num_cached_tokens, seq.num_recompute_cached_tokens, seq.max_cached_tokens (None, or how far a prefix
+hit may reach),
 seq.num_preemptions, seq.status (Status.WAITING / RUNNING, from minfer.engine.sequence).
 cdiv (ceiling division) is in minfer.attention.kv_cache; ScheduledChunk in minfer.engine.sequence.
 """
@@ -37,8 +39,10 @@ def admit(self, seq, budget: int):
     3. Enough free blocks? Hits that sit unreferenced in the free queue use up free blocks too
        (allocator.num_unreferenced(hits)). If new + those > allocator.num_free_blocks: return None.
     4. Take them: share the hits, allocate the new blocks; the block table is hits + new ones. Set
-       seq.num_computed_tokens and seq.num_cached_tokens to cached, add cached to
-       self.prefix_cache_hit_tokens, and mark seq RUNNING.
+       seq.num_computed_tokens to cached. A first admission (seq.num_preemptions == 0) sets
+       seq.num_cached_tokens to cached and adds it to self.prefix_cache_hit_tokens; a re-admission
+       after a preemption (its hit may hold generated tokens too) adds it to
+       seq.num_recompute_cached_tokens and self.recompute_cache_hit_tokens. Mark seq RUNNING.
     """
     raise NotImplementedError
 

@@ -43,7 +43,7 @@ def test_padded_decode_steps_equal_eager_steps(graphed, tiny_checkpoint):
     graphs = llm.scheduler.runner.compiled.graphs
     assert graphs.sizes == [1, 2, 4, 8, 11] and sorted(graphs.graphs) == graphs.sizes  # all "captured" at start
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.stats()["num_preemptions"] > 0 and llm.stats()["prefix_cache_hit_tokens"] > 0
+    assert llm.stats()["num_preemptions"] > 0 and llm.stats()["recompute_cache_hit_tokens"] > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
     for got, want in zip(outs, expected):
         assert len(got.logprobs) == len(want.logprobs)

@@ -81,9 +81,9 @@ def test_busy_engine_matches_transformers(tiny_checkpoint, gpt2_hf):
         for out in outs[1::2]:  # no cost for the rest: nothing computed, nothing returned
             assert out.logprobs is None and out.prompt_logprobs is None
     stats = llm.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
-    assert sum(o.num_cached_tokens for o in outs[1::2]) > 0, "the plain requests still use the prefix cache"
-    assert sum(o.num_cached_tokens for o in outs[::2]) > 0, "a preempted scored request reused what it scored"
+    assert stats["num_preemptions"] > 0 and stats["recompute_cache_hit_tokens"] > 0
+    assert sum(o.num_recompute_cached_tokens for o in outs[1::2]) > 0, "the plain requests still use the prefix cache"
+    assert sum(o.num_recompute_cached_tokens for o in outs[::2]) > 0, "a preempted scored request reused what it scored"
     assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
     llm.scheduler.check_invariants()
 

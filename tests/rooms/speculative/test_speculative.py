@@ -114,7 +114,7 @@ def test_greedy_batch_of_32_equals_plain_and_alone(models, family):
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     stats = spec.scheduler.features.speculation.speculator.stats
     assert stats.num_accepted_tokens > 50 and stats.num_draft_tokens > stats.num_accepted_tokens  # both ways
-    assert spec.scheduler.num_preemptions > 0 and spec.scheduler.prefix_cache_hit_tokens > 0  # recomputes hit
+    assert spec.scheduler.num_preemptions > 0 and spec.scheduler.recompute_cache_hit_tokens > 0  # recomputes hit
     assert_all_free(spec)
     assert_cache_holds_only_kept_tokens(spec, outs)
     alone = spec.generate(prompts[5], params, use_tqdm=False)[0]

@@ -94,7 +94,7 @@ def test_greedy_batch_of_32_equals_plain(models, family, self_draft):
     outs = run_stepwise(spec, prompts, half_seeded(params, len(prompts)))
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     stats = spec.scheduler.features.speculation.speculator.stats
-    assert spec.scheduler.num_preemptions > 0 and spec.scheduler.prefix_cache_hit_tokens > 0
+    assert spec.scheduler.num_preemptions > 0 and spec.scheduler.recompute_cache_hit_tokens > 0
     if self_draft:
         assert stats.num_draft_tokens > 500 and stats.acceptance_rate > 0.99
     else:
