@@ -133,6 +133,8 @@ def test_models_health_metrics_and_generate(server, llm, tokenizer):
         "kv_blocks_free",
         "kv_blocks_total",
         "preemptions_total",
+        "prefix_cache_hit_tokens_total",
+        "recompute_cache_hit_tokens_total",
         "prompt_tokens_total",
         "generation_tokens_total",
         "time_to_first_token_seconds_count",
