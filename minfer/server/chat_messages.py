@@ -108,11 +108,15 @@ class ToolTurns:
 
 def tool_fields(m: dict, i: int, template: ChatTemplate, turns: ToolTurns) -> dict:
     """An assistant message's tool_calls, or a tool message's tool_call_id (and name), checked where the
-    template renders tools (one that does not refuses a tool message itself, or shows it as text), and in the
-    order OpenAI requires (`turns`). Each call's arguments reach the template as an object, as transformers'
-    and vLLM's do: a template that writes `arguments | tojson` (Llama 3.1's) would write a JSON string's text
-    as a string."""
+    template renders tools, in the order OpenAI requires (`turns`). A template that does not render tools
+    refuses tool_calls (they would vanish from the prompt), and a tool message itself or shows it as text.
+    Each call's arguments reach the template as an object, as transformers' and vLLM's do: a template that
+    writes `arguments | tojson` (Llama 3.1's) would write a JSON string's text as a string."""
     if not template.supports_tools:
+        if m.get("tool_calls") is not None:  # dropped from the prompt, the model would never see them
+            raise invalid(f"messages[{i}].tool_calls", "this model's chat template does not render tool calls, so "
+                          f"'messages[{i}].tool_calls' could not reach the model: serve it with a template that "
+                          "does (--chat-template)", "unsupported_parameter")
         return {}
     if m["role"] == "tool":
         answered = m.get("tool_call_id")

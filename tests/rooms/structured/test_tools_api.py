@@ -327,6 +327,10 @@ def test_a_template_without_tools_says_so(make_checkpoint):
         # A malformed tool is named first: the client's to fix, whatever this template renders.
         status, out = post(srv, {"messages": ASK, "tools": [{"type": "function"}], "max_tokens": 4})
         assert status == 400 and out["error"]["param"] == "tools[0].function", out
+        # A call in the history would vanish from the prompt: refused, not dropped.
+        status, out = post(srv, {"messages": [*ASK, called({})], "max_tokens": 2})
+        assert status == 400 and out["error"]["param"] == "messages[1].tool_calls", out
+        assert "does not render tool calls" in out["error"]["message"]
 
 
 # ---- reading calls back, without a model ----------------------------------------------------------
