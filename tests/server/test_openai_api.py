@@ -110,12 +110,18 @@ def test_a_developer_message_reaches_a_template_that_knows_only_system(info):
 
 
 def test_assistant_content_may_be_null(info):
-    """The openai SDK sends an assistant turn that only called a tool with content null."""
+    """The openai SDK sends an assistant turn that only called a tool with content null (tests/rooms/structured
+    render one through a template that reads tools). The plain rendering shows no calls: it refuses them, by name,
+    rather than drop them from the prompt, and renders a null content as empty."""
     messages = [
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
         {"role": "tool", "content": [{"type": "text", "text": "sunny"}], "tool_call_id": "c1"},
     ]
+    with pytest.raises(APIError) as refused:
+        parse_chat({"messages": messages}, info)
+    assert refused.value.status == 400 and refused.value.param == "messages[1].tool_calls"
+    del messages[1]["tool_calls"]
     req = parse_chat({"messages": messages}, info)
     assert req.prompt_token_ids == info.tokenizer.encode("user: Weather?\nassistant: \ntool: sunny\nassistant:")
 
