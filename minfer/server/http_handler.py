@@ -88,8 +88,8 @@ class RoutingHandler(TimedHandler):
         super().send_response(code, message)
 
     def _send_error_json(self, e: APIError) -> None:
-        # A 4xx after the whole body was read leaves the connection usable (clients pool theirs)
-        self.close_connection = self.close_connection or self._body_unread or self._streaming or e.status >= 500
+        # A 4xx leaves the connection usable (clients pool theirs); _send_headers closes it if the body is unread
+        self.close_connection = self.close_connection or self._streaming or e.status >= 500
         if not self._streaming:  # once a stream's headers are out, ending the connection is all we can do
             try:
                 self.send_json(e.status, e.body(), e.headers)
@@ -120,6 +120,19 @@ class RoutingHandler(TimedHandler):
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     def read_json(self) -> dict:
+        size = self._body_size()
+        try:
+            raw = self.rfile.read(size)
+        except (APIError, OSError):  # a timeout (408) or a vanished client: the rest of the body is not for reading
+            self.close_connection = True
+            raise
+        if len(raw) < size:
+            raise ClientGone()
+        self._body_unread = False
+        return parse_json_body(raw)
+
+    def _body_size(self) -> int:
+        """The body's length, from its one Content-Length; an APIError where none frames a body this server reads."""
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             raise APIError(411, "chunked request bodies are not supported: send a Content-Length")
         lengths = set(self.headers.get_all("Content-Length") or ())
@@ -134,11 +147,19 @@ class RoutingHandler(TimedHandler):
         if size > MAX_BODY_BYTES:
             raise APIError(413, f"the request body is {length} bytes; the limit is {MAX_BODY_BYTES}",
                            code="request_too_large")
-        raw = self.rfile.read(size)
-        if len(raw) < size:
-            raise ClientGone()
-        self._body_unread = False
-        return parse_json_body(raw)
+        return size
+
+    def _drop_unread_body(self) -> None:
+        """Read and drop a body no endpoint read (a 401, 404 or 405 answers before reading it), so the
+        connection can serve its next request. A body framed otherwise than by one Content-Length within the
+        limit, or one that does not arrive within the request timeout, is left: the connection closes."""
+        if not self._body_unread or self.close_connection or "Transfer-Encoding" in self.headers:
+            return
+        try:
+            size = self._body_size()
+            self._body_unread = len(self.rfile.read(size)) < size
+        except (APIError, OSError):  # not a body to read (RequestTimeout is an APIError), or the client left
+            pass
 
     def send_json(self, status: int, obj: dict, headers: dict | None = None) -> None:
         self.send_body(status, json.dumps(obj).encode(), "application/json", headers)
@@ -154,6 +175,7 @@ class RoutingHandler(TimedHandler):
         self._streaming = True
 
     def _send_headers(self, status: int, headers: dict[str, str]) -> None:
+        self._drop_unread_body()
         if self.close_connection or self._body_unread:  # a body no endpoint read would be taken for the next request
             headers["Connection"] = "close"  # http.server closes the connection after it, too
         self.send_response(status)
