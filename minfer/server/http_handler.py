@@ -53,7 +53,9 @@ class RoutingHandler(TimedHandler):
         lengths = set(self.headers.get_all("Content-Length") or ()) - {"0"}  # until read_json reads a body, the
         self._body_unread = bool(lengths) or "Transfer-Encoding" in self.headers  # next request would start in it
         try:
-            route = self.route_of(path)
+            route, meant = self.route_of(path), path.rstrip("/")
+            if meant != path and self.route_of(meant) in self.ROUTES:  # before route: "/v1/models/" is no model id
+                raise APIError(404, f"no such endpoint: {path} (did you mean {meant}?)", code="not_found")
             if route not in self.ROUTES:
                 raise APIError(404, f"no such endpoint: {path}", code="not_found")
             method, name, needs_key = self.ROUTES[route]

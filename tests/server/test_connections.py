@@ -148,6 +148,22 @@ def test_a_body_that_is_not_dropped_closes_the_connection(server, head):
     assert reply.count(b"HTTP/1.1 ") == 1
 
 
+@pytest.mark.parametrize("method, path, meant", [("POST", "/v1/completions/", "/v1/completions"),
+                                                 ("GET", "/v1/models/", "/v1/models"),
+                                                 ("GET", "/v1/models/some-model//", "/v1/models/some-model"),
+                                                 ("GET", "/health/", "/health"),
+                                                 ("POST", "/v1/embeddings", None)])
+def test_an_unknown_path_is_a_404_that_names_the_endpoint_meant(server, method, path, meant):
+    """A path with a trailing slash is not the endpoint: a 404, whose message names the endpoint without it."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+    conn.request(method, path, body=json.dumps({"prompt": "Hi"}) if method == "POST" else None)
+    resp = conn.getresponse()
+    error = json.loads(resp.read())["error"]
+    assert resp.status == 404 and error["code"] == "not_found"
+    assert error["message"] == f"no such endpoint: {path}" + (f" (did you mean {meant}?)" if meant else "")
+    conn.close()
+
+
 def test_head_gets_a_gets_headers_without_its_body(server):
     """HEAD on a GET route: the GET's status and headers, no body (it was a 501 with an HTML body); on a POST
     route a 405 naming POST. The connection serves on: a stray body would be read as the next reply."""
