@@ -14,6 +14,7 @@ from dataclasses import replace
 from .engine.config import EngineConfig
 from .assembly.llm import LLM
 from .engine.sampling_params import SamplingParams
+from .errors import InvalidParameter
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.generate") -> int:
@@ -43,10 +44,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.generate")
     try:
         llm = LLM(config=config)
         params = replace(llm.get_default_sampling_params(), max_tokens=args.max_tokens, **given)
-        request_id = llm.scheduler.add_request(args.prompt, sampling_params=params)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    try:
+        request_id = llm.scheduler.add_request(args.prompt, sampling_params=params)
+    except InvalidParameter as e:  # the prompt and flags ask more than the model holds: a bad argument, too
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # One request through the same engine the server uses: step, print the new text.
     scheduler = llm.scheduler
     try:

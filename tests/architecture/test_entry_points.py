@@ -151,6 +151,19 @@ def test_generate_cli_exits_2_on_a_bad_flag_value(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--max-tokens", "5000", "hi"], "error: prompt (2 tokens) + max_tokens (5000) exceeds the model's context of 512"),
+    (["--num-kv-blocks", "2", "hi"], "error: the request needs 3 KV blocks"),
+])
+def test_generate_cli_exits_2_when_the_request_does_not_fit(tiny_checkpoint, flags, message, capsys):
+    """Judged once the model loads, the request is still the flags' mistake: one line, and a bad argument's status."""
+    from minfer.generate import main
+
+    assert main(["--model", str(tiny_checkpoint), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
 def test_generate_cli_samples_with_the_generation_config(tiny_checkpoint, tmp_path, capsys):
     """--generation-config (auto, or DIR) gives the flags left out their defaults, as it does the server's requests."""
     from minfer.generate import main
