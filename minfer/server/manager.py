@@ -38,10 +38,15 @@ class EngineError(APIError):
     """A request the manager could not take (queue full: 429; engine stopped: 503): the HTTP error as it is."""
 
 
+def check_max_queued(max_queued, name: str = "max_queued") -> None:
+    """A ValueError naming `name` (the server's flag is --max-queued) unless it is a whole number of requests."""
+    if not isinstance(max_queued, int) or max_queued < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {max_queued!r}")
+
+
 class SchedulerManager:
     def __init__(self, scheduler: OnlineScheduler, metrics: Metrics | None = None, max_queued: int = 128):
-        if not isinstance(max_queued, int) or max_queued < 0:
-            raise ValueError(f"max_queued must be an integer >= 0, got {max_queued!r}")
+        check_max_queued(max_queued)
         self.scheduler = scheduler  # the worker's alone once start() has run
         self.metrics = metrics or Metrics()
         # Up to max_num_seqs requests run at once; max_queued more may wait for a slot.

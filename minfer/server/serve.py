@@ -53,7 +53,7 @@ from .connections import CappedHTTPServer
 from .endpoints import APIHandler
 from ..engine.generation_defaults import describe as describe_defaults
 from ..engine.generation_defaults import sampling_defaults
-from .manager import SchedulerManager
+from .manager import SchedulerManager, check_max_queued
 from .requests import ModelInfo
 from .metrics import Metrics
 
@@ -192,8 +192,7 @@ def check_server_flags(api_key: str | None, served_model_name: str | None, max_q
         raise ValueError("--api-key is empty: give a key, or leave the flag out to serve without one")
     if served_model_name is not None and not served_model_name.strip():
         raise ValueError("--served-model-name is empty: give a name, or leave the flag out to serve the model's own")
-    if not isinstance(max_queued, int) or max_queued < 0:
-        raise ValueError(f"--max-queued must be an integer >= 0, got {max_queued!r}")
+    check_max_queued(max_queued, "--max-queued")
 
 
 def check_port_free(host: str, port: int) -> None:
