@@ -28,7 +28,7 @@ SUBCOMMANDS = {
     "bench": ("minfer.bench.cli", "benchmark TTFT, TPOT, ITL and throughput, offline or online"),
     "eval-ppl": ("minfer.bench.perplexity", "perplexity of a checkpoint on a text file (quality yardstick)"),
     "quantize": ("minfer.quantize", "write an int8/int4 weight-only quantized checkpoint"),
-    "settings": ("minfer.settings", "the environment variables minfer reads, and their values here"),
+    "settings": ("minfer.settings.__main__", "the environment variables minfer reads, and their values here"),
     "train-tiny": (
         "minfer.training.train_tiny",
         "train a small GPT-2 (or Llama) on simple stories, on a CPU (minfer-tiny)",

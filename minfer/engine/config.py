@@ -116,7 +116,7 @@ def setting(default, type, check: Check, help: str, convert=None, metavar: str |
     """One engine setting. `type` turns the flag's text into a value (bool: --flag / --no-flag);
     `convert` normalises what Python callers may also pass (a Path, a torch.dtype, "2GiB"), and
     `check` judges the result. None is allowed where the default is None: the engine chooses. A
-    default that is an EnvVar is read when a config is made (settings.py): the environment's, else its own."""
+    default that is an EnvVar is read when a config is made (minfer/settings): the environment's, else its own."""
     metadata = {"type": type, "check": check, "help": help, "convert": convert, "metavar": metavar, "env": None}
     if isinstance(default, tuple):  # (EnvVar, fallback)
         var, fallback = default

@@ -78,10 +78,11 @@ def test_minfer_subcommands_run(tmp_path):
     assert done.stdout.startswith("hi"), done.stdout
 
 
-def test_minfer_settings_lists_every_variable_with_its_value():
-    done = run_python([*minfer_command(), "settings"], cwd=ROOT, env={**os.environ, "MINFER_DTYPE": "bfloat16"},
-                      timeout=120)
-    assert done.returncode == 0 and done.stderr == "", done.stderr  # python -m minfer.settings: runpy's warning
+@pytest.mark.parametrize("command", [["settings"], None], ids=["minfer settings", "python -m minfer.settings"])
+def test_minfer_settings_lists_every_variable_with_its_value(command):
+    argv = [*minfer_command(), *command] if command else [sys.executable, "-m", "minfer.settings"]
+    done = run_python(argv, cwd=ROOT, env={**os.environ, "MINFER_DTYPE": "bfloat16"}, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr  # nothing else: runpy's warning was
     lines = done.stdout.splitlines()
     assert [line.split("=")[0] for line in lines] == [var.name for var in settings.ALL]
     assert any(line.startswith("MINFER_DTYPE=bfloat16 ") for line in lines), done.stdout

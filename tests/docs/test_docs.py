@@ -329,10 +329,10 @@ def test_endpoints_named_are_served():
 
 
 def test_minfer_variables_named_are_read():
-    """Each MINFER_* variable the prose names is read: by minfer (an EnvVar of settings.py, which `minfer settings`
+    """Each MINFER_* variable the prose names is read: by minfer (an EnvVar of minfer/settings/, which `minfer settings`
     lists), or, for the course's and the tests' own, by tutorials/_common.py or a test."""
     tests = [path for path in (ROOT / "tests").rglob("*.py") if path.parent != ROOT / "tests" / "docs"]  # not these
-    readers = [PACKAGE / "settings.py", ROOT / "tutorials" / "_common.py", *tests]
+    readers = [PACKAGE / "settings" / "__init__.py", ROOT / "tutorials" / "_common.py", *tests]
     read = {name for path in readers for name in re.findall(r"[\"'](MINFER_[A-Z_]+)[\"']", path.read_text())}
     assert {"MINFER_DEVICE", "MINFER_MODEL"} <= read, sorted(read)
     unread = [f"{rel(md)}:{number}: {name}" for md in ALL_MARKDOWN for number, line, _ in lines_of(md)

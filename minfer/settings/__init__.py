@@ -7,7 +7,6 @@ it from here. `minfer settings` lists them with their current values.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import dataclass
@@ -53,15 +52,3 @@ if hasattr(os, "sched_getaffinity") and "torch" not in sys.modules:
 ALL = (DEVICE, ATTENTION_BACKEND, DTYPE, NUM_THREADS, OMP_NUM_THREADS, API_KEY, OMP_WAIT_POLICY, GOMP_SPINCOUNT,
        OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY, CACHE, XDG_CACHE_HOME)
 
-
-def main(argv: list[str] | None = None, prog: str = "python -m minfer.settings") -> int:
-    argparse.ArgumentParser(prog=prog, description="Every environment variable minfer reads: its value here, and "
-                            "what it does.").parse_args(argv)
-    width = max(len(var.name) + 1 + len(var.get("")) for var in ALL)
-    for var in ALL:
-        print(f"{var.name + '=' + var.get(''):<{width}}  {var.help}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
