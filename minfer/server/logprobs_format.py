@@ -20,11 +20,11 @@ and chat's `bytes` gives its exact bytes. JSON has no -inf: it is written as -99
 
 from __future__ import annotations
 
-import codecs
 import math
 
 from ..engine.outputs import CompletionDelta, RequestOutput
 from ..scoring.logprobs import TokenLogprob, keep_top
+from ..text.text_offsets import TextOffsets
 from ..text.tokenizer import Tokenizer
 from .requests import ParsedRequest
 
@@ -36,21 +36,12 @@ def _finite(logprob: float) -> float:
 
 
 class LogprobFormatter:
-    """Formats one completion's logprobs; it remembers the text offset reached, so a stream's chunks
-    continue each other's `text_offset`. A token's offset is where its text starts in the choice's text:
-    counted in characters from the bytes the tokens add (a special token adds none, or its name where the
-    text shows special tokens), a character split over tokens counted once, at its start."""
+    """Formats one completion's logprobs; its TextOffsets (text_offsets.py) counts where each token's text
+    starts in the choice's text, so a stream's chunks continue each other's `text_offset`."""
 
     def __init__(self, tokenizer: Tokenizer, specials_shown: bool = False):
         self.tokenizer = tokenizer
-        self.specials_shown = specials_shown  # skip_special_tokens false: their names are in the text
-        self.text_offset = 0
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # holds a character's first bytes
-
-    def resume_at(self, offset: int) -> None:
-        """The text so far is `offset` characters long (an echoed prompt's own text): count on from there."""
-        self.text_offset = offset
-        self._utf8.reset()
+        self.offsets = TextOffsets(tokenizer, specials_shown)  # skip_special_tokens false: their names are text
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes the token adds to the text; a special token (which adds none) shows as its name."""
@@ -59,23 +50,14 @@ class LogprobFormatter:
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def advance(self, token_id: int) -> int:
-        """The token's offset in the text; the text is then counted on past the token."""
-        data = self.token_bytes(token_id) if self.specials_shown else self.tokenizer.token_bytes[token_id]
-        # bytes held that this token cannot continue never became a character: the text shows a U+FFFD first
-        broken = bool(data) and data[0] & 0xC0 != 0x80 and bool(self._utf8.getstate()[0])
-        offset = self.text_offset + broken
-        self.text_offset += len(self._utf8.decode(data))
-        return offset
-
-    def completion(self, token_ids: list[int], entries: list[TokenLogprob | None], k: int) -> dict:
+    def completion(self, token_ids: list[int], entries: list[TokenLogprob | None], k: int, final: bool = True) -> dict:
         """The completions API's logprobs object for these tokens (entries aligned with token_ids), each
-        with its k likeliest tokens."""
-        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        with its k likeliest tokens; `final`: the text ends with them (a stream's chunks but the last: not)."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                "text_offset": self.offsets.offsets(token_ids, final)}
         for token_id, entry in zip(token_ids, _trimmed(entries, k)):
             text = self.token_text(token_id)
             out["tokens"].append(text)
-            out["text_offset"].append(self.advance(token_id))
             if entry is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -134,6 +116,7 @@ class ScoredChoices:
         shown = not req.params.skip_special_tokens
         self.formatters = [LogprobFormatter(tokenizer, shown) for _ in range(num_choices)] if asked else []
         self.pending: list[list] = [[] for _ in range(num_choices)]  # (token id, logprob) awaiting text
+        self.ended = [False] * num_choices  # the pending tokens end the choice's text
         self.echoed = [False] * num_choices
 
     def whole(self, choice: dict, index: int, out: RequestOutput) -> dict:
@@ -164,20 +147,22 @@ class ScoredChoices:
         """The delta's tokens wait for the chunk that carries their text."""
         if self.formatters and not self.score_only:
             self.pending[index] += zip(delta.token_ids, delta.logprobs or [])
+            self.ended[index] = delta.finish_reason is not None
 
     def flush(self, choice: dict, index: int, only_if_held: bool = False) -> dict:
         """The chunk's choice with the logprobs of the tokens that waited for it (with only_if_held, none
         when none waited)."""
         if self.formatters and (self.pending[index] or not only_if_held):
             pending, self.pending[index] = self.pending[index], []
-            choice["logprobs"] = self._logprobs(index, [t for t, _ in pending], [e for _, e in pending])
+            choice["logprobs"] = self._logprobs(index, [t for t, _ in pending], [e for _, e in pending],
+                                                self.ended[index])
         return choice
 
-    def _logprobs(self, index: int, token_ids: list[int], entries: list) -> dict | None:
+    def _logprobs(self, index: int, token_ids: list[int], entries: list, final: bool = True) -> dict | None:
         if not self.formatters:
             return None
         k, fmt = self.req.params.logprobs, self.formatters[index]
-        return fmt.chat(entries, k) if self.chat else fmt.completion(token_ids, entries, k)
+        return fmt.chat(entries, k) if self.chat else fmt.completion(token_ids, entries, k, final)
 
     def _prompt_parts(self, index: int, prompt_logprobs) -> tuple[str, dict | None, list | None]:
         """The echoed prompt: its text, its completions logprobs, and vLLM's prompt_logprobs field."""
@@ -194,7 +179,7 @@ class ScoredChoices:
         logprobs = self._logprobs(index, self.req.prompts[prompt], entries)
         if logprobs is not None:  # the completion's offsets count on from the echoed text's end
             logprobs["text_offset"] = self._prompt_offsets(prompt, text)
-            self.formatters[index].resume_at(len(text))
+            self.formatters[index].offsets.resume_at(len(text))
         return text, logprobs, asked
 
     def _prompt_offsets(self, prompt: int, text: str) -> list[int]:
@@ -203,8 +188,8 @@ class ScoredChoices:
         text their decoding): counted from their bytes, less the space a SentencePiece decoder drops."""
         if self.req.prompt_texts and self.req.prompt_texts[prompt] is not None:
             return prompt_offsets(self.tokenizer, text)
-        counter = LogprobFormatter(self.tokenizer)
-        offsets = [counter.advance(t) for t in self.req.prompts[prompt]]
+        counter = TextOffsets(self.tokenizer)
+        offsets = counter.offsets(self.req.prompts[prompt])
         extra = counter.text_offset - len(text)
         return [max(0, o - extra) for o in offsets] if extra > 0 else offsets
 

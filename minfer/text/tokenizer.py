@@ -66,6 +66,11 @@ class Tokenizer:
         return self.backend.id_to_token(token_id) if 0 <= token_id < self.vocab_size else None
 
     @property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """The ids of the byte tokens <0x00>..<0xFF> a SentencePiece-style decoder turns back into bytes, else none."""
+        return self._byte_ids
+
+    @property
     def token_bytes(self) -> list[bytes]:
         """token_bytes[id] is the bytes that token adds to decoded text (b'' for specials). Built on first use."""
         if self._token_bytes is None:

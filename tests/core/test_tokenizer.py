@@ -142,6 +142,22 @@ def test_random_byte_streams_match_decode(tok):
         assert stream(tok, ids)[1] == tok.decode(ids) == raw.decode("utf-8", "replace"), raw
 
 
+@pytest.mark.parametrize("raw, expected", [
+    (b"\xe2\x82\xaca", [0, 0, 0, 1]),  # €, then a: a character's bytes at its start
+    (b"\xe2\x82a", [0, 0, 1]),  # a cut €: one U+FFFD, where it starts
+    (b"\xe0\x80a", [0, 1, 2]),  # 0x80 cannot follow 0xE0: a U+FFFD each
+    (b"\xf0A", [0, 1]),
+])
+def test_text_offsets_count_characters_as_decode_renders_them(tok, raw, expected):
+    """Where each one-byte token's text starts in what decode() makes of the bytes (UTF-8 with replacement)."""
+    from minfer.text.text_offsets import TextOffsets
+
+    byte_id = {b[0]: i for i, b in enumerate(tok.token_bytes) if len(b) == 1}
+    ids = [byte_id[b] for b in raw]
+    counter = TextOffsets(tok)
+    assert counter.offsets(ids) == expected and counter.text_offset == len(tok.decode(ids)), tok.decode(ids)
+
+
 def test_out_of_vocab_ids_are_ignored(tok):
     ids = tok.encode(TEXTS["mixed"])
     junk = [-1, -(2**40), tok.vocab_size, tok.vocab_size + 7, 2**40]

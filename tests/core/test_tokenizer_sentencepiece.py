@@ -119,3 +119,54 @@ def test_a_continuation_keeps_its_first_space(tok, prompt, expected):
     whole, before = tok.decode(context + ids), tok.decode(context)
     assert whole.startswith(before) and whole[len(before):] == expected
     assert "".join(map(tok.detokenizer().add, ids)) == "there was"  # no context: a text's start
+
+
+def completion_offsets(tok: Tokenizer, ids: list[int], cuts: tuple[int, ...] = ()) -> list[int]:
+    """text_offset of a completion's tokens, formatted whole, or in pieces cut at `cuts` as a stream's chunks."""
+    from minfer.server.logprobs_format import LogprobFormatter
+
+    formatter, offsets = LogprobFormatter(tok), []
+    for start, stop in zip((0, *cuts), (*cuts, len(ids))):
+        offsets += formatter.completion(ids[start:stop], [None] * (stop - start), 0, final=stop == len(ids))[
+            "text_offset"]
+    return offsets
+
+
+@pytest.mark.parametrize("spelt, expected", [
+    (["▁w", 0xE6, 0x97, "▁w"], [0, 2, 3, 4]),  # a cut character: one U+FFFD per byte (" w\ufffd\ufffd w")
+    (["▁w", 0xE6, 0x97, 0xA5, 0xFF, "▁w"], [0, 2, 3, 4, 5, 6]),  # an invalid byte: 日's bytes show so too
+    (["▁w", 0xE6, 0x97, 0xA5, "▁w"], [0, 2, 2, 2, 3]),  # 日: its bytes at its start
+    (["▁w", 0xE6, 0x97], [0, 2, 3]),  # cut by the end of the text
+    (["▁w", 0x41, 0xC3, 0xA9, "▁w", 0xC3], [0, 2, 3, 3, 4, 6]),  # " wAé w\ufffd": a valid run, then a cut é
+])
+def test_completion_offsets_follow_how_byte_runs_render(tok, spelt, expected):
+    """A run of byte tokens holding an invalid byte renders as one U+FFFD per byte (the test above): the offsets
+    of its tokens and of all after it count them so, streamed in pieces or not. A stream's chunk carries the
+    tokens up to one whose text it shows: a run's text comes when it ends, so a chunk ends inside a run only
+    where a step adds several tokens; there its offsets are right if the run makes characters."""
+    ids = [tok.token_to_id(s) if isinstance(s, str) else byte_id(tok, s) for s in spelt]
+    d = tok.detokenizer(context=tok.encode_prompt("Hi"))  # a continuation: its first space kept
+    text = "".join(d.add(i) for i in ids) + d.flush()
+    assert completion_offsets(tok, ids) == expected, text
+    for cut in range(1, len(ids)):
+        if ids[cut - 1] not in tok.byte_fallback_ids or "\ufffd" not in text:
+            assert completion_offsets(tok, ids, (cut,)) == expected, cut
+    words = [(o, tok.token_bytes[i].decode()) for o, i in zip(expected, ids) if i not in tok.byte_fallback_ids]
+    assert all(text[o:o + len(word)] == word for o, word in words), text
+
+
+def test_random_completion_offsets_index_the_text(tok):
+    """Random runs of bytes, words and skipped specials: each word's text stands at its offset, a byte of an
+    invalid run at a U+FFFD of its own."""
+    rng = random.Random(7)
+    words = [tok.token_to_id(w) for w in ("▁w", "▁", "🤖")]
+    for _ in range(300):
+        ids = [rng.choice([*words, 1, *[byte_id(tok, b) for b in (0x41, 0xC3, 0xA9, 0xE6, 0x97, 0xA5, 0xFF)]])
+               for _ in range(rng.randint(1, 16))]
+        d = tok.detokenizer(context=tok.encode_prompt("Hi"))
+        text = "".join(d.add(i) for i in ids) + d.flush()
+        offsets = completion_offsets(tok, ids)
+        assert offsets == sorted(offsets) and offsets[-1] <= len(text), (ids, text, offsets)
+        for o, i in zip(offsets, ids):
+            piece = tok.token_bytes[i].decode("utf-8", "replace")
+            assert i in tok.byte_fallback_ids or text[o:o + len(piece)] == piece, (ids, text, offsets)

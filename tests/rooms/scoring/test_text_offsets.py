@@ -73,3 +73,23 @@ def test_special_tokens_shown_in_the_text_span_their_names(make_checkpoint):
     assert shown["text"] == name * 3 and offsets == [0, len(name), 2 * len(name)]
     hidden, offsets = offsets_and_stream(ckpt, body)
     assert hidden["text"] == "" and offsets == [0, 0, 0]
+
+
+def test_a_stream_ending_in_a_cut_character_counts_it_as_the_text_shows_it(make_checkpoint):
+    """A run of byte tokens the text ends in unfinished (<0xE6><0x97>: max_tokens reached) shows one U+FFFD per
+    byte: the last chunk's offsets count them so, as a whole response's do (text_offsets.py)."""
+    from minfer import SamplingParams
+    from minfer.engine.outputs import CompletionDelta
+    from minfer.scoring.logprobs import TokenLogprob
+    from minfer.server.requests import ParsedRequest
+    from minfer.server.responder import Responder
+
+    tok = Tokenizer.from_dir(make_checkpoint("llama2-tiny"))
+    w, e6, x97 = tok.token_to_id("▁w"), tok.token_to_id("<0xE6>"), tok.token_to_id("<0x97>")
+    r = Responder("m", False, ParsedRequest([tok.encode_prompt("Hi")], SamplingParams(logprobs=0)), tok)
+    deltas = [CompletionDelta(0, [w], " w", None, [TokenLogprob(w, -1.0)]),
+              CompletionDelta(0, [e6], "", None, [TokenLogprob(e6, -1.0)]),
+              CompletionDelta(0, [x97], "\ufffd\ufffd", "length", [TokenLogprob(x97, -1.0)])]
+    chunks = [choice for d in deltas for chunk in r.delta_chunks(d) for choice in chunk["choices"]]
+    assert "".join(c["text"] for c in chunks) == " w\ufffd\ufffd"
+    assert [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]] == [0, 2, 3]
