@@ -23,10 +23,13 @@ from .tools import ToolReplies
 
 def usage(outs: list[tuple[RequestOutput, ...]], score_only: bool = False) -> dict:
     """outs: per prompt, its completions. Each prompt counted once, every completion's tokens (OpenAI's and
-    vLLM's rule); none when the request only scores its prompt."""
+    vLLM's rule); none when the request only scores its prompt. cached_tokens: the prompt tokens the prefix
+    cache served, as OpenAI reports them."""
     prompt = sum(len(choices[0].prompt_token_ids) for choices in outs)
     completion = 0 if score_only else sum(len(out.token_ids) for choices in outs for out in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(choices[0].num_cached_tokens for choices in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def generate_response(out: RequestOutput) -> dict:

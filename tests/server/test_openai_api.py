@@ -254,7 +254,8 @@ def test_completion_response_and_chunks(info):
     body = r.response([(output(),)])
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion" and body["model"] == "tiny"
     assert body["choices"] == [{"index": 0, "text": "ab", "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert r.first_chunks() == []
     assert r.delta_chunks(CompletionDelta(0, [4], "a"))[0]["choices"][0]["text"] == "a"
     assert r.delta_chunks(CompletionDelta(0, [5], "", "stop"))[0]["choices"][0]["finish_reason"] == "stop"

@@ -180,7 +180,8 @@ def test_a_server_too_small_for_eight_copies_serves_n8_without_preempting(checkp
         status, out = post(small, "/v1/completions", {"prompt": prompt, "max_tokens": 16, "n": 8, "seed": 1,
                                                       "temperature": 1.0, "ignore_eos": True})
         assert status == 200 and len(out["choices"]) == 8
-        assert out["usage"] == {"prompt_tokens": 512, "completion_tokens": 128, "total_tokens": 640}
+        assert out["usage"] == {"prompt_tokens": 512, "completion_tokens": 128, "total_tokens": 640,
+                                "prompt_tokens_details": {"cached_tokens": 0}}  # shared blocks, none cached
         stats = small.manager.stats()
         assert stats["num_preemptions"] == 0
         wait_all_free(small)
@@ -208,7 +209,8 @@ def test_batched_prompts_with_n_and_logprobs(server, llm):
                                                                                   ignore_eos=True), use_tqdm=False)]
     assert [c["text"][len(prompts[c["index"] // 2]):] for c in choices] == expected
     prompt_tokens = sum(len(tok.encode(p)) for p in prompts)
-    assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 20, "total_tokens": prompt_tokens + 20}
+    assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 20, "total_tokens": prompt_tokens + 20,
+                            "prompt_tokens_details": {"cached_tokens": 0}}  # no prompt fills a block: none cached
 
     status, events = post(server, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
     assert status == 200 and events[-1] == "[DONE]"

@@ -80,6 +80,22 @@ def test_openai_completions_stream_equals_non_stream(client, llm, tokenizer):
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == expected_usage
 
 
+def test_usage_says_how_many_prompt_tokens_the_prefix_cache_served(client):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: a prompt asked again finds its full blocks cached
+    (16 tokens each; its last token is always computed, to sample from), streamed and not."""
+    from minfer import EngineConfig
+
+    block = EngineConfig().block_size
+    prompt = [(11 * i + 5) % 400 for i in range(2 * block + 8)]  # two full blocks and a part
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    first = client.completions.create(**kw)
+    assert first.usage.prompt_tokens == len(prompt) and first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(**kw)
+    assert again.usage.prompt_tokens_details.cached_tokens == 2 * block
+    *_, last = client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    assert last.choices == [] and last.usage.prompt_tokens_details.cached_tokens == 2 * block
+
+
 def test_openai_chat_stream_equals_non_stream(client, llm, tokenizer):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello!"}]
     prompt_ids = tokenizer.encode(render_chat(messages))
