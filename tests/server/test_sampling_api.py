@@ -209,7 +209,8 @@ def test_batched_prompts_with_n_and_logprobs(server, llm):
                                                                                   ignore_eos=True), use_tqdm=False)]
     assert [c["text"][len(prompts[c["index"] // 2]):] for c in choices] == expected
     prompt_tokens = sum(len(tok.encode(p)) for p in prompts)
-    assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 20, "total_tokens": prompt_tokens + 20,
+    assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 20,
+                            "total_tokens": prompt_tokens + 20,
                             "prompt_tokens_details": {"cached_tokens": 0}}  # no prompt fills a block: none cached
 
     status, events = post(server, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
