@@ -39,9 +39,10 @@ class LogprobFormatter:
     """Formats one completion's logprobs; its TextOffsets (text_offsets.py) counts where each token's text
     starts in the choice's text, so a stream's chunks continue each other's `text_offset`."""
 
-    def __init__(self, tokenizer: Tokenizer, specials_shown: bool = False):
+    def __init__(self, tokenizer: Tokenizer, specials_shown: bool = False, starts_text: bool = False):
         self.tokenizer = tokenizer
-        self.offsets = TextOffsets(tokenizer, specials_shown)  # skip_special_tokens false: their names are text
+        # skip_special_tokens false: their names are text; starts_text: no prompt text before the completion's
+        self.offsets = TextOffsets(tokenizer, specials_shown, starts_text)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes the token adds to the text; a special token (which adds none) shows as its name."""
@@ -112,12 +113,17 @@ class ScoredChoices:
         self.req, self.tokenizer, self.chat = req, tokenizer, chat
         self.scoring = None if chat else req.scoring  # echo and prompt_logprobs: completions' only
         self.score_only = self.scoring is not None and self.scoring.score_only
-        asked = req.params.logprobs is not None  # else only echo or prompt_logprobs
+        formatted = num_choices if req.params.logprobs is not None else 0  # else only echo or prompt_logprobs
         shown = not req.params.skip_special_tokens
-        self.formatters = [LogprobFormatter(tokenizer, shown) for _ in range(num_choices)] if asked else []
+        self.formatters = [LogprobFormatter(tokenizer, shown, self._starts_text(i)) for i in range(formatted)]
         self.pending: list[list] = [[] for _ in range(num_choices)]  # (token id, logprob) awaiting text
         self.ended = [False] * num_choices  # the pending tokens end the choice's text
         self.echoed = [False] * num_choices
+
+    def _starts_text(self, index: int) -> bool:
+        """Whether choice `index`'s text is a text's start, its prompt showing none (a lone BOS)."""
+        prompt = self.req.prompts[index // self.req.params.n]
+        return self.tokenizer.starts_text(prompt, self.req.params.skip_special_tokens)
 
     def whole(self, choice: dict, index: int, out: RequestOutput) -> dict:
         """A whole choice with its logprobs, and with echo the prompt (and its logprobs) ahead of its text."""
@@ -185,13 +191,11 @@ class ScoredChoices:
     def _prompt_offsets(self, prompt: int, text: str) -> list[int]:
         """Where each prompt token starts in the echoed text. A prompt sent as text: the tokenizer's own offsets
         (a special token written in it spans its name; one the tokenizer adds, a BOS, none). Sent as ids (the
-        text their decoding): counted from their bytes, less the space a SentencePiece decoder drops."""
+        text their decoding, a text's start): counted from their bytes, less the space a SentencePiece decoder
+        drops."""
         if self.req.prompt_texts and self.req.prompt_texts[prompt] is not None:
             return prompt_offsets(self.tokenizer, text)
-        counter = TextOffsets(self.tokenizer)
-        offsets = counter.offsets(self.req.prompts[prompt])
-        extra = counter.text_offset - len(text)
-        return [max(0, o - extra) for o in offsets] if extra > 0 else offsets
+        return TextOffsets(self.tokenizer, starts_text=True).offsets(self.req.prompts[prompt])
 
 
 def prompt_offsets(tokenizer: Tokenizer, text: str) -> list[int]:

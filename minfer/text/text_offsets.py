@@ -5,7 +5,8 @@ render them (tokenizer.py). A character split over tokens counts once, at its fi
 character show as U+FFFD: one per broken sequence in a byte-level tokenizer's text (UTF-8 decoding with
 replacement), but one per byte for a run of byte-fallback tokens (<0xE6><0x97>) that holds any invalid byte,
 even a valid character's bytes in that run. Whether a run is valid is known when it ends (a token that is not
-a byte, or the end of the text), so offsets are counted a list of tokens at a time.
+a byte, or the end of the text), so offsets are counted a list of tokens at a time. A SentencePiece decoder
+drops a text's first space (`▁Once` starts 'Once'): tokens that start a text count without it.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ CONTINUATION_BYTES = bytes(range(0x80, 0xC0))  # a UTF-8 character's bytes after
 class TextOffsets:
     """Counts one text's token offsets, list after list (a stream's chunks continue each other)."""
 
-    def __init__(self, tokenizer: Tokenizer, specials_shown: bool = False):
+    def __init__(self, tokenizer: Tokenizer, specials_shown: bool = False, starts_text: bool = False):
         self.tokenizer = tokenizer
         self.specials_shown = specials_shown  # skip_special_tokens false: their names are in the text
         self.byte_ids = tokenizer.byte_fallback_ids
         self.text_offset = 0  # the characters the tokens counted so far have added
+        # The tokens start a text (Tokenizer.starts_text) whose decoder drops its first space: until a token adds
+        # bytes, the first of them may be that space.
+        self._first_space_dropped = starts_text and tokenizer.drops_first_space
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # byte-level: holds a character's first bytes
         self._run = b""  # byte fallback: the bytes of a run of byte tokens not yet ended
 
@@ -47,15 +51,21 @@ class TextOffsets:
         out, valid = [], None  # valid: how the run open here renders, once read ahead (the same for all its tokens)
         for i, token_id in enumerate(token_ids):
             data = self.token_bytes(token_id)
-            if token_id in self.byte_ids or (self._run and not data):  # a skipped special does not end a run
+            in_run = token_id in self.byte_ids or (self._run and not data)  # a skipped special does not end a run
+            if in_run:
                 valid = self._run_valid(token_ids, i, final) if valid is None else valid
+            if data and self._first_space_dropped:
+                self._first_space_dropped = False
+                # the text's first character, if a space: not one of a run rendered as U+FFFDs
+                self.text_offset -= data[:1] == b" " and (valid or not in_run)
+            if in_run:
                 before, self._run = self._run, self._run + data
-                out.append(self._run_position(before, data[0] if data else None, valid))
+                out.append(max(0, self._run_position(before, data[0] if data else None, valid)))
             else:
                 if self._run:  # any other token ends it (decode() sees it)
                     self._end_run()
                     valid = None
-                out.append(self._advance(data))
+                out.append(max(0, self._advance(data)))  # the dropped space's token starts the text, at 0
         if final and self._run:
             self._end_run()
         return out

@@ -41,6 +41,7 @@ class Tokenizer:
         self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self._byte_ids = byte_fallback_ids(backend)
         self._token_bytes: list[bytes] | None = None
+        self._drops_first_space: bool | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -104,8 +105,37 @@ class Tokenizer:
         skipped = self._special_ids if skip_special_tokens else frozenset()
         return IncrementalDetokenizer(self.backend, self.vocab_size, skipped, self._byte_ids, context)
 
+    def starts_text(self, context: list[int], skip_special_tokens: bool = True) -> bool:
+        """Whether text generated after `context` is, to its detokenizer, the start of a text (nothing it shows
+        before it, as after a lone BOS): there a SentencePiece decoder drops the first space (drops_first_space)."""
+        skipped = self._special_ids if skip_special_tokens else frozenset()
+        return not context_window(self.backend, self.vocab_size, skipped, self._byte_ids, context)
+
+    @property
+    def drops_first_space(self) -> bool:
+        """Whether decode() drops a text's leading space, as Llama 2's decoder does (`▁Hi` alone is 'Hi')."""
+        if self._drops_first_space is None:
+            spaced = next((i for i, data in enumerate(self.token_bytes)
+                           if data[:1] == b" " and len(data) > 1 and i not in self._byte_ids), None)
+            self._drops_first_space = spaced is not None and not self.decode([spaced]).startswith(" ")
+        return self._drops_first_space
+
 
 CONTEXT_IDS = 6  # context a continuation's text is measured after: more than a character's bytes (4)
+
+
+def context_window(backend: tokenizers.Tokenizer, vocab_size: int, skipped: frozenset[int], byte_ids: frozenset[int],
+                   context: list[int]) -> list[int]:
+    """The context's last few ids, as a stream would have seen them: a continuation's text is measured after them
+    (none: it starts a text). Its trailing byte tokens are left out (decode() renders a run of them together with
+    the bytes fed next, which would rewrite the context's text), and so is a context that ends mid-character."""
+    kept = (i for i in reversed(context) if 0 <= i < vocab_size and i not in skipped)  # from the end: a long
+    window = list(itertools.islice(kept, CONTEXT_IDS))[::-1]  # prompt is not walked whole
+    while window and window[-1] in byte_ids:
+        window.pop()
+    if window and backend.decode(window, skip_special_tokens=False).endswith("\ufffd"):
+        window = []
+    return window
 
 
 class IncrementalDetokenizer:
@@ -125,15 +155,7 @@ class IncrementalDetokenizer:
         self._vocab_size = vocab_size
         self._skipped = skipped
         self._byte_ids = byte_ids
-        # The context's last few ids, as the stream would have seen them: the text is measured after them. Its
-        # trailing byte tokens are left out (decode() renders a run of them together with the bytes fed next,
-        # which would rewrite the context's text), and so is a context that ends mid-character.
-        kept = (i for i in reversed(context) if 0 <= i < vocab_size and i not in skipped)  # from the end: a long
-        window = list(itertools.islice(kept, CONTEXT_IDS))[::-1]  # prompt is not walked whole
-        while window and window[-1] in byte_ids:
-            window.pop()
-        if window and backend.decode(window, skip_special_tokens=False).endswith("\ufffd"):
-            window = []
+        window = context_window(backend, vocab_size, skipped, byte_ids, context)  # the text is measured after it
         self._stream = DecodeStream(ids=window or None, skip_special_tokens=False)  # what is skipped never reaches it
         self._run: list[int] = []  # byte tokens whose run has not ended
         self._held: list[int] = []  # ids the stream took without handing out their text yet

@@ -121,11 +121,12 @@ def test_a_continuation_keeps_its_first_space(tok, prompt, expected):
     assert "".join(map(tok.detokenizer().add, ids)) == "there was"  # no context: a text's start
 
 
-def completion_offsets(tok: Tokenizer, ids: list[int], cuts: tuple[int, ...] = ()) -> list[int]:
-    """text_offset of a completion's tokens, formatted whole, or in pieces cut at `cuts` as a stream's chunks."""
+def completion_offsets(tok: Tokenizer, ids: list[int], cuts: tuple[int, ...] = (), starts_text=False) -> list[int]:
+    """text_offset of a completion's tokens, formatted whole, or in pieces cut at `cuts` as a stream's chunks;
+    starts_text: the completion starts the text (its prompt a lone <s>)."""
     from minfer.server.logprobs_format import LogprobFormatter
 
-    formatter, offsets = LogprobFormatter(tok), []
+    formatter, offsets = LogprobFormatter(tok, starts_text=starts_text), []
     for start, stop in zip((0, *cuts), (*cuts, len(ids))):
         offsets += formatter.completion(ids[start:stop], [None] * (stop - start), 0, final=stop == len(ids))[
             "text_offset"]
@@ -155,18 +156,41 @@ def test_completion_offsets_follow_how_byte_runs_render(tok, spelt, expected):
     assert all(text[o:o + len(word)] == word for o, word in words), text
 
 
-def test_random_completion_offsets_index_the_text(tok):
+@pytest.mark.parametrize("spelt, text, expected", [
+    (["▁w", "▁w"], "w w", [0, 1]),  # the first word's space dropped
+    (["<s>", "▁", "▁w"], " w", [0, 0, 0]),  # a skipped <s> adds nothing; `▁` is the dropped space
+    ([0x20, 0x41, "▁w"], "A w", [0, 0, 1]),  # a valid run's first byte, a space, dropped too
+    ([0x20, 0xFF, "▁w"], "\ufffd\ufffd w", [0, 1, 2]),  # an invalid run's space shows as U+FFFD: kept
+])
+def test_offsets_of_a_text_start_count_without_the_dropped_space(tok, spelt, text, expected):
+    """A completion of <s> alone starts the text: decode() drops its first character if it renders as a space."""
+    ids = [tok.token_to_id(s) if isinstance(s, str) else byte_id(tok, s) for s in spelt]
+    assert tok.decode(ids) == text
+    assert completion_offsets(tok, ids, starts_text=True) == expected
+    assert completion_offsets(tok, ids, (2,), starts_text=True) == expected  # streamed in two chunks
+
+
+@pytest.mark.parametrize("prompt", ["Hi", ""])
+def test_random_completion_offsets_index_the_text(tok, prompt):
     """Random runs of bytes, words and skipped specials: each word's text stands at its offset, a byte of an
-    invalid run at a U+FFFD of its own."""
+    invalid run at a U+FFFD of its own. After an empty prompt (<s> alone) the text starts with the completion, and
+    the decoder drops its first space, a word's or a valid run's."""
     rng = random.Random(7)
+    context = tok.encode_prompt(prompt)
+    assert tok.starts_text(context) == (not prompt) and tok.drops_first_space
     words = [tok.token_to_id(w) for w in ("▁w", "▁", "🤖")]
     for _ in range(300):
-        ids = [rng.choice([*words, 1, *[byte_id(tok, b) for b in (0x41, 0xC3, 0xA9, 0xE6, 0x97, 0xA5, 0xFF)]])
+        ids = [rng.choice([*words, 1, *[byte_id(tok, b) for b in (0x20, 0x41, 0xC3, 0xA9, 0xE6, 0x97, 0xA5, 0xFF)]])
                for _ in range(rng.randint(1, 16))]
-        d = tok.detokenizer(context=tok.encode_prompt("Hi"))
+        d = tok.detokenizer(context=context)
         text = "".join(d.add(i) for i in ids) + d.flush()
-        offsets = completion_offsets(tok, ids)
+        offsets = completion_offsets(tok, ids, starts_text=not prompt)
         assert offsets == sorted(offsets) and offsets[-1] <= len(text), (ids, text, offsets)
-        for o, i in zip(offsets, ids):
+        first = next((n for n, i in enumerate(ids) if tok.token_bytes[i]), None)
+        for n, (o, i) in enumerate(zip(offsets, ids)):
             piece = tok.token_bytes[i].decode("utf-8", "replace")
+            if n == first and not prompt and not text.startswith(piece):
+                piece = piece.removeprefix(" ")  # the space the decoder dropped
             assert i in tok.byte_fallback_ids or text[o:o + len(piece)] == piece, (ids, text, offsets)
+        if not prompt:
+            assert text == tok.decode(ids), ids

@@ -93,3 +93,51 @@ def test_a_stream_ending_in_a_cut_character_counts_it_as_the_text_shows_it(make_
     chunks = [choice for d in deltas for chunk in r.delta_chunks(d) for choice in chunk["choices"]]
     assert "".join(c["text"] for c in chunks) == " w\ufffd\ufffd"
     assert [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]] == [0, 2, 3]
+
+
+@pytest.mark.parametrize("skip_special_tokens, text, expected", [
+    (True, "there was", [0, 3, 5, 7]),  # after <s> alone the text starts: its decoder drops the first space
+    (False, " there was", [0, 4, 6, 8]),  # <s> shown: the text continues it, space and all
+])
+def test_a_completion_that_starts_the_text_counts_without_its_dropped_space(make_checkpoint, skip_special_tokens,
+                                                                            text, expected):
+    """A prompt of <s> alone (an empty prompt): Llama 2's decoder drops the completion's first space, as it drops
+    a text's; the offsets, whole or streamed, count without it. (They counted it: 'there was' had [0, 4, 6, 8].)"""
+    from minfer import SamplingParams
+    from minfer.engine.outputs import CompletionDelta, RequestOutput
+    from minfer.scoring.logprobs import TokenLogprob
+    from minfer.server.requests import ParsedRequest
+    from minfer.server.responder import Responder
+
+    tok = Tokenizer.from_dir(make_checkpoint("llama2-tiny"))
+    prompt, ids = tok.encode_prompt(""), tok.encode(" there was")
+    assert prompt == [1] and len(ids) == 4
+    detokenizer = tok.detokenizer(skip_special_tokens, context=prompt)
+    pieces = [detokenizer.add(i) for i in ids]
+    assert "".join(pieces) + detokenizer.flush() == text
+    params = SamplingParams(logprobs=0, skip_special_tokens=skip_special_tokens)
+    req = ParsedRequest([prompt], params)
+    entries = [TokenLogprob(i, -1.0) for i in ids]
+    whole = Responder("m", False, req, tok).response([(RequestOutput("r", prompt, ids, text, "length",
+                                                                     logprobs=entries),)])
+    assert whole["choices"][0]["logprobs"]["text_offset"] == expected
+    r = Responder("m", False, req, tok)
+    deltas = [CompletionDelta(0, [i], piece, "length" if n == 3 else None, [entry])
+              for n, (i, piece, entry) in enumerate(zip(ids, pieces, entries))]
+    chunks = [choice for d in deltas for chunk in r.delta_chunks(d) for choice in chunk["choices"]]
+    assert "".join(c["text"] for c in chunks) == text
+    assert [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]] == expected
+
+
+@pytest.mark.parametrize("echo", [False])
+def test_an_empty_prompts_completion_offsets_index_its_text(make_checkpoint, echo):
+    """Served: a completion of an empty Llama 2 prompt (<s> alone), echoed or not: each token's text stands at its
+    offset, the first without the space the decoder dropped; streamed, the echoed <s> keeps its offset too."""
+    ckpt = make_checkpoint("llama2-tiny")
+    body = {"prompt": "", "max_tokens": 8, "temperature": 0, "logprobs": 0, "echo": echo}
+    choice, offsets = offsets_and_stream(ckpt, body)
+    tokens = choice["logprobs"]["tokens"][echo:]  # after the echoed <s>, at 0
+    assert len(offsets) == 8 + echo and offsets[:echo + 1] == [0] * (echo + 1)
+    assert choice["text"].startswith(tokens[0].removeprefix(" ")), choice
+    placed = [(o, t) for o, t in zip(offsets[echo + 1:], tokens[1:]) if "\ufffd" not in t]  # a byte's, alone
+    assert placed and all(choice["text"][o:o + len(t)] == t for o, t in placed), (choice, offsets)
