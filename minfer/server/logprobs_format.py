@@ -144,7 +144,7 @@ class ScoredChoices:
             return None
         self.echoed[index] = True
         text, logprobs, asked = self._prompt_parts(index, prompt_logprobs)
-        if not text and asked is None:
+        if not text and logprobs is None and asked is None:  # a prompt with no text (<s> alone) still has tokens
             return None
         choice["text"] = text
         return _with(choice, logprobs, asked)

@@ -129,7 +129,7 @@ def test_a_completion_that_starts_the_text_counts_without_its_dropped_space(make
     assert [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]] == expected
 
 
-@pytest.mark.parametrize("echo", [False])
+@pytest.mark.parametrize("echo", [False, True])
 def test_an_empty_prompts_completion_offsets_index_its_text(make_checkpoint, echo):
     """Served: a completion of an empty Llama 2 prompt (<s> alone), echoed or not: each token's text stands at its
     offset, the first without the space the decoder dropped; streamed, the echoed <s> keeps its offset too."""
