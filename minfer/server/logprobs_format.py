@@ -157,11 +157,15 @@ class ScoredChoices:
 
     def flush(self, choice: dict, index: int, only_if_held: bool = False) -> dict:
         """The chunk's choice with the logprobs of the tokens that waited for it (with only_if_held, none
-        when none waited)."""
-        if self.formatters and (self.pending[index] or not only_if_held):
-            pending, self.pending[index] = self.pending[index], []
-            choice["logprobs"] = self._logprobs(index, [t for t, _ in pending], [e for _, e in pending],
-                                                self.ended[index])
+        when none waited). A run of byte tokens open at the end waits on: the detokenizer holds its text until the
+        run ends, and only then are its offsets known (a run holding an invalid byte shows a U+FFFD per byte)."""
+        if not self.formatters:
+            return choice
+        pending, ended = self.pending[index], self.ended[index]
+        cut = len(pending) if ended else self.formatters[index].offsets.open_run_start([t for t, _ in pending])
+        if cut or not only_if_held:
+            sent, self.pending[index] = pending[:cut], pending[cut:]
+            choice["logprobs"] = self._logprobs(index, [t for t, _ in sent], [e for _, e in sent], ended)
         return choice
 
     def _logprobs(self, index: int, token_ids: list[int], entries: list, final: bool = True) -> dict | None:

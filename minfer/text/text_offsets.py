@@ -70,6 +70,17 @@ class TextOffsets:
             self._end_run()
         return out
 
+    def open_run_start(self, token_ids: list[int]) -> int:
+        """Where a run of byte tokens still open at the end of token_ids starts (their length if none): a stream
+        sends its tokens once a token that is not a byte ends it, and decode() has shown how it renders."""
+        start = len(token_ids)
+        for i in range(len(token_ids) - 1, -1, -1):
+            if token_ids[i] in self.byte_ids:
+                start = i
+            elif self.token_bytes(token_ids[i]):  # text: no run reaches back past it (a skipped special may)
+                break
+        return start
+
     # ---- byte-level text: UTF-8 with replacement ---------------------------------------
 
     def _advance(self, data: bytes) -> int:

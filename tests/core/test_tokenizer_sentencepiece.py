@@ -143,8 +143,9 @@ def completion_offsets(tok: Tokenizer, ids: list[int], cuts: tuple[int, ...] = (
 def test_completion_offsets_follow_how_byte_runs_render(tok, spelt, expected):
     """A run of byte tokens holding an invalid byte renders as one U+FFFD per byte (the test above): the offsets
     of its tokens and of all after it count them so, streamed in pieces or not. A stream's chunk carries the
-    tokens up to one whose text it shows: a run's text comes when it ends, so a chunk ends inside a run only
-    where a step adds several tokens; there its offsets are right if the run makes characters."""
+    tokens up to one whose text it shows: a run's text comes when it ends, and where a step of several tokens
+    ends inside a run, the run's tokens wait for the next chunk (ScoredChoices). Counted with a cut inside a run,
+    as here, offsets are right if the run makes characters."""
     ids = [tok.token_to_id(s) if isinstance(s, str) else byte_id(tok, s) for s in spelt]
     d = tok.detokenizer(context=tok.encode_prompt("Hi"))  # a continuation: its first space kept
     text = "".join(d.add(i) for i in ids) + d.flush()

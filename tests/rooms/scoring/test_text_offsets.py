@@ -141,3 +141,33 @@ def test_an_empty_prompts_completion_offsets_index_its_text(make_checkpoint, ech
     assert choice["text"].startswith(tokens[0].removeprefix(" ")), choice
     placed = [(o, t) for o, t in zip(offsets[echo + 1:], tokens[1:]) if "\ufffd" not in t]  # a byte's, alone
     assert placed and all(choice["text"][o:o + len(t)] == t for o, t in placed), (choice, offsets)
+
+
+def test_a_run_of_bytes_split_between_steps_streams_the_offsets_a_whole_response_has(make_checkpoint):
+    """A step of several tokens (speculative decoding) can end inside a run of byte tokens whose text the
+    detokenizer holds until the run ends: the run's tokens wait for that text, so their offsets are counted once
+    the run shows whether it is valid. (They went with the chunk before: 日's first bytes at 2, 2, where the
+    invalid run that followed puts them at 2, 3.)"""
+    from minfer import SamplingParams
+    from minfer.engine.outputs import CompletionDelta, RequestOutput
+    from minfer.scoring.logprobs import TokenLogprob
+    from minfer.server.requests import ParsedRequest
+    from minfer.server.responder import Responder
+
+    tok = Tokenizer.from_dir(make_checkpoint("llama2-tiny"))
+    w, e6, x97, ff = (tok.token_to_id(t) for t in ("▁w", "<0xE6>", "<0x97>", "<0xFF>"))
+    prompt, steps = tok.encode_prompt("Hi"), [[w, e6, x97], [ff, w]]
+    d = tok.detokenizer(context=prompt)
+    texts = ["".join(d.add(i) for i in step) for step in steps]
+    assert texts == [" w", "\ufffd\ufffd\ufffd w"]
+    ids, req = steps[0] + steps[1], ParsedRequest([prompt], SamplingParams(logprobs=0))
+    entries = [TokenLogprob(i, -1.0) for i in ids]
+    out = RequestOutput("r", prompt, ids, "".join(texts), "length", logprobs=entries)
+    whole = Responder("m", False, req, tok).response([(out,)])["choices"][0]["logprobs"]
+    assert whole["text_offset"] == [0, 2, 3, 4, 5]
+    r = Responder("m", False, req, tok)
+    deltas = [CompletionDelta(0, steps[0], texts[0], None, entries[:3]),
+              CompletionDelta(0, steps[1], texts[1], "length", entries[3:])]
+    chunks = [c for d in deltas for chunk in r.delta_chunks(d) for c in chunk["choices"] if c["logprobs"]]
+    assert [c["logprobs"]["tokens"] for c in chunks] == [[" w"], ["\ufffd", "\ufffd", "\ufffd", " w"]]
+    assert [o for c in chunks for o in c["logprobs"]["text_offset"]] == whole["text_offset"]
