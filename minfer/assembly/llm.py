@@ -20,6 +20,7 @@ from ..errors import InvalidParameter
 from ..engine.generation_defaults import sampling_defaults
 from ..engine.sampling_params import SamplingParams
 from ..engine.outputs import RequestOutput
+from ..text.chat_content import content_text
 from ..text.chat_template import ChatTemplate
 from .build import build_engine
 
@@ -100,7 +101,7 @@ class LLM:
             raise InvalidParameter("messages", "messages must be a conversation (a list of {'role', 'content'} "
                                    f"dicts) or a list of them, got {messages!r:.100}")
         template = ChatTemplate.from_dir(self.model.model_dir, self.tokenizer, override=chat_template)
-        prompts = [self.tokenizer.encode(template.render(c, variables=chat_template_kwargs))
+        prompts = [self.tokenizer.encode(template.render(_with_text_content(c), variables=chat_template_kwargs))
                    for c in conversations]  # the template writes BOS where it wants one
         per_prompt = self._params_per_prompt(sampling_params, len(prompts))
         return self.generate(prompts, [template.ending_turns(p) for p in per_prompt], use_tqdm)
@@ -123,6 +124,13 @@ class LLM:
         """Release the engine's CUDA graphs and their memory (vLLM frees them at shutdown). The model and its
         cache go with the last reference to this LLM, as any tensor does."""
         self.scheduler.close()
+
+
+def _with_text_content(conversation: list[dict]) -> list[dict]:
+    """Each message with its content as the text the server renders too: text parts joined, an assistant's null
+    content empty (InvalidParameter naming messages[i].content otherwise)."""
+    return [{**m, "content": content_text(m.get("content"), m["role"], f"messages[{i}].content")}
+            for i, m in enumerate(conversation)]
 
 
 def _is_conversation(messages) -> bool:

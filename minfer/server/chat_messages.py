@@ -18,14 +18,11 @@ from __future__ import annotations
 import json
 
 from .api_errors import invalid
+from ..errors import InvalidParameter
+from ..text.chat_content import content_text, show
 from ..text.chat_template import ChatTemplate, ChatTemplateError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def show(value) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 KIND_NAMES = {str: "a string", bool: "a boolean"}
@@ -40,31 +37,11 @@ def check_optional(obj: dict, key: str, param: str, kind: type) -> None:
 
 
 def message_text(content, role: str, i: int) -> str:
-    """A message's content as text; a 400 naming the part at fault otherwise."""
-    param = f"messages[{i}].content"
-    if isinstance(content, str):
-        return content
-    if content is None and role == "assistant":
-        return ""
-    if isinstance(content, list):
-        if not content:  # OpenAI's 400 too: an empty list is no content, not an empty text
-            raise invalid(param, f"'{param}' is an empty list: give at least one content part, or a string")
-        for k, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else None
-                raise invalid(
-                    f"{param}[{k}]",
-                    f"'{param}[{k}]' is a {kind!r} part: this server reads text parts only"
-                    if isinstance(kind, str)
-                    else f"'{param}[{k}]' must be a content part such as {{\"type\": \"text\", \"text\": ...}}",
-                    "unsupported_parameter" if isinstance(kind, str) else "invalid_type",
-                )
-            if not isinstance(part.get("text"), str):
-                raise invalid(f"{param}[{k}].text", f"'{param}[{k}].text' must be a string", "invalid_type")
-        return "".join(p["text"] for p in content)
-    if content is None:
-        raise invalid(param, f"'{param}' is required for a {role} message", "missing_required_parameter")
-    raise invalid(param, f"'{param}' must be a string or a list of text parts, got {show(content)}", "invalid_type")
+    """A message's content as text (text/chat_content.py); a 400 naming the part at fault otherwise."""
+    try:
+        return content_text(content, role, f"messages[{i}].content")
+    except InvalidParameter as e:
+        raise invalid(e.param, str(e), e.code) from None
 
 
 class ToolTurns:

@@ -66,3 +66,27 @@ def test_no_conversations_no_outputs(llm):
 def test_a_developer_message_is_a_system_one_to_a_template_without_that_role(llm):
     developer = [{"role": "developer", "content": "Be brief."}, HELLO[1]]
     assert llm.chat(developer, GREEDY, use_tqdm=False)[0].prompt_token_ids == served(llm, HELLO)[0]
+
+
+def test_content_parts_and_a_null_assistant_content_render_as_the_server_renders_them(llm):
+    """OpenAI's content parts reach the template as the server hands them over, their text joined, and an
+    assistant's null content as empty text. (The template got the list, or None, itself, and could not add it to
+    a string.)"""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}]
+    messages = [HELLO[0], {"role": "user", "content": parts}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "And then?"}]
+    (out,) = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert out.prompt_token_ids == served(llm, messages)[0]
+    text = llm.tokenizer.decode(out.prompt_token_ids)
+    assert "Hello there" in text and "None" not in text and "'type'" not in text
+
+
+@pytest.mark.parametrize("content, param", [
+    ([{"type": "image_url", "image_url": {"url": "x"}}], "messages[1].content[0]"),
+    ([], "messages[1].content"),
+    (None, "messages[1].content"),  # a user's: required
+])
+def test_content_the_server_refuses_is_refused_naming_it(llm, content, param):
+    with pytest.raises(InvalidParameter) as e:
+        llm.chat([HELLO[0], {"role": "user", "content": content}], GREEDY, use_tqdm=False)
+    assert e.value.param == param and param in str(e.value)
