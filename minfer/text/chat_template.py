@@ -10,7 +10,7 @@ and, with `add_generation_prompt`, ends with `<|im_start|>assistant\\n` for the 
 to continue; the model then ends its turn with `<|im_end|>`, so generation must stop
 there (`stop_token_ids`). The template is untrusted code from the checkpoint: it runs
 in Jinja's sandbox, with the same helpers transformers gives it (`raise_exception`,
-`tojson`, `strftime_now`).
+`tojson`, `strftime_now`, `{% break %}` and `{% continue %}`, `{% generation %}`).
 
 A checkpoint without a template (GPT-2) gets the plain rendering: one `role: content`
 line per message, then `assistant:`.
@@ -63,7 +63,9 @@ class ChatTemplate:
             from jinja2.exceptions import TemplateError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            # transformers' environment (vLLM renders with it): loop controls, and its {% generation %} tag
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols", _generation_tag()])
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             env.filters["tojson"] = _tojson
@@ -115,8 +117,9 @@ class ChatTemplate:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         try:
             context = {**self.special_tokens, **(variables or {})}
-            # tools None when there are none, as transformers renders them: templates test `if tools`.
-            return self._template.render(context, messages=messages, tools=tools,
+            # tools None when there are none, as transformers renders them: templates test `if tools`. And
+            # documents None: minfer takes none (vLLM's `documents` field is refused), but templates test them.
+            return self._template.render(context, messages=messages, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt)
         except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise ChatTemplateError(f"the chat template could not render these messages: {e}") from None
@@ -143,5 +146,26 @@ def _raise(message: str):
     raise ChatTemplateError(message)
 
 
-def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' tojson: JSON as json.dumps writes it (Jinja's own escapes HTML characters)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _generation_tag():
+    """The Jinja extension for transformers' `{% generation %}...{% endgeneration %}`: it marks the assistant's
+    text for training masks, so here it renders its body as it is (in a scope of its own, as there)."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller) -> str:
+            return caller()
+
+    return GenerationTag

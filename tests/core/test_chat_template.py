@@ -145,3 +145,27 @@ def test_the_writers_tool_templates_render_tools_calls_and_results(make_checkpoi
         {"role": "tool", "tool_call_id": "c1", "content": "3"}]
     text = template.render(history, tools=tools)
     assert '{"type": "function", "function": {"name": "add"' in text and call in text and result in text
+
+
+# Jinja as transformers' apply_chat_template (and so vLLM) runs templates: with loop controls, its
+# {% generation %} tag (for training masks), its tojson's options, and `documents` none.
+HF_ONLY = {
+    "loop controls": "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}{{ m.content }};"
+                     "{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}",
+    "generation tag": "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{% set x = 1 %}"
+                      "[{{ m.content }}]{% endgeneration %}{% else %}{{ m.content }}{% endif %}{{ x }}{% endfor %}",
+    "tojson options": "{{ messages | tojson(separators=(',', ':')) }}{{ messages[1] | tojson(sort_keys=true) }}"
+                      "{{ messages[1] | tojson(indent=2) }}",
+    "documents": "{% if documents is not none %}{{ documents | length }}{% endif %}{{ documents is defined }}",
+}
+
+
+@pytest.mark.parametrize("name", HF_ONLY)
+def test_templates_render_as_transformers_renders_them(name):
+    """Each of these failed: a tag Jinja does not know without the extension, a keyword minfer's tojson did
+    not take, or documents undefined where transformers has them none."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    messages = [*MESSAGES, {"role": "assistant", "content": "<b>Hello</b>"}, {"role": "user", "content": "Again"}]
+    want = render_jinja_template([messages], chat_template=HF_ONLY[name], add_generation_prompt=True)[0][0]
+    assert ChatTemplate(HF_ONLY[name]).render(messages) == want and want
