@@ -178,3 +178,5 @@ def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: b
         return template.render(rendered, add_generation_prompt, variables, tools)
     except ChatTemplateError as e:
         raise invalid("messages", str(e)) from None
+    except InvalidParameter as e:  # a chat_template_kwargs name the render gives itself
+        raise invalid(e.param, str(e), e.code) from None

@@ -27,8 +27,14 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
+from ..errors import InvalidParameter
+
 # Tokens chat templates end a turn with: a chat request stops on each one its template writes.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+# The names the render itself gives a template: a template variable (chat_template_kwargs) cannot replace them.
+RENDER_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"})
 
 
 class ChatTemplateError(ValueError):
@@ -108,6 +114,10 @@ class ChatTemplate:
         are more names the template may read (Qwen3's `enable_thinking`, for one); `tools`, the tool
         definitions, for a template that supports them. A "developer" message is a "system" one to a
         template that never names that role."""
+        taken = sorted(RENDER_NAMES & (variables or {}).keys())
+        if taken:  # the render's own would win over them unseen
+            raise InvalidParameter(f"chat_template_kwargs.{taken[0]}", f"'chat_template_kwargs.{taken[0]}' names "
+                                   "what the request itself gives the template: leave it out")
         if self._template is None:
             return render_chat(messages)
         from jinja2.exceptions import TemplateError

@@ -50,6 +50,9 @@ def test_a_template_given_and_its_variables_are_used(llm):
     (out,) = llm.chat(HELLO, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False, chat_template=template,
                       chat_template_kwargs={"greeting": "hey"})
     assert out.prompt_token_ids == llm.tokenizer.encode("Be brief.|Hello there|hey")
+    with pytest.raises(InvalidParameter) as e:  # the render's own would win over it unseen
+        llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False})
+    assert e.value.param == "chat_template_kwargs.add_generation_prompt"
 
 
 @pytest.mark.parametrize("messages", ["hi", [[]], [{"content": "no role"}], [HELLO, "hi"], None])

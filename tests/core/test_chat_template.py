@@ -50,7 +50,7 @@ def test_the_template_renders_chatml_and_stops_at_the_end_of_turn(qwen):
     )
     assert template.stop_token_ids == [tok.token_to_id("<|im_end|>")]
     variables = ChatTemplate("{{ greeting }} {{ messages | length }}{{ add_generation_prompt }}")
-    assert variables.render(MESSAGES, variables={"greeting": "hi", "messages": []}) == "hi 2True"  # can't clobber
+    assert variables.render(MESSAGES, variables={"greeting": "hi"}) == "hi 2True"
     info = ModelInfo("q", tok, 512, template)
     parsed = parse_chat({"model": "q", "messages": MESSAGES, "max_tokens": 5}, info)
     assert parsed.prompt_token_ids == tok.encode(text)
@@ -169,3 +169,14 @@ def test_templates_render_as_transformers_renders_them(name):
     messages = [*MESSAGES, {"role": "assistant", "content": "<b>Hello</b>"}, {"role": "user", "content": "Again"}]
     want = render_jinja_template([messages], chat_template=HF_ONLY[name], add_generation_prompt=True)[0][0]
     assert ChatTemplate(HF_ONLY[name]).render(messages) == want and want
+
+
+@pytest.mark.parametrize("name", ["messages", "add_generation_prompt", "tools"])
+def test_chat_template_kwargs_cannot_stand_for_what_the_request_gives(qwen, name):
+    """chat_template_kwargs naming what the render itself passes (the messages, add_generation_prompt, ...) is a
+    400 naming it: the render's own value won, and the kwarg was accepted and silently not applied."""
+    _, tok, template = qwen
+    info = ModelInfo("q", tok, 512, template)
+    with pytest.raises(APIError) as e:
+        parse_chat({"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False, name: False}}, info)
+    assert (e.value.status, e.value.param) == (400, f"chat_template_kwargs.{name}") and name in e.value.message
