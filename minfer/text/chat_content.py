@@ -1,8 +1,9 @@
 """A chat message's content as the text its template renders, for the server and LLM.chat alike.
 
 OpenAI's content is a string or a list of content parts; minfer reads text parts
-({"type": "text", "text": ...}), joined as they come, and refuses any other kind by name. An assistant's
-content may be null (a message that only calls tools): it renders as empty text.
+({"type": "text", "text": ...}), one line each (joined by newlines, as vLLM joins them), and refuses any
+other kind by name. An assistant's content may be null (a message that only calls tools): it renders as
+empty text.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def content_text(content, role: str, param: str) -> str:
                                        "{\"type\": \"text\", \"text\": ...}", "invalid_type")
             if not isinstance(part.get("text"), str):
                 raise InvalidParameter(f"{param}[{k}].text", f"'{param}[{k}].text' must be a string", "invalid_type")
-        return "".join(part["text"] for part in content)
+        return "\n".join(part["text"] for part in content)
     if content is None:
         raise InvalidParameter(param, f"'{param}' is required for a {role} message", "missing_required_parameter")
     raise InvalidParameter(param, f"'{param}' must be a string or a list of text parts, got {show(content)}",

@@ -75,13 +75,13 @@ def test_content_parts_and_a_null_assistant_content_render_as_the_server_renders
     """OpenAI's content parts reach the template as the server hands them over, their text joined, and an
     assistant's null content as empty text. (The template got the list, or None, itself, and could not add it to
     a string.)"""
-    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}]
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]  # one line each, as vLLM joins them
     messages = [HELLO[0], {"role": "user", "content": parts}, {"role": "assistant", "content": None},
                 {"role": "user", "content": "And then?"}]
     (out,) = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
     assert out.prompt_token_ids == served(llm, messages)[0]
     text = llm.tokenizer.decode(out.prompt_token_ids)
-    assert "Hello there" in text and "None" not in text and "'type'" not in text
+    assert "Hello\nthere" in text and "None" not in text and "'type'" not in text
 
 
 @pytest.mark.parametrize("content, param", [

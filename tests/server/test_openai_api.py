@@ -78,7 +78,7 @@ def test_chat_template_and_max_completion_tokens(info):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
     assert render_chat([{"role": "user", "content": "Hi"}]) == "user: Hi\nassistant:"
     req = parse_chat({"messages": messages, "max_tokens": 5, "max_completion_tokens": 5}, info)
-    assert req.prompt_token_ids == info.tokenizer.encode("system: Be brief.\nuser: Hi!\nassistant:")
+    assert req.prompt_token_ids == info.tokenizer.encode("system: Be brief.\nuser: Hi\n!\nassistant:")  # vLLM's join
     assert req.params.max_tokens == 5 and req.fields["max_tokens"] == "max_completion_tokens"  # the current name's
     # Two budgets that disagree: one of them would be silently ignored.
     e = error_of(parse_chat, {"messages": messages, "max_tokens": 9, "max_completion_tokens": 5}, info)
