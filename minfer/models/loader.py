@@ -106,17 +106,16 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
         ) from None
 
 
+INDEX = "model.safetensors.index.json"  # a sharded checkpoint's {tensor name: shard file}
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     """model.safetensors, or the shards listed by model.safetensors.index.json."""
-    single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
+    single, index = model_dir / "model.safetensors", model_dir / INDEX
     if single.is_file():
         return [single]
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{index} is not a valid safetensors index: {e!r}") from None
-        shards = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+        shards = [model_dir / name for name in dict.fromkeys(read_weight_map(index).values())]
         for shard in shards:
             if not shard.is_file():
                 raise FileNotFoundError(f"{index} lists shard {shard.name}, which is missing from {model_dir}")
@@ -124,6 +123,41 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(
         f"no model.safetensors (or model.safetensors.index.json) in {model_dir}; minfer loads safetensors weights only"
     )
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The index's weight_map: which shard file holds each tensor."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{index} is not a valid safetensors index: {e!r}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(file, str) and file for file in weight_map.values()):
+        raise ValueError(f"{index} is not a valid safetensors index: "
+                         "its weight_map must map tensor names to shard file names")
+    return weight_map
+
+
+def shard_contents(model_dir: Path) -> dict[str, set[str]]:
+    """{shard file name: the tensors the index places in it}; {} for a checkpoint of one file."""
+    if (model_dir / "model.safetensors").is_file() or not (model_dir / INDEX).is_file():
+        return {}
+    contents: dict[str, set[str]] = {}
+    for key, file in read_weight_map(model_dir / INDEX).items():
+        contents.setdefault(file, set()).add(key)
+    return contents
+
+
+def check_shard(file: Path, keys: list[str], placed: set[str], read_from: dict[str, str]) -> None:
+    """A shard holds every tensor the index places in it (`placed`), and none that another file held already
+    (`read_from`: {tensor: file}): a second copy would replace the first silently, whichever file came last."""
+    for key in keys:
+        if key in read_from:
+            raise ValueError(f"tensor {key!r} is in both {read_from[key]} and {file.name}: "
+                             "a checkpoint holds each tensor once")
+        read_from[key] = file.name
+    absent = placed - set(keys)
+    if absent:
+        raise ValueError(f"{INDEX} places tensor {min(absent)!r} in {file.name}, which does not hold it")
 
 
 def read_checked_weights(
@@ -143,9 +177,11 @@ def read_checked_weights(
     model_dir = Path(model_dir)
     state: dict[str, torch.Tensor] = {}
     taken: set[str] = set()
+    placed, read_from = shard_contents(model_dir), {}
     for file in safetensors_files(model_dir):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
+                check_shard(file, f.keys(), placed.get(file.name, set()), read_from)
                 for key in f.keys():
                     name = rename(key)
                     if name is None or (name in expected and expected[name] is None):

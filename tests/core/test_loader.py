@@ -54,6 +54,65 @@ def test_sharded_checkpoint_loads(tiny_checkpoint, tmp_path):
         assert torch.equal(sharded(ids), single(ids))
 
 
+def write_shards(tiny_checkpoint, d):
+    """tiny_checkpoint's tensors in two shards under d, and their index; returns the index's weight_map."""
+    d.mkdir()
+    shutil.copy(tiny_checkpoint / "config.json", d)
+    tensors = load_file(str(tiny_checkpoint / "model.safetensors"))
+    names = sorted(tensors)
+    weight_map = {}
+    for file, keys in (("model-1.safetensors", names[::2]), ("model-2.safetensors", names[1::2])):
+        save_file({k: tensors[k] for k in keys}, str(d / file))
+        weight_map.update(dict.fromkeys(keys, file))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return weight_map
+
+
+def other_shard(name):
+    return "model-2.safetensors" if name == "model-1.safetensors" else "model-1.safetensors"
+
+
+def add_to_shard(d, file, name, tensor):
+    tensors = load_file(str(d / file))
+    tensors[name] = tensor
+    save_file(tensors, str(d / file))
+
+
+BAD_INDEXES = {  # what is done to a sharded checkpoint -> what the error says
+    "weight_map not an object": (
+        lambda d, m: {"weight_map": list(m)}, "weight_map must map tensor names to shard file names"
+    ),
+    "a shard named by a number": (
+        lambda d, m: {"weight_map": {**m, "ln_f.bias": 2}}, "weight_map must map tensor names to shard file names"
+    ),
+    "a tensor in no shard": (
+        lambda d, m: {"weight_map": {**m, "h.0.attn.c_proj.weight2": "model-1.safetensors"}},
+        "places tensor 'h.0.attn.c_proj.weight2' in model-1.safetensors, which does not hold it",
+    ),
+    "a tensor in another shard than the index says": (
+        lambda d, m: {"weight_map": {**m, "ln_f.bias": other_shard(m["ln_f.bias"])}},
+        "places tensor 'ln_f.bias' in model-[12].safetensors, which does not hold it",
+    ),
+    "a tensor in two shards": (
+        lambda d, m: add_to_shard(d, other_shard(m["ln_f.bias"]), "ln_f.bias", torch.full((64,), 7.0)),
+        r"tensor 'ln_f.bias' is in both model-1.safetensors and model-2.safetensors",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INDEXES))
+def test_a_sharded_checkpoint_must_agree_with_its_index(tiny_checkpoint, tmp_path, case):
+    """Each tensor is read from the one shard the index names: never from a second copy, never missed."""
+    damage, message = BAD_INDEXES[case]
+    d = tmp_path / "sharded"
+    index = damage(d, write_shards(tiny_checkpoint, d))
+    if index is not None:
+        (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=message) as info:
+        GPT2.from_pretrained(d)
+    one_line(str(info.value))
+
+
 def test_tied_lm_head_tensor_is_accepted_only_if_equal(tiny_checkpoint, tmp_path):
     d = copy_checkpoint(tiny_checkpoint, tmp_path / "ck")
     tensors = load_file(str(d / "model.safetensors"))
