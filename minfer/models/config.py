@@ -10,6 +10,7 @@ either model.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +33,27 @@ def read_config_json(path: str | Path) -> tuple[Path, dict]:
     return path, raw
 
 
+def architectures_of(path: Path, raw: dict) -> list[str]:
+    """config.json's `architectures`: the model classes it names (none where it names none)."""
+    names = raw.get("architectures") or []
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"{path}: architectures must be a list of class names, got {names!r}")
+    return names
+
+
 def require_positive_ints(config, names) -> None:
     """Every named field of a config read from config.json must be a positive int."""
     for name in names:
         value = getattr(config, name)
         if not is_int(value) or value <= 0:
             raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+
+
+def require_positive_number(config, name: str) -> None:
+    """A field of a config read from config.json that must be a positive number (an epsilon)."""
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"config.json: {name} must be a positive number, got {value!r}")
 
 
 # GPT-2's "gelu_new" is GELU with the tanh approximation; "gelu" is the exact erf form.
@@ -58,6 +74,11 @@ class GPT2Config:
 
     def __post_init__(self):
         require_positive_ints(self, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"))
+        if self.n_inner is not None and (not is_int(self.n_inner) or self.n_inner <= 0):
+            raise ValueError(
+                f"config.json: n_inner must be a positive integer, or null for 4 * n_embd, got {self.n_inner!r}"
+            )
+        require_positive_number(self, "layer_norm_epsilon")
         if self.n_embd % self.n_head:
             raise ValueError(f"config.json: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.activation_function not in SUPPORTED_ACTIVATIONS:
@@ -96,7 +117,7 @@ class GPT2Config:
         """Read config.json; refuse checkpoints of other architectures with one sentence."""
         path, raw = read_config_json(path)
         model_type = raw.get("model_type")
-        architectures = raw.get("architectures") or []
+        architectures = architectures_of(path, raw)
         if model_type != "gpt2" and not any(str(a).startswith("GPT2") for a in architectures):
             found = model_type or ", ".join(map(str, architectures)) or "unknown"
             raise ValueError(
@@ -119,7 +140,7 @@ class GPT2Config:
             "n_layer": raw.get("n_layer", cls.n_layer),
             "n_head": raw.get("n_head", cls.n_head),
             "n_inner": raw.get("n_inner"),
-            "layer_norm_epsilon": float(raw.get("layer_norm_epsilon", cls.layer_norm_epsilon)),
+            "layer_norm_epsilon": raw.get("layer_norm_epsilon", cls.layer_norm_epsilon),
             "activation_function": raw.get("activation_function", cls.activation_function),
         }
         return cls(**fields)

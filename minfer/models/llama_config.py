@@ -11,10 +11,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import read_config_json, require_positive_ints
+from .config import architectures_of, read_config_json, require_positive_ints, require_positive_number
 
 # The architectures this config describes, and whether each normalises queries and keys per head.
 QK_NORM = {"LlamaForCausalLM": False, "Qwen3ForCausalLM": True}
+# What Llama 3's rope_scaling must give (llama.py's rope_frequencies reads each), as transformers requires too.
+LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+SWITCHES = ("tie_word_embeddings", "attention_bias", "mlp_bias")  # config.json's booleans (null or absent: false)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class LlamaConfig:
             raise ValueError(f"config.json: head_dim must be even for rotary embeddings, got {self.head_dim}")
         if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta) and self.rope_theta > 1):
             raise ValueError(f"config.json: rope_theta must be a number above 1, got {self.rope_theta!r}")
+        require_positive_number(self, "rms_norm_eps")
 
     # The ModelConfig names, which the engine reads.
     @property
@@ -81,9 +85,9 @@ class LlamaConfig:
     def from_json(cls, path: str | Path) -> "LlamaConfig":
         """Read config.json; anything this implementation would silently get wrong is refused."""
         path, raw = read_config_json(path)
-        architecture = next((a for a in raw.get("architectures") or [] if a in QK_NORM), None)
+        architecture = next((a for a in architectures_of(path, raw) if a in QK_NORM), None)
         if architecture is None:
-            found = ", ".join(map(str, raw.get("architectures") or [])) or raw.get("model_type") or "unknown"
+            found = ", ".join(architectures_of(path, raw)) or raw.get("model_type") or "unknown"
             raise ValueError(f"{path} describes a {found!r} model, not one of {', '.join(QK_NORM)}")
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (the Llama family uses silu)")
@@ -92,6 +96,8 @@ class LlamaConfig:
             raise ValueError(f"{path}: sliding-window attention (use_sliding_window, layer_types) is not supported")
         # transformers 5 moved rope_theta and rope_scaling into one rope_parameters dict.
         rope = raw.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"{path}: rope_parameters must be an object, got {rope!r}")
         scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
@@ -99,6 +105,11 @@ class LlamaConfig:
                 scaling = None
             elif kind != "llama3":
                 raise ValueError(f"{path}: rope_scaling {kind!r} is not supported (minfer supports none and 'llama3')")
+            else:
+                check_llama3_scaling(path, scaling)
+        for name in SWITCHES:
+            if raw.get(name) is not None and not isinstance(raw[name], bool):
+                raise ValueError(f"{path}: {name} must be true or false, got {raw[name]!r}")
         heads, hidden = raw.get("num_attention_heads"), raw.get("hidden_size")
         default_head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
         return cls(
@@ -107,15 +118,26 @@ class LlamaConfig:
             intermediate_size=raw.get("intermediate_size"),
             num_hidden_layers=raw.get("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or default_head_dim,
+            num_key_value_heads=heads if raw.get("num_key_value_heads") is None else raw["num_key_value_heads"],
+            head_dim=default_head_dim if raw.get("head_dim") is None else raw["head_dim"],
             max_position_embeddings=raw.get("max_position_embeddings"),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
             rope_scaling=scaling,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings")),
+            attention_bias=bool(raw.get("attention_bias")),
+            mlp_bias=bool(raw.get("mlp_bias")),
             qk_norm=QK_NORM[architecture],
             architecture=architecture,
         )
+
+
+def check_llama3_scaling(path: Path, scaling: dict) -> None:
+    """Llama 3's rope_scaling gives every number its frequencies are computed from."""
+    lacking = [key for key in LLAMA3_SCALING if key not in scaling]
+    if lacking:
+        raise ValueError(f"{path}: rope_scaling 'llama3' needs {', '.join(lacking)}")
+    for key in LLAMA3_SCALING:
+        value = scaling[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{path}: rope_scaling's {key} must be a positive number, got {value!r}")

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..model_config import ModelConfig
-from .config import read_config_json
+from .config import architectures_of, read_config_json
 from .contract import Architecture, CausalLM
 from .gpt2 import GPT2
 from .llama import Llama
@@ -33,7 +33,7 @@ MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "llama": 
 def architecture(model_dir: str | Path) -> str:
     """The supported architecture config.json names, or a ValueError saying what is supported."""
     path, raw = read_config_json(model_dir)
-    names = [str(a) for a in raw.get("architectures") or []]
+    names = architectures_of(path, raw)
     for name in names:
         if name in ARCHITECTURES:
             return name

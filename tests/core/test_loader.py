@@ -142,6 +142,15 @@ def other_architecture(d):
     (d / "config.json").write_text(json.dumps(cfg))
 
 
+def with_config(**fields):
+    def edit(d):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(fields)
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    return edit
+
+
 BAD_CHECKPOINTS = {
     "no safetensors": (lambda d: (d / "model.safetensors").unlink(), FileNotFoundError, "no model.safetensors"),
     "truncated": (lambda d: truncate(d / "model.safetensors"), ValueError, "truncated or corrupt"),
@@ -149,6 +158,17 @@ BAD_CHECKPOINTS = {
     "other architecture": (other_architecture, ValueError, "'llama' model, not GPT-2"),
     "no config": (lambda d: (d / "config.json").unlink(), FileNotFoundError, "no config.json"),
     "broken config": (lambda d: (d / "config.json").write_text("{"), ValueError, "not valid JSON"),
+    "architectures a string": (
+        with_config(architectures="GPT2LMHeadModel"),
+        ValueError,
+        "architectures must be a list of class names, got 'GPT2LMHeadModel'",
+    ),
+    "n_inner a string": (with_config(n_inner="256"), ValueError, "n_inner must be a positive integer, or null"),
+    "n_inner negative": (
+        with_config(n_inner=-1), ValueError, r"n_inner must be a positive integer, or null for 4 \* n_embd, got -1"
+    ),
+    "epsilon null": (with_config(layer_norm_epsilon=None), ValueError, "layer_norm_epsilon must be a positive number"),
+    "epsilon a word": (with_config(layer_norm_epsilon="x"), ValueError, "layer_norm_epsilon must be a positive number"),
     "missing tensor": (
         lambda d: edit_tensors(d, lambda t: t.pop("h.1.mlp.c_fc.bias")),
         ValueError,
