@@ -28,6 +28,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..errors import InvalidParameter
+from .tokenizer_files import read_tokenizer_config
 
 # Tokens chat templates end a turn with: a chat request stops on each one its template writes.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -86,12 +87,7 @@ class ChatTemplate:
         """tokenizer_config.json's chat_template (or chat_template.jinja beside it), else the plain one.
         `override` (--chat-template: a file, or the template itself) replaces the checkpoint's."""
         d = Path(model_dir)
-        config = {}
-        if (d / "tokenizer_config.json").is_file():
-            try:
-                config = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{d / 'tokenizer_config.json'} is not valid JSON ({e}).") from None
+        config = read_tokenizer_config(d)
         source = config.get("chat_template")
         if isinstance(source, list):  # several named templates: the "default" one
             source = next((t.get("template") for t in source if t.get("name") == "default"), None)

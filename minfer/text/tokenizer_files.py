@@ -26,6 +26,11 @@ def read_backend(model_dir: str | Path) -> tokenizers.Tokenizer:
             raise ValueError(f"{tok_json} is not a valid tokenizer.json ({e}).") from None
     if vocab.is_file() and merges.is_file():
         return _from_vocab_merges(vocab, merges)
+    if (d / "tokenizer.model").is_file():  # Llama 2's original release, say
+        raise FileNotFoundError(
+            f"no tokenizer.json in {d}: its tokenizer.model (SentencePiece) is not read by minfer; transformers "
+            "writes a tokenizer.json: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)"
+        )
     raise FileNotFoundError(f"no tokenizer found in {d}: looked for tokenizer.json, or vocab.json with merges.txt.")
 
 
@@ -68,19 +73,25 @@ def find_eos_ids(model_dir: str | Path, backend: tokenizers.Tokenizer) -> list[i
     then tokenizer_config.json's eos_token; failing all of them, GPT-2's usual token."""
     d = Path(model_dir)
     ids = read_eos_token_ids(d)
-    if (d / "tokenizer_config.json").is_file():
-        eos = _read_json(d / "tokenizer_config.json").get("eos_token")
-        if isinstance(eos, dict):  # the serialized AddedToken form
-            eos = eos.get("content")
-        if isinstance(eos, str) and backend.token_to_id(eos) is not None and backend.token_to_id(eos) not in ids:
-            ids.append(backend.token_to_id(eos))
+    eos = read_tokenizer_config(d).get("eos_token")
+    if isinstance(eos, dict):  # the serialized AddedToken form
+        eos = eos.get("content")
+    if isinstance(eos, str) and backend.token_to_id(eos) is not None and backend.token_to_id(eos) not in ids:
+        ids.append(backend.token_to_id(eos))
     if not ids and backend.token_to_id(EOS_TOKEN) is not None:
         ids.append(backend.token_to_id(EOS_TOKEN))
     return ids
 
 
-def _read_json(path: Path) -> dict:
+def read_tokenizer_config(model_dir: str | Path) -> dict:
+    """tokenizer_config.json's contents ({} where there is none): its EOS token, its chat template."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}).") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(config).__name__}")
+    return config

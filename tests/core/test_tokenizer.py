@@ -348,6 +348,28 @@ def test_corrupt_config_json_raises_value_error(ckpt, tmp_path):
         Tokenizer.from_dir(d)
 
 
+@pytest.mark.parametrize("content", ["[]", '"eos"', "{oops"])
+def test_a_tokenizer_config_that_is_no_object_raises_value_error(ckpt, tmp_path, content):
+    """tokenizer_config.json is read for the EOS token and the chat template: both say what is wrong with it."""
+    from minfer.text.chat_template import ChatTemplate
+
+    d = checkpoint_copy(ckpt, tmp_path / "c")
+    (d / "tokenizer_config.json").write_text(content)
+    with pytest.raises(ValueError, match="tokenizer_config.json") as info:
+        Tokenizer.from_dir(d)
+    assert str(d) in str(info.value)
+    with pytest.raises(ValueError, match="tokenizer_config.json"):
+        ChatTemplate.from_dir(d, Tokenizer(tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))))
+
+
+def test_a_sentencepiece_model_alone_is_named(tmp_path):
+    """Llama 2's original release ships tokenizer.model only: the error says minfer does not read it."""
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x0b")
+    with pytest.raises(FileNotFoundError, match="tokenizer.model .SentencePiece. is not read") as info:
+        Tokenizer.from_dir(tmp_path)
+    assert "tokenizer.json" in str(info.value) and "\n" not in str(info.value)
+
+
 def _is_utf8(b: bytes) -> bool:
     try:
         b.decode("utf-8")
