@@ -12,10 +12,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .sampling_params import RULES
+
 # generation_config.json keys that default the request field of the same name
 APPLIED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # keys vLLM also applies that minfer does not: reported, never silently dropped
 NOT_APPLIED = ("max_new_tokens",)
+IGNORE_IT = "(--generation-config vllm ignores the file)"
 
 
 def sampling_defaults(model_dir: str | Path, setting: str = "auto") -> tuple[dict, list[str]]:
@@ -31,7 +34,12 @@ def sampling_defaults(model_dir: str | Path, setting: str = "auto") -> tuple[dic
         config = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(config).__name__} {IGNORE_IT}")
     defaults = {key: config[key] for key in APPLIED if config.get(key) is not None}
+    for key, value in defaults.items():  # judged as a request's field would be, by the one rule for it
+        if not RULES[key].ok(value):
+            raise ValueError(f"{path}: {key} must be {RULES[key].must}, got {value!r} {IGNORE_IT}")
     notes = [f"{key}={config[key]!r} (not supported yet)" for key in NOT_APPLIED if config.get(key) is not None]
     return defaults, notes
 

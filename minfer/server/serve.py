@@ -160,16 +160,16 @@ def create_server(
     if chat_template is not None:
         read_template_option(chat_template)  # a mistyped file name fails now, not after the load
 
-    def build() -> OnlineScheduler:
+    def build() -> tuple[OnlineScheduler, tuple[dict, list[str]]]:
         model_dir = resolve_model_dir(config.model)  # a Hub id is fetched here
         read_config(model_dir)  # not a checkpoint at all (no config.json)? say so first
         tokenizer = Tokenizer.from_dir(model_dir)  # before the weights: a missing tokenizer fails at once
-        return build_engine(replace(config, model=str(model_dir)), tokenizer=tokenizer)
+        defaults = sampling_defaults(model_dir, config.generation_config)  # and a bad generation_config.json
+        return build_engine(replace(config, model=str(model_dir)), tokenizer=tokenizer), defaults
 
-    scheduler = in_passing_thread(build)
+    scheduler, (defaults, not_applied) = in_passing_thread(build)
     language_model, tokenizer = scheduler.model, scheduler.tokenizer
     template = ChatTemplate.from_dir(language_model.model_dir, tokenizer, override=chat_template)
-    defaults, not_applied = sampling_defaults(language_model.model_dir, config.generation_config)
     info = ModelInfo(served_model_name or config.model, tokenizer, scheduler.max_model_len, template, defaults)
     manager = SchedulerManager(scheduler, Metrics(), max_queued=max_queued)
     engine = {k: v for k, v in asdict(scheduler.engine_config).items() if k != "model"}  # no local paths

@@ -83,6 +83,37 @@ def test_a_generation_config_directory_must_exist(tmp_path):
         sampling_defaults("unused", str(tmp_path))
 
 
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ({"temperature": "hot"}, "temperature must be a number >= 0, got 'hot'"),
+        ({"top_p": 0, "temperature": 0.7}, "top_p must be a number in (0, 1], got 0"),
+        ({"top_k": -5}, "top_k must be an int >= 0 (or -1, off as 0 is), got -5"),
+        ([{"temperature": 0.7}], "must hold a JSON object"),
+    ],
+)
+def test_a_bad_generation_config_is_refused_before_the_weights_load(
+    tiny_checkpoint, tmp_path, monkeypatch, content, message
+):
+    """Its values default every request's fields: a bad one would make each request that leaves the field out a 400
+    about a field it never sent. It is the checkpoint's mistake, named at start-up with the way around it."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    (ckpt / "generation_config.json").write_text(json.dumps(content))
+    with pytest.raises(ValueError) as info:
+        sampling_defaults(ckpt)
+    said = str(info.value)
+    assert said.startswith(str(ckpt / "generation_config.json")) and message in said, said
+    assert "--generation-config vllm" in said and "\n" not in said
+    if isinstance(content, dict):
+        assert sampling_defaults(ckpt, "vllm") == ({}, [])  # the way around it
+    import minfer.assembly.build as build_module
+
+    monkeypatch.setattr(build_module, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
+    with pytest.raises(ValueError, match="generation_config.json"):
+        create_server(EngineConfig(str(ckpt)), port=0)
+
+
 @pytest.mark.parametrize("setting", ["auto", "vllm"])
 def test_served_defaults_and_their_banner_line(tuned_checkpoint, caplog, setting):
     with caplog.at_level(logging.INFO, logger="minfer.serve"):
