@@ -16,6 +16,11 @@ class InvalidParameter(ValueError):
         self.code = code
 
 
+class BadSetting(ValueError):
+    """A setting this model cannot run with (--max-model-len past its context, more --num-kv-blocks than fit): a bad
+    flag, found once the model's config is read. The commands exit 2 for it, as argparse does for any bad flag."""
+
+
 def is_int(value) -> bool:
     """An int that is not a bool (JSON's true is no token id, count or seed)."""
     return isinstance(value, int) and not isinstance(value, bool)

@@ -14,7 +14,7 @@ from dataclasses import replace
 from .engine.config import EngineConfig
 from .assembly.llm import LLM
 from .engine.sampling_params import SamplingParams
-from .errors import InvalidParameter
+from .errors import BadSetting, InvalidParameter
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.generate") -> int:
@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.generate")
     try:
         llm = LLM(config=config)
         params = replace(llm.get_default_sampling_params(), max_tokens=args.max_tokens, **given)
+    except BadSetting as e:  # a flag this model cannot take: a bad flag still
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from ..attention.cache_budget import check_num_blocks, choose_num_blocks
+from ..attention.cache_budget import check_max_model_len, check_num_blocks, choose_num_blocks
 from ..compiled import cuda_graphs
 from ..compiled.forward import CompiledForward
 from ..compiled.step import CompiledDecodeStep
@@ -25,7 +25,8 @@ from ..cpu.threads import bound_before_minfer, cores_allowed, cpu_threads_wanted
 from ..engine.config import DTYPES, EngineConfig, dtype_name
 from ..engine.features import Features
 from ..engine.scheduler import OnlineScheduler
-from ..models.registry import load_model
+from ..models.loader import resolve_model_dir
+from ..models.registry import load_model, read_config
 from ..parallel_sampling.forks import Forks
 from ..quantization import quantization_of
 from ..quantization.checkpoint import QuantizationSpec, QuantizedWeights
@@ -123,7 +124,8 @@ def kv_blocks(config: EngineConfig, model: torch.nn.Module, context_len: int, ex
 
 def load_for(config: EngineConfig) -> torch.nn.Module:
     """config.model loaded on its device, in its dtype, quantized as it loads if asked (the float model
-    never sits in memory whole); the CPU's threads set first (the fp32 LM head is sliced per thread)."""
+    never sits in memory whole); the CPU's threads set first (the fp32 LM head is sliced per thread). A flag the
+    model cannot take is refused on its config.json alone, before a minute of loading weights."""
     device = torch.device(config.device)
     check_device(device)
     if device.type == "cpu":
@@ -137,7 +139,12 @@ def load_for(config: EngineConfig) -> torch.nn.Module:
                     "float32 (--dtype auto picks %s here); it halves the weights' memory", dtype_name(dtype),
                     "AVX512-BF16, AMX" if dtype == torch.bfloat16 else "AVX512-FP16, AMX-FP16",
                     dtype_name(resolve_dtype("auto", device)))
-    return load_model(config.model, device=device, dtype=dtype, weights=QuantizedWeights(spec))
+    model_dir = resolve_model_dir(config.model)  # a Hub id is fetched here
+    model_config = read_config(model_dir)
+    check_max_model_len(model_config, config.max_model_len)
+    if config.num_kv_blocks is not None:
+        check_num_blocks(model_config, config.block_size, dtype, device, config.num_kv_blocks)
+    return load_model(model_dir, device=device, dtype=dtype, weights=QuantizedWeights(spec))
 
 
 def emulated_on_this_cpu(dtype: torch.dtype) -> bool:

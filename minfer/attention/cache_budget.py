@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from ..errors import BadSetting
 from ..model_config import ModelConfig
 from .kv_cache import KVCache, cdiv
 
@@ -76,9 +77,17 @@ def check_num_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, d
     or more bytes than the device has free (a billion blocks took minutes of Python objects, then the memory)."""
     largest = MAX_LAYER_ELEMENTS // KVCache.layer_elements_per_block(config, block_size) - 1  # the null block too
     if num_blocks > largest:
-        raise ValueError(f"--num-kv-blocks {num_blocks} is more than the {largest} blocks of {block_size} tokens "
+        raise BadSetting(f"--num-kv-blocks {num_blocks} is more than the {largest} blocks of {block_size} tokens "
                          "one layer's cache may hold (kernels index it in 32 bits)")
     size, free = num_blocks * KVCache.bytes_per_block(config, block_size, dtype), available_memory(device)
     if size > free:
-        raise ValueError(f"--num-kv-blocks {num_blocks} is a {size / 2**30:.2f} GiB KV cache, more than the "
+        raise BadSetting(f"--num-kv-blocks {num_blocks} is a {size / 2**30:.2f} GiB KV cache, more than the "
                          f"{free / 2**30:.2f} GiB free on {device}: give fewer blocks, or --kv-cache-memory SIZE")
+
+
+def check_max_model_len(config: ModelConfig, max_model_len: int | None) -> None:
+    """--max-model-len as given, within the model's context (the positions it was trained on)."""
+    if max_model_len is not None and max_model_len > config.max_positions:
+        raise BadSetting(
+            f"--max-model-len {max_model_len} exceeds the model's context of {config.max_positions} tokens"
+        )

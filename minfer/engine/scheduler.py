@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from ..attention.cache_budget import check_num_blocks, choose_num_blocks
+from ..attention.cache_budget import check_max_model_len, check_num_blocks, choose_num_blocks
 from ..attention.backend import AttentionBackend
 from ..attention.torch_sdpa import TorchBackend
 from ..errors import InvalidParameter
@@ -56,11 +56,7 @@ class OnlineScheduler:
         config = replace(config or EngineConfig(), **settings)
         self.features = features = features or Features()
         features.check(config)  # a config asking for a feature this engine was built without: ValueError
-        if config.max_model_len is not None and config.max_model_len > model.config.max_positions:
-            raise ValueError(
-                f"--max-model-len {config.max_model_len} exceeds the model's context of "
-                f"{model.config.max_positions} tokens"
-            )
+        check_max_model_len(model.config, config.max_model_len)
         torch.manual_seed(config.seed)  # requests without a seed sample from the global RNG
         self.model = model
         self.tokenizer = tokenizer

@@ -39,7 +39,7 @@ from dataclasses import asdict, replace
 import torch
 
 from ..engine.config import EngineConfig
-from ..errors import whole_number
+from ..errors import BadSetting, whole_number
 from .. import settings
 from ..assembly.build import build_engine, check_device
 from ..engine.scheduler import OnlineScheduler
@@ -267,6 +267,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.serve") ->
             chat_template=args.chat_template,
             log_requests=not args.disable_log_requests,
         )
+    except BadSetting as e:  # a flag this model cannot take: a bad flag still
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

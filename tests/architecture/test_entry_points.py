@@ -155,6 +155,7 @@ def test_generate_cli_exits_2_on_a_bad_flag_value(flags, message, capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--max-tokens", "5000", "hi"], "error: prompt (2 tokens) + max_tokens (5000) exceeds the model's context of 512"),
     (["--num-kv-blocks", "2", "hi"], "error: the request needs 3 KV blocks"),
+    (["--max-model-len", "5000", "hi"], "error: --max-model-len 5000 exceeds the model's context of 512 tokens"),
 ])
 def test_generate_cli_exits_2_when_the_request_does_not_fit(tiny_checkpoint, flags, message, capsys):
     """Judged once the model loads, the request is still the flags' mistake: one line, and a bad argument's status."""

@@ -112,6 +112,9 @@ def test_port_in_use_is_named_before_the_model_loads(tiny_checkpoint):
         (["--attention-backend", "fast"], "--attention-backend must be one of auto, compiled, eager", 2),
         (["--request-timeout", "0"], "--request-timeout must be a number of seconds > 0", 2),
         (["--max-queued", "-1"], "--max-queued must be an integer >= 0", 2),
+        # bad for this model: known once its config.json is read, still a bad flag
+        (["--max-model-len", "100000"], "--max-model-len 100000 exceeds the model's context of 512 tokens", 2),
+        (["--num-kv-blocks", "1000000000"], "--num-kv-blocks 1000000000 is more than the", 2),
     ],
 )
 def test_bad_starts_are_one_line(tiny_checkpoint, argv, message, status):
@@ -139,6 +142,17 @@ def test_a_missing_tokenizer_is_one_line_before_the_weights_load(tiny_checkpoint
     with pytest.raises(FileNotFoundError, match="no tokenizer found"):
         create_server(EngineConfig(str(no_tokenizer)), port=0)
     assert loaded == []  # the weights were never read
+
+
+@pytest.mark.parametrize("setting", [{"max_model_len": 100_000}, {"num_kv_blocks": 10**9}])
+def test_a_flag_the_model_cannot_take_fails_before_the_weights_load(tiny_checkpoint, monkeypatch, setting):
+    """Only config.json is needed to refuse it: a large checkpoint's minute of loading is not spent first."""
+    import minfer.assembly.build as build_module
+    from minfer.errors import BadSetting
+
+    monkeypatch.setattr(build_module, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
+    with pytest.raises(BadSetting, match="--max-model-len|--num-kv-blocks"):
+        create_server(EngineConfig(str(tiny_checkpoint), **setting), port=0)
 
 
 @pytest.mark.parametrize(
