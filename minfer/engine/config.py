@@ -188,7 +188,7 @@ class EngineConfig:
     kv_cache_memory: int | None = setting(
         None,
         str,
-        Check(lambda v: is_int(v) and v >= 0, "a size in bytes such as 2GiB, 512MiB or 1e9"),
+        Check(lambda v: is_int(v) and v > 0, "a size in bytes above 0, such as 2GiB, 512MiB or 1e9"),
         "KV cache size in bytes: 2GiB, 512MiB, 1e9 (default: a quarter of free RAM on CPU)",
         convert=parse_size,
         metavar="SIZE",

@@ -56,9 +56,10 @@ def test_positive_integers(name, value):
         (dict(seed=2**64), "--seed must be an integer"),
         (
             dict(kv_cache_memory="2XB"),
-            "--kv-cache-memory must be a size in bytes such as 2GiB, 512MiB or 1e9, got '2XB'",
+            "--kv-cache-memory must be a size in bytes above 0, such as 2GiB, 512MiB or 1e9, got '2XB'",
         ),
         (dict(kv_cache_memory=-1), "--kv-cache-memory must be a size in bytes"),
+        (dict(kv_cache_memory=0), "--kv-cache-memory must be a size in bytes above 0"),  # a flag, before the load
         (dict(kv_cache_memory=1.5), "--kv-cache-memory must be a size in bytes"),
         (dict(device="cuda", gpu_memory_utilization=0), r"--gpu-memory-utilization must be a fraction in \(0, 1\]"),
         (dict(device="cuda", gpu_memory_utilization=1.5), "--gpu-memory-utilization must be a fraction"),
