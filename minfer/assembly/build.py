@@ -28,7 +28,7 @@ from ..engine.scheduler import OnlineScheduler
 from ..models.loader import resolve_model_dir
 from ..models.registry import load_model, read_config
 from ..parallel_sampling.forks import Forks
-from ..quantization import quantization_of
+from ..quantization import running_quantization
 from ..quantization.checkpoint import QuantizationSpec, QuantizedWeights
 from ..scoring.scorer import Scoring
 from ..speculative.draft import DraftProposer, load_draft_model
@@ -78,7 +78,8 @@ def build_engine(
         threads=CpuShare() if threads else None,
         settings={
             "attention_backend": "compiled" if attention.name in ("compiled", "flex") else "eager",
-            "quantization": quantization_of(model),  # a quantized checkpoint is quantized without the flag
+            # told from the model: a quantized checkpoint is quantized without the flags, as it was written
+            **running_quantization(model),
         },
     )
     return OnlineScheduler(model, tokenizer, config, attention=attention, features=features)

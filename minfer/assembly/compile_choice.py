@@ -35,7 +35,7 @@ from ..attention.cache_budget import available_memory
 from ..compiled.artifacts import open_cache
 from ..cpu.features import cpu_has_amx, cpu_has_native_bf16
 from ..engine.config import EngineConfig
-from ..quantization import quantization_of
+from ..quantization import num_parameters, quantization_of
 
 log = logging.getLogger("minfer")
 
@@ -84,9 +84,9 @@ def why_not_compiled(config: EngineConfig, model: torch.nn.Module) -> str | None
     quantization = config.quantization or quantization_of(model)
     if (model.dtype, quantization) not in compiled:
         return f"{model.dtype} with {quantization or 'unquantized'} weights is not compiled by default on {kind}"
-    num_parameters = sum(t.numel() for t in itertools.chain(model.parameters(), model.buffers()))
-    if num_parameters < MIN_PARAMETERS:
-        return f"a small model ({num_parameters:,} parameters) would spend its first start compiling"
+    count = num_parameters(model)  # a quantized matrix counts its weights, not its packed bytes
+    if count < MIN_PARAMETERS:
+        return f"a small model ({count:,} parameters) would spend its first start compiling"
     short = short_of_memory(model, quantization)
     if short is not None:  # warm starts need less, but a first start must not be the one that dies
         return short

@@ -9,10 +9,12 @@ models, above attention; the engine's prepare_model applies `quantize_model` aft
 - linear.py: what both share: the kernel for a few rows, dequantize + GEMM for batches
 - embedding.py: the token embedding read from a quantized (tied) matrix
 - transform.py: `quantize_model`, `check_quantization`
+- describe.py: what a quantized model runs (/health, the banner) and the parameters it stands for
 - checkpoint.py: quantizing while loading, and the on-disk format `minfer quantize` writes (quantized
   tensors, scales, config.json's quantization_config); other formats (GPTQ, AWQ) are refused
 """
 
+from .describe import describe_quantization, num_parameters, running_quantization
 from .embedding import QuantizedEmbedding
 from ..engine.config import GROUP_SIZES, QUANTIZATION_METHODS
 from .int4 import DEFAULT_GROUP_SIZE, Int4Linear, int4_kernel_available, quantize_int4
@@ -29,9 +31,12 @@ __all__ = [
     "QuantizedEmbedding",
     "QuantizedLinear",
     "check_quantization",
+    "describe_quantization",
     "int4_kernel_available",
+    "num_parameters",
     "quantization_of",
     "quantize_int4",
     "quantize_int8",
     "quantize_model",
+    "running_quantization",
 ]

@@ -13,6 +13,7 @@ from ..engine.config import dtype_name
 from ..engine.scheduler import OnlineScheduler
 from ..cpu.openmp import wait_policy
 from ..cpu.threads import cores_allowed, threads_and_origin
+from ..quantization import describe_quantization, num_parameters
 
 
 def dtype_reason(asked: str | None, dtype: torch.dtype, device: torch.device) -> str:
@@ -32,7 +33,7 @@ def dtype_reason(asked: str | None, dtype: torch.dtype, device: torch.device) ->
 
 def banner_lines(scheduler: OnlineScheduler, asked_dtype: str, address: str, api_key: bool) -> list[str]:
     model, ran = scheduler.model, scheduler.engine_config
-    params = sum(p.numel() for p in model.parameters())
+    params = num_parameters(model)  # a quantized matrix counts its weights, not its packed bytes
     arch = type(model).__name__
     threads = ""
     features = scheduler.features
@@ -55,9 +56,11 @@ def banner_lines(scheduler: OnlineScheduler, asked_dtype: str, address: str, api
         attention += features.compiled.describe()  # compiled/forward.py: compiled steps, CUDA graphs
     blocks, block_size = ran.num_kv_blocks, ran.block_size
     kv_bytes = blocks * KVCache.bytes_per_block(model.config, block_size, model.dtype)
+    quantized = describe_quantization(model)  # None unquantized
     return [
         f"model: {model.model_dir} ({arch}, {params / 1e6:.1f}M parameters)",
         f"dtype: {dtype_reason(asked_dtype, model.dtype, model.device)}",
+        *([f"quantization: {quantized}"] if quantized else []),
         f"device: {model.device}{threads}; attention: {attention}",
         *([f"idle OpenMP threads: {wait_policy()}"] if model.device.type == "cpu" else []),
         f"KV cache: {blocks:,} blocks x {block_size} tokens = {blocks * block_size:,} tokens, "
