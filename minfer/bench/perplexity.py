@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.bench.perp
     parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, help="weight-only int8 or int4 (default: none)")
     parser.add_argument("--quantization-group-size", type=int, choices=GROUP_SIZES, help="int4: weights per scale")
     parser.add_argument("--no-quantize-lm-head", dest="quantize_lm_head", action="store_false",
-                        help="keep the LM head (and its tied embedding) in full precision")
+                        help="keep the LM head and the token embedding (tied or not) in full precision")
     parser.add_argument("--quantize-activations", action="store_true",
                         help="int8: round each linear's input rows to int8 too (int8 x int8 matmuls)")
     parser.add_argument("--num-threads", type=positive_int, help="CPU threads (default: every core)")

@@ -254,7 +254,7 @@ class EngineConfig:
         "int4 only: weights per scale (default: 64)",
     )
     quantize_lm_head: bool = setting(
-        True, bool, BOOL, "with --quantization: quantize the LM head (and the embedding tied to it) too"
+        True, bool, BOOL, "with --quantization: quantize the LM head and the token embedding (tied or not) too"
     )
     quantize_activations: bool = setting(
         False, bool, BOOL, "with --quantization int8: round each linear's input rows to int8 too and multiply "

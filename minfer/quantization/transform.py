@@ -71,7 +71,7 @@ def quantize_model(
     quantize_activations: bool = False,
 ) -> nn.Module:
     """Quantize `model` (a models.CausalLM) in place and return it. `quantize_lm_head=False` keeps the
-    LM head, and the embedding tied to it, in full precision. `quantize_activations` (int8 only) rounds
+    LM head and the token embedding (tied to it or not) in full precision. `quantize_activations` (int8 only) rounds
     each linear's input rows to int8 too, for int8 x int8 matmuls (int8.py). Quantizing a quantized
     model again with the same method changes nothing but that choice."""
     check_quantization(method, group_size, quantize_lm_head, quantize_activations)

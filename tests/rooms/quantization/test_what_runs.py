@@ -75,3 +75,16 @@ def test_the_compile_choice_counts_a_quantized_models_float_parameters(tiny_chec
     monkeypatch.setattr(compile_choice, "open_cache", lambda: ("a cache", None))
     quantized = quantize_model(model.to(torch.bfloat16), method)
     assert why_not_compiled(EngineConfig(quantization=method), quantized) is None
+
+
+@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
+def test_no_quantize_lm_head_keeps_an_untied_embedding_in_full_precision_too(make_checkpoint, method):
+    """As docs/quantization.md says: --no-quantize-lm-head keeps the token embedding, tied to the head or not (Llama),
+    in full precision, whether quantized after loading or while loading; every block's linear is quantized."""
+    checkpoint = make_checkpoint("llama-tiny")
+    after = quantize_model(load_model(checkpoint), method, quantize_lm_head=False)
+    streamed = load_model(checkpoint, weights=QuantizedWeights(QuantizationSpec(method, quantize_lm_head=False)))
+    for model in (after, streamed):
+        assert type(model.embed_tokens) is torch.nn.Embedding and type(model.lm_head) is torch.nn.Linear
+        assert model.embed_tokens.weight is not model.lm_head.weight
+        assert not any(type(m) is torch.nn.Linear for m in model.modules() if m is not model.lm_head)
