@@ -87,9 +87,10 @@ def build_engine(
 
 def prepared_draft(config: EngineConfig, model: torch.nn.Module, context_len: int) -> tuple[torch.nn.Module, object]:
     """The draft model of --speculative-method draft, loaded and prepared, and its attention backend:
-    unquantized and uncompiled, a draft being small already. On a GPU on the plain backend too: its steps run
-    outside the target's (compiled/forward.py), where flex could not compile them all before serving."""
-    draft = load_draft_model(config, model, context_len)
+    not quantized (a `minfer quantize` checkpoint loads as it was written) and uncompiled, a draft being
+    small already. On a GPU on the plain backend too: its steps run outside the target's
+    (compiled/forward.py), where flex could not compile them all before serving."""
+    draft = load_draft_model(config, model, context_len, weights=QuantizedWeights())
     eager_attention = config.attention_backend if draft.device.type == "cpu" else "eager"
     plain = replace(config, quantization=None, quantization_group_size=None, quantize_activations=False,
                     compile_model=False, compile_decode_step=False, attention_backend=eager_attention)

@@ -52,12 +52,13 @@ from .speculation import VerifyChunk
 PENDING = -1  # a proposal the draft model fills in before the step runs
 
 
-def load_draft_model(config, target: torch.nn.Module, context_len: int) -> torch.nn.Module:
+def load_draft_model(config, target: torch.nn.Module, context_len: int, weights=None) -> torch.nn.Module:
     """The checkpoint of config.speculative_model, in the target's device and dtype; a clear error if it
-    cannot be a draft for `target` (another vocabulary, a shorter context)."""
+    cannot be a draft for `target` (another vocabulary, a shorter context). `weights`: the loader of
+    quantized checkpoints, handed in (models/loader.py's WeightLoader), so that one loads as it was written."""
     path = config.speculative_model
     try:
-        draft = load_model(path, device=target.device, dtype=target.dtype)
+        draft = load_model(path, device=target.device, dtype=target.dtype, weights=weights)
     except (FileNotFoundError, OSError, ValueError) as e:
         raise ValueError(f"--speculative-model {path!r}: {e}") from None
     draft_vocab, target_vocab = draft.config.vocab_size, target.config.vocab_size
@@ -75,7 +76,7 @@ def load_draft_model(config, target: torch.nn.Module, context_len: int) -> torch
 
 
 class DraftProposer:
-    """The draft model (prepared as the target is, but unquantized: a draft is small already), its KV cache
+    """The draft model (prepared as the target is, but not quantized unless its checkpoint is), its KV cache
     (on the target's blocks) and attention backend."""
 
     def __init__(self, model: torch.nn.Module, attention: AttentionBackend, num_blocks: int, block_size: int,

@@ -7,7 +7,7 @@ import torch
 
 from minfer import LLM, SamplingParams
 from minfer.models.registry import load_model
-from minfer.quantization import QuantizedLinear, int4_kernel_available, quantize_model
+from minfer.quantization import QuantizedLinear, int4_kernel_available, quantization_of, quantize_model
 from minfer.quantization.checkpoint import QuantizationSpec, QuantizedWeights, save_quantized
 
 needs_int4 = pytest.mark.skipif(not int4_kernel_available(), reason="torch's CPU int4 kernels need torch >= 2.6")
@@ -117,3 +117,18 @@ def test_quantize_writes_over_its_own_output_only(make_checkpoint, tmp_path, cap
     assert quantize.main([str(out), str(tmp_path / "q8-again"), "--quantization", "int8"]) == 1
     assert f"{out} is quantized already: quantize its full-precision checkpoint" in capsys.readouterr().err
     assert quantize.main([str(source), str(someones), "--quantization", "int8", "--force"]) == 0
+
+
+@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
+def test_a_quantized_checkpoint_serves_as_a_draft_model(make_checkpoint, tmp_path, method):
+    """--speculative-model DIR written by `minfer quantize` loads quantized, as --model DIR does; it was refused
+    with "load it through minfer's engine (LLM, build_engine)", the very call that refused it."""
+    target, draft = make_checkpoint(), make_checkpoint(seed=1)
+    spec = QuantizationSpec(method)
+    out = save_quantized(load_model(draft, weights=QuantizedWeights(spec)), draft, tmp_path / "draft", spec)
+    llm = LLM(target, speculative_method="draft", speculative_model=str(out), num_speculative_tokens=3)
+    assert quantization_of(llm.scheduler.features.speculation.draft.model) == method
+    prompts = [[1, 2, 3, 4], list(range(40, 90))]
+    want = [o.token_ids for o in LLM(target).generate(prompts, GREEDY, use_tqdm=False)]
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    assert llm.scheduler.stats()["spec_decode_num_draft_tokens"] > 0
