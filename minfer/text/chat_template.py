@@ -57,6 +57,17 @@ def _token_text(value) -> str | None:
 FROM_CHECKPOINT = "the checkpoint's chat_template"  # where a template came from, for its errors
 
 
+def _default_template(named: list) -> str:
+    """tokenizer_config.json's list of named templates -> the one named "default". Without one, transformers
+    refuses to render a chat: so does this, naming the templates there are, rather than render plain text."""
+    names = [t.get("name") for t in named if isinstance(t, dict)]
+    chosen = next((t.get("template") for t in named if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(chosen, str):
+        raise ValueError(f"tokenizer_config.json lists chat templates named {', '.join(map(repr, names)) or 'nothing'}"
+                         ", but none named 'default' holding a template: pick one with --chat-template")
+    return chosen
+
+
 class ChatTemplate:
     def __init__(self, source: str | None, special_tokens: dict[str, str] | None = None, stop_token_ids=(),
                  origin: str = FROM_CHECKPOINT):
@@ -89,8 +100,8 @@ class ChatTemplate:
         d = Path(model_dir)
         config = read_tokenizer_config(d)
         source = config.get("chat_template")
-        if isinstance(source, list):  # several named templates: the "default" one
-            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        if isinstance(source, list) and override is None:  # several named templates: the "default" one
+            source = _default_template(source)
         if source is None and (d / "chat_template.jinja").is_file():
             source = (d / "chat_template.jinja").read_text(encoding="utf-8")
         if override is not None:

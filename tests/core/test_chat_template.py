@@ -105,6 +105,25 @@ def test_templates_are_sandboxed_and_gpt2_keeps_plain_rendering(tiny_checkpoint)
     assert gpt2.render(MESSAGES) == "system: Be brief.\nuser: Hi, 世界!\nassistant:" and not gpt2.stop_token_ids
 
 
+def test_a_list_of_named_templates_renders_its_default_or_is_refused(qwen, tmp_path):
+    """tokenizer_config.json may hold several named templates (Command R's default, tool_use, rag): the one
+    named "default" renders. Without one, transformers refuses to render: minfer too, naming those there are,
+    rather than fall back to the plain rendering the model never saw. --chat-template chooses instead."""
+    import shutil
+
+    path, tok, template = qwen
+    listed = tmp_path / "listed"
+    shutil.copytree(path, listed)
+    config = json.loads((listed / "tokenizer_config.json").read_text())
+    named = [{"name": "rag", "template": "{{ 'rag' }}"}, {"name": "default", "template": config["chat_template"]}]
+    (listed / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": named}))
+    assert ChatTemplate.from_dir(listed, tok).render(MESSAGES) == template.render(MESSAGES)
+    (listed / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": named[:1]}))
+    with pytest.raises(ValueError, match="chat templates named 'rag', but none named 'default'.*--chat-template"):
+        ChatTemplate.from_dir(listed, tok)
+    assert ChatTemplate.from_dir(listed, tok, override="{{ 'mine' }}").render(MESSAGES) == "mine"
+
+
 def test_chat_over_http(qwen):
     path, tok, _ = qwen
     server = create_server(EngineConfig(str(path), num_kv_blocks=64, max_num_seqs=2), port=0)
