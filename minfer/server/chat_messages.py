@@ -167,7 +167,8 @@ def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: b
             raise invalid(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}")
         text = message_text(m.get("content"), m["role"], i)
         check_optional(m, "name", f"messages[{i}].name", str)
-        rendered.append({"role": m["role"], "content": text, **tool_fields(m, i, template, turns)})
+        named = {"name": m["name"]} if m.get("name") is not None else {}  # who spoke, for a template that shows it
+        rendered.append({"role": m["role"], "content": text, **named, **tool_fields(m, i, template, turns)})
     if template.supports_tools:
         turns.check_end(add_generation_prompt)
     variables = body.get("chat_template_kwargs")  # vLLM's extension, e.g. {"enable_thinking": false} for Qwen3

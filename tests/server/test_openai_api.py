@@ -109,6 +109,14 @@ def test_a_developer_message_reaches_a_template_that_knows_only_system(info):
         "developer: Be brief.\nuser: Hi\nassistant:")
 
 
+def test_a_message_name_reaches_the_template(info):
+    """OpenAI's messages[i].name (who spoke), handed to the template as vLLM hands it over."""
+    showing = ChatTemplate("{% for m in messages %}{{ m.name or '-' }}:{{ m.content }};{% endfor %}")
+    messages = [{"role": "user", "content": "Hi", "name": "ada"}, {"role": "user", "content": "Yo"}]
+    req = parse_chat({"messages": messages}, ModelInfo("tiny", info.tokenizer, 64, showing))
+    assert info.tokenizer.decode(req.prompt_token_ids) == "ada:Hi;-:Yo;"
+
+
 def test_assistant_content_may_be_null(info):
     """The openai SDK sends an assistant turn that only called a tool with content null (tests/rooms/structured
     render one through a template that reads tools). The plain rendering shows no calls: it refuses them, by name,
