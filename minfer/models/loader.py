@@ -160,6 +160,9 @@ def check_shard(file: Path, keys: list[str], placed: set[str], read_from: dict[s
         raise ValueError(f"{INDEX} places tensor {min(absent)!r} in {file.name}, which does not hold it")
 
 
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}  # safetensors' names of the dtypes a weight may be stored in
+
+
 def read_checked_weights(
     model_dir: str | Path,
     expected: dict[str, tuple[int, ...] | None],
@@ -194,6 +197,9 @@ def read_checked_weights(
                             f"tensor {key!r} in {file.name} has shape {list(tensor.get_shape())}, "
                             f"but config.json implies {list(expected[name])}"
                         )
+                    if tensor.get_dtype() not in FLOAT_DTYPES:  # cast, integers would load as garbage weights
+                        raise ValueError(f"tensor {key!r} in {file.name} holds {tensor.get_dtype()} values, not "
+                                         "floats: a checkpoint quantized by another tool, which minfer does not read")
                     tensor = f.get_tensor(key) if take is None else read_alone(file, key)
                     tensor = tensor.to(device=device, dtype=dtype).contiguous()
                     if take is not None and take(name, tensor):

@@ -184,6 +184,11 @@ BAD_CHECKPOINTS = {
         ValueError,
         r"'ln_f.bias' .* has shape \[65\], but config.json implies \[64\]",
     ),
+    "integer weights": (  # another tool's quantized weights, say: cast to float, they would run as garbage
+        lambda d: edit_tensors(d, lambda t: t.update({"ln_f.weight": t["ln_f.weight"].to(torch.int8)})),
+        ValueError,
+        "'ln_f.weight' in model.safetensors holds I8 values, not floats",
+    ),
 }
 
 
