@@ -140,9 +140,11 @@ class OnlineScheduler:
     # ---- requests in -----------------------------------------------------------------
 
     def add_request(self, prompt: str | CheckedRequest | None = None, *, prompt_token_ids: list[int] | None = None,
-                    sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
+                    sampling_params: SamplingParams | None = None, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
         """Queue a request: a prompt's text, its token ids, or a CheckedRequest (check_request's verdict, which
-        is not checked again). Refuses what could never run."""
+        is not checked again). Refuses what could never run. `arrival_time` (time.perf_counter()) is when the
+        caller received it, if earlier than now: its latencies count from then."""
         if not isinstance(prompt, CheckedRequest):
             prompt = self._checked(prompt, prompt_token_ids, sampling_params or SamplingParams())
         ids, params = prompt.prompt_token_ids, prompt.params
@@ -150,7 +152,8 @@ class OnlineScheduler:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         choices = [self._choice(request_id, ids, params, i) for i in range(params.n)]
-        self.requests[request_id] = Request(choices, arrival_time=time.perf_counter())
+        arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        self.requests[request_id] = Request(choices, arrival_time=arrival_time)
         seqs, features = [c.seq for c in choices], self.features
         if params.wants_logprobs:  # scoring/: the request's sequences keep their logprobs
             features.scoring.add(seqs)

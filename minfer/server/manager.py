@@ -181,7 +181,7 @@ class SchedulerManager:
 
     def _add(self, handle: RequestHandle) -> None:
         try:
-            self.scheduler.add_request(handle.request, request_id=handle.request_id)
+            self.scheduler.add_request(handle.request, request_id=handle.request_id, arrival_time=handle.arrival_time)
         except ValueError as e:  # a request that can never fit (e.g. more KV blocks than exist)
             handle.events.put(Error(400, str(e)))
             return

@@ -23,6 +23,7 @@ is (index), one delta per completion that sampled.
 from __future__ import annotations
 
 import queue
+import time
 from dataclasses import dataclass
 
 from ..engine.request_check import CheckedRequest
@@ -64,6 +65,8 @@ class RequestHandle:
     def __init__(self, request_id: str, request: CheckedRequest):
         self.request_id = request_id
         self.request = request  # the prompt's ids and the SamplingParams, checked by the engine
+        # Submitted now: its latencies count from here, not from when a busy worker takes it from the inbox
+        self.arrival_time = time.perf_counter()
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # filled by the worker only
         self.finished = False  # the handler has read Done or Error: nothing left to discard
 
