@@ -23,7 +23,7 @@ from .info_endpoints import InfoEndpoints, ServerState
 from .messages import CompletionDelta, Done, Error, RequestEvent, RequestHandle
 from .generate_requests import parse_generate
 from .requests import ParsedRequest, invalid_request, parse_completion
-from .responder import Responder, generate_response, usage
+from .responder import Responder, generate_response
 
 
 def _at_index(e: APIError, index: int) -> APIError:
@@ -74,15 +74,20 @@ class APIHandler(InfoEndpoints):
                            param="prompt", code="invalid_value")
         checked = [self._checked(req, i) for i in range(len(req.prompts))]  # before anything is streamed
         handles, self._client_check_due = [], time.monotonic() + CLIENT_CHECK_SECONDS  # see _next_event
+        # The log line's token counts: every prompt submitted, every token handed out, however the request ends
+        self._prompt_tokens = self._completion_tokens = 0
         try:
             for request in checked:
                 handles.append(manager.submit(request))  # EngineError (an APIError) when it cannot take it
+                self._prompt_tokens += len(request.prompt_token_ids)
             for handle in handles:
                 self._next_event(handle)  # Accepted (a refusal raises)
             yield handles
         finally:
             for handle in handles:
                 manager.release(handle)  # discards it if it has not finished
+            if handles:
+                self.log_note = f"tokens={self._prompt_tokens}+{self._completion_tokens} "
 
     def _checked(self, req: ParsedRequest, i: int) -> CheckedRequest:
         try:
@@ -113,9 +118,9 @@ class APIHandler(InfoEndpoints):
         while True:
             match self._next_event(handle):
                 case CompletionDelta() as delta:
+                    self._completion_tokens += len(delta.token_ids)
                     yield delta
                 case Done() as done:
-                    self.log_note = "tokens={prompt_tokens}+{completion_tokens} ".format(**usage([done.outputs]))
                     yield done.outputs
                     return
 

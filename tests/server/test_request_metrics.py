@@ -3,11 +3,12 @@ submission, and the log line per request (its status, tokens and time), whole fo
 stream cut short."""
 
 import logging
+import re
 import threading
 import time
 
 import pytest
-from serving import AUTH, open_stream, serving, stream_events
+from serving import AUTH, call, open_stream, serving, stream_events
 
 from minfer import EngineConfig, OnlineScheduler, SamplingParams
 from minfer.models.gpt2 import GPT2
@@ -53,3 +54,71 @@ def test_ttft_counts_the_time_a_request_waited_for_a_busy_worker(tiny_checkpoint
     ttft = manager.metrics.ttft
     assert ttft.count == 2 and ttft.sum >= 0.6  # each waited 0.3 s at least: the first in the held step
     assert sum(n for bound, n in zip(ttft.buckets, ttft.counts) if bound < 0.3) == 0
+
+
+# ---- the log line per request --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    with serving(EngineConfig(str(tiny_checkpoint), num_kv_blocks=64), api_key=AUTH["Authorization"][7:]) as srv:
+        yield srv
+
+
+def log_line(caplog, endpoint, after=0):
+    """The first request log line of `endpoint` among the records from index `after` on, once it is written
+    (the handler logs after its last byte is out)."""
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [r.getMessage() for r in caplog.records[after:] if f'"POST {endpoint}"' in r.getMessage()]
+        if lines:
+            return lines[0]
+        assert time.monotonic() < deadline, "no log line"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_logs_the_tokens_of_all_of_them(server, caplog, stream):
+    """The log line counted the last prompt's tokens only: tokens=4+5 for a batch whose usage was 6+10."""
+    caplog.set_level(logging.INFO, logger="minfer.serve")
+    port, after = server.server_address[1], len(caplog.records)
+    body = {"prompt": ["Once upon a time", "The dog"], "max_tokens": 5, "n": 2, "ignore_eos": True}
+    if stream:
+        usage = stream_events(port, "/v1/completions", {**body, "stream_options": {"include_usage": True}})[-2]["usage"]
+    else:
+        status, _, reply = call(port, "POST", "/v1/completions", body)
+        assert status == 200
+        usage = reply["usage"]
+    assert usage["completion_tokens"] == 20
+    assert f" 200 tokens={usage['prompt_tokens']}+20 " in log_line(caplog, "/v1/completions", after)
+
+
+def test_a_stream_the_client_cut_logs_the_tokens_it_was_sent(server, caplog):
+    caplog.set_level(logging.INFO, logger="minfer.serve")
+    port, after = server.server_address[1], len(caplog.records)
+    sock = open_stream(port, {"prompt": "Once", "max_tokens": 400, "ignore_eos": True})  # its first token is out
+    sock.close()
+    line = log_line(caplog, "/v1/completions", after)
+    assert " 200 client-gone tokens=" in line, line
+    prompt, completion = line.split("tokens=")[1].split()[0].split("+")
+    assert int(prompt) >= 1 and 1 <= int(completion) < 400
+
+
+def test_a_stream_the_server_cut_logs_the_tokens_it_was_sent(server, caplog):
+    caplog.set_level(logging.INFO, logger="minfer.serve")
+    runner = server.manager.scheduler.runner
+    real_execute, calls = runner.execute, []
+
+    def execute_then_fail(chunks):  # the prefill and two decodes run: three tokens, then the engine fails
+        calls.append(1)
+        if len(calls) == 4:
+            runner.execute = real_execute
+            raise RuntimeError("boom")
+        return real_execute(chunks)
+
+    runner.execute = execute_then_fail
+    port, after = server.server_address[1], len(caplog.records)
+    events = stream_events(port, "/v1/completions", {"prompt": "Once", "max_tokens": 20, "ignore_eos": True})
+    assert events[-2]["error"]["type"] == "server_error"
+    line = log_line(caplog, "/v1/completions", after)
+    assert " 200 cut-by-server (500: " in line and re.search(r" tokens=\d+\+3 ", line), line
