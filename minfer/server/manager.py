@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -195,11 +196,15 @@ class SchedulerManager:
         except Exception as e:
             self._step_failed(e)
             return
-        num_tokens = 0
+        num_tokens, now = 0, time.perf_counter()
         for request_id in sampled:  # text "" too: the handler still gets the step's token ids
+            handle = self._active[request_id]
             for delta in self.scheduler.get_new_outputs(request_id):  # one per choice that sampled
                 num_tokens += len(delta.token_ids)  # n per request, accepted proposals too
-                self._active[request_id].events.put(delta)
+                handle.events.put(delta)
+            if not handle.sampled:  # its first token: counted now, whether it will finish or be discarded
+                handle.sampled = True
+                self.metrics.on_first_token(now - handle.arrival_time)
         self.metrics.on_tokens(num_tokens)
         finished = []
         for request_id in self.scheduler.pop_finished_ids():

@@ -69,6 +69,7 @@ class RequestHandle:
         self.arrival_time = time.perf_counter()
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # filled by the worker only
         self.finished = False  # the handler has read Done or Error: nothing left to discard
+        self.sampled = False  # the worker has sampled its first token (the worker's alone)
 
     def next_event(self, timeout: float | None = None) -> RequestEvent | None:
         """The next event, or None if none came within `timeout` seconds."""

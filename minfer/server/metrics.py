@@ -55,11 +55,15 @@ class Metrics:
         with self._lock:
             self.generation_tokens += n
 
+    def on_first_token(self, seconds: float) -> None:
+        """A request's first token, `seconds` after its submission: counted then, so that a request discarded
+        later (its client gave up waiting, say) still counts."""
+        with self._lock:
+            self.ttft.observe(seconds)
+
     def on_finished(self, out: RequestOutput) -> None:
         with self._lock:
             self.finished += 1
-            if out.first_token_time is not None:
-                self.ttft.observe(out.first_token_time - out.arrival_time)
             if len(out.token_times) > 1:  # time per output token after the first
                 span = out.token_times[-1] - out.token_times[0]
                 self.tpot.observe(span / (len(out.token_times) - 1))

@@ -63,7 +63,7 @@ def render(metrics: Metrics, stats: dict) -> str:
         ]:
             lines += metric("minfer_" + name, "counter", help_text, value)
         for name, help_text, hist in [
-            ("time_to_first_token_seconds", "Time from arrival to the first generated token.", metrics.ttft),
+            ("time_to_first_token_seconds", "Time from submission to the first generated token.", metrics.ttft),
             ("time_per_output_token_seconds", "Mean time between output tokens, per request.", metrics.tpot),
         ]:
             lines += metric("minfer_" + name, "histogram", help_text, hist)

@@ -307,6 +307,7 @@ def test_metrics_render_counts_finished_requests():
     out.arrival_time, out.first_token_time, out.token_times = 1.0, 1.5, [1.5, 1.7]
     m.on_admitted(3)
     m.on_tokens(2)
+    m.on_first_token(0.5)
     m.on_finished(out)
     text = render(m, {"num_running": 2, "num_kv_blocks_free": 7, "num_kv_blocks_total": 9})
     values = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))

@@ -8,13 +8,19 @@ import threading
 import time
 
 import pytest
-from serving import AUTH, call, open_stream, serving, stream_events
+from serving import AUTH, call, metrics, open_stream, serving, stream_events
 
 from minfer import EngineConfig, OnlineScheduler, SamplingParams
 from minfer.models.gpt2 import GPT2
 from minfer.server.manager import SchedulerManager
 from minfer.server.messages import Done
 from minfer.text.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    with serving(EngineConfig(str(tiny_checkpoint), num_kv_blocks=64), api_key=AUTH["Authorization"][7:]) as srv:
+        yield srv
 
 
 def wait_done(handle):
@@ -56,13 +62,24 @@ def test_ttft_counts_the_time_a_request_waited_for_a_busy_worker(tiny_checkpoint
     assert sum(n for bound, n in zip(ttft.buckets, ttft.counts) if bound < 0.3) == 0
 
 
+
+def test_ttft_counts_a_request_discarded_after_its_first_token(server):
+    """TTFT was observed when a request finished: one whose client gave up after its first token (a slow one,
+    likely) was left out, and the histogram looked better the more clients gave up."""
+    port = server.server_address[1]
+    before = metrics(port)
+    sock = open_stream(port, {"prompt": "Once", "max_tokens": 400, "ignore_eos": True})  # its first token is out
+    sock.close()
+    deadline = time.monotonic() + 10
+    while (after := metrics(port))["minfer_requests_aborted_total"] == before["minfer_requests_aborted_total"]:
+        assert time.monotonic() < deadline, "the request was never discarded"
+        time.sleep(0.01)
+    assert after["minfer_requests_finished_total"] == before["minfer_requests_finished_total"]
+    count = "minfer_time_to_first_token_seconds_count"
+    assert after[count] == before[count] + 1
+
+
 # ---- the log line per request --------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    with serving(EngineConfig(str(tiny_checkpoint), num_kv_blocks=64), api_key=AUTH["Authorization"][7:]) as srv:
-        yield srv
 
 
 def log_line(caplog, endpoint, after=0):
