@@ -61,6 +61,15 @@ class BlockAllocator:
             return "used"
         return "cached" if block.hash is not None else "free"
 
+    def block_states(self) -> list[str]:
+        """Every block's block_state, in one pass: a snapshot of a 100,000-block cache costs the worker
+        several times less than 100,000 calls."""
+        return ["used" if b.ref_count else "free" if b.hash is None else "cached" for b in self.blocks]
+
+    def shared_block_ids(self) -> list[int]:
+        """The blocks is_shared names, in order."""
+        return [b.block_id for b in self.blocks if b.ref_count > 1]
+
     def match_prefix(self, token_ids: list[int]) -> list[int]:
         """Block ids of the longest run of cached full blocks that starts `token_ids`. No side effects."""
         if not self.enable_prefix_caching:

@@ -74,9 +74,9 @@ class EventRecorder:
             "max_num_seqs": s.max_num_seqs,
             "max_num_batched_tokens": s.max_num_batched_tokens,
             "request_fields": REQUEST_FIELDS,
-            "blocks": "".join(STATE_LETTER[allocator.block_state(b)] for b in range(allocator.num_blocks)),
+            "blocks": "".join([STATE_LETTER[state] for state in allocator.block_states()]),
             "tables": {feed_id(seq): [0, list(seq.block_table)] for seq in s.running},
-            "shared": [b for b in range(allocator.num_blocks) if allocator.is_shared(b)],
+            "shared": allocator.shared_block_ids(),
             "running": [describe(seq) for seq in s.running],
             "waiting": [describe(seq) for seq in s.waiting],
         }

@@ -60,6 +60,9 @@ def test_randomized_allocator_keeps_its_invariants():
                 table, _ = live.pop(rng.randrange(len(live)))
                 alloc.free(table)
             alloc.check_invariants([t for t, _ in live])
+            ids = range(alloc.num_blocks)  # the live view's one-pass snapshot says what the per-block calls say
+            assert alloc.block_states() == [alloc.block_state(b) for b in ids]
+            assert alloc.shared_block_ids() == [b for b in ids if alloc.is_shared(b)]
             for table, tokens in live:  # a live sequence's cached prefix really holds its tokens
                 for b in alloc.match_prefix(tokens):
                     assert alloc.blocks[b].token_ids in {
