@@ -171,11 +171,20 @@ section("the engine builds the same pieces, and gives every block back")
 llm = LLM(path, num_kv_blocks=40, max_num_seqs=4)
 sched = llm.scheduler
 assert sched.allocator.num_blocks == 40 and sched.kv_cache.k.shape[1] == 41 * sched.block_size
-outs = llm.generate(
-    ["The cat sat on the", "Once upon a time"], SamplingParams(max_tokens=20, temperature=0), use_tqdm=False
-)
+# One prompt twice in a step: both compute the same blocks, and the second copy of each is a twin that
+# prefix caching (stage 09) cannot find, so free must forget its hash (check_invariants asserts it).
+outs = llm.generate(["The cat sat on the", "Once upon a time", "Once upon a time"],
+                    SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
 print(f"generated {[len(o.token_ids) for o in outs]} tokens; stats: {llm.stats()}")
 assert llm.stats()["num_kv_blocks_free"] == 40, "finished requests must free every block"
+sched.check_invariants()
+allocator = sched.allocator
+assert allocator.cached, "the full blocks stay findable after their requests end (stage 09)"
+num_cached = len(allocator.cached)
+everything = allocator.allocate(40)  # a block handed out again is overwritten: its cached prefix is evicted
+print(f"allocate(40) takes every block and evicts the cached prefixes: {num_cached} indexed before, none after")
+assert not allocator.cached and all(allocator.blocks[b].hash is None for b in everything)
+allocator.free(everything)
 sched.check_invariants()
 graded.graded()
 print("\nOK: blocks on demand, scattered tables, slot arithmetic, ref counts, cache sizing, no leak.")
