@@ -44,6 +44,13 @@ assert alloc.match_prefix([11, 12, 13, 14, 21, 22, 23]) == table_a[:1]  # only f
 # Same second block, different first: the chained hash differs, so no hit. That is right: a key
 # or value at position 5 depends on every token before it, not just on its own block.
 assert alloc.match_prefix([99, 12, 13, 14, 21, 22, 23, 24]) == []
+# A hash is not the tokens: two blocks of different tokens can share one. Plant such a collision (other
+# tokens' hash pointing at A's first block): the block's own tokens must turn the false hit away.
+collision = block_hash(None, (99, 12, 13, 14))
+alloc.cached[collision] = table_a[0]
+print(f"  a planted hash collision: match_prefix([99, 12, 13, 14]) -> {alloc.match_prefix([99, 12, 13, 14])}")
+assert alloc.match_prefix([99, 12, 13, 14]) == [], "a hit compares the block's tokens, never trusts a hash alone"
+del alloc.cached[collision]
 
 b = [11, 12, 13, 14, 21, 22, 23, 24, 41, 42, 43]  # request B: A's first 8 tokens, then its own
 hits = alloc.match_prefix(b)
