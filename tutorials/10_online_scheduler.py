@@ -145,19 +145,23 @@ assert sched.allocator.num_free_blocks == sched.allocator.num_blocks
 sched.check_invariants()
 
 # ---------------------------------------------------------------------------------------
-section("preemption: 3 requests that need 3 blocks each, on a cache of 8 blocks")
-small = OnlineScheduler(model, tokenizer, block_size=16, num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=64)
-requests = {1: [(name, prompt(20, 5 + i), greedy(20)) for i, name in enumerate("XYZ")]}  # 20 + 20 tokens: 3 blocks
+section("preemption: 3 requests that need 3 blocks each, on a cache of 8 blocks, and a 4th waiting for a seat")
+small = OnlineScheduler(model, tokenizer, block_size=16, num_kv_blocks=8, max_num_seqs=3, max_num_batched_tokens=64)
+requests = {1: [(name, prompt(20, 5 + i), greedy(20)) for i, name in enumerate("XYZ")],  # 20 + 20 tokens: 3 blocks
+            2: [("W", prompt(20, 8), greedy(4))]}  # no seat for it: it waits
 outs, history = run(small, requests)
 print({name: (o.num_preemptions, o.num_recompute_cached_tokens) for name, o in outs.items()},
       "(preemptions, tokens the recompute found cached)")
 assert small.num_preemptions > 0 and sum(o.num_preemptions for o in outs.values()) == small.num_preemptions
-# The newest running request is the one preempted: it frees its blocks and waits at the queue's front.
+# The newest running request is the one preempted: it frees its blocks and waits at the queue's front,
+# ahead of W, which has waited longer but was admitted after it: W never starts before Z is recomputed.
 assert steps_of(history, "Z", "PREEMPTED") and not steps_of(history, "X", "PREEMPTED")
+z_recompute = [s for s in steps_of(history, "Z", "pre") if s > steps_of(history, "Z", "PREEMPTED")[0]][0]
+assert steps_of(history, "W", "pre")[0] >= z_recompute, "a preempted request goes back to the queue's front"
 # Its 2 full blocks stayed in the prefix cache (stage 09) while it waited: the recompute found them, 32 tokens
 # of its 20-token prompt and its first outputs. Its usage's cached prompt tokens stay those of its first admission.
 assert outs["Z"].num_recompute_cached_tokens == 32 and outs["Z"].num_cached_tokens == 0
-for name, ids, params in requests[1]:
+for name, ids, params in (r for rs in requests.values() for r in rs):
     assert outs[name].token_ids == run_alone(ids, params), f"{name}: preemption must not change the output"
 print("every output equals the same request run alone, preemptions and all")
 assert small.allocator.num_free_blocks == 8
