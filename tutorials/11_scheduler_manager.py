@@ -199,12 +199,13 @@ while isinstance(event, CompletionDelta):  # steps run before the shutdown, then
 manager.release(handle)
 print(f"in flight at shutdown: {event}")
 assert isinstance(event, Error) and event.status == 503 and not manager.is_alive()
+assert event.message == "the server is shutting down", "a shutdown is not a crash: the message says which"
 try:
     manager.submit(manager.check(tokenizer.encode("too late"), GREEDY))
     raise AssertionError("a stopped manager must refuse")
 except EngineError as e:
     print(f"submit after shutdown -> EngineError {e.status}: {e.message}")
-    assert e.status == 503
+    assert e.status == 503 and e.message == "the server is shutting down"
 # The worker has exited, so touching the scheduler from this thread is safe again.
 assert sched.allocator.num_free_blocks == total and not sched.has_unfinished()
 sched.check_invariants()

@@ -15,6 +15,7 @@ import pytest
 
 from minfer.engine.block_allocator import BlockAllocator
 from minfer.engine.continuous_batcher import ContinuousBatcher
+from minfer.server.manager import SchedulerManager
 
 TUTORIALS = Path(__file__).resolve().parents[2] / "tutorials"
 IMPORTS = """\
@@ -23,6 +24,7 @@ from __future__ import annotations
 from minfer.attention.kv_cache import cdiv
 from minfer.engine.block_allocator import block_hash
 from minfer.engine.sequence import ScheduledChunk, Status
+from minfer.server.manager import log
 """
 # stage: (stage script, stub module, {stub function: minfer's own}, the function broken, (its line, broken))
 WRONG_ANSWERS = {
@@ -45,6 +47,10 @@ WRONG_ANSWERS = {
         "10_online_scheduler", "ex10_scheduler",
         {"admit": ContinuousBatcher._admit, "preempt": ContinuousBatcher._preempt},
         "preempt", ("self.waiting.appendleft(seq)", "self.waiting.append(seq)"),
+    ),
+    "11 run tells a shutdown from a crash the wrong way round": (
+        "11_scheduler_manager", "ex11_worker_loop", {"run": SchedulerManager._run},
+        "run", ('"the engine has stopped" if self._dead else', '"the engine has stopped" if not self._dead else'),
     ),
 }
 
