@@ -39,7 +39,7 @@ from ..text.tokenizer import Tokenizer
 from .hf_baseline import compare, format_comparison, generate_batch, load_hf_model, run_hf
 from .metrics import RunResult, format_summary, median_summary, summarize
 from .offline import run_offline
-from .online import Endpoint, EngineFeedReader, ServerProcess, refuse_if_all_failed, run_online
+from .online import Endpoint, EngineFeedReader, ServerProcess, failures_line, refuse_if_all_failed, run_online
 from .profile import format_profile, profile_steps
 from .report import DefaultsOnce, format_header, format_masks, memory_owner, progress, result_title
 from .roofline import format_roofline, roofline
@@ -223,6 +223,8 @@ def online_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResul
                     run_online(endpoint, model, workload, args.max_concurrency, bar, f"run {k}", feed, args.n)
                 )
             refuse_if_all_failed(results[-1], endpoint)
+            if failed := failures_line(results[-1]):  # the table counts them; here is why (--json: each one's)
+                print(f"bench.py: {failed}", file=sys.stderr)
             memory = {"peak_rss_mib": server.peak_rss_mib()} if server else {}  # the server's, not ours
             spec = spec_summary(before, counters_of_server(endpoint))
             summaries.append(run_summary(results[-1], **memory, **spec))

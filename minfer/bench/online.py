@@ -221,7 +221,7 @@ def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float
         }
     )
     conn = endpoint.connect()
-    usage, num_chunks, last = None, 0, None
+    usage, num_chunks, last, done, ended = None, 0, None, False, set()  # ended: the choices with a finish_reason
     try:
         rec.submit_time = time.perf_counter() - t0
         conn.request("POST", endpoint.prefix + "/v1/completions", body, {"Content-Type": "application/json"})
@@ -233,11 +233,13 @@ def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float
                 continue  # blank separators, comments, event names
             data = line[5:].strip()
             if data == b"[DONE]":
+                done = True
                 break
-            msg = json.loads(data)
-            if "error" in msg:
-                raise OSError(f"error in stream: {msg['error']}")
-            if any(c.get("text") and c.get("index", 0) == 0 for c in msg.get("choices") or ()):
+            msg = completion_chunk(data)
+            usage = msg.get("usage") or usage
+            choices = msg.get("choices") or []
+            ended |= {c.get("index", 0) for c in choices if c.get("finish_reason")}
+            if any(c.get("text") and c.get("index", 0) == 0 for c in choices):
                 now = time.perf_counter() - t0
                 if last is None:
                     rec.first_token_time = now
@@ -245,19 +247,40 @@ def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float
                     rec.itl.append(now - last)
                 last = now
                 num_chunks += 1
-            usage = msg.get("usage") or usage
+        if not done and len(ended) < n:  # a server that goes away ends the body early: no whole answer
+            raise OSError(f"the stream ended before its finish_reason or [DONE] ({num_chunks} text chunks read)")
         if last is None:
             raise OSError("the stream ended without a single choice")
         rec.finish_time = last
-        rec.output_len = usage["completion_tokens"] if usage else num_chunks
-        if usage and usage.get("prompt_tokens") is not None:
-            rec.input_len = usage["prompt_tokens"]
-    except (OSError, ValueError, KeyError, http.client.HTTPException) as e:
+        rec.output_len = num_chunks if usage is None else token_count(usage, "completion_tokens")
+        if isinstance(usage, dict) and usage.get("prompt_tokens") is not None:
+            rec.input_len = token_count(usage, "prompt_tokens")
+    except (OSError, ValueError, http.client.HTTPException) as e:
         rec.success, rec.error = False, f"{type(e).__name__}: {e}"
         rec.finish_time = time.perf_counter() - t0
     finally:
         conn.close()
     return rec
+
+
+def completion_chunk(data: bytes) -> dict:
+    """One streamed chunk: a JSON object whose choices (if any) are a list of objects. OSError for an error
+    the server streams, ValueError for anything else that is no completion chunk."""
+    msg = json.loads(data)
+    if isinstance(msg, dict) and "error" in msg:
+        raise OSError(f"error in stream: {msg['error']}")
+    choices = msg.get("choices") or [] if isinstance(msg, dict) else None
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise ValueError(f"a stream chunk is not an OpenAI completion chunk: {data[:200].decode(errors='replace')}")
+    return msg
+
+
+def token_count(usage, key: str) -> int:
+    """usage[key], a count of tokens; ValueError naming what the server sent instead."""
+    count = usage.get(key) if isinstance(usage, dict) else None
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"the stream's usage holds no {key} count: {usage!r}")
+    return count
 
 
 def run_online(
@@ -277,7 +300,11 @@ def run_online(
 
     def client(r: BenchRequest) -> None:
         try:
-            rec = stream_completion(endpoint, model, r, t0, n)
+            try:
+                rec = stream_completion(endpoint, model, r, t0, n)
+            except Exception as e:  # a reply no check foresaw: one failed request, never a lost one
+                rec = RequestRecord(r.index, r.input_len, n * r.output_len, num_choices=n, success=False,
+                                    error=f"{type(e).__name__}: {e}")
             with lock:
                 records.append(rec)
                 bar.update(1)
@@ -306,3 +333,11 @@ def refuse_if_all_failed(result: RunResult, endpoint: Endpoint) -> None:
     failed = [r for r in result.records if not r.success]
     if failed and len(failed) == len(result.records):
         raise OSError(f"every request to {endpoint.host}:{endpoint.port} failed, the first with {failed[0].error}")
+
+
+def failures_line(result: RunResult) -> str | None:
+    """One line for a run some of whose requests failed (None if none did): how many, and the first one's why."""
+    failed = [r for r in result.records if not r.success]
+    if not failed:
+        return None
+    return f"{len(failed)} of {len(result.records)} requests failed, the first with {failed[0].error}"

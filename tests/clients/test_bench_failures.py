@@ -1,0 +1,78 @@
+"""bench.py --base-url against a server that fails some requests: each one is counted as failed, with its
+reason, and the run still reports the rest. The server here is a stand-in that answers the k-th completion
+request in the k-th way below (--max-concurrency 1 keeps them in order)."""
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from minfer.bench import cli as bench
+
+TEXT = 'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
+LAST = 'data: {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}\n\n'
+USAGE = 'data: {"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 3}}\n\n'
+REPLIES = {  # (status, body), the body sent whole, then the connection closed
+    "served": (200, TEXT * 3 + LAST + USAGE + "data: [DONE]\n\n"),
+    "refused": (429, '{"error": {"message": "too many requests", "type": "rate_limit_error"}}'),
+    "dropped": (200, TEXT * 2),  # the server went away mid-stream: no finish_reason, no [DONE]
+    "garbled": (200, 'data: {"choices": ["a"]}\n\n' * 2 + "data: [DONE]\n\n"),  # choices that are no objects
+    "wrong usage": (200, TEXT * 3 + LAST + 'data: {"choices": [], "usage": ["3"]}\n\n' + "data: [DONE]\n\n"),
+}
+
+
+@pytest.fixture
+def flaky_server():
+    """A server whose k-th completion gets the k-th reply of REPLIES."""
+    replies = iter(REPLIES.values())
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.send_error(404)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            status, body = next(replies)
+            self.send_response(status)
+            self.send_header("Content-Type", "text/event-stream" if status == 200 else "application/json")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(body.encode())
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            self.close_connection = True
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_every_failed_request_is_counted_with_its_reason(flaky_server, tmp_path, capsys):
+    argv = ["--base-url", flaky_server, "--model", "m", "--tokenizer", "minfer-tiny", "--num-requests", str(len(REPLIES)),
+            "--input-len", "8", "--output-len", "3", "--max-concurrency", "1", "--warmup-runs", "0", "--disable-tqdm",
+            "--json", str(tmp_path / "b.json")]
+    assert bench.main(argv) == 0
+    out, err = capsys.readouterr()
+    report = json.loads((tmp_path / "b.json").read_text())
+    records = report["requests"]
+    assert len(records) == len(REPLIES) and [r["index"] for r in records] == list(range(len(REPLIES)))
+    assert report["summary"]["completed"] == 1 and report["summary"]["failed"] == len(REPLIES) - 1
+    assert records[0]["success"] and records[0]["output_len"] == 3
+    errors = dict(zip(REPLIES, (r["error"] for r in records)))
+    assert errors["served"] is None
+    assert errors["refused"].startswith("OSError: HTTP 429: ")
+    assert errors["dropped"] == "OSError: the stream ended before its finish_reason or [DONE] (2 text chunks read)"
+    assert errors["garbled"].startswith("ValueError: a stream chunk is not an OpenAI completion chunk: ")
+    assert errors["wrong usage"] == "ValueError: the stream's usage holds no completion_tokens count: ['3']"
+    assert "Failed requests:                         4" in out
+    assert f"bench.py: 4 of {len(REPLIES)} requests failed, the first with OSError: HTTP 429" in err
+    assert "Traceback" not in err
