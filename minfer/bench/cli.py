@@ -128,9 +128,13 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
     if args.baseline and args.n > 1:
         p.error("--baseline runs transformers' generate once per prompt: compare with --n 1")
     try:  # the engine's flags, judged before anything loads: one line, with argparse's status for a bad flag
-        EngineConfig.from_cli_args(args)
+        engine = EngineConfig.from_cli_args(args)
     except ValueError as e:
         p.exit(2, f"bench.py: error: {e}\n")
+    given = [f for f in engine.to_cli_args(exclude=("model", "seed")) if f.startswith("--")]
+    if args.base_url and given and not (args.baseline or args.roofline or args.profile):  # these load it here
+        p.error(f"{given[0]} applies only to an engine bench runs (offline, or the minfer.serve it starts); "
+                "a --base-url server keeps its own settings")
     return args
 
 
@@ -283,15 +287,16 @@ def print_runs(summaries: list[dict]) -> None:
 def header(args, engine: EngineConfig) -> str:
     """The configuration as this run will use it, printed before anything loads."""
     cpu = torch.device(args.device).type == "cpu"
-    if args.base_url:
-        dtype, threads, attention = "the server's", "the server's", "the server's"
+    if args.base_url:  # another machine, perhaps: what runs there is not known here
+        device, dtype, threads, attention = "the server's", "the server's", "the server's", "the server's"
     else:
+        device = f"{args.device} ({machine(args.device)})"
         dtype = str(resolve_dtype(args.dtype, torch.device(args.device))).removeprefix("torch.")
         dtype = f"{dtype} (--dtype {args.dtype})" if args.dtype == "auto" else dtype
         adapts = "" if threads_chosen(engine.num_threads) else " (fewer while other processes use these cores)"
         threads = f"{cpu_threads_wanted(engine.num_threads)}{adapts}; {wait_policy()}" if cpu else "n/a (GPU)"
         attention = "eager (--enforce-eager)" if engine.enforce_eager else engine.attention_backend
-    return format_header(args, dtype, threads, attention, machine(args.device))
+    return format_header(args, device, dtype, threads, attention)
 
 
 def run(args) -> int:
@@ -357,7 +362,7 @@ def run(args) -> int:
         "threads": torch.get_num_threads(),
         # by CpuShare, under load
         "thread_count_changes": threads.changes if (threads := scheduler and scheduler.features.threads) else None,
-        "machine": machine(args.device),
+        "machine": None if args.base_url else machine(args.device),  # the server's is not known here
     }
     records = [dict(r.to_json(), run=k) for k, res in enumerate(results) for r in res.records]
     report = {"config": settings, "summary": summary, "runs": summaries, "requests": records}

@@ -28,7 +28,7 @@ def _lengths(spec: str) -> str:
     return spec.replace(":", "-")
 
 
-def format_header(args, dtype: str, threads: str, attention: str, machine: str) -> str:
+def format_header(args, device: str, dtype: str, threads: str, attention: str) -> str:
     """The configuration, echoed before anything runs: the figures below mean nothing without it."""
     target = f"{args.base_url} (served name {args.model!r})" if args.base_url else args.model
     rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate:g} req/s (Poisson)"
@@ -42,7 +42,7 @@ def format_header(args, dtype: str, threads: str, attention: str, machine: str) 
         ("model", target),
         ("mode", "online: HTTP streams to a server" if args.mode == "online"
          else "offline: the engine in this process"),
-        ("device", f"{args.device} ({machine})"),
+        ("device", device),
         ("dtype", dtype),
         ("threads", threads),
         ("attention", attention),

@@ -186,7 +186,7 @@ def test_online_base_url(tiny_checkpoint, tmp_path, capsys):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         host, port = server.server_address[:2]
-        run_bench(
+        out = run_bench(
             capsys,
             "--base-url",
             f"http://{host}:{port}/v1",
@@ -206,6 +206,7 @@ def test_online_base_url(tiny_checkpoint, tmp_path, capsys):
         server.stop()
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["config"]["mode"] == "online"
+    assert "device:    the server's" in out and report["config"]["machine"] is None  # not ours
     check_summary(report["summary"], report["requests"], exact_itl_count=False)
     edges = sorted(
         [(r["submit_time"], 1) for r in report["requests"]] + [(r["finish_time"], -1) for r in report["requests"]]
@@ -349,6 +350,10 @@ def test_online_with_no_server_there_says_why(capsys):
     (["--workload", "copy", "--input-len", "8:16"], "--input-len applies only to random prompts"),
     (["--block-size", "0"], "--block-size must be a positive integer"),  # the engine's flags, as argparse's
     (["--baseline", "hf", "--n", "2"], "compare with --n 1"),
+    # Another server runs with its own settings: an engine flag would change nothing measured.
+    (["--base-url", "http://127.0.0.1:1", "--dtype", "bfloat16"], "--dtype applies only to an engine bench runs"),
+    (["--base-url", "http://127.0.0.1:1", "--no-enable-prefix-caching"], "--no-enable-prefix-caching applies only"),
+    (["--base-url", "http://127.0.0.1:1", "--max-num-seqs", "1"], "--max-num-seqs applies only to an engine"),
 ])
 def test_a_flag_the_run_would_not_apply_is_refused(flags, message, capsys):
     from minfer.bench.cli import main
