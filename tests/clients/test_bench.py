@@ -350,6 +350,10 @@ def test_online_with_no_server_there_says_why(capsys):
     (["--workload", "copy", "--input-len", "8:16"], "--input-len applies only to random prompts"),
     (["--block-size", "0"], "--block-size must be a positive integer"),  # the engine's flags, as argparse's
     (["--baseline", "hf", "--n", "2"], "compare with --n 1"),
+    # Written at the end: a path that cannot be would lose a whole run's figures.
+    (["--json", "/nonexistent-dir/b.json"], "--json /nonexistent-dir/b.json: no directory /nonexistent-dir"),
+    (["--trace", "/nonexistent-dir/t.json"], "--trace /nonexistent-dir/t.json: no directory /nonexistent-dir"),
+    (["--json", "."], "--json .: a directory, not a file"),
     # Another server runs with its own settings: an engine flag would change nothing measured.
     (["--base-url", "http://127.0.0.1:1", "--dtype", "bfloat16"], "--dtype applies only to an engine bench runs"),
     (["--base-url", "http://127.0.0.1:1", "--no-enable-prefix-caching"], "--no-enable-prefix-caching applies only"),
