@@ -9,7 +9,7 @@ from pathlib import Path
 from ..engine.config import EngineConfig
 from ..scoring.logprobs import MAX_LOGPROBS
 from .report import DefaultsOnce
-from .workload import STRUCTURED_OUTPUTS
+from .workload import STRUCTURED_OUTPUTS, parse_length
 
 DESCRIPTION = "Benchmark minfer: TTFT, TPOT, ITL, end-to-end latency, throughput and peak memory."
 
@@ -72,6 +72,13 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup_runs < 0:
         p.error("--warmup-runs must be >= 0")
+    for name in ("input_len", "output_len"):
+        try:
+            parse_length(getattr(args, name), f"--{name.replace('_', '-')}")
+        except ValueError as e:
+            p.error(str(e))
+    if not args.request_rate > 0:  # nan too
+        p.error(f"--request-rate must be > 0 (or inf), got {args.request_rate:g}")
     if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
         p.error(f"--logprobs must be from 0 to {MAX_LOGPROBS}")
     starts_server = args.mode == "online" and not args.base_url
