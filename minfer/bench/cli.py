@@ -223,6 +223,8 @@ def run(args) -> int:
     tokenizer = Tokenizer.from_dir(model_dir) if model_dir else None
     config = read_config(model_dir) if model_dir else None
     vocab, context = (config.vocab_size, config.max_positions) if config else (None, None)
+    shorter = not args.base_url and engine.max_model_len and context and engine.max_model_len < context
+    context = engine.max_model_len if shorter else context  # what the engine bench runs will take
     texts = read_prompts(args.prompt, args.prompts_file)
     if args.workload == "copy":
         if model_dir is None:
@@ -237,6 +239,7 @@ def run(args) -> int:
             tokenizer=tokenizer,
             vocab_size=vocab,
             context=context,
+            context_set_by="--max-model-len" if shorter else None,
             rate=args.request_rate,
             seed=args.seed,
             pretok=args.pretok,

@@ -123,10 +123,12 @@ def build_workload(
     seed: int,
     pretok: bool,
     run: int | str = 0,
+    context_set_by: str | None = None,
 ) -> list[BenchRequest]:
     """The requests of one run. Lengths and arrivals depend on the seed alone, so repeated runs
     send the same shape of traffic; random prompt contents also depend on `run`, so a repeat does
-    not simply hit the prefix cache filled by the run before."""
+    not simply hit the prefix cache filled by the run before. `context_set_by`: the flag that set a
+    context shorter than the model's, named where a request does not fit."""
     if num_requests < 1:
         raise ValueError(f"num-requests must be >= 1, got {num_requests}")
     rng = random.Random(seed)
@@ -142,6 +144,7 @@ def build_workload(
             raise ValueError("random prompts need the model's tokenizer: pass --model DIR (or --tokenizer DIR)")
         ids = sampleable_token_ids(tokenizer, vocab_size)
         content = random.Random(f"{seed}/{run}")
+    limit = f"the context of {context} ({context_set_by})" if context_set_by else f"the model's context of {context}"
     requests = []
     for i in range(num_requests):
         if texts:
@@ -154,8 +157,8 @@ def build_workload(
             prompt, sent_ids = None, [content.choice(ids) for _ in range(n_in)]
         if context and n_in and n_in + out_lens[i] > context:
             raise ValueError(
-                f"request {i}: {n_in} prompt tokens + {out_lens[i]} output tokens exceed the model's "
-                f"context of {context}; lower --input-len/--output-len"
+                f"request {i}: {n_in} prompt tokens + {out_lens[i]} output tokens exceed {limit}; "
+                "lower --input-len/--output-len"
             )
         requests.append(BenchRequest(i, prompt, sent_ids, n_in, out_lens[i], arrivals[i]))
     return requests

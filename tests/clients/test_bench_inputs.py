@@ -24,6 +24,12 @@ def test_without_a_model_says_how_to_get_one(monkeypatch, tmp_path, capsys):
 def test_bad_flags_are_one_line_errors(tiny_checkpoint, capsys):
     assert bench.main(["--model", str(tiny_checkpoint), "--input-len", "500", "--output-len", "100"]) == 1
     assert "context of 512" in capsys.readouterr().err
+    for mode in ("offline", "online"):  # --max-model-len shortens the context: the same sentence, before any load
+        assert bench.main(["--model", str(tiny_checkpoint), "--mode", mode, "--max-model-len", "32",
+                           "--input-len", "30", "--output-len", "4", "--disable-tqdm"]) == 1
+        err = capsys.readouterr().err
+        assert err.endswith("30 prompt tokens + 4 output tokens exceed the context of 32 (--max-model-len); "
+                            "lower --input-len/--output-len\n") and "loading" not in err and "starting" not in err
 
 
 @pytest.mark.parametrize("flags, message", [
