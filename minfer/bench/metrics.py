@@ -128,12 +128,14 @@ def summarize(records: list[RequestRecord], duration: float, **extra) -> dict:
 
 
 def median_summary(summaries: list[dict]) -> dict:
-    """Key by key median of several runs' summaries (None where any run has None)."""
+    """Key by key median of several runs' summaries (None where any run has None); counts stay whole (the
+    lower middle value of an even number of runs)."""
     out = {}
     for key in summaries[0]:
         vals = [s.get(key) for s in summaries]
         numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals)
-        out[key] = statistics.median(vals) if numeric else vals[-1] if len(set(map(repr, vals))) == 1 else None
+        median = statistics.median_low if all(isinstance(v, int) for v in vals) else statistics.median
+        out[key] = median(vals) if numeric else vals[-1] if len(set(map(repr, vals))) == 1 else None
     return out
 
 

@@ -80,3 +80,14 @@ def test_comparison_reads_in_one_direction():
     assert verdict(10.0, 40.0, higher_is_better=False) == "minfer is 4.00x faster"  # a lower TPOT wins
     assert verdict(52.4, 10.0, higher_is_better=False) == "minfer is 5.24x slower"
     assert verdict(None, 10.0, higher_is_better=False) == "n/a"
+
+
+def test_the_median_of_runs_keeps_counts_whole():
+    """Two runs that completed 3 and 4 requests: a median of 3.5 requests is no count; latencies interpolate."""
+    from minfer.bench.metrics import median_summary
+
+    runs = [{"completed": 3, "failed": 1, "mean_ttft_ms": 10.0, "note": "a"},
+            {"completed": 4, "failed": 0, "mean_ttft_ms": 20.0, "note": "a"}]
+    median = median_summary(runs)
+    assert median == {"completed": 3, "failed": 0, "mean_ttft_ms": 15.0, "note": "a"}
+    assert isinstance(median["completed"], int) and isinstance(median["failed"], int)
