@@ -29,17 +29,30 @@ def bench(model: str, extra: list[str]) -> tuple[float, float | None]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         cmd = [sys.executable, str(ROOT / "bench.py"), "--model", model, *WORKLOAD, "--json", str(out), *extra]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        run = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if run.returncode != 0:  # its last line says why (bench.py's errors are one line)
+            why = (run.stderr.strip().splitlines() or ["no message"])[-1]
+            raise SystemExit(f"contention.py: bench.py exited with {run.returncode}: {why}")
         report = json.loads(out.read_text())
         baseline = report.get("baseline", {}).get("summary", {}).get("output_throughput")
         return report["summary"]["output_throughput"], baseline
 
 
+def at_least_one(text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="checkpoint directory (e.g. a random GPT-2)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating alone/busy pairs")
-    parser.add_argument("--busy", type=int, default=1, help="competing busy processes")
+    parser.add_argument("--rounds", type=at_least_one, default=3, help="alternating alone/busy pairs")
+    parser.add_argument("--busy", type=at_least_one, default=1, help="competing busy processes")
     parser.add_argument("extra", nargs="*", help="flags for bench.py (after --)")
     args = parser.parse_args()
     alone, busy = [], []  # (minfer tok/s, transformers tok/s or None) per run
