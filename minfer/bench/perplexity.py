@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.bench.perp
     parser.add_argument("--num-threads", type=positive_int, help="CPU threads (default: every core)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
     args = parser.parse_args(argv)
+    if args.window is not None and args.stride is not None and args.stride >= args.window:  # before the model loads
+        parser.error(f"--stride must be below --window ({args.window}): windows overlap, got {args.stride}")
     try:
         if not is_cpu_or_cuda(args.device):
             raise ValueError(f"--device must be {CPU_OR_CUDA}, got {args.device!r}")

@@ -133,6 +133,7 @@ def test_heldout_perplexity_reproduces_the_card(capsys):
     (["--window", "0"], "argument --window: must be a positive integer, got '0'"),
     (["--num-threads", "0"], "argument --num-threads: must be a positive integer, got '0'"),
     (["--window", "1"], "error: --window must be >= 2 tokens, got 1"),
+    (["--window", "8", "--stride", "8"], "error: --stride must be below --window (8): windows overlap, got 8"),
     (["--device", "meta"], "error: --device must be cpu, or a CUDA device such as cuda or cuda:0, got 'meta'"),
     (["--device", "xyz"], "error: --device must be cpu, or a CUDA device such as cuda or cuda:0, got 'xyz'"),
     (["--quantization-group-size", "64"], "--quantization-group-size applies to --quantization int4 only"),
