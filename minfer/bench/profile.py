@@ -47,6 +47,7 @@ ROWS = (
     "speculation: verify",
     REST,
 )
+OPTIONAL_ROWS = ("speculation: propose", "speculation: verify")  # marked by speculative decoding alone
 
 
 def profile_steps(scheduler: OnlineScheduler, requests: list[BenchRequest], num_steps: int = 6) -> dict:
@@ -154,6 +155,8 @@ def breakdown(phase: dict, model, peaks: dict) -> dict:
     work = step_work(steps, model)
     rows = []
     for name in ROWS:
+        if name in OPTIONAL_ROWS and name not in times:  # a feature that did not run marks no time: no row
+            continue
         seconds = times.get(name, 0.0)
         nbytes, flops = work.get(name, (0.0, 0.0))
         floor = max(nbytes / (peaks["read_gb_s"] * 1e9), flops / (peaks["matmul_gflop_s"] * 1e9))
