@@ -49,10 +49,15 @@ def require_positive_ints(config, names) -> None:
             raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
 
 
+def is_positive_number(value) -> bool:
+    """A finite number above 0, as JSON writes one (true is no number)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
+
+
 def require_positive_number(config, name: str) -> None:
     """A field of a config read from config.json that must be a positive number (an epsilon)."""
     value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+    if not is_positive_number(value):
         raise ValueError(f"config.json: {name} must be a positive number, got {value!r}")
 
 

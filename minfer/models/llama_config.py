@@ -11,7 +11,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import architectures_of, read_config_json, require_positive_ints, require_positive_number
+from .config import (
+    architectures_of,
+    is_positive_number,
+    read_config_json,
+    require_positive_ints,
+    require_positive_number,
+)
 
 # The architectures this config describes, and whether each normalises queries and keys per head.
 QK_NORM = {"LlamaForCausalLM": False, "Qwen3ForCausalLM": True}
@@ -139,5 +145,5 @@ def check_llama3_scaling(path: Path, scaling: dict) -> None:
         raise ValueError(f"{path}: rope_scaling 'llama3' needs {', '.join(lacking)}")
     for key in LLAMA3_SCALING:
         value = scaling[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        if not is_positive_number(value):
             raise ValueError(f"{path}: rope_scaling's {key} must be a positive number, got {value!r}")
