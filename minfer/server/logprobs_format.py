@@ -46,7 +46,7 @@ class LogprobFormatter:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes the token adds to the text; a special token (which adds none) shows as its name."""
-        return self.tokenizer.token_bytes[token_id] or (self.tokenizer.id_to_token(token_id) or "").encode()
+        return self.tokenizer.shown_bytes(token_id)
 
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")

@@ -78,6 +78,10 @@ class Tokenizer:
             self._token_bytes = token_bytes_table(self.backend)
         return self._token_bytes
 
+    def shown_bytes(self, token_id: int) -> bytes:
+        """The bytes a token shows where special tokens are shown: its own, or a special token's name."""
+        return self.token_bytes[token_id] or (self.id_to_token(token_id) or "").encode()
+
     # ---- encode / decode -----------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
