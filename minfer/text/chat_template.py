@@ -28,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..errors import InvalidParameter
-from .tokenizer_files import read_tokenizer_config
+from .tokenizer_files import read_tokenizer_config, token_text
 
 # Tokens chat templates end a turn with: a chat request stops on each one its template writes.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -45,13 +45,6 @@ class ChatTemplateError(ValueError):
 def render_chat(messages: list[dict]) -> str:
     """The rendering for models without a template: a `role: content` line per message, then `assistant:`."""
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-
-
-def _token_text(value) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
 
 
 FROM_CHECKPOINT = "the checkpoint's chat_template"  # where a template came from, for its errors
@@ -108,7 +101,7 @@ class ChatTemplate:
             source = read_template_option(override)
         if not isinstance(source, str):
             return cls(None)
-        special = {k: t for k, v in config.items() if k.endswith("_token") and (t := _token_text(v)) is not None}
+        special = {k: t for k, v in config.items() if k.endswith("_token") and (t := token_text(v)) is not None}
         stops = [tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS if t in source]
         origin = FROM_CHECKPOINT if override is None else f"--chat-template {override!r}"
         return cls(source, special, [i for i in stops if i is not None], origin)

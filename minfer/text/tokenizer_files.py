@@ -73,14 +73,19 @@ def find_eos_ids(model_dir: str | Path, backend: tokenizers.Tokenizer) -> list[i
     then tokenizer_config.json's eos_token; failing all of them, GPT-2's usual token."""
     d = Path(model_dir)
     ids = read_eos_token_ids(d)
-    eos = read_tokenizer_config(d).get("eos_token")
-    if isinstance(eos, dict):  # the serialized AddedToken form
-        eos = eos.get("content")
-    if isinstance(eos, str) and backend.token_to_id(eos) is not None and backend.token_to_id(eos) not in ids:
+    eos = token_text(read_tokenizer_config(d).get("eos_token"))
+    if eos is not None and backend.token_to_id(eos) is not None and backend.token_to_id(eos) not in ids:
         ids.append(backend.token_to_id(eos))
     if not ids and backend.token_to_id(EOS_TOKEN) is not None:
         ids.append(backend.token_to_id(EOS_TOKEN))
     return ids
+
+
+def token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict (its content)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def read_tokenizer_config(model_dir: str | Path) -> dict:
