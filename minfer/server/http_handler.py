@@ -155,7 +155,7 @@ class RoutingHandler(TimedHandler):
         """Read and drop a body no endpoint read (a 401, 404 or 405 answers before reading it), so the
         connection can serve its next request. A body framed otherwise than by one Content-Length within the
         limit, or one that does not arrive within the request timeout, is left: the connection closes."""
-        if not self._body_unread or self.close_connection or "Transfer-Encoding" in self.headers:
+        if self.close_connection or "Transfer-Encoding" in self.headers:
             return
         try:
             size = self._body_size()
@@ -177,7 +177,8 @@ class RoutingHandler(TimedHandler):
         self._streaming = True
 
     def _send_headers(self, status: int, headers: dict[str, str]) -> None:
-        self._drop_unread_body()
+        if self._body_unread:
+            self._drop_unread_body()
         if self.close_connection or self._body_unread:  # a body no endpoint read would be taken for the next request
             headers["Connection"] = "close"  # http.server closes the connection after it, too
         self.send_response(status)
