@@ -15,7 +15,6 @@ from a fresh snapshot, so it never holds the engine back.
 from __future__ import annotations
 
 import functools
-import json
 import time
 from importlib import resources
 from typing import Callable
@@ -52,12 +51,12 @@ def stream_events(feed: EngineFeed, write: Callable[[bytes], None], end: Callabl
         last_write = time.monotonic()
         while True:
             try:
-                events = viewer.read(timeout=CLIENT_CHECK_SECONDS)
+                events = viewer.read_json(timeout=CLIENT_CHECK_SECONDS)
             except FeedClosed:
                 return end()
             now = time.monotonic()
             if events:
-                write(b"data: " + json.dumps(events, separators=(",", ":")).encode() + b"\n\n")
+                write(b"data: " + events + b"\n\n")
                 last_write = now
                 time.sleep(interval)  # what the engine does meanwhile comes in the next message
             elif client_gone():

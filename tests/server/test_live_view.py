@@ -55,6 +55,27 @@ def test_feed_is_bounded_and_a_slow_viewer_resyncs_from_a_snapshot():
             viewer.read(1.0)
 
 
+def test_each_event_is_encoded_once_however_many_viewers_read_it(monkeypatch):
+    import minfer.server.engine_events as engine_events
+
+    encoded = []
+    real_dumps = json.dumps
+    monkeypatch.setattr(engine_events.json, "dumps", lambda obj, **kw: encoded.append(obj) or real_dumps(obj, **kw))
+    feed = EngineFeed(capacity=8)
+    viewers = [feed.subscribe() for _ in range(5)]
+    feed.publish({"type": "snapshot", "blocks": "ff"})
+    feed.publish(step(1))
+    messages = [v.read_json(0.01) for v in viewers]
+    assert all(json.loads(m) == [{"type": "snapshot", "blocks": "ff"}, step(1)] for m in messages)
+    assert len(encoded) == 2  # one encoding per event, not per viewer
+    feed.publish(step(2))
+    assert [json.loads(v.read_json(0.01)) for v in viewers[:2]] == [[step(2)]] * 2
+    assert viewers[2].read(0.01) == [step(2)]  # the dict reader sees the same events
+    assert len(encoded) == 3 and viewers[3].read_json(0.01) != b"" and viewers[3].read_json(0.01) == b""
+    for v in viewers:
+        v.__exit__(None, None, None)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
     # 24 blocks of 16 tokens: four requests of ~120 tokens do not fit at once, so some are preempted.
