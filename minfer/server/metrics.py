@@ -15,6 +15,7 @@ from ..engine.outputs import RequestOutput
 # Seconds. TTFT spans queueing + prefill; TPOT is one decode step, usually much shorter.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)  # a whole request
 
 
 class Histogram:
@@ -46,6 +47,7 @@ class Metrics:
         self.generation_tokens = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
 
     def on_admitted(self, num_prompt_tokens: int) -> None:
         with self._lock:
@@ -64,6 +66,8 @@ class Metrics:
     def on_finished(self, out: RequestOutput) -> None:
         with self._lock:
             self.finished += 1
+            if out.finish_time is not None:
+                self.e2e.observe(out.finish_time - out.arrival_time)
             if len(out.token_times) > 1:  # time per output token after the first
                 span = out.token_times[-1] - out.token_times[0]
                 self.tpot.observe(span / (len(out.token_times) - 1))

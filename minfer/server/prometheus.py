@@ -65,6 +65,7 @@ def render(metrics: Metrics, stats: dict) -> str:
         for name, help_text, hist in [
             ("time_to_first_token_seconds", "Time from submission to the first generated token.", metrics.ttft),
             ("time_per_output_token_seconds", "Mean time between output tokens, per request.", metrics.tpot),
+            ("e2e_request_latency_seconds", "Time from submission to the request's finish.", metrics.e2e),
         ]:
             lines += metric("minfer_" + name, "histogram", help_text, hist)
     rss = resident_memory_bytes()

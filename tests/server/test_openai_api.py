@@ -304,7 +304,7 @@ def test_histogram_buckets_are_cumulative():
 def test_metrics_render_counts_finished_requests():
     m = Metrics()
     out = output()
-    out.arrival_time, out.first_token_time, out.token_times = 1.0, 1.5, [1.5, 1.7]
+    out.arrival_time, out.first_token_time, out.token_times, out.finish_time = 1.0, 1.5, [1.5, 1.7], 1.7
     m.on_admitted(3)
     m.on_tokens(2)
     m.on_first_token(0.5)
@@ -317,6 +317,9 @@ def test_metrics_render_counts_finished_requests():
     assert values["minfer_time_to_first_token_seconds_count"] == "1"
     assert float(values["minfer_time_to_first_token_seconds_sum"]) == pytest.approx(0.5)
     assert float(values["minfer_time_per_output_token_seconds_sum"]) == pytest.approx(0.2)
+    assert float(values["minfer_e2e_request_latency_seconds_sum"]) == pytest.approx(0.7)
+    assert values['minfer_e2e_request_latency_seconds_bucket{le="0.5"}'] == "0"
+    assert values['minfer_e2e_request_latency_seconds_bucket{le="1.0"}'] == "1"
 
 
 def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(info):

@@ -155,6 +155,7 @@ def test_models_health_metrics_and_generate(server, llm, tokenizer):
         "generation_tokens_total",
         "time_to_first_token_seconds_count",
         "time_per_output_token_seconds_count",
+        "e2e_request_latency_seconds_count",
     ]:
         assert "minfer_" + name in m
     assert m["minfer_requests_finished_total"] >= 2 and m["minfer_generation_tokens_total"] >= 24
