@@ -381,3 +381,17 @@ def test_bench_commands_in_docs_parse(monkeypatch):
 )
 def test_github_slug(heading, slug):
     assert github_slug(heading) == slug
+
+
+def test_the_metrics_serving_md_lists_are_the_ones_metrics_renders():
+    """docs/serving.md's Metrics section names every metric /metrics always renders, and nothing it does not."""
+    from minfer.server.connections import ConnectionStats
+    from minfer.server.metrics import Metrics
+    from minfer.server.prometheus import connection_lines, render
+
+    text = render(Metrics(), {"num_path_fallbacks": 0}) + connection_lines(ConnectionStats(1))
+    rendered = set(re.findall(r"^# HELP (\w+)", text, re.M))
+    section = (ROOT / "docs" / "serving.md").read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`((?:minfer|process)_\w+)`", section))
+    assert listed == rendered, f"listed, not rendered: {sorted(listed - rendered)}; rendered, not listed: " \
+        f"{sorted(rendered - listed)}"
