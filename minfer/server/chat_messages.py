@@ -53,15 +53,20 @@ class ToolTurns:
         self.caller: int | None = None  # the index of the assistant message whose calls the tool messages answer
         self.calls: list[str] = []  # its calls' ids
         self.unanswered: list[str] = []
+        self.answered_by: dict[str, int] = {}  # a call's id -> the tool message that answered it
 
     def check_answer(self, answered: str, i: int) -> None:
+        param = f"messages[{i}].tool_call_id"
         if answered not in self.calls:
             of = f"of messages[{self.caller}] (its calls: {', '.join(self.calls)})" if self.caller is not None \
                 else "right before it"
-            raise invalid(f"messages[{i}].tool_call_id", f"'messages[{i}].tool_call_id' is {show(answered)}, the "
-                          f"id of no tool call {of}: a tool message answers a call of the assistant message it follows")
-        if answered in self.unanswered:
-            self.unanswered.remove(answered)
+            raise invalid(param, f"'{param}' is {show(answered)}, the id of no tool call {of}: a tool message "
+                          "answers a call of the assistant message it follows")
+        if answered in self.answered_by:  # two results for one call: which one the model should read is unsaid
+            raise invalid(param, f"'{param}' is {show(answered)}, a call messages[{self.answered_by[answered]}] "
+                          "already answers: each call has one tool message")
+        self.unanswered.remove(answered)
+        self.answered_by[answered] = i
 
     def check_turn(self, role: str, i: int) -> None:
         """A message that is not a tool message: the previous calls must all have been answered."""
@@ -72,7 +77,7 @@ class ToolTurns:
         self.caller, self.calls = None, []
 
     def called(self, ids: list[str], i: int) -> None:
-        self.caller, self.calls, self.unanswered = i, ids, list(ids)
+        self.caller, self.calls, self.unanswered, self.answered_by = i, ids, list(ids), {}
 
     def check_end(self, add_generation_prompt: bool) -> None:
         """A reply asked for after calls nobody answered: OpenAI's 400. Without a reply asked for (/tokenize's
@@ -86,7 +91,8 @@ class ToolTurns:
 def tool_fields(m: dict, i: int, template: ChatTemplate, turns: ToolTurns) -> dict:
     """An assistant message's tool_calls, or a tool message's tool_call_id (and name), checked where the
     template renders tools, in the order OpenAI requires (`turns`). A template that does not render tools
-    refuses tool_calls (they would vanish from the prompt), and a tool message itself or shows it as text.
+    refuses tool_calls (they would vanish from the prompt), and a tool message itself or shows it as text (its
+    tool_call_id refused: no message could have made the call it names).
     Each call's arguments reach the template as an object, as transformers' and vLLM's do: a template that
     writes `arguments | tojson` (Llama 3.1's) would write a JSON string's text as a string."""
     if not template.supports_tools:
@@ -94,6 +100,9 @@ def tool_fields(m: dict, i: int, template: ChatTemplate, turns: ToolTurns) -> di
             raise invalid(f"messages[{i}].tool_calls", "this model's chat template does not render tool calls, so "
                           f"'messages[{i}].tool_calls' could not reach the model: serve it with a template that "
                           "does (--chat-template)", "unsupported_parameter")
+        if m["role"] == "tool" and m.get("tool_call_id") is not None:  # it could answer none of them
+            raise invalid(f"messages[{i}].tool_call_id", f"'messages[{i}].tool_call_id' answers no call: this "
+                          "model's chat template does not render tool calls, so no message here made one")
         return {}
     if m["role"] == "tool":
         answered = m.get("tool_call_id")
@@ -123,7 +132,12 @@ def tool_fields(m: dict, i: int, template: ChatTemplate, turns: ToolTurns) -> di
         function = _require(call, "function", dict, f"{param}.function", "an object with the name and arguments")
         _require(function, "name", str, f"{param}.function.name", "the name of the function called")
         read.append({**call, "function": {**function, "arguments": _arguments(function, f"{param}.function")}})
-    turns.called([call["id"] for call in read], i)
+    ids = [call["id"] for call in read]
+    twice = next((k for k, id_ in enumerate(ids) if id_ in ids[:k]), None)
+    if twice is not None:  # a tool message answering that id would answer both
+        raise invalid(f"messages[{i}].tool_calls[{twice}].id", f"'messages[{i}].tool_calls[{twice}].id' is "
+                      f"{show(ids[twice])}, the id of an earlier call of the same message: each call needs its own")
+    turns.called(ids, i)
     return {"tool_calls": read}
 
 

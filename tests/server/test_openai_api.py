@@ -120,7 +120,8 @@ def test_a_message_name_reaches_the_template(info):
 def test_assistant_content_may_be_null(info):
     """The openai SDK sends an assistant turn that only called a tool with content null (tests/rooms/structured
     render one through a template that reads tools). The plain rendering shows no calls: it refuses them, by name,
-    rather than drop them from the prompt, and renders a null content as empty."""
+    rather than drop them from the prompt, and renders a null content as empty. A tool message's tool_call_id then
+    answers no call: refused too, where it had been accepted and dropped."""
     messages = [
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
@@ -130,6 +131,10 @@ def test_assistant_content_may_be_null(info):
         parse_chat({"messages": messages}, info)
     assert refused.value.status == 400 and refused.value.param == "messages[1].tool_calls"
     del messages[1]["tool_calls"]
+    with pytest.raises(APIError) as refused:
+        parse_chat({"messages": messages}, info)
+    assert refused.value.param == "messages[2].tool_call_id" and "answers no call" in refused.value.message
+    del messages[2]["tool_call_id"]
     req = parse_chat({"messages": messages}, info)
     assert req.prompt_token_ids == info.tokenizer.encode("user: Weather?\nassistant: \ntool: sunny\nassistant:")
 

@@ -294,6 +294,10 @@ BAD = [  # (fields, the param the 400 names, words in its message)
      "no tool call"),  # an answer to an earlier turn's call, after a user message
     ({"messages": [*ASK, {"role": "assistant", "content": "Hi", "tool_calls": []}, *ASK], "tools": TOOLS},
      "messages[1].tool_calls", "empty list"),
+    # one call, two results: which the model should read was unsaid (both were rendered)
+    ({"messages": [*ASK, called({}), ANSWER, ANSWER], "tools": TOOLS}, "messages[3].tool_call_id", "already answers"),
+    ({"messages": [*ASK, {**CALLED_TWICE, "tool_calls": [called({})["tool_calls"][0]] * 2}, ANSWER], "tools": TOOLS},
+     "messages[1].tool_calls[1].id", "its own"),
 ]
 
 
