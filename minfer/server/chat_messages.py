@@ -3,10 +3,11 @@
 A message is {"role", "content"}: content a string, or a list of text parts ({"type": "text", "text": ...});
 an assistant's may be null, as OpenAI allows. An assistant message may hold the `tool_calls` it made
 (OpenAI's shape: id, type, function name and arguments as a JSON string), and a `tool` message answers
-one, naming it by `tool_call_id`, in the order OpenAI requires (ToolTurns: every call answered before the
-next message that is not a tool message). Both reach a tool-aware template as OpenAI sends them, but for the
+one, naming it by `tool_call_id`, in the order OpenAI requires (ToolTurns: every call answered, once, before
+the next message that is not a tool message). Both reach a tool-aware template as OpenAI sends them, but for the
 arguments, which it gets as an object (as transformers and vLLM hand them over). GPT-2 has no template,
-so its messages render as one `role: content` line each, then `assistant:` for the model to continue:
+so its messages render as one `role: content` line each, then `assistant:` for the model to continue
+(reply_flags: vLLM's add_generation_prompt and continue_final_message say how the prompt ends):
 
     system: You are terse.
     user: Hi!
@@ -162,10 +163,20 @@ def _arguments(function: dict, param: str) -> dict:
     return arguments
 
 
-def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
+def reply_flags(body: dict) -> tuple[bool, bool]:
+    """vLLM's (add_generation_prompt, continue_final_message): by default the reply opens an assistant message
+    of its own; with continue_final_message it goes on with the last message's text instead, and
+    add_generation_prompt then defaults to false (both true is the render's 400)."""
+    for name in ("add_generation_prompt", "continue_final_message"):
+        check_optional(body, name, name, bool)
+    continues = body.get("continue_final_message") is True
+    opens = body.get("add_generation_prompt")
+    return (not continues) if opens is None else opens, continues
+
+
+def render_messages(body: dict, template: ChatTemplate, tools: list[dict] | None = None) -> str:
     """body["messages"] checked and rendered with the chat template (chat completions and /tokenize), with
-    `tools` (checked: tools.py) for a template that renders them."""
+    `tools` (checked: tools.py) for a template that renders them, ending as reply_flags says."""
     messages = body.get("messages")
     if messages is None:
         raise invalid("messages", "'messages' is required", "missing_required_parameter")
@@ -183,6 +194,7 @@ def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: b
         check_optional(m, "name", f"messages[{i}].name", str)
         named = {"name": m["name"]} if m.get("name") is not None else {}  # who spoke, for a template that shows it
         rendered.append({"role": m["role"], "content": text, **named, **tool_fields(m, i, template, turns)})
+    add_generation_prompt, continue_final_message = reply_flags(body)
     if template.supports_tools:
         turns.check_end(add_generation_prompt)
     variables = body.get("chat_template_kwargs")  # vLLM's extension, e.g. {"enable_thinking": false} for Qwen3
@@ -190,8 +202,8 @@ def render_messages(body: dict, template: ChatTemplate, add_generation_prompt: b
         raise invalid("chat_template_kwargs", f"'chat_template_kwargs' must be an object, got {show(variables)}",
                       "invalid_type")
     try:
-        return template.render(rendered, add_generation_prompt, variables, tools)
+        return template.render(rendered, add_generation_prompt, variables, tools, continue_final_message)
     except ChatTemplateError as e:
         raise invalid("messages", str(e)) from None
-    except InvalidParameter as e:  # a chat_template_kwargs name the render gives itself
+    except InvalidParameter as e:  # a chat_template_kwargs name it cannot take, or a message it cannot continue
         raise invalid(e.param, str(e), e.code) from None

@@ -13,8 +13,8 @@ from .structured_fields import read_constraint, without_thinking
 from .tools import read_tools
 
 CHAT = Endpoint("/v1/chat/completions", SAMPLING | STRUCTURED | TOOLS | {"model", "messages", "max_tokens",
-                "max_completion_tokens", "stream", "stream_options", "chat_template_kwargs", "logprobs",
-                "top_logprobs"}, OPENAI_CHAT | VLLM,
+                "max_completion_tokens", "stream", "stream_options", "chat_template_kwargs", "add_generation_prompt",
+                "continue_final_message", "logprobs", "top_logprobs"}, OPENAI_CHAT | VLLM,
                 asks_nothing={"add_special_tokens": (False,)})  # vLLM's default: the template writes its own
 
 
@@ -25,11 +25,11 @@ def parse_chat(body: dict, info: ModelInfo) -> ParsedRequest:
     constraint, source = read_constraint(body) if STRUCTURED & body.keys() else (None, None)
     if tools is not None and tools.enforced:  # "required" or a named function: the grammar of its calls
         constraint, source = tools.constraint(constraint, source), "tools"
-        body = without_thinking(body)  # a constrained reply starts with what its grammar wants: no <think> first
+        body = without_thinking(body, info.chat_template)  # a constrained reply starts as its grammar wants
     elif tools is not None and tools.strict and constraint is None:  # free text, calls held to the tools
         constraint, source = tools.constraint(), "tools"
     elif constraint is not None:
-        body = without_thinking(body)
+        body = without_thinking(body, info.chat_template)
     ids = info.tokenizer.encode(render_messages(body, info.chat_template, tools=tools and tools.rendered))  # BOS too
     # max_completion_tokens is the current name; max_tokens the deprecated one. No limit: up to the context.
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"

@@ -19,6 +19,7 @@ import re
 
 from ..engine.structured_outputs_params import StructuredOutputsParams
 from ..errors import InvalidParameter
+from ..text.chat_template import ChatTemplate
 from .api_errors import invalid
 from .chat_messages import check_optional, show
 
@@ -58,10 +59,13 @@ def read_constraint(body: dict) -> tuple[StructuredOutputsParams | None, str | N
         raise invalid(name, f"'{name}' is invalid: {e}") from None
 
 
-def without_thinking(body: dict) -> dict:
+def without_thinking(body: dict, template: ChatTemplate) -> dict:
     """The chat body to render under a constraint. Qwen3's template opens its reply with a <think> block
     unless `enable_thinking` is false, and a constrained reply must start with what the grammar wants: so
-    it renders with enable_thinking false, unless the request's chat_template_kwargs says otherwise."""
+    a template that reads it renders with enable_thinking false, unless the request's chat_template_kwargs
+    says otherwise."""
+    if "enable_thinking" not in template.reads:
+        return body
     variables = body.get("chat_template_kwargs")
     if variables is None:
         variables = {}

@@ -3,13 +3,15 @@ with the server's own tokenizer (lm-evaluation-harness's `tokenizer_backend=remo
 `tokenizer_backend=auto` picks when /tokenizer_info and /tokenize answer).
 
     POST /tokenize    {prompt | messages (with tools, chat_template_kwargs), add_special_tokens,
-                       add_generation_prompt, return_token_strs} -> {count, max_model_len, tokens, token_strs}
+                       add_generation_prompt, continue_final_message, return_token_strs}
+                      -> {count, max_model_len, tokens, token_strs}
     POST /detokenize  {model, tokens} -> {prompt}
     GET  /tokenizer_info  -> {tokenizer_class, eos_token, bos_token, pad_token, chat_template,
                               model_max_length}
 
 `add_special_tokens` defaults as in vLLM: true for a prompt (what a completion's prompt gets), false
-for messages (the chat template writes its own). `add_generation_prompt` (messages only) defaults true.
+for messages (the chat template writes its own). `add_generation_prompt` and `continue_final_message`
+(messages only) end the rendering as a chat completion's (chat_messages.reply_flags).
 `tools` are rendered as a chat completion renders them, so the count is the prompt's the model would see.
 Fields are judged by the server's one rule (request_fields.py): a field of vLLM's tokenize API that
 minfer does not apply is refused unless it asks for nothing; any other is logged once.
@@ -23,12 +25,12 @@ from .chat_messages import render_messages
 from .requests import Endpoint, ModelInfo, opened_body
 from .tools import read_tools
 
-MESSAGES_ONLY = ("tools", "chat_template_kwargs", "add_generation_prompt")
+MESSAGES_ONLY = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+NOTHING_ASKED = {"continue_final_message": False}  # a prompt may carry it at its default (vLLM's clients send it)
 # vLLM's tokenize requests (TokenizeCompletionRequest, TokenizeChatRequest): the fields of that API
 TOKENIZE_API = frozenset({"model", "prompt", "messages", "add_special_tokens", "return_token_strs", *MESSAGES_ONLY,
-                          "continue_final_message", "chat_template", "mm_processor_kwargs"})
-TOKENIZE = Endpoint("/tokenize", TOKENIZE_API - {"continue_final_message", "chat_template", "mm_processor_kwargs"},
-                    TOKENIZE_API)
+                          "chat_template", "mm_processor_kwargs"})
+TOKENIZE = Endpoint("/tokenize", TOKENIZE_API - {"chat_template", "mm_processor_kwargs"}, TOKENIZE_API)
 DETOKENIZE = Endpoint("/detokenize", {"model", "tokens"}, frozenset({"model", "tokens"}))  # vLLM's DetokenizeRequest
 
 
@@ -50,7 +52,8 @@ def tokenize(body: dict, info: ModelInfo) -> dict:
     if prompt is not None:
         if not isinstance(prompt, str):
             raise invalid("prompt", f"'prompt' must be a string, got {type(prompt).__name__}", "invalid_type")
-        chat_only = next((name for name in MESSAGES_ONLY if body.get(name) is not None), None)
+        chat_only = next((name for name in MESSAGES_ONLY if body.get(name) is not None
+                          and not (name in NOTHING_ASKED and body[name] is NOTHING_ASKED[name])), None)
         if chat_only is not None:
             raise invalid(chat_only, f"'{chat_only}' applies to 'messages' (a chat), not to a 'prompt'")
         special = _flag(body, "add_special_tokens", True)
@@ -58,8 +61,7 @@ def tokenize(body: dict, info: ModelInfo) -> dict:
     else:
         special = _flag(body, "add_special_tokens", False)
         tools = read_tools({"tools": body.get("tools")}, info.chat_template)  # only rendered: no tool_choice here
-        text = render_messages(body, info.chat_template, _flag(body, "add_generation_prompt", True),
-                               tools and tools.rendered)
+        text = render_messages(body, info.chat_template, tools and tools.rendered)
     tokens = tokenizer.encode_prompt(text) if special else tokenizer.encode(text)
     strs = None
     if _flag(body, "return_token_strs", False):

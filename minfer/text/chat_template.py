@@ -42,9 +42,14 @@ class ChatTemplateError(ValueError):
     """The template could not render these messages (it raised, or it is broken)."""
 
 
-def render_chat(messages: list[dict]) -> str:
+def render_chat(messages: list[dict], add_generation_prompt: bool = True) -> str:
     """The rendering for models without a template: a `role: content` line per message, then `assistant:`."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if add_generation_prompt else "")
+
+
+# Appended to the message a reply continues, to find where its text ends in the rendering (transformers' way, so
+# the two cut alike): its trailing space tells whether the template stripped the text's end, as some do.
+CONTINUE_MARK = "MINFER_CONTINUES_HERE "
 
 
 FROM_CHECKPOINT = "the checkpoint's chat_template"  # where a template came from, for its errors
@@ -69,6 +74,7 @@ class ChatTemplate:
         self.stop_token_ids = list(stop_token_ids)  # the end-of-turn tokens this template writes
         self._template = None
         self.supports_tools = False  # whether the template reads `tools`
+        self.reads: frozenset[str] = frozenset()  # the variables it reads: what chat_template_kwargs may set
         if source is not None:
             from jinja2 import meta
             from jinja2.exceptions import TemplateError
@@ -82,7 +88,8 @@ class ChatTemplate:
             env.filters["tojson"] = _tojson
             try:
                 self._template = env.from_string(source)
-                self.supports_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
+                self.reads = frozenset(meta.find_undeclared_variables(env.parse(source)))
+                self.supports_tools = "tools" in self.reads
             except TemplateError as e:
                 raise ValueError(f"{origin} does not compile: {e}") from None
 
@@ -108,18 +115,48 @@ class ChatTemplate:
 
     def render(
         self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None,
-        tools: list[dict] | None = None,
+        tools: list[dict] | None = None, continue_final_message: bool = False,
     ) -> str:
-        """The prompt text for these messages, ending where the assistant's reply begins. `variables`
-        are more names the template may read (Qwen3's `enable_thinking`, for one); `tools`, the tool
-        definitions, for a template that supports them. A "developer" message is a "system" one to a
-        template that never names that role."""
-        taken = sorted(RENDER_NAMES & (variables or {}).keys())
+        """The prompt text for these messages, ending where the assistant's reply begins; with
+        `continue_final_message`, ending inside the last message, for the reply to go on with its text (then
+        not `add_generation_prompt`). `variables` are more names the template reads (Qwen3's `enable_thinking`,
+        for one); `tools`, the tool definitions, for a template that supports them. A "developer" message is a
+        "system" one to a template that never names that role."""
+        self._check_variables(variables or {})
+        if continue_final_message and add_generation_prompt:
+            raise InvalidParameter("continue_final_message", "'continue_final_message' and 'add_generation_prompt' "
+                                   "are both true: a reply either continues the last message or opens one of its "
+                                   "own; set add_generation_prompt false")
+        if not continue_final_message:
+            return self._render(messages, add_generation_prompt, variables, tools)
+        last = messages[-1]
+        text = self._render([*messages[:-1], {**last, "content": last["content"] + CONTINUE_MARK}], False,
+                            variables, tools)
+        mark = CONTINUE_MARK.rstrip()
+        if mark not in text or last["content"].strip() not in text:
+            raise InvalidParameter("continue_final_message", "'continue_final_message': this chat template does not "
+                                   f"write the last message's text (a {last['role']} message) as it is, so a reply "
+                                   "cannot continue it")
+        at = text.rindex(mark)
+        return text[:at] if text.startswith(CONTINUE_MARK, at) else text[:at].rstrip()  # as the template trims it
+
+    def _check_variables(self, variables: dict) -> None:
+        """chat_template_kwargs must name what the template reads, and not what the render itself gives it."""
+        taken = sorted(RENDER_NAMES & variables.keys())
         if taken:  # the render's own would win over them unseen
             raise InvalidParameter(f"chat_template_kwargs.{taken[0]}", f"'chat_template_kwargs.{taken[0]}' names "
                                    "what the request itself gives the template: leave it out")
+        unread = sorted(variables.keys() - self.reads)
+        if unread:  # it would be accepted and change nothing
+            param = f"chat_template_kwargs.{unread[0]}"
+            why = ("this model has no chat template (its messages render as `role: content` lines), so no variable "
+                   "applies") if self._template is None else "this model's chat template never reads it"
+            raise InvalidParameter(param, f"'{param}' cannot apply: {why}", "unsupported_parameter")
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, variables: dict | None,
+                tools: list[dict] | None) -> str:
         if self._template is None:
-            return render_chat(messages)
+            return render_chat(messages, add_generation_prompt)
         from jinja2.exceptions import TemplateError
 
         if "developer" not in self.source:  # OpenAI's developer messages are the system's instructions: a

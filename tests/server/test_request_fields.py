@@ -50,7 +50,7 @@ def test_the_tables_know_every_field_of_the_installed_openai_sdk():
         (parse_chat, "reasoning_effort", "high"),
         (parse_chat, "audio", {"voice": "alloy"}),
         (parse_chat, "modalities", ["audio"]),
-        (parse_chat, "continue_final_message", True),
+        (parse_chat, "documents", [{"title": "a", "text": "b"}]),
         # vLLM's, once logged and ignored: embeddings for the prompt, a structure, the reasoning left out
         (parse_completion, "prompt_embeds", "AAAA"),
         (parse_chat, "structural_tag", '{"type": "structural_tag", "structures": []}'),
