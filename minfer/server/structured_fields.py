@@ -3,7 +3,9 @@
 Three ways to ask, on /v1/completions and /v1/chat/completions alike; a request uses one of them:
 - OpenAI's `response_format`: {"type": "text"} (asks nothing), {"type": "json_object"}, or
   {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} (the openai SDK's `parse` sends
-  this; `name` is required, as OpenAI and vLLM require it; minfer enforces the schema whatever `strict` says);
+  this; `name` is required, as OpenAI and vLLM require it; minfer enforces the schema whatever `strict` says;
+  without `schema`, optional in OpenAI's API, the reply is any JSON value: the empty schema, where vLLM would
+  leave it unconstrained);
 - vLLM's `structured_outputs`: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}, with
   "whitespace_pattern" or "disable_any_whitespace" for JSON;
 - vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, with
@@ -92,10 +94,12 @@ def _response_format(value) -> dict | None:
         for key, kind in (("description", str), ("strict", bool)):
             check_optional(spec, key, f"response_format.json_schema.{key}", kind)
         schema = spec.get("schema")
+        if schema is None:  # optional in OpenAI's API: no schema constrains nothing, but the reply is JSON
+            return {"json": {}}
         if not isinstance(schema, dict):
             raise invalid("response_format.json_schema.schema",
                           f"'response_format.json_schema.schema' must be a JSON schema object, got {show(schema)}",
-                          "invalid_type" if schema is not None else "missing_required_parameter")
+                          "invalid_type")
         return {"json": schema}
     wanted = ", ".join(repr(k) for k in RESPONSE_FORMATS)
     code = "unsupported_parameter" if isinstance(kind, str) else "invalid_value"
