@@ -14,7 +14,7 @@
   function is called exactly once either way; an "auto" reply without it gives back its first call only.
 - `stop` (not a tools field, but it meets them): stop strings end a reply's text. An enforced reply is calls
   only, so none apply to it (they could only cut a call in half); in an "auto" reply they act on the text as
-  the model writes it, and a call they cut is content, as a call max_tokens cuts is.
+  the model writes it, and a call they cut is content (finish_reason "stop"), as a call max_tokens cuts is.
 OpenAI's older `functions` and `function_call` are refused, pointing here.
 
 Unless tool_choice is "none", the replies are read back for calls (ToolReplies, with tool_calls.py's

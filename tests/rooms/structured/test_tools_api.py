@@ -124,6 +124,24 @@ def test_stop_strings_do_not_cut_an_enforced_call(client, server):
     assert (text.message.content, text.finish_reason) == ("x", "stop")
 
 
+def test_a_stop_string_that_cuts_an_auto_call_leaves_its_text_as_content(client, server):
+    """Under "auto", stop strings act on the reply as the model writes it. Held by a choice to one whole call,
+    the reply is that call; a stop string inside it ('"b"') cuts it, and what is left comes back as content with
+    finish_reason "stop", never as half a call (arguments no client could run), streamed and not."""
+    fmt = format_of(server.info.chat_template)
+    body = f'{{"name": "add", "{fmt.arguments}": {{"a": 1, "b": 2}}}}'
+    call = f"{fmt.open}\n{body}\n{fmt.close}" if fmt.open else body
+    fields = {"tools": TOOLS, "temperature": 0, "extra_body": {"structured_outputs": {"choice": [call]}}}
+    whole = create(client, server, **fields).choices[0]
+    assert whole.finish_reason == "tool_calls" and [(c.function.name, json.loads(c.function.arguments))
+                                                    for c in whole.message.tool_calls] == [("add", {"a": 1, "b": 2})]
+    cut = create(client, server, stop=['"b"'], **fields).choices[0]
+    text = call[: call.index('"b"')].strip()
+    assert (cut.message.content, cut.message.tool_calls, cut.finish_reason) == (text, None, "stop")
+    assert streamed(client, server, stop=['"b"'], **fields) == (text, [], "stop")
+    wait_all_free(server)
+
+
 STRICT = [{"type": "function", "function": {**TOOLS[1]["function"], "strict": True}}, TOOLS[2]]
 
 
