@@ -89,19 +89,26 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, each
         rendered through the checkpoint's chat template (one `role: content` line each where it has none) and
         answered to the end of the assistant's turn, as the server's /v1/chat/completions does.
         `chat_template` (a file, or the template itself) replaces the checkpoint's; `chat_template_kwargs` are
-        more names the template reads (Qwen3's {"enable_thinking": False})."""
+        more names the template reads (Qwen3's {"enable_thinking": False}). continue_final_message has the reply go
+        on with the last message's text; add_generation_prompt, the assistant's header, defaults to its opposite
+        (both true is an error), as the server's fields do."""
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
         one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if one else messages
         if not isinstance(conversations, list) or not all(map(_is_conversation, conversations)):
             raise InvalidParameter("messages", "messages must be a conversation (a list of {'role', 'content'} "
                                    f"dicts) or a list of them, got {messages!r:.100}")
         template = ChatTemplate.from_dir(self.model.model_dir, self.tokenizer, override=chat_template)
-        prompts = [self.tokenizer.encode(template.render(_with_text_content(c), variables=chat_template_kwargs))
+        prompts = [self.tokenizer.encode(template.render(_with_text_content(c), add_generation_prompt,
+                                                         chat_template_kwargs, None, continue_final_message))
                    for c in conversations]  # the template writes BOS where it wants one
         per_prompt = self._params_per_prompt(sampling_params, len(prompts))
         return self.generate(prompts, [template.ending_turns(p) for p in per_prompt], use_tqdm)

@@ -55,6 +55,21 @@ def test_a_template_given_and_its_variables_are_used(llm):
     assert e.value.param == "chat_template_kwargs.add_generation_prompt"
 
 
+def test_the_reply_may_continue_the_last_message_as_the_server_s_does(llm):
+    started = [*HELLO, {"role": "assistant", "content": "Well, "}]
+    template = ChatTemplate.from_dir(llm.model.model_dir, llm.tokenizer)
+    (out,) = llm.chat(started, GREEDY, use_tqdm=False, continue_final_message=True)  # no header: as the server
+    prompt = template.render(started, False, continue_final_message=True)
+    assert prompt.endswith("assistant\nWell, ") and out.prompt_token_ids == llm.tokenizer.encode(prompt)
+    (closed,) = llm.chat(HELLO, GREEDY, use_tqdm=False, add_generation_prompt=False)
+    assert closed.prompt_token_ids == llm.tokenizer.encode(template.render(HELLO, False))
+    assert closed.prompt_token_ids != served(llm, HELLO)[0]  # the default opens the assistant's turn
+    with pytest.raises(InvalidParameter) as e:  # both: vLLM refuses it too
+        llm.chat(started, GREEDY, use_tqdm=False, add_generation_prompt=True, continue_final_message=True)
+    assert e.value.param == "continue_final_message"
+    assert_all_free(llm)
+
+
 @pytest.mark.parametrize("messages", ["hi", [[]], [{"content": "no role"}], [HELLO, "hi"], None])
 def test_what_is_no_conversation_is_refused_naming_messages(llm, messages):
     with pytest.raises(InvalidParameter, match="messages must be a conversation") as e:
