@@ -208,7 +208,7 @@ class Llama(nn.Module):
         C, F_, V, D = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
         H, KV = config.num_attention_heads, config.num_key_value_heads
         shapes: dict[str, tuple[int, ...] | None] = {"embed_tokens.weight": (V, C), "norm.weight": (C,)}
-        # A tied checkpoint may still carry lm_head.weight; the embedding wins, as in transformers.
+        # A tied checkpoint may still carry lm_head.weight, the embedding's copy (one that differs unties: loader.py)
         shapes["lm_head.weight"] = None if config.tie_word_embeddings else (V, C)
         for i in range(config.num_hidden_layers):
             p = f"layers.{i}."

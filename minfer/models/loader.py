@@ -10,7 +10,9 @@ architecture's names and quirks live in its own file (gpt2.py, llama.py), none h
 from __future__ import annotations
 
 import json
+import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -21,6 +23,8 @@ from .config import read_config_json
 
 if TYPE_CHECKING:
     from .contract import Architecture, CausalLM
+
+log = logging.getLogger("minfer")
 
 
 class TensorTaker(Protocol):
@@ -291,7 +295,7 @@ def from_pretrained(
     given and it says so, loads the weights its own way (quantizing them as they are read, say)."""
     model_dir = resolve_model_dir(name_or_path)
     config_path, raw = read_config_json(model_dir)
-    config = model_class.config_class.from_json(model_dir / "config.json")
+    config = untied_where_stored_apart(model_class, model_class.config_class.from_json(config_path), model_dir)
     with torch.device("meta"):  # no memory and no random init for weights about to be replaced
         model = model_class(config, model_dir=model_dir)
     if weights is not None and weights.loads(raw, config_path):
@@ -305,3 +309,40 @@ def from_pretrained(
     model.load_state_dict(load_model_weights(model, model_dir, device, dtype), strict=True, assign=True)
     retie(model, tied)
     return model.to(device).eval()  # .to: buffers computed at construction (RoPE's) join the weights
+
+
+def untied_where_stored_apart(model_class: Architecture, config, model_dir: Path):
+    """`config`, untied if config.json ties the LM head to the embedding (tie_word_embeddings) but the checkpoint
+    stores both, with different values: transformers then keeps each its own (with a warning), and so must we,
+    or the logits differ from its. A config without the switch (GPT-2's) is left as it is."""
+    if not getattr(config, "tie_word_embeddings", False):
+        return config
+    with torch.device("meta"):
+        tied = tied_parameters(model_class(config))
+    stored = stored_tensors(model_dir, model_class.checkpoint_name, set(tied) | set(tied.values()))
+    for alias, owner in tied.items():
+        if alias in stored and owner in stored and not equal_values(stored[alias], stored[owner]):
+            log.warning("minfer: %s ties %s to %s (tie_word_embeddings), but the checkpoint stores %s, and it differs "
+                        "from %s: each keeps its own, as in transformers (set tie_word_embeddings to false to say so)",
+                        model_dir / "config.json", alias, owner, alias, owner)
+            return replace(config, tie_word_embeddings=False)
+    return config
+
+
+def stored_tensors(model_dir: Path, rename: Callable[[str], str | None], names: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors of the checkpoint stored under `names` (the model's names), where it has them."""
+    found = {}
+    for file in safetensors_files(model_dir):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if rename(key) in names:
+                        found[rename(key)] = f.get_tensor(key)
+        except SafetensorError as e:
+            raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+    return found
+
+
+def equal_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same shape and values, whatever dtype each is stored in."""
+    return a.shape == b.shape and torch.equal(a, b.to(a.dtype))

@@ -148,7 +148,11 @@ def install_quantized(model, quantized: dict[str, dict], state: dict, spec: Quan
     embedding = find_token_embedding(model, head if type(head) is nn.Linear else None)
     tied = embedding is not None and type(head) is nn.Linear and embedding[2].weight is head.weight
     built: dict[int, QuantizedLinear] = {}
-    for weight_name, module in quantized_targets(model, spec).items():
+    targets = quantized_targets(model, spec)
+    unexpected = sorted(set(quantized) - set(targets))  # a head stored apart from the embedding its config ties, say
+    if unexpected:
+        raise ValueError(f"the checkpoint holds quantized tensors of {unexpected[0]!r}, which this model does not have")
+    for weight_name, module in targets.items():
         if weight_name not in quantized:
             raise ValueError(f"the checkpoint lacks the quantized tensors of {weight_name!r}")
         module_name = weight_name.removesuffix(".weight")
@@ -195,6 +199,8 @@ def save_quantized(model: nn.Module, source_dir: str | Path, out_dir: str | Path
     source = Path(source_dir)
     raw = json.loads((source / "config.json").read_text(encoding="utf-8"))
     raw["quantization_config"] = spec.to_config()
+    if raw.get("tie_word_embeddings") and not getattr(model.config, "tie_word_embeddings", True):
+        raw["tie_word_embeddings"] = False  # the loader kept a head stored apart from the embedding (loader.py)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
     for file in source.iterdir():
         if file.name.startswith(("tokenizer", "vocab", "merges", "generation_config", "special_tokens")):

@@ -166,3 +166,25 @@ def test_rms_norm_is_transformers_bit_for_bit(shape):
         wide = x.float()
         reference = weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
         assert torch.equal(norm.to(dtype)(x), reference), dtype
+
+
+@pytest.mark.parametrize("same", [True, False])
+@torch.inference_mode()
+def test_a_tied_checkpoint_that_stores_its_lm_head_loads_as_transformers_loads_it(make_checkpoint, tmp_path, caplog,
+                                                                                   same):
+    """config.json ties the LM head to the embedding, yet the checkpoint stores lm_head.weight too. The same
+    values: tied, as config.json says. Different ones: transformers keeps the two apart (with a warning), and
+    so its logits are the stored head's; minfer's must be too, and it must say why."""
+    def store_head(state):
+        embedding = state["model.embed_tokens.weight"]
+        state["lm_head.weight"] = embedding.clone() if same else torch.randn_like(embedding)
+
+    d = _edited(make_checkpoint("llama-tiny", seed=2, tie_word_embeddings=True), tmp_path, tensors=store_head)
+    with caplog.at_level("WARNING", logger="minfer"):
+        ours = load_model(d)
+    ids = torch.randint(0, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ours(ids), hf_model(d)(ids).logits, atol=1e-4, rtol=0)
+    assert (ours.lm_head.weight is ours.embed_tokens.weight) == same == ours.config.tie_word_embeddings
+    warned = [r.getMessage() for r in caplog.records if "lm_head.weight" in r.getMessage()]
+    assert len(warned) == (0 if same else 1), caplog.text
+    assert same or "differs from" in warned[0] and "tie_word_embeddings" in warned[0]

@@ -2,8 +2,12 @@
 loaded back the same model exactly; a truncated, incomplete or altered one is refused naming what is wrong, and
 one quantized by another tool (GPTQ, AWQ) is refused saying what runs."""
 
+import json
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from minfer import LLM, SamplingParams
 from minfer.models.registry import load_model
@@ -132,3 +136,24 @@ def test_a_quantized_checkpoint_serves_as_a_draft_model(make_checkpoint, tmp_pat
     want = [o.token_ids for o in LLM(target).generate(prompts, GREEDY, use_tqdm=False)]
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
     assert llm.scheduler.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_a_head_stored_apart_from_the_embedding_its_config_ties_stays_apart_when_saved(make_checkpoint, tmp_path):
+    """The loader keeps a stored head that differs from the embedding config.json ties it to (as transformers
+    does): the quantized checkpoint says it is untied, and one whose config.json still ties them is refused."""
+    source = tmp_path / "tied"
+    shutil.copytree(make_checkpoint("llama-tiny", tie_word_embeddings=True), source)
+    tensors = load_file(str(source / "model.safetensors"))
+    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, str(source / "model.safetensors"))
+    spec = QuantizationSpec("int8")
+    model = load_model(source, weights=QuantizedWeights(spec))
+    out = save_quantized(model, source, tmp_path / "q", spec)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    ids = torch.randint(0, 500, (1, 7))
+    with torch.inference_mode():
+        torch.testing.assert_close(load_model(out, weights=QuantizedWeights())(ids), model(ids), atol=0, rtol=0)
+    raw = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(raw | {"tie_word_embeddings": True}))
+    with pytest.raises(ValueError, match="holds quantized tensors of 'lm_head.weight', which this model does not"):
+        load_model(out, weights=QuantizedWeights())
