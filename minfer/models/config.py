@@ -119,8 +119,13 @@ class GPT2Config:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "GPT2Config":
-        """Read config.json; refuse checkpoints of other architectures with one sentence."""
-        path, raw = read_config_json(path)
+        """Read config.json (given it or its directory)."""
+        return cls.from_raw(*read_config_json(path))
+
+    @classmethod
+    def from_raw(cls, path: Path, raw: dict) -> "GPT2Config":
+        """config.json's contents (`raw`, read from `path`); checkpoints of other architectures refused in one
+        sentence."""
         model_type = raw.get("model_type")
         architectures = architectures_of(path, raw)
         if model_type != "gpt2" and not any(str(a).startswith("GPT2") for a in architectures):

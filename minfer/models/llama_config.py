@@ -89,8 +89,13 @@ class LlamaConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "LlamaConfig":
-        """Read config.json; anything this implementation would silently get wrong is refused."""
-        path, raw = read_config_json(path)
+        """Read config.json (given it or its directory)."""
+        return cls.from_raw(*read_config_json(path))
+
+    @classmethod
+    def from_raw(cls, path: Path, raw: dict) -> "LlamaConfig":
+        """config.json's contents (`raw`, read from `path`); anything this implementation would silently get
+        wrong is refused."""
         architecture = next((a for a in architectures_of(path, raw) if a in QK_NORM), None)
         if architecture is None:
             found = ", ".join(architectures_of(path, raw)) or raw.get("model_type") or "unknown"

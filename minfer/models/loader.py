@@ -290,12 +290,14 @@ def from_pretrained(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     weights: WeightLoader | None = None,
+    config_json: tuple[Path, dict] | None = None,
 ) -> CausalLM:
     """Build `model_class` from a local checkpoint directory or a Hugging Face Hub repo id. `weights`, if
-    given and it says so, loads the weights its own way (quantizing them as they are read, say)."""
+    given and it says so, loads the weights its own way (quantizing them as they are read, say).
+    `config_json`: read_config_json's (path, contents) of its config.json, where the caller read it already."""
     model_dir = resolve_model_dir(name_or_path)
-    config_path, raw = read_config_json(model_dir)
-    config = untied_where_stored_apart(model_class, model_class.config_class.from_json(config_path), model_dir)
+    config_path, raw = config_json or read_config_json(model_dir)
+    config = untied_where_stored_apart(model_class, model_class.config_class.from_raw(config_path, raw), model_dir)
     with torch.device("meta"):  # no memory and no random init for weights about to be replaced
         model = model_class(config, model_dir=model_dir)
     if weights is not None and weights.loads(raw, config_path):

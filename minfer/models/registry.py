@@ -30,9 +30,9 @@ ARCHITECTURES: dict[str, Architecture] = {
 MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 
 
-def architecture(model_dir: str | Path) -> str:
-    """The supported architecture config.json names, or a ValueError saying what is supported."""
-    path, raw = read_config_json(model_dir)
+def architecture(path: Path, raw: dict) -> str:
+    """The supported architecture config.json (`raw`, read from `path`) names, or a ValueError saying what is
+    supported."""
     names = architectures_of(path, raw)
     for name in names:
         if name in ARCHITECTURES:
@@ -43,9 +43,14 @@ def architecture(model_dir: str | Path) -> str:
     raise ValueError(f"{path} describes a {found!r} model; minfer runs these architectures: {', '.join(ARCHITECTURES)}")
 
 
+def config_of(path: Path, raw: dict) -> ModelConfig:
+    """The config that config.json (`raw`, read from `path`) describes, as the class its architecture uses."""
+    return ARCHITECTURES[architecture(path, raw)].config_class.from_raw(path, raw)
+
+
 def read_config(model_dir: str | Path) -> ModelConfig:
     """The checkpoint's config, as the class its architecture uses."""
-    return ARCHITECTURES[architecture(model_dir)].config_class.from_json(Path(model_dir) / "config.json")
+    return config_of(*read_config_json(model_dir))
 
 
 def load_model(
@@ -53,8 +58,11 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     weights: WeightLoader | None = None,
+    config_json: tuple[Path, dict] | None = None,
 ) -> CausalLM:
     """Load any supported checkpoint (local directory or Hub repo id) as the model its config names;
-    `weights` loads them its own way where it says so (quantization/checkpoint.py: QuantizedWeights)."""
+    `weights` loads them its own way where it says so (quantization/checkpoint.py: QuantizedWeights).
+    `config_json`: read_config_json's (path, contents) of its config.json, where the caller read it already."""
     model_dir = resolve_model_dir(name_or_path)
-    return from_pretrained(ARCHITECTURES[architecture(model_dir)], model_dir, device, dtype, weights)
+    config_json = config_json or read_config_json(model_dir)
+    return from_pretrained(ARCHITECTURES[architecture(*config_json)], model_dir, device, dtype, weights, config_json)
