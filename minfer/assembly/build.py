@@ -25,8 +25,10 @@ from ..cpu.threads import bound_before_minfer, cores_allowed, cpu_threads_wanted
 from ..engine.config import DTYPES, EngineConfig, dtype_name
 from ..engine.features import Features
 from ..engine.scheduler import OnlineScheduler
+from ..model_config import ModelConfig
+from ..models.config import read_config_json
 from ..models.loader import resolve_model_dir
-from ..models.registry import load_model, read_config
+from ..models.registry import config_of, load_model
 from ..parallel_sampling.forks import Forks
 from ..quantization import running_quantization
 from ..quantization.checkpoint import QuantizationSpec, QuantizedWeights
@@ -36,6 +38,7 @@ from ..speculative.speculation import Speculation
 from ..speculative.speculator import Speculator
 from ..structured.structured import Structured
 from ..text.tokenizer import Tokenizer
+from ..text.tokenizer_files import check_fits_model
 from .compile_choice import lone_only, with_compile_choice
 from .memory import with_profiled_budget
 from .prepare import prepare_model
@@ -49,8 +52,10 @@ def build_engine(
     """An OnlineScheduler for `config`, with every feature it asks for. `model` (already loaded, as tests
     and benchmarks reuse one) and `tokenizer` are loaded from config.model when not given."""
     if model is None:
-        model = load_for(config)
-    tokenizer = tokenizer or Tokenizer.from_dir(model.model_dir)
+        model, tokenizer = load_for(config, tokenizer)
+    else:
+        tokenizer = tokenizer or Tokenizer.from_dir(model.model_dir)
+        check_settings(config, model.config, model.dtype, model.device)  # before a draft's cache is built
     config = with_compile_choice(config, model)  # compile_model unset: on where it wins (compile_choice.py)
     model, attention = prepare_model(model, config)  # quantized, packed, its attention chosen and warmed up
     context_len = config.max_model_len or model.config.max_positions
@@ -107,8 +112,6 @@ def with_speculation(
     if draft is not None:
         draft, draft_attention = draft
         extra = DraftProposer.bytes_per_block(draft, config.block_size)
-        if config.num_kv_blocks is not None:  # as given: refused before the draft's cache is built
-            check_num_blocks(model.config, config.block_size, model.dtype, model.device, config.num_kv_blocks)
         num_blocks = config.num_kv_blocks or kv_blocks(config, model, context_len, extra)
         config = replace(config, num_kv_blocks=num_blocks, kv_cache_memory=None, gpu_memory_utilization=None)
         proposer = DraftProposer(draft, draft_attention, num_blocks, config.block_size, model.config)
@@ -124,10 +127,11 @@ def kv_blocks(config: EngineConfig, model: torch.nn.Module, context_len: int, ex
     )
 
 
-def load_for(config: EngineConfig) -> torch.nn.Module:
+def load_for(config: EngineConfig, tokenizer: Tokenizer | None = None) -> tuple[torch.nn.Module, Tokenizer]:
     """config.model loaded on its device, in its dtype, quantized as it loads if asked (the float model
-    never sits in memory whole); the CPU's threads set first (the fp32 LM head is sliced per thread). A flag the
-    model cannot take is refused on its config.json alone, before a minute of loading weights."""
+    never sits in memory whole), and its tokenizer (unless given); the CPU's threads set first (the fp32 LM
+    head is sliced per thread). A flag the model cannot take, or a tokenizer it cannot embed, is refused on
+    its config.json alone, before a minute of loading weights."""
     device = torch.device(config.device)
     check_device(device)
     if device.type == "cpu":
@@ -142,11 +146,21 @@ def load_for(config: EngineConfig) -> torch.nn.Module:
                     "AVX512-BF16, AMX" if dtype == torch.bfloat16 else "AVX512-FP16, AMX-FP16",
                     dtype_name(resolve_dtype("auto", device)))
     model_dir = resolve_model_dir(config.model)  # a Hub id is fetched here
-    model_config = read_config(model_dir)
+    config_json = read_config_json(model_dir)  # read once: the checks here and the loader share it
+    model_config = config_of(*config_json)
+    tokenizer = tokenizer or Tokenizer.from_dir(model_dir)
+    check_fits_model(tokenizer.backend, model_config.vocab_size, model_dir)
+    check_settings(config, model_config, dtype, device)
+    model = load_model(model_dir, device=device, dtype=dtype, weights=QuantizedWeights(spec), config_json=config_json)
+    return model, tokenizer
+
+
+def check_settings(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """The flags that depend on the model, checked once, before anything is built (OnlineScheduler checks its own
+    again, for whoever builds one without this function)."""
     check_max_model_len(model_config, config.max_model_len)
     if config.num_kv_blocks is not None:
         check_num_blocks(model_config, config.block_size, dtype, device, config.num_kv_blocks)
-    return load_model(model_dir, device=device, dtype=dtype, weights=QuantizedWeights(spec))
 
 
 def emulated_on_this_cpu(dtype: torch.dtype) -> bool:

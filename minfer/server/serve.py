@@ -44,9 +44,7 @@ from .. import settings
 from ..assembly.build import build_engine, check_device
 from ..engine.scheduler import OnlineScheduler
 from ..models.loader import resolve_model_dir
-from ..models.registry import read_config
 from ..text.chat_template import ChatTemplate, read_template_option
-from ..text.tokenizer import Tokenizer
 from .banner import banner_lines
 from .connection_limits import ConnectionLimits, add_arguments, limits_from_args
 from .connections import CappedHTTPServer
@@ -162,10 +160,9 @@ def create_server(
 
     def build() -> tuple[OnlineScheduler, tuple[dict, list[str]]]:
         model_dir = resolve_model_dir(config.model)  # a Hub id is fetched here
-        read_config(model_dir)  # not a checkpoint at all (no config.json)? say so first
-        tokenizer = Tokenizer.from_dir(model_dir)  # before the weights: a missing tokenizer fails at once
-        defaults = sampling_defaults(model_dir, config.generation_config)  # and a bad generation_config.json
-        return build_engine(replace(config, model=str(model_dir)), tokenizer=tokenizer), defaults
+        defaults = sampling_defaults(model_dir, config.generation_config)  # a bad generation_config.json fails now
+        # config.json, then the tokenizer and the flags, are checked before the weights load
+        return build_engine(replace(config, model=str(model_dir))), defaults
 
     scheduler, (defaults, not_applied) = in_passing_thread(build)
     language_model, tokenizer = scheduler.model, scheduler.tokenizer

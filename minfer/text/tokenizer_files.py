@@ -4,6 +4,7 @@ end a generation (config.json, generation_config.json, tokenizer_config.json).""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import tokenizers
@@ -12,6 +13,8 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from ..errors import is_int
 
 EOS_TOKEN = "<|endoftext|>"  # GPT-2's end of text: the EOS of last resort
+
+log = logging.getLogger("minfer")
 
 
 def read_backend(model_dir: str | Path) -> tokenizers.Tokenizer:
@@ -32,6 +35,29 @@ def read_backend(model_dir: str | Path) -> tokenizers.Tokenizer:
             "writes a tokenizer.json: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)"
         )
     raise FileNotFoundError(f"no tokenizer found in {d}: looked for tokenizer.json, or vocab.json with merges.txt.")
+
+
+def tokenizer_file(model_dir: str | Path) -> Path:
+    """The file read_backend reads the vocabulary from: tokenizer.json, or else vocab.json."""
+    d = Path(model_dir)
+    return d / "tokenizer.json" if (d / "tokenizer.json").is_file() else d / "vocab.json"
+
+
+def check_fits_model(backend: tokenizers.Tokenizer, vocab_size: int, model_dir: str | Path) -> None:
+    """Every id the tokenizer writes text in must have a row in the model's embedding (config.json's vocab_size;
+    more rows than tokens is fine: Qwen3 pads 151,669 tokens to 151,936). A vocabulary past it is another model's
+    tokenizer: ValueError. Added tokens past it (a pad token added without growing the embedding) only cannot be
+    used: a warning names them, and a prompt that holds one is refused (engine/request_check.py)."""
+    file, config = tokenizer_file(model_dir), Path(model_dir) / "config.json"
+    size = max(backend.get_vocab(with_added_tokens=False).values(), default=-1) + 1
+    if size > vocab_size:
+        raise ValueError(f"{file} holds {size} tokens, but {config} gives the model {vocab_size} (vocab_size): it "
+                         "cannot embed the rest; is the tokenizer another model's?")
+    beyond = sorted((i, t.content) for i, t in backend.get_added_tokens_decoder().items() if i >= vocab_size)
+    if beyond:
+        named = ", ".join(f"{content!r} (id {i})" for i, content in beyond[:5]) + (", ..." if len(beyond) > 5 else "")
+        log.warning("minfer: %s adds %d token(s) past the %d the model embeds (%s's vocab_size): %s; the model never "
+                    "writes them, and a prompt that holds one is refused", file, len(beyond), vocab_size, config, named)
 
 
 def _from_vocab_merges(vocab: Path, merges: Path) -> tokenizers.Tokenizer:

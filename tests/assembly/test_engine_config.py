@@ -153,7 +153,7 @@ def test_a_16_bit_dtype_the_cpu_emulates_is_warned_about(monkeypatch, caplog, ti
     monkeypatch.setattr(engine, "cpu_has_native_bf16", lambda: native)
     monkeypatch.setattr(engine, "cpu_has_native_fp16", lambda: native)
     with caplog.at_level("WARNING", logger="minfer"):
-        model = engine.load_for(EngineConfig(model=str(tiny_checkpoint), dtype=dtype))
+        model, _ = engine.load_for(EngineConfig(model=str(tiny_checkpoint), dtype=dtype))
     assert model.dtype == getattr(torch, dtype)
     warned = [r.getMessage() for r in caplog.records if "torch emulates it" in r.getMessage()]
     assert len(warned) == (0 if native else 1), caplog.text
