@@ -42,6 +42,7 @@ from ..engine.config import EngineConfig
 from ..errors import BadSetting, whole_number
 from .. import settings
 from ..assembly.build import build_engine, check_device
+from ..cpu.threads import cpu_threads_wanted
 from ..engine.scheduler import OnlineScheduler
 from ..models.loader import resolve_model_dir
 from ..text.chat_template import ChatTemplate, read_template_option
@@ -170,6 +171,8 @@ def create_server(
     info = ModelInfo(served_model_name or config.model, tokenizer, scheduler.max_model_len, template, defaults)
     manager = SchedulerManager(scheduler, Metrics(), max_queued=max_queued)
     engine = {k: v for k, v in asdict(scheduler.engine_config).items() if k != "model"}  # no local paths
+    if language_model.device.type == "cpu":  # the count the engine was given, chosen by it where the user did not
+        engine["num_threads"] = cpu_threads_wanted(engine["num_threads"])
     server = MinferServer((host, port), manager, info, api_key, limits, engine)  # binds now: a taken port fails
     server.log_requests = log_requests
     manager.start()

@@ -14,6 +14,7 @@ from serving import ServerProcess, call
 from minfer import LLM, EngineConfig, OnlineScheduler, SamplingParams
 from minfer.attention.kv_cache import KVCache
 from minfer.bench import cli as bench
+from minfer.cpu.threads import cpu_threads_wanted
 from minfer.engine.config import parse_size
 from minfer.errors import InvalidParameter
 from minfer.server.serve import create_server
@@ -329,7 +330,7 @@ def test_in_process_server_reports_its_engine_in_health(tiny_checkpoint):
         "enforce_eager": False,
         "compile_decode_step": False,
         "compile_model": False,
-        "num_threads": None,
+        "num_threads": cpu_threads_wanted(),  # the count it runs (conftest.py's MINFER_NUM_THREADS), never null
         "generation_config": "auto",
         "quantization": None,
         "quantization_group_size": None,

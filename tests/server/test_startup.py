@@ -63,6 +63,27 @@ def test_the_banner_counts_the_threads_the_engine_runs(tiny_checkpoint, caplog):
     assert f"device: cpu, {asked} thread{'s' * (asked > 1)} (--num-threads, on " in caplog.text, caplog.text
 
 
+@pytest.mark.parametrize("asked", [None, 1])
+def test_health_reports_the_threads_the_engine_runs(tiny_checkpoint, monkeypatch, asked):
+    """Chosen by the engine (no flag, no variable: one per core, or a CPU quota's) or given: /health says the
+    number, not null."""
+    import torch
+
+    from minfer.cpu.threads import cpu_threads_wanted
+
+    monkeypatch.delenv("MINFER_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        srv = create_server(EngineConfig(str(tiny_checkpoint), num_kv_blocks=16, num_threads=asked), port=0)
+        srv.manager.shutdown()
+        srv.server_close()
+    finally:
+        torch.set_num_threads(before)
+    engine = srv.health()[1]["engine"]
+    assert engine["num_threads"] == (asked or cpu_threads_wanted()) >= 1, engine
+
+
 def test_log_level_warning_hides_the_banner_but_not_the_serving_line(tiny_checkpoint):
     proc = subprocess.Popen(
         [sys.executable, "-m", "minfer.serve", "--model", str(tiny_checkpoint), "--port", "0", "--log-level", "warning"],
