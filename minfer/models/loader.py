@@ -321,9 +321,9 @@ def untied_where_stored_apart(model_class: Architecture, config, model_dir: Path
         return config
     with torch.device("meta"):
         tied = tied_parameters(model_class(config))
-    stored = stored_tensors(model_dir, model_class.checkpoint_name, set(tied) | set(tied.values()))
+    where = stored_where(model_dir, model_class.checkpoint_name, set(tied) | set(tied.values()))
     for alias, owner in tied.items():
-        if alias in stored and owner in stored and not equal_values(stored[alias], stored[owner]):
+        if alias in where and owner in where and not equal_values(read_stored(where[alias]), read_stored(where[owner])):
             log.warning("minfer: %s ties %s to %s (tie_word_embeddings), but the checkpoint stores %s, and it differs "
                         "from %s: each keeps its own, as in transformers (set tie_word_embeddings to false to say so)",
                         model_dir / "config.json", alias, owner, alias, owner)
@@ -331,18 +331,23 @@ def untied_where_stored_apart(model_class: Architecture, config, model_dir: Path
     return config
 
 
-def stored_tensors(model_dir: Path, rename: Callable[[str], str | None], names: set[str]) -> dict[str, torch.Tensor]:
-    """The tensors of the checkpoint stored under `names` (the model's names), where it has them."""
+def stored_where(model_dir: Path, rename: Callable[[str], str | None], names: set[str]) -> dict[str, tuple[Path, str]]:
+    """Where the checkpoint stores the tensors of `names` (the model's names): their file and key, read from the
+    files' headers only (a tied model usually stores just the embedding, which then is never read here)."""
     found = {}
     for file in safetensors_files(model_dir):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    if rename(key) in names:
-                        found[rename(key)] = f.get_tensor(key)
+                found.update({rename(key): (file, key) for key in f.keys() if rename(key) in names})
         except SafetensorError as e:
             raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
     return found
+
+
+def read_stored(where: tuple[Path, str]) -> torch.Tensor:
+    file, key = where
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        return f.get_tensor(key)
 
 
 def equal_values(a: torch.Tensor, b: torch.Tensor) -> bool:
