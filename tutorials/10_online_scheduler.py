@@ -25,8 +25,8 @@ from minfer import OnlineScheduler, SamplingParams
 from minfer.attention.kv_cache import KVCache, cdiv
 from minfer.attention.torch_sdpa import TorchBackend, group_by_length
 from minfer.engine.block_allocator import BlockAllocator
+from minfer.engine.continuous_batcher import ContinuousBatcher
 from minfer.engine.model_runner import ModelRunner
-
 from minfer.engine.sequence import ScheduledChunk, Sequence, Status
 from minfer.models.gpt2 import GPT2
 from minfer.text.tokenizer import Tokenizer
@@ -98,7 +98,9 @@ def run(sched: OnlineScheduler, arrivals: dict[int, list[tuple]], width: int = 1
             outputs[name] = sched.pop_response(rid)
         s = sched.last_step
         history.append(did)
-        assert s.num_prefill_tokens + s.num_decode_tokens <= sched.max_num_batched_tokens
+        assert s.num_prefill_tokens + s.num_decode_tokens <= sched.max_num_batched_tokens, (
+            f"step {step} ran {s.num_prefill_tokens + s.num_decode_tokens} tokens, over max_num_batched_tokens: "
+            "an admitted chunk takes at most the budget left")
         assert s.num_seqs <= sched.max_num_seqs
         row = "".join(f"{did.get(n, ''):<{width}}" for n in names)
         row += f"| {s.num_prefill_tokens:3} + {s.num_decode_tokens}, {s.kv_blocks_used:2} blocks"
@@ -116,6 +118,83 @@ def steps_of(history: list[dict], name: str, kind: str) -> list[int]:
     """1-based step numbers in which `name` did `kind` ("pre", "decode", "PREEMPTED")."""
     return [i + 1 for i, h in enumerate(history) if h.get(name, "").startswith(kind)]
 
+
+# ---------------------------------------------------------------------------------------
+section("the policy by hand: a ContinuousBatcher on 8 blocks of 4 tokens, no model")
+# What schedule() decides, checked before anything runs on it. advance() stands in for the forward pass: it
+# counts a chunk's tokens as computed and registers its full blocks in the prefix cache (stage 09).
+policy = ContinuousBatcher(BlockAllocator(num_blocks=8, block_size=4), max_num_seqs=2, max_num_batched_tokens=64)
+
+
+def admit_by_hand(ids: list[int], max_cached_tokens: int | None = None) -> ScheduledChunk:
+    """Admit a sequence of `ids` alone, compute its first chunk, retire it; return that chunk."""
+    seq = Sequence("by hand", ids, greedy(1))
+    seq.max_cached_tokens = max_cached_tokens  # None, but for stage 15's prompt logprobs
+    policy.add(seq)
+    chunks = policy.schedule()
+    assert [c.seq for c in chunks] == [seq] and seq.status is Status.RUNNING, "admit returns its chunk, RUNNING"
+    chunk = chunks[0]
+    print(f"  {len(ids)} tokens, max_cached_tokens={max_cached_tokens}: computes {chunk.start}:{chunk.end}")
+    assert seq.num_computed_tokens == seq.num_cached_tokens == chunk.start, (
+        "admit sets num_computed_tokens (the step computes from there) and num_cached_tokens to the cached tokens")
+    assert chunk.end == len(ids), f"the first chunk ends at the prompt's end (the budget allows it): {chunk.end}"
+    assert len(seq.block_table) == cdiv(chunk.end, 4), "admit gives the hits and the first chunk's blocks, no more"
+    assert len(set(seq.block_table)) == len(seq.block_table), (
+        f"block table {seq.block_table} holds a block twice: share the hits before allocating, or allocate may "
+        "hand one of them out (evicting what it caches)")
+    policy.advance(chunks)
+    policy.retire(seq)
+    return chunk
+
+
+ids = list(range(100, 112))  # 12 made-up token ids, 3 blocks
+assert admit_by_hand(ids[:8]).start == 0  # nothing cached yet; its 2 full blocks are, after it
+again = admit_by_hand(ids[:8])
+assert again.start == 4, (
+    f"the same 8 tokens again computed {again.start}:{again.end}: a hit never covers the last token, whose "
+    "logits sample the first output, so match_prefix reads every token but the last: 1 block of 2 here"
+)
+capped = admit_by_hand(ids, max_cached_tokens=6)
+assert capped.start == 4, (
+    f"with max_cached_tokens=6 the hit covered {capped.start} tokens: a hit is cut to the whole blocks "
+    "within the cap, 6 // 4 = 1 (stage 15 caps it: the prompt tokens it scores need their logits)"
+)
+uncached = admit_by_hand(ids, max_cached_tokens=0)
+assert uncached.start == 0, f"max_cached_tokens=0 allows no hit (0 is a cap, not None): it covered {uncached.start}"
+assert admit_by_hand(ids).start == 8  # no cap: the 2 cached blocks, and never the partial third
+assert policy.prefix_cache_hit_tokens == 4 + 4 + 8, "every first admission adds its hit to the batcher's count"
+# Preemption: two sequences of 4 blocks each take all 8, and a third waits for a seat. The oldest needs a
+# fifth block: grow() finds none free and preempts the newest, which frees its blocks and waits first in line.
+older, newer, third = (Sequence(name, list(range(base, base + 16)), greedy(2)) for name, base in
+                       (("older", 200), ("newer", 300), ("third", 400)))
+for seq in (older, newer, third):
+    policy.add(seq)
+policy.advance(policy.schedule())
+assert policy.running == [older, newer] and policy.allocator.num_free_blocks == 0
+assert not policy.grow(older, 17)  # a 17th token needs a block that is not there: the newest is preempted
+print(f"  after grow(older, 17): running {[s.request_id for s in policy.running]}, "
+      f"waiting {[s.request_id for s in policy.waiting]}, {policy.allocator.num_free_blocks} blocks free")
+assert newer not in policy.running and list(policy.waiting) == [newer, third], (
+    "a preempted sequence leaves running and goes to the front of the queue: it was admitted before the others")
+assert newer.status is Status.WAITING and newer.block_table == [] and policy.allocator.num_free_blocks == 4, (
+    "a preempted sequence is WAITING and holds no blocks: its 4 are free")
+assert newer.num_computed_tokens == 0, "a preempted sequence is recomputed from its first token"
+assert newer.num_preemptions == policy.num_preemptions == 1, "count the preemption on the sequence and the batcher"
+assert policy.grow(older, 17)  # now there is room
+# newer's first 3 blocks are still cached, in the free queue (grow evicted its tail's). Reusing them takes 3 of
+# the 3 free blocks, and it needs a 4th: so it waits, though 3 blocks look free.
+older.append_token(7)
+try:
+    chunks = policy.schedule()
+except RuntimeError as e:
+    raise AssertionError(f"admit took blocks that are not there ({e}): cached hits that sit in the free queue "
+                         "use up free blocks too (allocator.num_unreferenced)") from e
+assert [c.seq for c in chunks] == [older] and policy.waiting[0] is newer, "with too few blocks, admit returns None"
+policy.retire(older)
+for seq in (newer, third):
+    policy.discard(seq)
+policy.check_invariants()
+assert policy.allocator.num_free_blocks == 8
 
 # ---------------------------------------------------------------------------------------
 section("continuous batching with chunked prefill: max_num_seqs=3, max_num_batched_tokens=32")
