@@ -100,20 +100,32 @@ for name in tables:
 assert not set(slots_of(tables["A"], 11)) & set(slots_of(tables["B"], 8)), "sequences never share a slot"
 
 section("freeing: blocks go back to the free queue, and any free block will do")
+
+
+def refused(n: int) -> str:
+    """allocate(n) with fewer than n blocks free: the RuntimeError's sentence. It must take no block."""
+    free_before = list(alloc.free_queue)
+    try:
+        alloc.allocate(n)
+    except RuntimeError as e:
+        assert list(alloc.free_queue) == free_before, "a refused allocate takes no block: check before taking any"
+        return str(e)
+    except Exception as e:
+        raise AssertionError(f"allocate({n}) with {len(free_before)} free must raise RuntimeError, not {e!r}") from e
+    raise AssertionError(f"allocate({n}) with {len(free_before)} free must raise RuntimeError")
+
+
 alloc.free(tables.pop("A"))  # A finished: drop its references
 print(f"A freed; free queue: {list(alloc.free_queue)}")
 # Freed in reverse (tail first) and appended: never-used blocks are handed out before A's old ones.
-assert list(alloc.free_queue) == [5, 6, 7, 8, 9, 4, 1, 0]
+assert list(alloc.free_queue) == [5, 6, 7, 8, 9, 4, 1, 0], "free walks a table in reverse, to the queue's back"
+print(f"allocate(9) with 8 free -> RuntimeError: {refused(9)}")
 append_tokens("C", 30)  # 30 tokens -> 8 blocks: every free block, wherever it is
 print(f"C: 30 tokens in blocks {tables['C']}")
 assert tables["C"] == [5, 6, 7, 8, 9, 4, 1, 0] and alloc.num_free_blocks == 0
 store[slots_of(tables["C"], 30)] = torch.tensor(tokens["C"])  # overwrites what A left behind
 assert store[slots_of(tables["B"], 8)].tolist() == tokens["B"], "B's tokens are untouched"
-try:
-    alloc.allocate(1)
-    raise AssertionError("allocating from an empty free queue must fail")
-except RuntimeError as e:
-    print(f"allocate(1) with nothing free -> RuntimeError: {e}")
+print(f"allocate(1) with nothing free -> RuntimeError: {refused(1)}")
 alloc.check_invariants(list(tables.values()))
 
 section("reference counts: a block can belong to several tables")
@@ -177,13 +189,16 @@ outs = llm.generate(["The cat sat on the", "Once upon a time", "Once upon a time
                     SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
 print(f"generated {[len(o.token_ids) for o in outs]} tokens; stats: {llm.stats()}")
 assert llm.stats()["num_kv_blocks_free"] == 40, "finished requests must free every block"
-sched.check_invariants()
 allocator = sched.allocator
+assert all(b.ref_count or b.hash is None or allocator.cached.get(b.hash) == b.block_id for b in allocator.blocks), (
+    "a freed block whose hash the index does not point at (a twin) must forget its hash: no one can find it")
+sched.check_invariants()
 assert allocator.cached, "the full blocks stay findable after their requests end (stage 09)"
 num_cached = len(allocator.cached)
 everything = allocator.allocate(40)  # a block handed out again is overwritten: its cached prefix is evicted
 print(f"allocate(40) takes every block and evicts the cached prefixes: {num_cached} indexed before, none after")
-assert not allocator.cached and all(allocator.blocks[b].hash is None for b in everything)
+assert not allocator.cached and all(allocator.blocks[b].hash is None for b in everything), (
+    "allocate evicts what a reused block cached: its hash, and the index entry pointing at it")
 allocator.free(everything)
 sched.check_invariants()
 graded.graded()
