@@ -46,7 +46,7 @@ print(f"attention backend: {backend.name}")
 def check(name: str, paged: torch.Tensor, dense: torch.Tensor) -> None:
     err = (paged - dense).abs().max().item()
     print(f"  {name:<44} max |paged - dense| = {err:.1e}")
-    torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-4, msg=f"{name}: paged differs from dense by {err:.1e}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -140,6 +140,20 @@ built = backend.build_metadata(layout)
 assert torch.equal(built.decode_groups[0].slots, b_grid) and torch.equal(built.prefills[0].mask, chunk.mask)
 assert torch.equal(built.prefills[0].context_slots, chunk.context_slots)
 check("the same step from the built metadata", step([("B", 6, 7), ("A", 11, 16)], built), out)
+
+print("step 4: grouped-query attention (stage 14's models): 4 query heads share 2 key/value heads, in pairs")
+gq, gk, gv = torch.randn(10, 4, D), torch.randn(10, 2, D), torch.randn(10, 2, D)  # one 10-token sequence, G
+gqa_cache = torch.zeros(((NUM_BLOCKS + 1) * BLOCK_SIZE, 2, 2, D))  # (num_slots, 2, Hkv, D)
+g_table = ids[6:9]
+# Query heads 0 and 1 read key/value head 0, heads 2 and 3 read head 1: the reference repeats each K/V head.
+g_dense = F.scaled_dot_product_attention(gq.transpose(0, 1), gk.repeat_interleave(2, 1).transpose(0, 1),
+                                         gv.repeat_interleave(2, 1).transpose(0, 1), is_causal=True, scale=scale)
+for a, b in ((0, 6), (6, 9), (9, 10)):  # a fresh prompt, a chunk after it, a decode
+    g_layout = StepLayout(torch.tensor([slot_of(g_table, p, BLOCK_SIZE) for p in range(a, b)]), query_starts=[0],
+                          query_lens=[b - a], context_lens=[b], block_tables=[g_table], block_size=BLOCK_SIZE,
+                          null_block=NULL)
+    g_out = paged_attention(gq[a:b], gk[a:b], gv[a:b], gqa_cache, backend.build_metadata(g_layout), scale)
+    check(f"G rows {a}:{b} (4 query heads, 2 K/V heads)", g_out, g_dense.transpose(0, 1)[a:b])
 
 
 # ---------------------------------------------------------------------------------------
