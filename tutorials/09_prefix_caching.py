@@ -33,14 +33,16 @@ table_a = alloc.allocate(3)
 # hash, its own tokens): so a block's name covers every token before it. All 10 are computed here.
 alloc.register_full_blocks(table_a, a, num_computed_tokens=10)
 h0, h1 = (alloc.blocks[b].hash for b in table_a[:2])  # the hashes live on the blocks, nowhere else
-assert h0 == block_hash(None, (11, 12, 13, 14)) and h1 == block_hash(h0, (21, 22, 23, 24))
-assert alloc.blocks[table_a[2]].hash is None  # 2 tokens of 4: not full, not named
+assert h0 == block_hash(None, (11, 12, 13, 14)) and h1 == block_hash(h0, (21, 22, 23, 24)), (
+    "each full block's hash chains on the hash of the block before it (the first on None)")
+assert alloc.blocks[table_a[2]].hash is None, "2 tokens of 4: a partial block is not full, not named"
 print(f"A: tokens {a}, block table {table_a}, full blocks registered: {list(alloc.cached.values())}")
 
 for probe in ([11, 12, 13, 14, 21, 22, 23, 24, 99], [11, 12, 13, 14, 21, 22, 23], [99, 12, 13, 14, 21, 22, 23, 24]):
     print(f"  match_prefix({probe}) -> {alloc.match_prefix(probe)}")
-assert alloc.match_prefix([11, 12, 13, 14, 21, 22, 23, 24, 99]) == table_a[:2]
-assert alloc.match_prefix([11, 12, 13, 14, 21, 22, 23]) == table_a[:1]  # only full blocks count
+assert alloc.match_prefix([11, 12, 13, 14, 21, 22, 23, 24, 99]) == table_a[:2], "a hit chains as register does"
+assert alloc.match_prefix([11, 12, 13, 14, 21, 22, 23]) == table_a[:1], "only full blocks count"
+assert alloc.match_prefix(a[:8]) == table_a[:2], "8 tokens are 2 full blocks: the last one counts too"
 # Same second block, different first: the chained hash differs, so no hit. That is right: a key
 # or value at position 5 depends on every token before it, not just on its own block.
 assert alloc.match_prefix([99, 12, 13, 14, 21, 22, 23, 24]) == []
@@ -51,6 +53,15 @@ alloc.cached[collision] = table_a[0]
 print(f"  a planted hash collision: match_prefix([99, 12, 13, 14]) -> {alloc.match_prefix([99, 12, 13, 14])}")
 assert alloc.match_prefix([99, 12, 13, 14]) == [], "a hit compares the block's tokens, never trusts a hash alone"
 del alloc.cached[collision]
+# The scheduler calls register_full_blocks after every step, so it names only what is new: the blocks named
+# before keep their hashes, and their tokens are not read again. On a copy of A, given 2 more tokens (and, in
+# place of the 8 it has named, tokens no correct call reads), only the third block gets a name.
+copy = BlockAllocator(num_blocks=3, block_size=BLOCK_SIZE)
+copy_table = copy.allocate(3)
+copy.register_full_blocks(copy_table, a, num_computed_tokens=10)
+copy.register_full_blocks(copy_table, [0] * 8 + a[8:] + [33, 34], num_computed_tokens=12)
+assert [copy.blocks[b].hash for b in copy_table] == [h0, h1, block_hash(h1, (31, 32, 33, 34))], (
+    "register_full_blocks renamed blocks it had named before, or did not chain the new one on them")
 
 b = [11, 12, 13, 14, 21, 22, 23, 24, 41, 42, 43]  # request B: A's first 8 tokens, then its own
 hits = alloc.match_prefix(b)
@@ -127,7 +138,8 @@ for (name, prompt), want in zip(requests, expected):
     out, computed, t_cached = run_alone(llm.scheduler, prompt)
     ref, computed_plain, t_plain = run_alone(plain, prompt)
     print(f"{name:34} {len(prompt):6} {out.num_cached_tokens:6} {computed:8} {computed_plain:10}")
-    assert out.num_cached_tokens == want and ref.num_cached_tokens == 0
+    assert out.num_cached_tokens == want, f"{name}: {out.num_cached_tokens} tokens cached, {want} expected"
+    assert ref.num_cached_tokens == 0 and not plain.allocator.cached, "with prefix caching off, nothing is named"
     assert computed == len(prompt) - want and computed_plain == len(prompt), "a hit skips prefill work"
     assert out.token_ids == ref.token_ids, "prefix caching must not change the output"
     for _ in range(RUNS - 1):  # the same request again finds the same blocks: timing only
