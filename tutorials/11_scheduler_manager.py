@@ -12,6 +12,7 @@ look like.
     python tutorials/11_scheduler_manager.py --exercise   # with your worker loop (tutorials/exercises/)
 """
 
+import logging
 import sys
 import threading
 import time
@@ -209,5 +210,39 @@ except EngineError as e:
 # The worker has exited, so touching the scheduler from this thread is safe again.
 assert sched.allocator.num_free_blocks == total and not sched.has_unfinished()
 sched.check_invariants()
+
+section("a crash: the worker's loop dies, and still every request gets an answer")
+doomed = OnlineScheduler(model, tokenizer, num_kv_blocks=64)
+plain_has_unfinished = doomed.has_unfinished
+
+
+def has_unfinished() -> bool:
+    """A bug planted in the loop itself: it raises as soon as there is work (a failed step is not enough:
+    the manager fails that step's requests and goes on serving)."""
+    if plain_has_unfinished():
+        raise RuntimeError("a bug in the engine, planted by this stage")
+    return False
+
+
+doomed.has_unfinished = has_unfinished
+crashing = SchedulerManager(doomed, Metrics())
+crashing.start()
+logging.getLogger("minfer.serve").disabled = True  # the planted error's logged traceback would only confuse
+handle = crashing.submit(crashing.check(first_ids, GREEDY))
+events = [handle.next_event(timeout=10) for _ in range(2)]
+crashing.release(handle)
+logging.getLogger("minfer.serve").disabled = False
+print(f"in flight when the loop died: {events}")
+assert events[0] == Accepted() and isinstance(events[1], Error) and events[1].status == 503, (
+    f"a request in flight when the worker's loop dies gets a 503 Error, not silence: {events[1]!r} (wind down "
+    "in a finally)")
+assert events[1].message == "the engine has stopped", f"a crash is not a shutdown: {events[1].message!r}"
+assert not crashing.is_alive()
+try:
+    crashing.submit(crashing.check(first_ids, GREEDY))
+    raise AssertionError("a dead manager must refuse")
+except EngineError as e:
+    print(f"submit after the crash -> EngineError {e.status}: {e.message}")
+    assert e.status == 503 and e.message == "the engine has stopped"
 graded.graded()
 print("\nOK: one worker thread, event wake-up, per-request event queues, early release frees blocks, clean shutdown.")
