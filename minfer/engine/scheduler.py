@@ -337,10 +337,13 @@ class OnlineScheduler:
         return [c.output(request_id, request.arrival_time) for c in request.choices]
 
     def discard_request(self, request_id: str) -> bool:
-        """Drop a request wherever it is, freeing its KV blocks now (every choice's). False if it was unknown."""
+        """Drop a request wherever it is, freeing its KV blocks now (every choice's); pop_finished_ids never names
+        it. False if it was unknown."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        if request.is_finished and request_id in self.finished_ids:  # the caller can no longer pop it
+            self.finished_ids.remove(request_id)
         for choice in request.choices:
             self.batcher.discard(choice.seq)
             choice.seq.status = Status.FINISHED

@@ -48,6 +48,20 @@ def test_discard_frees_blocks_at_once(tiny_checkpoint):
     assert_all_free(llm)
 
 
+def test_a_request_discarded_after_it_finished_is_not_reported_finished(tiny_checkpoint):
+    sched = LLM(tiny_checkpoint, num_kv_blocks=64).scheduler
+    done = sched.add_request(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=1))
+    kept = sched.add_request(prompt_token_ids=[4, 5, 6], sampling_params=SamplingParams(max_tokens=1))
+    sched.step()
+    assert sched.is_finished(done) and sched.is_finished(kept)
+    assert sched.discard_request(done)  # finished, not yet popped: the caller no longer wants it
+    assert sched.pop_finished_ids() == [kept]  # else pop_responses(done) would raise: the scheduler forgot it
+    sched.pop_responses(kept)
+    again = sched.add_request(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=1),
+                              request_id=done)  # the id, free again, names a new request
+    assert sched.pop_finished_ids() == [] and not sched.is_finished(again)
+
+
 def test_stops(tiny_checkpoint):
     llm = LLM(tiny_checkpoint, num_kv_blocks=64)
     prompt = "The cache is cut into blocks"
