@@ -90,6 +90,27 @@ def test_engine_failure_fails_requests_and_keeps_serving(small_server):
     assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"]
 
 
+def test_a_step_that_fails_after_a_request_finished_keeps_the_worker_alive(small_server):
+    """A step that fails after its tokens are recorded may have finished a request, which the failure then
+    discards with the rest: no later step may report it finished (pop_responses would find no such request,
+    and the worker would die)."""
+    scoring = small_server.manager.scheduler.features.scoring
+    real_record = scoring.record
+
+    def failing_record(chunks):  # fails once, after the request's one token has finished it
+        scoring.record = real_record
+        raise RuntimeError("boom")
+
+    scoring.record = failing_record
+    port = small_server.server_address[1]
+    status, _, body = call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "logprobs": 1})
+    assert status == 500 and body["error"]["type"] == "server_error"
+    assert small_server.manager.wait_released(5)
+    status, _, out = call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert status == 200 and out["usage"]["completion_tokens"] == 2
+    assert call(port, "GET", "/health", headers={})[0] == 200
+
+
 def test_non_stream_client_that_leaves_is_discarded(small_server):
     entered, gate = hold_engine(small_server)
     port = small_server.server_address[1]
