@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import logging
 import operator
+from collections.abc import Callable
 from dataclasses import fields, replace
 
 from tqdm import tqdm
@@ -58,12 +59,14 @@ class LLM:
         self,
         prompts: list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, all together; results (text, token_ids, prompt_token_ids,
         finish_reason, ...) come back in prompt order: with SamplingParams(n=...), n per prompt, one per
         choice, in `index` order. A prompt is a text or its token ids (prompt_list says every form taken);
-        sampling_params is one for every prompt or a list of one per prompt."""
+        sampling_params is one for every prompt or a list of one per prompt. use_tqdm, as vLLM's, may be what
+        makes the progress bar (functools.partial(tqdm, leave=False))."""
+        check_use_tqdm(use_tqdm)
         prompts = prompt_list(prompts)
         sampling_params = self._params_per_prompt(sampling_params, len(prompts))
         ids = []
@@ -73,8 +76,7 @@ class LLM:
                     ids.append(self.scheduler.add_request(prompt, sampling_params=params))
                 else:
                     ids.append(self.scheduler.add_request(prompt_token_ids=prompt, sampling_params=params))
-            show_bar = use_tqdm and len(ids) > 1  # one prompt: nothing to count
-            with tqdm(total=len(ids), desc="generate", unit="req", disable=not show_bar) as bar:
+            with progress_bar(use_tqdm, len(ids)) as bar:
                 for _ in self.scheduler.steps():
                     bar.update(len(self.scheduler.pop_finished_ids()))
             return [out for i in ids for out in self.scheduler.pop_responses(i)]
@@ -86,7 +88,7 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
         add_generation_prompt: bool | None = None,
@@ -131,6 +133,19 @@ class LLM:
         """Release the engine's CUDA graphs and their memory (vLLM frees them at shutdown). The model and its
         cache go with the last reference to this LLM, as any tensor does."""
         self.scheduler.close()
+
+
+def check_use_tqdm(use_tqdm) -> None:
+    if not isinstance(use_tqdm, bool) and not callable(use_tqdm):
+        raise TypeError(f"use_tqdm must be a bool or a callable that makes a progress bar, got {use_tqdm!r:.100}")
+
+
+def progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
+    """generate()'s bar over its requests: tqdm's, or the one use_tqdm makes; none for one request (nothing to
+    count)."""
+    if use_tqdm is False or total <= 1:
+        return tqdm(total=total, disable=True)
+    return (tqdm if use_tqdm is True else use_tqdm)(total=total, desc="generate", unit="req")
 
 
 def _with_text_content(conversation: list[dict]) -> list[dict]:

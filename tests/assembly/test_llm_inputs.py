@@ -1,10 +1,12 @@
 """LLM.generate takes prompts as users hold them: a text or ids given bare, any iterable of prompts, NumPy's and
-torch's integers, vLLM's prompt dicts. What is no prompt is refused naming it, and nothing is left holding blocks."""
+torch's integers, vLLM's prompt dicts; use_tqdm as vLLM takes it. What is no prompt is refused naming it, and nothing is left
+holding blocks."""
 
 import numpy as np
 import pytest
 import torch
 from engine_checks import assert_all_free
+from tqdm import tqdm
 
 from minfer import LLM, SamplingParams
 from minfer.errors import InvalidParameter
@@ -17,8 +19,8 @@ def llm(tiny_checkpoint):
     return LLM(tiny_checkpoint, num_kv_blocks=24)
 
 
-def texts(llm, prompts, params=GREEDY3):
-    return [o.text for o in llm.generate(prompts, params, use_tqdm=False)]
+def texts(llm, prompts, params=GREEDY3, use_tqdm=False):
+    return [o.text for o in llm.generate(prompts, params, use_tqdm=use_tqdm)]
 
 
 def test_prompts_in_every_shape_users_hold_them(llm):
@@ -72,3 +74,26 @@ def test_unknown_settings_are_named_with_the_nearest_known_one(tiny_checkpoint):
         LLM(tiny_checkpoint, flux_capacitor=1)
     with pytest.raises(TypeError, match=r"config must be an EngineConfig, got str \(a model name: LLM\(name\)\)"):
         LLM(config=str(tiny_checkpoint))
+
+
+def test_use_tqdm_may_be_vllm_s_callable_that_makes_the_bar(llm):
+    """vLLM's use_tqdm takes a callable (functools.partial(tqdm, leave=False)) that makes the bar: it is used."""
+    made = []
+
+    def make_bar(**kwargs):
+        made.append(kwargs["total"])
+        return tqdm(**kwargs, disable=True)
+
+    assert texts(llm, ["a", "b"], use_tqdm=make_bar) == texts(llm, ["a", "b"])
+    assert made == [2]
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("use_tqdm", ["no", 0, None])
+def test_use_tqdm_of_another_type_is_refused_naming_it(llm, use_tqdm):
+    with pytest.raises(TypeError, match=f"use_tqdm must be a bool or a callable that makes a progress bar, got "
+                                        f"{use_tqdm!r}"):
+        llm.generate(["a", "b"], GREEDY3, use_tqdm=use_tqdm)
+    with pytest.raises(TypeError, match="use_tqdm must be"):
+        llm.chat([{"role": "user", "content": "a"}], GREEDY3, use_tqdm=use_tqdm)
+    assert_all_free(llm)
