@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import logging
 import operator
+import os
 from collections.abc import Callable
 from dataclasses import fields, replace
 
@@ -21,7 +22,7 @@ from ..errors import InvalidParameter
 from ..engine.generation_defaults import sampling_defaults
 from ..engine.sampling_params import SamplingParams
 from ..engine.outputs import RequestOutput
-from ..text.chat_content import content_text
+from ..text.chat_content import CHAT_ROLES, content_text
 from ..text.chat_template import ChatTemplate
 from .build import build_engine
 
@@ -89,7 +90,7 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
-        chat_template: str | None = None,
+        chat_template: str | os.PathLike | None = None,
         chat_template_kwargs: dict | None = None,
         add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
@@ -103,12 +104,14 @@ class LLM:
         (both true is an error), as the server's fields do."""
         if add_generation_prompt is None:
             add_generation_prompt = not continue_final_message
+        _check_chat_arguments(chat_template, chat_template_kwargs, add_generation_prompt, continue_final_message)
         one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if one else messages
         if not isinstance(conversations, list) or not all(map(_is_conversation, conversations)):
             raise InvalidParameter("messages", "messages must be a conversation (a list of {'role', 'content'} "
                                    f"dicts) or a list of them, got {messages!r:.100}")
-        template = ChatTemplate.from_dir(self.model.model_dir, self.tokenizer, override=chat_template)
+        template = ChatTemplate.from_dir(self.model.model_dir, self.tokenizer,
+                                         override=None if chat_template is None else os.fspath(chat_template))
         prompts = [self.tokenizer.encode(template.render(_with_text_content(c), add_generation_prompt,
                                                          chat_template_kwargs, None, continue_final_message))
                    for c in conversations]  # the template writes BOS where it wants one
@@ -148,9 +151,28 @@ def progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
     return (tqdm if use_tqdm is True else use_tqdm)(total=total, desc="generate", unit="req")
 
 
+def _check_chat_arguments(chat_template, chat_template_kwargs, add_generation_prompt, continue_final_message):
+    """A TypeError naming the argument of chat() that is of another type (a string would count as a true flag)."""
+    if chat_template is not None and not isinstance(chat_template, (str, os.PathLike)):
+        raise TypeError(f"chat_template must be a Jinja template, or the path of a file holding one, "
+                        f"got {chat_template!r:.100}")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise TypeError(f"chat_template_kwargs must be a dict of the variables the template reads, "
+                        f"got {chat_template_kwargs!r:.100}")
+    for name, flag in (("add_generation_prompt", add_generation_prompt),
+                       ("continue_final_message", continue_final_message)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r:.100}")
+
+
 def _with_text_content(conversation: list[dict]) -> list[dict]:
     """Each message with its content as the text the server renders too: text parts joined, an assistant's null
-    content empty (InvalidParameter naming messages[i].content otherwise)."""
+    content empty (InvalidParameter naming messages[i].content otherwise). A role is one the server takes: a
+    template may drop a message of any other unseen (Qwen3's does)."""
+    for i, m in enumerate(conversation):
+        if m["role"] not in CHAT_ROLES:
+            param = f"messages[{i}].role"
+            raise InvalidParameter(param, f"'{param}' must be one of {', '.join(CHAT_ROLES)}")
     return [{**m, "content": content_text(m.get("content"), m["role"], f"messages[{i}].content")}
             for i, m in enumerate(conversation)]
 

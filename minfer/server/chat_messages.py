@@ -20,11 +20,8 @@ import json
 
 from .api_errors import invalid
 from ..errors import InvalidParameter
-from ..text.chat_content import content_text, show
+from ..text.chat_content import CHAT_ROLES, content_text, show
 from ..text.chat_template import ChatTemplate, ChatTemplateError
-
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
 
 KIND_NAMES = {str: "a string", bool: "a boolean"}
 

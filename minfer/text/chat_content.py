@@ -12,6 +12,8 @@ import json
 
 from ..errors import InvalidParameter
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
 
 def show(value) -> str:
     """A value as a message quotes it: its JSON, cut short."""

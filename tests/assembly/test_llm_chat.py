@@ -1,6 +1,8 @@
 """LLM.chat answers a conversation in-process as the server's /v1/chat/completions does: the same prompt through
 the checkpoint's chat template, ended at the end of the assistant's turn."""
 
+import re
+
 import pytest
 from engine_checks import assert_all_free
 
@@ -108,3 +110,35 @@ def test_content_the_server_refuses_is_refused_naming_it(llm, content, param):
     with pytest.raises(InvalidParameter) as e:
         llm.chat([HELLO[0], {"role": "user", "content": content}], GREEDY, use_tqdm=False)
     assert e.value.param == param and param in str(e.value)
+
+
+@pytest.mark.parametrize("role", ["wizard", 5, None])
+def test_a_role_the_server_refuses_is_refused_naming_it(llm, role):
+    """A template renders the roles it knows and may drop any other unseen (Qwen3's does), so the server's roles
+    only, as the server takes them."""
+    users_only = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"
+    with pytest.raises(InvalidParameter, match=r"^'messages\[1\].role' must be one of system, developer, user, "
+                                               "assistant, tool$") as e:
+        llm.chat([HELLO[1], {"role": role, "content": "Answer in French."}], GREEDY, use_tqdm=False,
+                 chat_template=users_only)
+    assert e.value.param == "messages[1].role"
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("argument, value, must", [
+    ("add_generation_prompt", "no", "a bool"),  # a string would count as true: the header it asks to leave out
+    ("continue_final_message", "yes", "a bool"),
+    ("chat_template_kwargs", [("enable_thinking", False)], "a dict of the variables the template reads"),
+    ("chat_template", 5, "a Jinja template, or the path of a file holding one"),
+])
+def test_chat_arguments_of_another_type_are_refused_naming_them(llm, argument, value, must):
+    with pytest.raises(TypeError, match="^" + re.escape(f"{argument} must be {must}, got {value!r}") + "$"):
+        llm.chat(HELLO, GREEDY, use_tqdm=False, **{argument: value})
+    assert_all_free(llm)
+
+
+def test_a_template_file_may_be_given_as_a_path(llm, tmp_path):
+    template = tmp_path / "user_only.jinja"
+    template.write_text("{% for m in messages %}{% if m.role == 'user' %}<<{{ m.content }}>>{% endif %}{% endfor %}")
+    (out,) = llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template=template)
+    assert out.prompt_token_ids == llm.tokenizer.encode("<<Hello there>>")
