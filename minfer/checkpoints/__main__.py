@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.random_mod
     parser.add_argument("--tools", action="store_true", help="Qwen3 and Llama: a chat template that renders tools")
     parser.add_argument("--force", action="store_true", help="write into a directory that holds other files")
     args = parser.parse_args(argv)
+    if not 0 <= args.seed < 2**64:  # torch's generator overflows past it
+        parser.error(f"--seed must be an integer in [0, 2**64), as the engine's, got {args.seed}")
     if args.tools and args.config not in LLAMA_CONFIGS:
         parser.error("--tools needs a chat model: --config " + " or ".join(LLAMA_CONFIGS))
     refusal = why_not_write_into(args.out_dir, is_random_checkpoint, "random checkpoint", args.force)

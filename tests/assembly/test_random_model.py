@@ -122,5 +122,10 @@ def test_the_cli_overwrites_its_own_checkpoints_and_nothing_else(tmp_path, capsy
     assert cli(str(tmp_path / "a-file")) == (2, f"python -m minfer.random_model: error: {tmp_path / 'a-file'} exists "
                                               "and is not a directory")
     assert cli("") == (2, "python -m minfer.random_model: error: the output directory is empty: name the directory to write")
+    for seed in (str(2**64), "-1"):  # the engine's range (2**64 overflowed torch's generator): refused before writing
+        assert cli(str(tmp_path / "seeded"), "--seed", seed) == (
+            2, f"python -m minfer.random_model: error: --seed must be an integer in [0, 2**64), as the engine's, "
+            f"got {seed}")
+    assert not (tmp_path / "seeded").exists()
     assert cli("/proc/no-such-dir") == (1, "python -m minfer.random_model: error: cannot write /proc/no-such-dir: No such "
                                          "file or directory")  # cannot be made: one line, not a traceback
