@@ -34,6 +34,8 @@ class LLM:
     (block_size=, max_num_seqs=, dtype=, ...); given with a config, they override it."""
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **settings):
+        if isinstance(model, EngineConfig):
+            raise TypeError("an EngineConfig is given as LLM(config=...), not as the model")
         if model is not None:
             settings["model"] = model
         if config is not None and not isinstance(config, EngineConfig):

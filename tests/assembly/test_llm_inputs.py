@@ -8,7 +8,7 @@ import torch
 from engine_checks import assert_all_free
 from tqdm import tqdm
 
-from minfer import LLM, SamplingParams
+from minfer import LLM, EngineConfig, SamplingParams
 from minfer.errors import InvalidParameter
 
 GREEDY3 = SamplingParams(max_tokens=3, temperature=0)
@@ -74,6 +74,8 @@ def test_unknown_settings_are_named_with_the_nearest_known_one(tiny_checkpoint):
         LLM(tiny_checkpoint, flux_capacitor=1)
     with pytest.raises(TypeError, match=r"config must be an EngineConfig, got str \(a model name: LLM\(name\)\)"):
         LLM(config=str(tiny_checkpoint))
+    with pytest.raises(TypeError, match=r"^an EngineConfig is given as LLM\(config=\.\.\.\), not as the model$"):
+        LLM(EngineConfig(str(tiny_checkpoint)))
 
 
 def test_use_tqdm_may_be_vllm_s_callable_that_makes_the_bar(llm):
