@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..engine.config import EngineConfig
 from ..scoring.logprobs import MAX_LOGPROBS
+from .online import Endpoint
 from .report import DefaultsOnce
 from .workload import STRUCTURED_OUTPUTS, parse_length
 
@@ -67,6 +68,10 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
     args = p.parse_args(argv)
     if args.base_url:
         args.mode = "online"
+        try:  # a URL that names no server: refused before anything loads
+            Endpoint(args.base_url)
+        except ValueError as e:
+            p.error(str(e))
     for name in ("repeat_runs", "max_concurrency", "hf_batch_size", "hf_num_requests", "num_requests", "n"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -41,10 +41,14 @@ class Endpoint:
 
     def __init__(self, base_url: str, timeout: float = 600.0):
         url = urlsplit(base_url if "://" in base_url else "http://" + base_url)
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise ValueError(f"base URL must look like http://HOST:PORT, got {base_url!r}")
+        try:
+            port = url.port
+        except ValueError:  # no number, or past 65535
+            port = -1
+        if url.scheme not in ("http", "https") or not url.hostname or port == -1:
+            raise ValueError(f"--base-url must look like http://HOST:PORT, got {base_url!r}")
         self.https = url.scheme == "https"
-        self.host, self.port = url.hostname, url.port
+        self.host, self.port = url.hostname, port
         self.prefix = url.path.rstrip("/").removesuffix("/v1")
         self.timeout = timeout
 

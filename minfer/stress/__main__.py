@@ -18,6 +18,20 @@ def say(line: str) -> None:
     print(f"minfer.stress: {line}", file=sys.stderr, flush=True)
 
 
+def server_address(base_url: str) -> tuple[str, int]:
+    """--base-url's host and port. The soak speaks plain HTTP to the server's own paths (/v1/completions,
+    /health): a URL asking for TLS or a path before /v1 is refused, not dropped."""
+    url = urlsplit(base_url if "://" in base_url else "http://" + base_url)
+    try:
+        port = url.port or 80
+    except ValueError:  # no number, or past 65535
+        port = None
+    if url.scheme != "http" or not url.hostname or port is None or url.path.rstrip("/") not in ("", "/v1"):
+        raise ValueError("--base-url must look like http://HOST:PORT (the soak speaks plain HTTP to the server's "
+                         f"own paths), got {base_url!r}")
+    return url.hostname, port
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m minfer.stress") -> int:
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -52,6 +66,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.stress") -
     if args.kv_blocks < 1 or min(args.request_timeout, args.keepalive_timeout, args.write_timeout) <= 0:
         parser.error("--kv-blocks must be >= 1 and the timeouts > 0")
 
+    if args.base_url:
+        try:
+            host, port = server_address(args.base_url)
+        except ValueError as e:
+            parser.error(str(e))
+
     cfg = SoakConfig(duration=args.duration, streams=args.streams, seed=args.seed)
     tally = Tally()
     if not args.base_url:
@@ -64,18 +84,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.stress") -
             print(f"python -m minfer.stress: {e}", file=sys.stderr)
             return 1
     else:
-        url = urlsplit(args.base_url if "://" in args.base_url else "http://" + args.base_url)
         cfg.write_timeout = args.write_timeout
         cfg.stall_limit = max(args.request_timeout, args.keepalive_timeout) + 10
         cfg.exact_replays = args.float64_server
         try:  # a server that is not there is one line, not the first client's traceback
-            socket.create_connection((url.hostname, url.port or 80), timeout=10).close()
+            socket.create_connection((host, port), timeout=10).close()
         except (OSError, ValueError) as e:
             print(f"python -m minfer.stress: cannot reach {args.base_url}: {getattr(e, 'strerror', None) or e}",
                   file=sys.stderr)
             return 1
         say(f"{args.duration:g} s of load on {args.base_url}")
-        figures = soak(Target(url.hostname, url.port or 80, cfg.stall_limit), cfg, tally, progress=say)
+        figures = soak(Target(host, port, cfg.stall_limit), cfg, tally, progress=say)
 
     for name, value in figures.items():
         print(f"{name:>55}: {value}")

@@ -356,6 +356,10 @@ def test_online_with_no_server_there_says_why(capsys):
     (["--base-url", "http://127.0.0.1:1", "--dtype", "bfloat16"], "--dtype applies only to an engine bench runs"),
     (["--base-url", "http://127.0.0.1:1", "--no-enable-prefix-caching"], "--no-enable-prefix-caching applies only"),
     (["--base-url", "http://127.0.0.1:1", "--max-num-seqs", "1"], "--max-num-seqs applies only to an engine"),
+    # A URL that names no server: refused before anything loads, as a bad flag.
+    (["--base-url", "ftp://host:8000"], "--base-url must look like http://HOST:PORT, got 'ftp://host:8000'"),
+    (["--base-url", "http://127.0.0.1:99999"], "--base-url must look like http://HOST:PORT, got 'http://127.0.0.1:9999"),
+    (["--base-url", "http://host:port"], "--base-url must look like http://HOST:PORT, got 'http://host:port'"),
 ])
 def test_a_flag_the_run_would_not_apply_is_refused(flags, message, capsys):
     from minfer.bench.cli import main

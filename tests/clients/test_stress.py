@@ -86,6 +86,11 @@ def test_cli_names_a_server_that_is_not_there(capsys):
     (["--model", "minfer-tiny", "--float64-server"], "--float64-server applies only with --base-url"),
     (["--base-url", "http://127.0.0.1:1", "--kv-blocks", "8"], "--kv-blocks applies only when the soak starts"),
     (["--kv-blocks", "0"], "--kv-blocks must be >= 1 and the timeouts > 0"),
+    # The soak speaks plain HTTP to the server's own paths: TLS or a path before /v1 would be dropped unsaid.
+    (["--base-url", "https://127.0.0.1:1"], "--base-url must look like http://HOST:PORT (the soak speaks plain HTTP "
+                                             "to the server's own paths), got 'https://127.0.0.1:1'"),
+    (["--base-url", "http://127.0.0.1:1/proxy/v1"], "got 'http://127.0.0.1:1/proxy/v1'"),
+    (["--base-url", "http://127.0.0.1:99999"], "got 'http://127.0.0.1:99999'"),
 ])
 def test_cli_refuses_flags_it_would_not_apply(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
