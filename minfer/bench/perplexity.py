@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.config import CPU_OR_CUDA, DTYPES, is_cpu_or_cuda
-from ..errors import whole_number
+from ..errors import BadSetting, whole_number
 from ..assembly.build import check_device, resolve_dtype, set_cpu_threads
 from ..models.registry import load_model
 from ..quantization import GROUP_SIZES, QUANTIZATION_METHODS, check_quantization, quantize_model
@@ -105,9 +105,11 @@ def file_perplexity(
     window = model.config.max_positions if window is None else window
     stride = max(1, window // 2) if stride is None else stride
     if window < 2:  # a window's first token has nothing before it: one more is the least that scores anything
-        raise ValueError(f"--window must be >= 2 tokens, got {window}")
+        raise BadSetting(f"--window must be >= 2 tokens, got {window}")
     if window > model.config.max_positions:
-        raise ValueError(f"--window {window} exceeds the model's context of {model.config.max_positions}")
+        raise BadSetting(f"--window {window} exceeds the model's context of {model.config.max_positions}")
+    if stride >= window:  # the window the model's context sets: main() checks one given before loading
+        raise BadSetting(f"--stride must be below --window ({window}): windows overlap, got {stride}")
     result = perplexity(lambda x: model(x.to(model.device)), ids, window, stride)
     return result, window, stride
 
@@ -140,15 +142,24 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.bench.perp
     args = parser.parse_args(argv)
     if args.window is not None and args.stride is not None and args.stride >= args.window:  # before the model loads
         parser.error(f"--stride must be below --window ({args.window}): windows overlap, got {args.stride}")
-    try:
+    try:  # a bad value: one line, with argparse's status for a bad argument, before the model loads
         if not is_cpu_or_cuda(args.device):
             raise ValueError(f"--device must be {CPU_OR_CUDA}, got {args.device!r}")
+        check_quantization(args.quantization, args.quantization_group_size, args.quantize_lm_head,
+                           args.quantize_activations)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         check_device(torch.device(args.device))
         if torch.device(args.device).type == "cpu":
             set_cpu_threads(args.num_threads)
         result, window, stride = file_perplexity(args.model, args.file, args.dtype, args.device, args.window,
                                                  args.stride, args.quantization, args.quantization_group_size,
                                                  args.quantize_lm_head, args.quantize_activations)
+    except BadSetting as e:  # a window this model cannot take: a bad flag still
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
