@@ -37,8 +37,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.quantize")
     refusal = why_not_write_into(args.dst, holds_quantized_checkpoint, "quantized checkpoint", args.force)
     if refusal is not None:
         parser.error(refusal)
-    try:
+    try:  # flags that do not go together: a bad flag, before the model loads
         spec = QuantizationSpec(args.quantization, args.quantization_group_size, args.quantize_lm_head)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
         start = time.perf_counter()
         model = load_model(args.src, dtype=DTYPES[args.dtype], weights=QuantizedWeights(spec))
         if Path(model.model_dir).resolve() == Path(args.dst).resolve():  # its full-precision weights would be lost

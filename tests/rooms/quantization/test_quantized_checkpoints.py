@@ -115,6 +115,11 @@ def test_quantize_writes_over_its_own_output_only(make_checkpoint, tmp_path, cap
         with pytest.raises(SystemExit) as e:
             quantize.main([str(source), dst, "--quantization", "int8"])
         assert e.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a flag of int4's with int8: a bad flag, refused before loading
+        quantize.main([str(source), str(tmp_path / "q8-grouped"), "--quantization", "int8",
+                       "--quantization-group-size", "64"])
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+        "python -m minfer.quantize: error: --quantization-group-size applies to --quantization int4 only")
     assert (someones / "config.json").read_text() == '{"model_type": "gpt2"}'
     assert quantize.main([str(source), str(source), "--quantization", "int8", "--force"]) == 1
     assert "is the checkpoint being quantized: write the quantized one elsewhere" in capsys.readouterr().err
