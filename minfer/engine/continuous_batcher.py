@@ -95,10 +95,11 @@ class ContinuousBatcher:
         self._free_blocks(seq)
 
     def discard(self, seq: Sequence) -> None:
-        """Drop a sequence wherever it is, freeing its blocks."""
-        if seq.status is Status.RUNNING:
+        """Drop a sequence wherever it is, freeing its blocks. Where it is, not its status, decides: a step that
+        failed may have finished it (its last token recorded) before retiring it."""
+        if seq in self.running:
             self.retire(seq)
-        elif seq.status is Status.WAITING and seq in self.waiting:
+        elif seq in self.waiting:
             self.waiting.remove(seq)
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:

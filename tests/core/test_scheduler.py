@@ -7,6 +7,7 @@ import pytest
 from engine_checks import GREEDY, assert_all_free, random_prompts
 
 from minfer import LLM, SamplingParams
+from minfer.text.text_stream import TextStream
 
 
 def test_invariants_hold_after_every_step(tiny_checkpoint):
@@ -60,6 +61,25 @@ def test_a_request_discarded_after_it_finished_is_not_reported_finished(tiny_che
     again = sched.add_request(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=1),
                               request_id=done)  # the id, free again, names a new request
     assert sched.pop_finished_ids() == [] and not sched.is_finished(again)
+
+
+def test_a_step_that_fails_after_finishing_a_sequence_leaves_it_discardable(tiny_checkpoint, monkeypatch):
+    """A step can fail between recording a sequence's last token (it is finished) and retiring it (its blocks
+    freed): discard_request went by its status, found it finished, and left it running, holding its blocks.
+    The server's worker discards whatever a failed step had in flight: the next step failed on it again, forever."""
+    llm = LLM(tiny_checkpoint, num_kv_blocks=64)
+    sched = llm.scheduler
+    rid = sched.add_request(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=1))
+
+    def failing_flush(self, check_stop=True):  # runs once the sequence has its last token, before it is retired
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(TextStream, "flush", failing_flush)
+    with pytest.raises(RuntimeError, match="boom"):
+        sched.step()
+    assert sched.discard_request(rid)
+    assert not sched.has_unfinished()
+    assert_all_free(llm)
 
 
 def test_stops(tiny_checkpoint):
