@@ -339,7 +339,7 @@ class OnlineScheduler:
     def discard_request(self, request_id: str) -> bool:
         """Drop a request wherever it is, freeing its KV blocks now (every choice's); pop_finished_ids never names
         it. False if it was unknown."""
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return False
         if request.is_finished and request_id in self.finished_ids:  # the caller can no longer pop it
@@ -349,6 +349,7 @@ class OnlineScheduler:
             choice.seq.status = Status.FINISHED
         if self.features.forks is not None and self.features.forks.held:  # parallel_sampling/: forks not
             self.features.forks.discard(request.choices[0].seq)  # yet started are dropped too
+        del self.requests[request_id]  # forgotten last: a discard that failed midway can be tried again
         return True
 
     def stats(self) -> dict:

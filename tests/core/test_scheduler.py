@@ -82,6 +82,26 @@ def test_a_step_that_fails_after_finishing_a_sequence_leaves_it_discardable(tiny
     assert_all_free(llm)
 
 
+def test_a_discard_that_failed_midway_can_be_tried_again(tiny_checkpoint):
+    """discard_request forgot the request before dropping its sequences: one that failed midway left them running,
+    holding their blocks, and a second try (the server's, after the failure) found no such request to discard."""
+    llm = LLM(tiny_checkpoint, num_kv_blocks=64)
+    sched = llm.scheduler
+    rid = sched.add_request(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=10))
+    sched.step()  # running, holding blocks
+    real_discard = sched.batcher.discard
+
+    def failing_discard(seq):
+        sched.batcher.discard = real_discard
+        raise RuntimeError("boom")
+
+    sched.batcher.discard = failing_discard
+    with pytest.raises(RuntimeError, match="boom"):
+        sched.discard_request(rid)
+    assert sched.discard_request(rid)
+    assert_all_free(llm)
+
+
 def test_stops(tiny_checkpoint):
     llm = LLM(tiny_checkpoint, num_kv_blocks=64)
     prompt = "The cache is cut into blocks"
