@@ -9,9 +9,13 @@ its next step. Handlers read the scheduler's stats as the worker's snapshot afte
 someone watches /engine/events, the worker publishes an event per step (engine_events.py).
 
 A step that fails fails the requests in flight, and the worker serves on: the next request may well
-work. A sticky CUDA error (device_errors.py) is different: no later step can run, so the worker stops,
-as it does if it dies any other way; `/health` then answers 503 and `on_death` tells the server's main
-thread, which exits non-zero for a supervisor to restart the process.
+work. The step is all the worker does for requests: the scheduler's step and the handing out of its
+tokens, text and finishes, a discard, the live view's events (an admission that fails fails only its own
+request). Each failure is logged with its traceback. Some failures leave nothing to serve on with: a sticky
+CUDA error (device_errors.py), after which no later step can run; a failed step that leaves KV blocks no
+discard could free; a bug in the worker's loop itself. Then the worker stops, as it does if it dies any
+other way; `/health` answers 503 and `on_death` tells the server's main thread, which exits non-zero for a
+supervisor to restart the process.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.request_check import CheckedRequest
 from ..engine.scheduler import OnlineScheduler
 from ..device_errors import is_sticky_device_error
+from ..errors import InvalidParameter
 from .api_errors import APIError
 from .engine_events import EngineFeed, EventRecorder
 from .messages import Accepted, AddRequest, DiscardRequest, Done, Error, RequestHandle
@@ -131,13 +136,13 @@ class SchedulerManager:
                 if self._stopping:
                     break
                 if self.events.active:
-                    self._recorder.between_steps(self.events, queues_changed)
+                    self._guarded(self._recorder.between_steps, self.events, queues_changed)
                 if not self.scheduler.has_unfinished():
-                    self._stats = self.scheduler.stats()
+                    self._read_stats()
                     self._wake.wait()  # idle: sleep until a handler adds or discards something
                     continue
                 self._step()
-                self._stats = self.scheduler.stats()
+                self._read_stats()
         except BaseException as e:
             log.exception("the engine worker died")
             self.died_because = self.died_because or f"the engine worker died: {type(e).__name__}"
@@ -155,6 +160,13 @@ class SchedulerManager:
                 self._close_scheduler()
                 if self._dead and self.on_death is not None:
                     self.on_death()
+
+    def _drop(self, request_id: str) -> None:
+        """Discard a request after a failure, which may have left the scheduler in a bad state: this may fail too."""
+        try:
+            self.scheduler.discard_request(request_id)
+        except Exception:
+            log.exception("could not discard request %s", request_id)
 
     def _close_scheduler(self) -> None:
         """CUDA graphs and their memory, freed by the thread that ran them; after a sticky CUDA error that may
@@ -175,27 +187,54 @@ class SchedulerManager:
                 handle.events.put(Error(503, refuse))
             elif isinstance(message, AddRequest):
                 self._add(handle)
-            elif self._active.pop(handle.request_id, None) is not None:  # a discard of a live request
-                self.scheduler.discard_request(handle.request_id)
-                self.metrics.on_aborted()
+            elif handle.request_id in self._active:  # a discard of a live request
+                self._guarded(self._discard, handle.request_id)
         return busy
 
     def _add(self, handle: RequestHandle) -> None:
+        """Admit a request. One the scheduler refuses gets a 400; one whose admission fails otherwise, a 500. Either
+        way, whatever part of it the scheduler took is dropped: a request half added would run with no handle."""
+        request_id = handle.request_id
         try:
-            self.scheduler.add_request(handle.request, request_id=handle.request_id, arrival_time=handle.arrival_time)
-        except ValueError as e:  # a request that can never fit (e.g. more KV blocks than exist)
-            handle.events.put(Error(400, str(e)))
-            return
-        self._active[handle.request_id] = handle
-        self.metrics.on_admitted(len(handle.request.prompt_token_ids))
-        handle.events.put(Accepted())
+            self.scheduler.add_request(handle.request, request_id=request_id, arrival_time=handle.arrival_time)
+            self._active[request_id] = handle
+            self.metrics.on_admitted(len(handle.request.prompt_token_ids))
+            handle.events.put(Accepted())
+        except Exception as e:
+            refused = isinstance(e, InvalidParameter)  # the scheduler's refusal, naming its field; else a bug
+            if not refused:
+                log.exception("could not admit request %s", request_id)
+            self._active.pop(request_id, None)
+            self._drop(request_id)
+            handle.events.put(Error(400, str(e)) if refused else Error(500, "the engine failed to admit this request"))
 
-    def _step(self) -> None:
+    def _discard(self, request_id: str) -> None:
+        self.scheduler.discard_request(request_id)
+        del self._active[request_id]  # only now: if the discard failed, the failure discards it (_fail_all)
+        self.metrics.on_aborted()
+
+    def _guarded(self, work: Callable, *args) -> None:
+        """Run work on the requests in flight (a step, a discard, the live view's events); if it fails, the
+        failure is a failed step (_step_failed). The loop's own calls stay outside: a bug there ends the worker."""
         try:
-            sampled = self.scheduler.step()
+            work(*args)
         except Exception as e:
             self._step_failed(e)
-            return
+
+    def _read_stats(self) -> None:
+        """The stats snapshot handlers read; if reading it fails, the last one stays: requests need none of it."""
+        try:
+            self._stats = self.scheduler.stats()
+        except Exception:
+            log.exception("could not read the engine's stats")
+
+    def _step(self) -> None:
+        """One step, then its tokens, text and finishes handed to the requests' queues; a failure anywhere in
+        either is a failed step."""
+        self._guarded(self._step_and_hand_out)
+
+    def _step_and_hand_out(self) -> None:
+        sampled = self.scheduler.step()
         num_tokens, now = 0, time.perf_counter()
         for request_id in sampled:  # text "" too: the handler still gets the step's token ids
             handle = self._active[request_id]
@@ -210,28 +249,31 @@ class SchedulerManager:
         for request_id in self.scheduler.pop_finished_ids():
             outs = self.scheduler.pop_responses(request_id)  # one per choice
             self.metrics.on_finished(outs[0])
-            self._active.pop(request_id).events.put(Done(tuple(outs)))
+            self._active[request_id].events.put(Done(tuple(outs)))
+            del self._active[request_id]  # only once Done is out: until then a failure answers it (_fail_all)
             finished += outs
         if self.events.active:
             self.events.publish(self._recorder.step(num_tokens, finished))
 
     def _step_failed(self, e: Exception) -> None:
         """Fail what was in flight, free it, and keep serving: the next request may well work. After a sticky
-        CUDA error no later step can run: the worker stops (see the module's docstring)."""
+        CUDA error, or if what was in flight cannot all be freed, the worker stops (see the module's docstring)."""
         if is_sticky_device_error(e):
             self.died_because = f"a sticky CUDA error: {str(e).strip().splitlines()[0]}"
             raise e
         log.exception("engine step failed; failing %d in-flight requests", len(self._active))
         self._fail_all(500, "the engine failed while running this request")
+        allocator = self.scheduler.allocator
+        if self.scheduler.has_unfinished() or allocator.num_free_blocks != allocator.num_blocks:
+            # what no request holds any more is lost for good: a worker serving on would fail or shrink forever
+            self.died_because = "a failed step left KV blocks or sequences that could not be freed"
+            raise RuntimeError(self.died_because) from e
         if self.events.active:
             self.events.publish(self._recorder.update())
 
     def _fail_all(self, status: int, message: str) -> None:
         for request_id, handle in self._active.items():
-            try:
-                self.scheduler.discard_request(request_id)
-            except Exception:  # the scheduler may be in a bad state after a failed step
-                log.exception("could not discard request %s", request_id)
+            self._drop(request_id)
             handle.events.put(Error(status, message))
         self.metrics.on_aborted(len(self._active))
         self._active.clear()

@@ -1,6 +1,7 @@
 """The server in trouble, in-process on a random checkpoint: a full queue answers 429, a failing engine step
-fails its requests and the server keeps serving, a client that leaves has its request discarded, a dead engine
-worker makes every request and /health a 503."""
+(or what follows it, an admission, a discard) fails its requests and the server keeps serving, a client that
+leaves has its request discarded, a dead engine worker (a bug in its loop, or a failure that leaves blocks
+behind) makes every request and /health a 503."""
 
 import json
 import socket
@@ -8,7 +9,7 @@ import threading
 import time
 
 import pytest
-from serving import call, metrics, stream_events
+from serving import call, metrics, stream_events, wait_all_free
 
 from minfer import EngineConfig
 from minfer.server.serve import create_server
@@ -149,11 +150,84 @@ def test_a_client_that_leaves_while_tokens_flow_is_discarded(small_server):
     assert m["minfer_generation_tokens_total"] < 900
 
 
-def test_dead_worker_fails_requests_and_health_says_503(small_server):
-    def broken(request_id):
-        raise RuntimeError("bug outside step()")
+def fail_once(owner, name: str, error=RuntimeError):
+    """owner.name raises error("boom") at its next call, then works again."""
+    real = getattr(owner, name)
 
-    small_server.manager.scheduler.get_new_outputs = broken  # kills the worker loop itself
+    def failing(*args, **kwargs):
+        setattr(owner, name, real)
+        raise error("boom")
+
+    setattr(owner, name, failing)
+
+
+@pytest.mark.parametrize("part", ["get_new_outputs", "pop_responses", "on_finished", "recorder", "discard"])
+def test_a_failure_anywhere_in_a_step_fails_its_requests_and_the_worker_serves_on(small_server, part):
+    """What follows a step (its tokens and text handed out, finishes popped, metrics, the live view's event) and
+    a discard between steps ran outside the worker's guard: one failure there killed the worker, and every later
+    request got a 503. Now each is a failed step: its requests get a 500, the next request runs."""
+    manager, port = small_server.manager, small_server.server_address[1]
+    owner, name = {"get_new_outputs": (manager.scheduler, "get_new_outputs"),
+                   "pop_responses": (manager.scheduler, "pop_responses"), "on_finished": (manager.metrics, "on_finished"),
+                   "recorder": (manager._recorder, "step"), "discard": (manager.scheduler, "discard_request")}[part]
+    with manager.events.subscribe():  # a live-view viewer: the worker records each step for it
+        if part == "discard":  # a client that leaves mid-stream: the worker discards its request
+            entered, gate = hold_engine(small_server)
+            data = json.dumps({"prompt": "Hi", "max_tokens": 50, "stream": True}).encode()
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+                assert entered.wait(10)
+            assert manager.wait_released(5)
+            fail_once(owner, name, KeyError)
+            gate.set()
+        else:
+            fail_once(owner, name, KeyError)  # a KeyError, as a stale request id would raise
+            status, _, body = call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+            assert status == 500 and body["error"]["type"] == "server_error" and "boom" not in json.dumps(body)
+        assert manager.wait_released(5)
+        status, _, out = call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert status == 200 and out["usage"]["completion_tokens"] == 2
+    assert call(port, "GET", "/health", headers={})[0] == 200
+    wait_all_free(small_server)
+    assert not manager.scheduler.requests
+
+
+def test_a_request_whose_admission_fails_gets_a_500_and_leaves_nothing_behind(small_server):
+    """A feature's hook that fails while a request is added (here scoring's) left it half added: a ValueError
+    was taken for the scheduler's refusal, a 400 quoting the bug's message, and the request stayed registered;
+    any other error killed the worker."""
+    manager, port = small_server.manager, small_server.server_address[1]
+    fail_once(manager.scheduler.features.scoring, "add", ValueError)
+    status, _, body = call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "logprobs": 1})
+    assert status == 500 and "boom" not in json.dumps(body)
+    assert manager.wait_released(5)
+    assert not manager.scheduler.requests
+    assert call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "logprobs": 1})[0] == 200
+
+
+def test_a_failed_step_that_leaves_blocks_behind_stops_the_worker(small_server):
+    """After a failed step the worker discards what was in flight; if that cannot free it all, no later step can
+    work (each failed on the leftovers, and /health said ok while every request got a 500): the worker stops."""
+    manager, port = small_server.manager, small_server.server_address[1]
+    manager.scheduler.batcher.discard = lambda seq: None  # a discard that frees nothing
+    fail_once(manager.scheduler.runner, "execute")
+    status, _, body = call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert status in (500, 503) and body["error"]["type"] == "server_error"
+    status, _, health = call(port, "GET", "/health", headers={})
+    assert status == 503 and "could not be freed" in health["reason"]
+    assert call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 503
+
+
+def test_dead_worker_fails_requests_and_health_says_503(small_server):
+    scheduler = small_server.manager.scheduler
+    has_unfinished = scheduler.has_unfinished
+
+    def broken():  # a bug in the worker's loop itself, not in a step: the loop dies
+        if has_unfinished():
+            raise RuntimeError("bug in the loop")
+        return False
+
+    scheduler.has_unfinished = broken
     port = small_server.server_address[1]
     status, _, body = call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 3})
     assert status == 503 and body["error"]["type"] == "server_error"

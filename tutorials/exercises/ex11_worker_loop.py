@@ -14,12 +14,16 @@ What you work with, on `self` (a SchedulerManager), all already written:
 - self._wake: the threading.Event that submit() and release() set after adding to the inbox;
 - self._drain_inbox(): adds submitted requests and carries out discards; returns whether there was
   any; self._drain_inbox(refuse=message) refuses what is left with a 503 instead;
-- self._step(): one scheduler step, its deltas and Done events sent to the requests' queues;
+- self._step(): one scheduler step, its deltas and Done events sent to the requests' queues (if it fails,
+  the requests in flight get an Error and the loop goes on);
 - self.scheduler: the OnlineScheduler (has_unfinished(), stats(), close());
-- self._stats: the stats snapshot handlers read (assign a fresh scheduler.stats() to it);
+- self._stats: the stats snapshot handlers read (assign a fresh scheduler.stats() to it; minfer's own loop
+  calls self._read_stats(), which keeps the last snapshot if reading fails);
 - self._stopping, self._dead, self._lock: shutdown() sets _stopping (under _lock);
 - self.events (the live view's feed): if self.events.active, call
-  self._recorder.between_steps(self.events, queues_changed) after draining; self.events.close() at the end;
+  self._recorder.between_steps(self.events, queues_changed) after draining (minfer's own runs it through
+  self._guarded(work, *args): a failure there fails the requests in flight, as a step's would); and
+  self.events.close() at the end;
 - self._fail_all(status, message): an Error event to every request still in the scheduler.
 """
 
