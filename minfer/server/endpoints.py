@@ -10,6 +10,7 @@ blocks before its next step.
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 
@@ -24,6 +25,8 @@ from .messages import CompletionDelta, Done, Error, RequestEvent, RequestHandle
 from .generate_requests import parse_generate
 from .requests import ParsedRequest, invalid_request, parse_completion
 from .responder import Responder, generate_response
+
+log = logging.getLogger("minfer.serve")
 
 
 def _at_index(e: APIError, index: int) -> APIError:
@@ -148,10 +151,10 @@ class APIHandler(InfoEndpoints):
     def _send_stream(self, r: Responder, req: ParsedRequest, handles: list[RequestHandle]) -> None:
         # /engine/events' id for the request: the live view's playground highlights its blocks by it
         self.begin_stream("text/event-stream", {"X-Engine-Request-Id": handles[0].request_id})
-        for chunk in r.first_chunks():
-            self.send_event(chunk)
         outs = []
         try:
+            for chunk in r.first_chunks():
+                self.send_event(chunk)
             for prompt_index, handle in enumerate(handles):  # run together, streamed one prompt after another
                 for item in self._events(handle):
                     if isinstance(item, CompletionDelta):  # a choice's text; its finish_reason on its last
@@ -162,10 +165,18 @@ class APIHandler(InfoEndpoints):
             if req.include_usage:
                 self.send_event(r.usage_chunk(outs))
         except APIError as e:  # the engine failed or is shutting down: say so, then end the stream
-            self.note_cut_stream(e)
-            self.send_event(e.body())
+            self._cut_stream(e)
+        except OSError:  # the client left, or stopped reading: nothing more can be sent
+            raise
+        except Exception:  # a bug: the client gets the 500 route_request would send, as the stream's error event
+            log.exception("error while streaming %s %s", self.command, self.path)
+            self._cut_stream(APIError(500, "internal server error"))
         self.send_event("[DONE]")
         self.end_stream()
+
+    def _cut_stream(self, error: APIError) -> None:
+        self.note_cut_stream(error)
+        self.send_event(error.body())
 
     def handle_generate(self) -> None:
         req = parse_generate(self.read_json(), self.server.info)

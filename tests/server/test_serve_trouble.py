@@ -1,7 +1,7 @@
 """The server in trouble, in-process on a random checkpoint: a full queue answers 429, a failing engine step
-(or what follows it, an admission, a discard) fails its requests and the server keeps serving, a client that
-leaves has its request discarded, a dead engine worker (a bug in its loop, or a failure that leaves blocks
-behind) makes every request and /health a 503."""
+(or what follows it, an admission, a discard) fails its requests and the server keeps serving, a stream that
+fails to be written ends with an error event, a client that leaves has its request discarded, a dead engine
+worker (a bug in its loop, or a failure that leaves blocks behind) makes every request and /health a 503."""
 
 import json
 import socket
@@ -12,6 +12,7 @@ import pytest
 from serving import call, metrics, stream_events, wait_all_free
 
 from minfer import EngineConfig
+from minfer.server.responder import Responder
 from minfer.server.serve import create_server
 
 
@@ -203,6 +204,24 @@ def test_a_request_whose_admission_fails_gets_a_500_and_leaves_nothing_behind(sm
     assert manager.wait_released(5)
     assert not manager.scheduler.requests
     assert call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "logprobs": 1})[0] == 200
+
+
+def test_a_bug_while_writing_a_stream_ends_it_with_an_error_event(small_server, monkeypatch):
+    """A stream the Responder failed to write was cut without a word: no error event, no [DONE]."""
+    real, calls = Responder.delta_chunks, []
+
+    def failing_once(self, delta, prompt=0):
+        calls.append(delta)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real(self, delta, prompt)
+
+    monkeypatch.setattr(Responder, "delta_chunks", failing_once)
+    events = stream_events(small_server.server_address[1], "/v1/completions", {"prompt": "Hi", "max_tokens": 3})
+    assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"
+    assert "boom" not in json.dumps(events)
+    assert small_server.manager.wait_released(5)
+    wait_all_free(small_server)
 
 
 def test_a_failed_step_that_leaves_blocks_behind_stops_the_worker(small_server):
