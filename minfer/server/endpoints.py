@@ -105,6 +105,8 @@ class APIHandler(InfoEndpoints):
             event = handle.next_event(timeout=CLIENT_CHECK_SECONDS)
             if isinstance(event, Error):
                 raise APIError(event.status, event.message)
+            if event is None and not self.server.manager.is_alive():  # it died and never answered this one
+                raise APIError(503, "the engine has stopped")
             if (event is None or time.monotonic() > self._client_check_due) and self._client_left():  # events or not
                 raise ClientGone()
             if event is not None:

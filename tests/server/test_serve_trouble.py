@@ -237,6 +237,23 @@ def test_a_failed_step_that_leaves_blocks_behind_stops_the_worker(small_server):
     assert call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 503
 
 
+def test_a_request_the_dead_worker_never_answered_gets_a_503(small_server):
+    """The worker dies while admitting a request (in the admission's own guard): the request is out of the inbox
+    and in no table, so the worker's wind-down cannot answer it. Its handler sees the worker gone and answers."""
+    manager = small_server.manager
+
+    def broken(handle):
+        raise RuntimeError("bug in the admission's guard")
+
+    manager._add = broken
+    port = small_server.server_address[1]
+    start = time.monotonic()
+    status, _, body = call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 3})
+    assert status == 503 and body["error"]["message"] == "the engine has stopped"
+    assert time.monotonic() - start < 30  # not the client's own timeout: the handler noticed
+    assert call(port, "GET", "/health", headers={})[0] == 503
+
+
 def test_dead_worker_fails_requests_and_health_says_503(small_server):
     scheduler = small_server.manager.scheduler
     has_unfinished = scheduler.has_unfinished
