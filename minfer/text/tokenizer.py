@@ -131,15 +131,32 @@ CONTEXT_IDS = 6  # context a continuation's text is measured after: more than a 
 def context_window(backend: tokenizers.Tokenizer, vocab_size: int, skipped: frozenset[int], byte_ids: frozenset[int],
                    context: list[int]) -> list[int]:
     """The context's last few ids, as a stream would have seen them: a continuation's text is measured after them
-    (none: it starts a text). Its trailing byte tokens are left out (decode() renders a run of them together with
-    the bytes fed next, which would rewrite the context's text), and so is a context that ends mid-character."""
+    (none: it starts a text, as after a lone BOS). Its trailing byte tokens are left out (decode() renders a run of
+    them together with the bytes fed next, which would rewrite the context's text), and so is a context that ends
+    mid-character. Where that leaves nothing of a context with text, a stand-in takes its place: the continuation
+    still continues a text (a SentencePiece decoder keeps its first space)."""
     kept = (i for i in reversed(context) if 0 <= i < vocab_size and i not in skipped)  # from the end: a long
     window = list(itertools.islice(kept, CONTEXT_IDS))[::-1]  # prompt is not walked whole
+    has_text = bool(window)
     while window and window[-1] in byte_ids:
         window.pop()
     if window and backend.decode(window, skip_special_tokens=False).endswith("\ufffd"):
         window = []
+    if has_text and not window:
+        window = text_stand_in(backend, vocab_size, skipped, byte_ids)
     return window
+
+
+def text_stand_in(backend: tokenizers.Tokenizer, vocab_size: int, skipped: frozenset[int],
+                  byte_ids: frozenset[int]) -> list[int]:
+    """One id with visible text of its own (a word, a '!'), not a byte token that bytes fed next would join: a
+    continuation measured after it is measured as after any text. None in a vocabulary without one."""
+    for i in range(vocab_size):  # the first few ids are specials and bytes, then one soon qualifies
+        if i not in skipped and i not in byte_ids:
+            text = backend.decode([i], skip_special_tokens=False)
+            if text.strip() and "\ufffd" not in text:
+                return [i]
+    return []
 
 
 class IncrementalDetokenizer:

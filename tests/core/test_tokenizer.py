@@ -129,6 +129,22 @@ def test_random_id_streams_match_decode(tok):
         assert stream(tok, ids)[1] == tok.decode(ids), ids
 
 
+@pytest.mark.parametrize("name", ["cjk", "emoji", "accented"])
+def test_a_continuation_after_a_prompt_cut_anywhere_continues_its_text(tok, name):
+    """Byte-level BPE: a prompt ending mid-character is a text too (its bytes show as U+FFFD). A continuation
+    that leaves the character cut adds what decode() of the two adds; one that completes it renders its own
+    bytes alone, the prompt's text as shown never rewritten."""
+    ids, word = tok.encode(TEXTS[name]), tok.encode(" w")
+    for cut in range(1, len(ids)):
+        prompt, rest = ids[:cut], ids[cut:]
+        assert not tok.starts_text(prompt)
+        for continued in (word, rest + word):
+            d = tok.detokenizer(context=prompt)
+            text = "".join(d.add(i) for i in continued) + d.flush()
+            whole, before = tok.decode(prompt + continued), tok.decode(prompt)
+            assert text == (whole[len(before):] if whole.startswith(before) else tok.decode(continued)), cut
+
+
 def test_random_byte_streams_match_decode(tok):
     # Single-byte tokens concentrated on UTF-8 lead/continuation bytes exercise the edge cases
     # (overlongs, surrogates, > U+10FFFF, truncated sequences) that random ids rarely hit.

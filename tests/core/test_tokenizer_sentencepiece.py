@@ -121,6 +121,65 @@ def test_a_continuation_keeps_its_first_space(tok, prompt, expected):
     assert "".join(map(tok.detokenizer().add, ids)) == "there was"  # no context: a text's start
 
 
+def spelt_ids(tok: Tokenizer, spelt) -> list[int]:
+    """Ids from tokens spelt as strings, or as ints for byte tokens (0x41: <0x41>)."""
+    ids = [tok.token_to_id(s) if isinstance(s, str) else byte_id(tok, s) for s in spelt]
+    assert None not in ids, spelt
+    return ids
+
+
+def continuation(tok: Tokenizer, context: list[int], ids: list[int]) -> tuple[list[str], str]:
+    d = tok.detokenizer(context=context)
+    pieces = [d.add(i) for i in ids]
+    return pieces, "".join(pieces) + d.flush()
+
+
+@pytest.mark.parametrize("spelt", [
+    ["<s>", 0x41],  # <s> and a byte: the window was left empty once the byte was left out
+    ["<s>", 0x20],  # a byte that is a space: decode() drops it as a text's first space, not the next one
+    ["<s>", "▁w", *[0x0A] * 8],  # more trailing bytes than the window holds
+    ["<s>", "▁", 0xE6, 0x97, 0xA5, 0xE6, 0x9C, 0xAC, 0xE8, 0xAA, 0x9E],  # 日本語, a byte each
+    ["<s>", "▁w", 0xE6, 0x97],  # a character cut at the prompt's end: its bytes show as U+FFFD (the window: ▁w)
+    ["<s>", 0xE6, 0x97, 0xA5, 0xE6, 0x9C, 0xAC, 0xE8],  # cut, after bytes only
+    ["<s>", 0xFF],  # an invalid byte alone
+])
+def test_a_continuation_after_byte_tokens_keeps_its_first_space(tok, spelt):
+    """A prompt (as ids) whose window the detokenizer leaves empty, its trailing byte tokens left out: the
+    continuation still continues the prompt's text, as decode() of prompt and continuation has it. (It was taken
+    for a text's start: `▁there` came out as 'there'.)"""
+    context = spelt_ids(tok, spelt)
+    assert not tok.starts_text(context)
+    for words in (" there was", " 🤖!", "\nw"):
+        ids = tok.encode(words)
+        pieces, text = continuation(tok, context, ids)
+        whole, before = tok.decode(context + ids), tok.decode(context)
+        assert whole.startswith(before) and text == whole[len(before):], (words, text)
+        assert all(whole[len(before):].startswith("".join(pieces[:k])) for k in range(len(ids)))  # token by token
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_random_continuations_of_prompts_ending_in_bytes_match_decode(tok, skip_special_tokens):
+    """Random prompts of bytes (whole characters, cut ones, invalid ones), words and <s>, and random
+    continuations: the continuation's text is what decode() of prompt and continuation adds to the prompt's,
+    wherever the prompt ends in whole characters and no run of bytes spans the two (decode() would render it
+    whole, rewriting the prompt's text: the stream renders the continuation's part on its own)."""
+    rng, checked = random.Random(11), 0
+    pool = spelt_ids(tok, ["<s>", "▁w", "▁", "🤖", 0x20, 0x0A, 0x41, 0xC3, 0xA9, 0xE6, 0x97, 0xA5, 0xFF])
+    shown = [i for i in pool if not (skip_special_tokens and i == 1)]
+    for _ in range(600):
+        context = [1] + [rng.choice(pool) for _ in range(rng.randint(0, 6))]
+        ids = [rng.choice(pool) for _ in range(rng.randint(1, 6))]
+        whole = tok.backend.decode(context + ids, skip_special_tokens=skip_special_tokens)
+        before = tok.backend.decode(context, skip_special_tokens=skip_special_tokens)
+        last, first = [i for i in context if i in shown][-1:], [i for i in ids if i in shown][:1]
+        if before.endswith("\ufffd") or last and first and {*last, *first} <= tok.byte_fallback_ids:
+            continue  # a cut character at the prompt's end, or a run of bytes across the two
+        d = tok.detokenizer(skip_special_tokens, context=context)
+        assert "".join(d.add(i) for i in ids) + d.flush() == whole[len(before):], (context, ids)
+        checked += 1
+    assert checked > 150, checked
+
+
 def completion_offsets(tok: Tokenizer, ids: list[int], cuts: tuple[int, ...] = (), starts_text=False) -> list[int]:
     """text_offset of a completion's tokens, formatted whole, or in pieces cut at `cuts` as a stream's chunks;
     starts_text: the completion starts the text (its prompt a lone <s>)."""
