@@ -77,11 +77,12 @@ state = load_model_weights(model, model_dir)
 expected = GPT2.expected_shapes(config)  # every tensor GPT-2 needs, with its on-disk shape
 assert set(state) == set(expected), "exactly GPT-2's tensors, no mask buffers, no prefix"
 assert state["lm_head.weight"] is state["wte.weight"]  # the tied LM head: one tensor under two names
+assert expected.pop("lm_head.weight") is None  # tied, so a copy the checkpoint stores is not read (None)
 for name, shape in expected.items():
     want = shape[::-1] if name.endswith(CONV1D_WEIGHTS) else shape  # Conv1D weights come out [out, in]
     assert tuple(state[name].shape) == want, name
 print(
-    f"{len(expected) - 1} tensors (and the LM head's name for wte): the 'transformer.' prefix dropped, the mask "
+    f"{len(expected)} tensors (and the LM head's name for wte): the 'transformer.' prefix dropped, the mask "
     f"buffers skipped, and the {len(CONV1D_WEIGHTS)} Conv1D weights of each block transposed to nn.Linear's [out, in]"
 )
 

@@ -27,6 +27,7 @@ def make_config(preset: str = "tiny", **overrides) -> dict:
     if shape["n_embd"] % shape["n_head"]:
         raise ValueError(f"n_embd ({shape['n_embd']}) must be divisible by n_head ({shape['n_head']})")
     embedding_std = shape.pop("initializer_range", 0.02)
+    tied = shape.pop("tie_word_embeddings", True)  # false: the checkpoint stores an LM head of its own
     eos = shape["vocab_size"] - 1  # like GPT-2, <|endoftext|> is the last id
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -42,7 +43,7 @@ def make_config(preset: str = "tiny", **overrides) -> dict:
         "attn_pdrop": 0.0,
         "bos_token_id": eos,
         "eos_token_id": eos,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": tied,
     }
 
 
@@ -79,6 +80,8 @@ def random_state_dict(config: dict, layout: str = "hub", seed: int = 0) -> dict[
     sd["ln_f.weight"], sd["ln_f.bias"] = norm_weight(), normal(C)
     if layout == "transformers":
         sd = {"transformer." + k: v for k, v in sd.items()}
+    if not config.get("tie_word_embeddings", True):
+        sd["lm_head.weight"] = normal(V, C)  # nn.Linear's [out, in], outside `transformer.` in either layout
     return sd
 
 

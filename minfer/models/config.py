@@ -75,6 +75,7 @@ class GPT2Config:
     n_inner: int | None = None  # MLP width; None means 4 * n_embd
     layer_norm_epsilon: float = 1e-5
     activation_function: str = "gelu_new"
+    tie_word_embeddings: bool = True  # the LM head is the token embedding (true where config.json does not say)
     # The EOS id is the tokenizer's business (Tokenizer.eos_token_id reads config.json for it).
 
     def __post_init__(self):
@@ -91,6 +92,9 @@ class GPT2Config:
                 f"config.json: activation_function {self.activation_function!r} is not supported "
                 f"(GPT-2 uses one of {', '.join(SUPPORTED_ACTIVATIONS)})"
             )
+        if not isinstance(self.tie_word_embeddings, bool):
+            tied = self.tie_word_embeddings
+            raise ValueError(f"config.json: tie_word_embeddings must be true or false, got {tied!r}")
 
     @property
     def head_dim(self) -> int:
@@ -152,5 +156,6 @@ class GPT2Config:
             "n_inner": raw.get("n_inner"),
             "layer_norm_epsilon": raw.get("layer_norm_epsilon", cls.layer_norm_epsilon),
             "activation_function": raw.get("activation_function", cls.activation_function),
+            "tie_word_embeddings": raw.get("tie_word_embeddings", cls.tie_word_embeddings),
         }
         return cls(**fields)

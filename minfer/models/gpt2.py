@@ -2,7 +2,7 @@
 
 The architecture (Radford et al., 2019): learned token and position embeddings, a stack of pre-LayerNorm
 transformer blocks (fused-QKV causal self-attention, then a GELU MLP), a final LayerNorm, and an LM head
-that reuses (is "tied to") the token embedding matrix.
+that reuses (is "tied to") the token embedding matrix (unless config.json's tie_word_embeddings is false).
 
 There is one forward pass. Without a cache it recomputes every position of a padded (B, T) batch: the
 reference the tutorials start from and the parity tests check. The engine passes a `PagedBatch`
@@ -102,7 +102,8 @@ class GPT2(nn.Module):
         self.h = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied: the LM head reuses the token embedding matrix
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight  # tied: the LM head reuses the token embedding matrix
 
     def forward(self, input_ids: torch.Tensor, paged: PagedBatch | None = None) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, vocab_size), recomputing every position. With `paged` (the engine's
@@ -142,10 +143,11 @@ class GPT2(nn.Module):
     # - the Hub's openai-community/gpt2 file: names like `h.0.attn.c_attn.weight`, plus a
     #   causal-mask buffer `h.N.attn.bias` per layer (not a weight: skipped);
     # - transformers' `save_pretrained` output: the same names prefixed with `transformer.`.
-    # Neither need store `lm_head.weight`: it is tied to `wte.weight`. The four projection
-    # matrices are stored Conv1D-style as [in, out]; nn.Linear wants [out, in]: transposed once.
+    # Neither stores `lm_head.weight` where it is tied to `wte.weight`; an untied checkpoint
+    # stores it as nn.Linear does, [out, in]. The four projection matrices are stored
+    # Conv1D-style as [in, out]; nn.Linear wants [out, in]: transposed once.
     config_class = GPT2Config
-    optional_weights = frozenset({"lm_head.weight"})  # some exports store the tied head: checked, then dropped
+    optional_weights: frozenset[str] = frozenset()
 
     @staticmethod
     def checkpoint_name(key: str) -> str | None:
@@ -153,11 +155,12 @@ class GPT2(nn.Module):
         return None if SKIPPED.fullmatch(name) else name  # the causal-mask buffers are no weights
 
     @staticmethod
-    def expected_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
-        """Every tensor a GPT-2 checkpoint holds, with its shape as stored on disk."""
+    def expected_shapes(config: GPT2Config) -> dict[str, tuple[int, ...] | None]:
+        """Every tensor a GPT-2 checkpoint holds, with its shape as stored on disk; None marks one to ignore."""
         C, F_, V, P = config.n_embd, config.mlp_dim, config.vocab_size, config.n_positions
         shapes = {"wte.weight": (V, C), "wpe.weight": (P, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
-        shapes["lm_head.weight"] = (V, C)  # optional (see optional_weights): read to check it equals wte
+        # A tied checkpoint may still carry lm_head.weight, the embedding's copy (one that differs unties: loader.py)
+        shapes["lm_head.weight"] = None if config.tie_word_embeddings else (V, C)
         for i in range(config.n_layer):
             p = f"h.{i}."
             shapes |= {
@@ -181,9 +184,6 @@ class GPT2(nn.Module):
         for name in state:
             if name.endswith(CONV1D_WEIGHTS):
                 state[name] = state[name].t().contiguous()  # Conv1D [in, out] -> Linear [out, in]
-        lm_head = state.pop("lm_head.weight", None)
-        if lm_head is not None and not torch.equal(lm_head, state["wte.weight"]):
-            raise ValueError("lm_head.weight differs from wte.weight; GPT-2's LM head must be tied to the embedding")
         return state
 
 

@@ -316,7 +316,7 @@ def from_pretrained(
 def untied_where_stored_apart(model_class: Architecture, config, model_dir: Path):
     """`config`, untied if config.json ties the LM head to the embedding (tie_word_embeddings) but the checkpoint
     stores both, with different values: transformers then keeps each its own (with a warning), and so must we,
-    or the logits differ from its. A config without the switch (GPT-2's) is left as it is."""
+    or the logits differ from its."""
     if not getattr(config, "tie_word_embeddings", False):
         return config
     with torch.device("meta"):

@@ -1,7 +1,11 @@
 """minfer's GPT-2 against transformers' GPT2LMHeadModel on the same random checkpoints."""
 
+import json
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from engine_checks import greedy_without_cache
 
 from minfer.models.gpt2 import GPT2
@@ -76,6 +80,36 @@ def test_lm_head_is_tied_to_embedding(tiny_checkpoint, device):
         manual = model.ln_f(x) @ model.wte.weight.T
     torch.testing.assert_close(logits, manual)
     assert model.lm_head.weight is model.wte.weight  # one parameter, not a copy
+
+
+def with_lm_head(path, out, tied: bool, head: str):
+    """A copy of the checkpoint at `path` whose config.json says `tied`, storing lm_head.weight too: a copy of the
+    embedding (head "copy") or a matrix of its own ("own"). transformers stores it as nn.Linear does, [V, C]."""
+    shutil.copytree(path, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": tied}))
+    tensors = load_file(str(out / "model.safetensors"))
+    wte = next(tensor for name, tensor in tensors.items() if name.endswith("wte.weight"))
+    tensors["lm_head.weight"] = wte.clone() if head == "copy" else torch.randn_like(wte)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["hub", "transformers"])
+@pytest.mark.parametrize("tied, head", [(True, "copy"), (True, "own"), (False, "own")])
+@torch.inference_mode()
+def test_a_stored_lm_head_loads_as_transformers_loads_it(make_checkpoint, tmp_path, caplog, layout, tied, head):
+    """A tied config.json with the embedding's copy stored: tied. A head of its own: kept apart, as transformers
+    keeps it; where config.json says tied, with a warning that says why (transformers warns too)."""
+    d = with_lm_head(make_checkpoint("tiny", layout, seed=1), tmp_path / "ck", tied, head)
+    with caplog.at_level("WARNING", logger="minfer"):
+        ours = GPT2.from_pretrained(d)
+    ref = transformers.GPT2LMHeadModel.from_pretrained(d, dtype=torch.float32).eval()
+    ids = torch.randint(0, ours.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ours(ids), ref(ids).logits, atol=1e-4, rtol=0)
+    assert (ours.lm_head.weight is ours.wte.weight) == (head == "copy") == ours.config.tie_word_embeddings
+    warned = [r.getMessage() for r in caplog.records if r.name == "minfer" and "lm_head.weight" in r.getMessage()]
+    assert len(warned) == (1 if tied and head == "own" else 0), caplog.text
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -113,18 +113,6 @@ def test_a_sharded_checkpoint_must_agree_with_its_index(tiny_checkpoint, tmp_pat
     one_line(str(info.value))
 
 
-def test_tied_lm_head_tensor_is_accepted_only_if_equal(tiny_checkpoint, tmp_path):
-    d = copy_checkpoint(tiny_checkpoint, tmp_path / "ck")
-    tensors = load_file(str(d / "model.safetensors"))
-    tensors["lm_head.weight"] = tensors["wte.weight"].clone()
-    save_file(tensors, str(d / "model.safetensors"))
-    GPT2.from_pretrained(d)
-    tensors["lm_head.weight"] += 1
-    save_file(tensors, str(d / "model.safetensors"))
-    with pytest.raises(ValueError, match="lm_head.weight differs from wte.weight"):
-        GPT2.from_pretrained(d)
-
-
 def edit_tensors(d, edit):
     tensors = load_file(str(d / "model.safetensors"))
     edit(tensors)
@@ -166,6 +154,15 @@ BAD_CHECKPOINTS = {
     "n_inner a string": (with_config(n_inner="256"), ValueError, "n_inner must be a positive integer, or null"),
     "n_inner negative": (
         with_config(n_inner=-1), ValueError, r"n_inner must be a positive integer, or null for 4 \* n_embd, got -1"
+    ),
+    "tie_word_embeddings a string": (
+        with_config(tie_word_embeddings="false"), ValueError, "tie_word_embeddings must be true or false, got 'false'"
+    ),
+    "tie_word_embeddings null": (  # absent means true for GPT-2; null is neither (transformers refuses it too)
+        with_config(tie_word_embeddings=None), ValueError, "tie_word_embeddings must be true or false, got None"
+    ),
+    "untied without a head": (  # transformers would fill the head with random numbers and run: garbage out
+        with_config(tie_word_embeddings=False), ValueError, "lacks tensor 'lm_head.weight'"
     ),
     "epsilon null": (with_config(layer_norm_epsilon=None), ValueError, "layer_norm_epsilon must be a positive number"),
     "epsilon a word": (with_config(layer_norm_epsilon="x"), ValueError, "layer_norm_epsilon must be a positive number"),

@@ -18,11 +18,18 @@ needs_int4 = pytest.mark.skipif(not int4_kernel_available(), reason="torch's CPU
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+CHECKPOINTS = {  # make_checkpoint's arguments: a tied LM head and untied ones (their embedding quantized apart)
+    "gpt2": dict(preset="tiny"),
+    "gpt2-untied": dict(preset="tiny", tie_word_embeddings=False),
+    "llama-untied": dict(preset="llama-tiny"),
+}
+
+
+@pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
 @pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
-def test_quantized_checkpoint_round_trip(make_checkpoint, tmp_path, preset, method):
+def test_quantized_checkpoint_round_trip(make_checkpoint, tmp_path, checkpoint, method):
     """Quantized while loading == quantized after loading; saved and loaded back: the same model exactly."""
-    source = make_checkpoint(preset)
+    source = make_checkpoint(**CHECKPOINTS[checkpoint])
     spec = QuantizationSpec(method)
     streamed = load_model(source, weights=QuantizedWeights(spec))
     after = quantize_model(load_model(source), method)
@@ -143,13 +150,15 @@ def test_a_quantized_checkpoint_serves_as_a_draft_model(make_checkpoint, tmp_pat
     assert llm.scheduler.stats()["spec_decode_num_draft_tokens"] > 0
 
 
-def test_a_head_stored_apart_from_the_embedding_its_config_ties_stays_apart_when_saved(make_checkpoint, tmp_path):
+@pytest.mark.parametrize("preset, embedding", [("tiny", "wte.weight"), ("llama-tiny", "model.embed_tokens.weight")])
+def test_a_head_stored_apart_from_the_embedding_its_config_ties_stays_apart_when_saved(make_checkpoint, tmp_path,
+                                                                                      preset, embedding):
     """The loader keeps a stored head that differs from the embedding config.json ties it to (as transformers
     does): the quantized checkpoint says it is untied, and one whose config.json still ties them is refused."""
     source = tmp_path / "tied"
-    shutil.copytree(make_checkpoint("llama-tiny", tie_word_embeddings=True), source)
+    shutil.copytree(make_checkpoint(preset, tie_word_embeddings=True), source)
     tensors = load_file(str(source / "model.safetensors"))
-    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    tensors["lm_head.weight"] = torch.randn_like(tensors[embedding])
     save_file(tensors, str(source / "model.safetensors"))
     spec = QuantizationSpec("int8")
     model = load_model(source, weights=QuantizedWeights(spec))
