@@ -46,7 +46,6 @@ class Architecture(Protocol):
     """A model class that loader.from_pretrained can build: its config, and its checkpoint's names."""
 
     config_class: type  # with from_raw(path, config.json's contents), giving a ModelConfig
-    optional_weights: frozenset[str]  # names read and checked if the checkpoint has them, not required
 
     def __call__(self, config, model_dir: Path | None = None) -> CausalLM: ...
 

@@ -147,7 +147,6 @@ class GPT2(nn.Module):
     # stores it as nn.Linear does, [out, in]. The four projection matrices are stored
     # Conv1D-style as [in, out]; nn.Linear wants [out, in]: transposed once.
     config_class = GPT2Config
-    optional_weights: frozenset[str] = frozenset()
 
     @staticmethod
     def checkpoint_name(key: str) -> str | None:

@@ -194,7 +194,6 @@ class Llama(nn.Module):
 
     # ---- the checkpoint's names and shapes, which loader.py asks for -----------------------------
     config_class = LlamaConfig
-    optional_weights: frozenset[str] = frozenset()
 
     @staticmethod
     def checkpoint_name(key: str) -> str | None:

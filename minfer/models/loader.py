@@ -3,7 +3,7 @@
 One loader for every architecture: `from_pretrained(model_class, name_or_path)` builds the
 model its config.json describes and fills it with the checkpoint's tensors, read, renamed,
 checked and converted as the model class says (its checkpoint name mapping: `checkpoint_name`,
-`expected_shapes`, `optional_weights`, `convert_weights`; contract.Architecture). Each
+`expected_shapes`, `convert_weights`; contract.Architecture). Each
 architecture's names and quirks live in its own file (gpt2.py, llama.py), none here.
 """
 
@@ -173,14 +173,12 @@ def read_checked_weights(
     rename: Callable[[str], str | None],
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-    optional: frozenset[str] = frozenset(),
     take: Callable[[str, torch.Tensor], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, under the model's names (`rename`: None skips a non-weight),
-    checked against `expected` (name -> shape; None: ignored if present). Names in `optional` are
-    read and checked if present, and not required. A missing, unexpected or mis-shaped tensor
-    raises ValueError naming it: a partial load would run and produce garbage. `take(name, tensor)`
-    may keep a tensor itself instead (True): quantizing while loading, one tensor at a time."""
+    checked against `expected` (name -> shape; None: ignored if present). A missing, unexpected or
+    mis-shaped tensor raises ValueError naming it: a partial load would run and produce garbage.
+    `take(name, tensor)` may keep a tensor itself instead (True): quantizing while loading, one at a time."""
     model_dir = Path(model_dir)
     state: dict[str, torch.Tensor] = {}
     taken: set[str] = set()
@@ -213,7 +211,7 @@ def read_checked_weights(
         except SafetensorError as e:
             raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
     missing = [n for n, shape in expected.items()
-               if shape is not None and n not in state and n not in taken and n not in optional]
+               if shape is not None and n not in state and n not in taken]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"checkpoint in {model_dir} lacks tensor {missing[0]!r}{more}")
@@ -254,7 +252,7 @@ def load_model_weights(
             return False
         return quantizer.take(name, arch.convert_weights({name: tensor}, model.config)[name])
 
-    state = read_checked_weights(model_dir, expected, arch.checkpoint_name, device, dtype, arch.optional_weights,
+    state = read_checked_weights(model_dir, expected, arch.checkpoint_name, device, dtype,
                                  take if quantizer is not None else None)
     state = arch.convert_weights(state, model.config)
     for alias, owner in tied.items():
