@@ -321,7 +321,7 @@ def untied_where_stored_apart(model_class: Architecture, config, model_dir: Path
         tied = tied_parameters(model_class(config))
     where = stored_where(model_dir, model_class.checkpoint_name, set(tied) | set(tied.values()))
     for alias, owner in tied.items():
-        if alias in where and owner in where and not equal_values(read_stored(where[alias]), read_stored(where[owner])):
+        if alias in where and owner in where and not equal_values(read_alone(*where[alias]), read_alone(*where[owner])):
             log.warning("minfer: %s ties %s to %s (tie_word_embeddings), but the checkpoint stores %s, and it differs "
                         "from %s: each keeps its own, as in transformers (set tie_word_embeddings to false to say so)",
                         model_dir / "config.json", alias, owner, alias, owner)
@@ -340,12 +340,6 @@ def stored_where(model_dir: Path, rename: Callable[[str], str | None], names: se
         except SafetensorError as e:
             raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
     return found
-
-
-def read_stored(where: tuple[Path, str]) -> torch.Tensor:
-    file, key = where
-    with safe_open(str(file), framework="pt", device="cpu") as f:
-        return f.get_tensor(key)
 
 
 def equal_values(a: torch.Tensor, b: torch.Tensor) -> bool:
