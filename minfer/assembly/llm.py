@@ -23,7 +23,7 @@ from ..engine.generation_defaults import sampling_defaults
 from ..engine.sampling_params import SamplingParams
 from ..engine.outputs import RequestOutput
 from ..text.chat_content import CHAT_ROLES, content_text
-from ..text.chat_template import ChatTemplate
+from ..text.chat_template import ChatTemplate, opens_a_reply
 from .build import build_engine
 
 log = logging.getLogger("minfer")
@@ -104,8 +104,7 @@ class LLM:
         more names the template reads (Qwen3's {"enable_thinking": False}). continue_final_message has the reply go
         on with the last message's text; add_generation_prompt, the assistant's header, defaults to its opposite
         (both true is an error), as the server's fields do."""
-        if add_generation_prompt is None:
-            add_generation_prompt = not continue_final_message
+        add_generation_prompt = opens_a_reply(add_generation_prompt, continue_final_message)
         _check_chat_arguments(chat_template, chat_template_kwargs, add_generation_prompt, continue_final_message)
         one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if one else messages

@@ -21,7 +21,7 @@ import json
 from .api_errors import invalid
 from ..errors import InvalidParameter
 from ..text.chat_content import CHAT_ROLES, content_text, show
-from ..text.chat_template import ChatTemplate, ChatTemplateError
+from ..text.chat_template import ChatTemplate, ChatTemplateError, opens_a_reply
 
 KIND_NAMES = {str: "a string", bool: "a boolean"}
 
@@ -167,8 +167,7 @@ def reply_flags(body: dict) -> tuple[bool, bool]:
     for name in ("add_generation_prompt", "continue_final_message"):
         check_optional(body, name, name, bool)
     continues = body.get("continue_final_message") is True
-    opens = body.get("add_generation_prompt")
-    return (not continues) if opens is None else opens, continues
+    return opens_a_reply(body.get("add_generation_prompt"), continues), continues
 
 
 def render_messages(body: dict, template: ChatTemplate, tools: list[dict] | None = None) -> str:

@@ -47,6 +47,12 @@ def render_chat(messages: list[dict], add_generation_prompt: bool = True) -> str
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if add_generation_prompt else "")
 
 
+def opens_a_reply(add_generation_prompt: bool | None, continue_final_message: bool) -> bool:
+    """vLLM's add_generation_prompt as given; left out (None), the opposite of continue_final_message: a reply
+    opens an assistant message of its own unless it goes on with the last message's text."""
+    return not continue_final_message if add_generation_prompt is None else add_generation_prompt
+
+
 # Appended to the message a reply continues, to find where its text ends in the rendering (transformers' way, so
 # the two cut alike): its trailing space tells whether the template stripped the text's end, as some do.
 CONTINUE_MARK = "MINFER_CONTINUES_HERE "
