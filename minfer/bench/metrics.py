@@ -3,8 +3,9 @@
     TTFT  time to first token: submit -> first token
     TPOT  time per output token after the first: (latency - TTFT) / (output tokens - 1),
           over requests with more than one output token
-    ITL   inter-token latency: every gap between successive tokens (online: successive
-          streamed chunks), pooled over all requests
+    ITL   inter-token latency: every gap between successive deliveries of a request's tokens,
+          pooled over all requests: online its streamed chunks with text, offline the steps
+          that sampled for it (a speculative step's tokens come together: one gap, as in vLLM)
     E2EL  end-to-end latency: submit -> last token
 
 A request is submitted at its arrival time or, under --max-concurrency, once a slot

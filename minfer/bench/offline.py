@@ -102,11 +102,12 @@ def _finish(rec: RequestRecord, outs: list[RequestOutput], t0: float) -> Request
     the prompt (its sibling choices sample in the same steps); output_len counts every choice's tokens."""
     out = outs[0]
     times = [t - t0 for t in out.token_times]  # the end of each step that sampled one of its tokens
+    arrivals = list(dict.fromkeys(times))  # a speculative step's tokens arrive together, as one chunk online
     rec.output_len = sum(len(o.token_ids) for o in outs)
     rec.input_len = len(out.prompt_token_ids)
     rec.first_token_time = times[0] if times else None
     rec.finish_time = times[-1] if times else None
-    rec.itl = [b - a for a, b in zip(times, times[1:])]
+    rec.itl = [b - a for a, b in zip(arrivals, arrivals[1:])]
     rec.num_preemptions = out.num_preemptions
     rec.num_cached_tokens = out.num_cached_tokens
     return rec
