@@ -9,8 +9,9 @@
     E2EL  end-to-end latency: submit -> last token
 
 A request is submitted at its arrival time or, under --max-concurrency, once a slot
-frees up (as in vLLM). Offline, "first token" is the end of the engine step that
-sampled it; online, the arrival of the first streamed chunk with text.
+frees up (as in vLLM); offline too, where one that arrives during a step waits for it.
+Offline, "first token" is the end of the engine step that sampled it; online, the
+arrival of the first streamed chunk with text.
 
 Each is reported as mean, median (p50), p90 and p99 in milliseconds; percentiles
 interpolate linearly between order statistics (numpy's default). Throughputs

@@ -4,12 +4,15 @@ LLM.generate adds every prompt up front; a benchmark with a finite request rate 
 a concurrency cap needs requests to arrive *between* engine steps. So this loop
 does what a server's worker thread does, minus HTTP: submit the requests whose
 arrival time has come (and for which a concurrency slot is free), run one step,
-collect what finished. The moment of `add_request` is the request's submit time:
-with a text prompt it includes tokenization, as it would in a server.
+collect what finished. A request's clock starts at its arrival, as a client's would: one
+that arrives during a step waits for it, and its tokenization (a text prompt) counts too. Under
+--max-concurrency it starts when a slot frees, at the end of the step that finished the slot's last request
+(or at its arrival, if later), as vLLM's client takes a slot before it sends.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from dataclasses import asdict
@@ -38,6 +41,7 @@ def run_offline(
     unscheduled: dict[str, RequestRecord] = {}  # submitted, never run by a step yet (in submit order)
     done: list[RequestRecord] = []
     steps: list[dict] = []
+    free_slots = [0.0] * (max_concurrency or 0)  # a heap: when each free slot became free
     t0 = time.perf_counter()
 
     def submit_due() -> None:
@@ -47,7 +51,7 @@ def run_offline(
             and (max_concurrency is None or len(live) < max_concurrency)
         ):
             r = pending.popleft()
-            submit = time.perf_counter() - t0
+            submit = max(r.arrival, heapq.heappop(free_slots)) if max_concurrency else r.arrival
             rid = submit_request(scheduler, r, n, defaults)
             live[rid] = unscheduled[rid] = RequestRecord(
                 r.index, r.input_len, n * r.output_len, submit_time=submit, num_choices=n
@@ -75,6 +79,8 @@ def run_offline(
                             if rid in live:
                                 outs = scheduler.pop_responses(rid)
                                 done.append(_finish(live.pop(rid), outs, t0))
+                                if max_concurrency:
+                                    heapq.heappush(free_slots, done[-1].finish_time or step["end"])
                                 bar.update(1)
                     submit_due()
     finally:  # an error (or Ctrl-C) must not leave requests holding KV blocks

@@ -1,11 +1,16 @@
 """bench.py's figures from known timestamps: each metric of `summarize` against its definition (vLLM's), the
-failed requests out of every figure, and the ITL gaps of the offline loop."""
+failed requests out of every figure, and the offline loop's own clock (when a request's time starts, what its
+ITL gaps are) on a real engine whose steps are slowed down."""
+
+import time
 
 import numpy as np
 import pytest
 
+from minfer.assembly.llm import LLM
 from minfer.bench.metrics import RequestRecord, summarize
-from minfer.bench.offline import _finish
+from minfer.bench.offline import _finish, run_offline
+from minfer.bench.workload import BenchRequest
 from minfer.engine.outputs import RequestOutput
 
 
@@ -62,3 +67,43 @@ def test_offline_itl_is_one_gap_per_step_that_brought_tokens():
     assert rec.output_len == 7 and rec.first_token_time == pytest.approx(0.5)
     assert rec.itl == pytest.approx([0.1, 0.1, 0.2])
     assert rec.tpot == pytest.approx(0.4 / 6)  # TPOT still counts every token
+
+
+@pytest.fixture
+def slow_scheduler(tiny_checkpoint):
+    """The tiny engine with every step lasting at least STEP seconds, so arrivals fall inside steps."""
+    scheduler = LLM(str(tiny_checkpoint)).scheduler
+    step = scheduler.step
+
+    def slow_step():
+        start = time.perf_counter()
+        out = step()
+        time.sleep(max(0.0, STEP - (time.perf_counter() - start)))
+        return out
+
+    scheduler.step = slow_step
+    return scheduler
+
+
+STEP = 0.05
+
+
+def bench_request(index, arrival, output_len=3):
+    return BenchRequest(index, None, [5 + index, 6, 7, 8], 4, output_len, arrival)
+
+
+def test_offline_clock_starts_at_arrival_even_while_a_step_runs(slow_scheduler):
+    """A request arriving during a step waits for it, as it would in a server: that wait is in its TTFT."""
+    requests = [bench_request(0, 0.0), bench_request(1, STEP / 5)]  # the second arrives during the first step
+    result = run_offline(slow_scheduler, requests, progress=False)
+    assert [r.submit_time for r in result.records] == [0.0, STEP / 5]
+
+
+def test_offline_clock_starts_when_a_slot_frees_under_max_concurrency(slow_scheduler):
+    """--max-concurrency: a request's clock starts when it gets a slot (vLLM's), the end of the step in which
+    the request holding the slot finished, or its arrival if that is later."""
+    requests = [bench_request(0, 0.0), bench_request(1, 0.0), bench_request(2, 10 * STEP, 1)]
+    first, second, third = run_offline(slow_scheduler, requests, max_concurrency=1, progress=False).records
+    assert first.submit_time == 0.0
+    assert second.submit_time == first.finish_time
+    assert third.submit_time == max(10 * STEP, second.finish_time)
