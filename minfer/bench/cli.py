@@ -36,7 +36,7 @@ from ..cpu.openmp import wait_policy
 from ..text.tokenizer import Tokenizer
 from .flags import parse_args
 from .hf_baseline import compare, format_comparison, generate_batch, load_hf_model, run_hf
-from .metrics import RunResult, format_summary, median_summary, summarize
+from .metrics import RunResult, cut_short_line, format_summary, median_summary, summarize
 from .offline import run_offline
 from .online import Endpoint, EngineFeedReader, ServerProcess, failures_line, refuse_if_all_failed, run_online
 from .profile import format_profile, profile_steps
@@ -258,6 +258,8 @@ def run(args) -> int:
     else:
         (results, summaries), scheduler = online_runs(args, engine, model_dir, workloads, warm), None
 
+    for short in filter(None, (cut_short_line(result.records) for result in results)):
+        print(f"bench.py: {short}", file=sys.stderr)
     summary = median_summary(summaries)
     if len(summaries) > 1:
         print_runs(summaries)

@@ -110,6 +110,7 @@ def summarize(records: list[RequestRecord], duration: float, **extra) -> dict:
     summary = {
         "completed": len(ok),
         "failed": len(records) - len(ok),
+        "cut_short": len(cut_short(ok)),  # completed with fewer tokens than asked: counted as they are
         "duration": duration,
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
@@ -127,6 +128,20 @@ def summarize(records: list[RequestRecord], duration: float, **extra) -> dict:
         for stat, v in describe(vs).items():
             summary[f"{stat}_{metric}_ms"] = v
     return {**summary, **extra}
+
+
+def cut_short(records: list[RequestRecord]) -> list[RequestRecord]:
+    """The requests that generated fewer tokens than asked: ended by a server that does not honour ignore_eos."""
+    return [r for r in records if r.success and r.output_len < r.expected_output_len]
+
+
+def cut_short_line(records: list[RequestRecord]) -> str | None:
+    """One line for a run some of whose requests stopped short (None if none did): how many, the first one's."""
+    short = cut_short(records)
+    if not short:
+        return None
+    return (f"{len(short)} of {len(records)} requests generated fewer tokens than asked, the first "
+            f"{short[0].output_len} of {short[0].expected_output_len}: the figures count the tokens generated")
 
 
 def median_summary(summaries: list[dict]) -> dict:
@@ -155,6 +170,8 @@ def format_summary(s: dict, title: str = "Serving Benchmark Result", memory_of: 
     lines.append(_row("Successful requests:", s["completed"]))
     if s.get("failed"):
         lines.append(_row("Failed requests:", s["failed"]))
+    if s.get("cut_short"):
+        lines.append(_row("Requests cut short:", s["cut_short"]))
     lines += [
         _row("Benchmark duration (s):", s["duration"]),
         _row("Total input tokens:", s["total_input_tokens"]),

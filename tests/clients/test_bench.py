@@ -21,7 +21,7 @@ from minfer.text.tokenizer import Tokenizer
 
 def check_summary(summary, records, exact_itl_count):
     """Recompute the summary from the per-request records."""
-    assert summary["completed"] == len(records) and summary["failed"] == 0
+    assert summary["completed"] == len(records) and summary["failed"] == 0 and summary["cut_short"] == 0
     for r in records:
         assert 4 <= r["expected_output_len"] <= 12 and 8 <= r["input_len"] <= 24
         assert r["output_len"] == r["expected_output_len"]  # ignore_eos: exactly the asked length

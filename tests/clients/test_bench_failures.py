@@ -1,5 +1,5 @@
 """bench.py --base-url against a server that fails some requests: each one is counted as failed, with its
-reason, and the run still reports the rest. The server here is a stand-in that answers the k-th completion
+reason, and the run still reports the rest; one that ends before its length is counted and said. The server here is a stand-in that answers the k-th completion
 request in the k-th way below (--max-concurrency 1 keeps them in order)."""
 
 import json
@@ -23,43 +23,53 @@ REPLIES = {  # (status, body), the body sent whole, then the connection closed
 }
 
 
+def bench_flags(num_requests, output_len=3):
+    """bench.py's flags for num_requests of output_len tokens each, one at a time, in order."""
+    return ["--model", "m", "--tokenizer", "minfer-tiny", "--num-requests", str(num_requests), "--input-len", "8",
+            "--output-len", str(output_len), "--max-concurrency", "1", "--warmup-runs", "0", "--disable-tqdm"]
+
+
 @pytest.fixture
-def flaky_server():
-    """A server whose k-th completion gets the k-th reply of REPLIES."""
-    replies = iter(REPLIES.values())
+def stand_in_server():
+    """start(replies) -> the URL of a server whose k-th completion gets the k-th of replies."""
+    servers = []
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def start(replies):
+        replies = iter(replies)
 
-        def log_message(self, *args):
-            pass
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
 
-        def do_GET(self):
-            self.send_error(404)
+            def log_message(self, *args):
+                pass
 
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            status, body = next(replies)
-            self.send_response(status)
-            self.send_header("Content-Type", "text/event-stream" if status == 200 else "application/json")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(body.encode())
-            self.wfile.flush()
-            self.connection.shutdown(socket.SHUT_RDWR)
-            self.close_connection = True
+            def do_GET(self):
+                self.send_error(404)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                status, body = next(replies)
+                self.send_response(status)
+                self.send_header("Content-Type", "text/event-stream" if status == 200 else "application/json")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(body.encode())
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_RDWR)
+                self.close_connection = True
+
+        servers.append(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
+        threading.Thread(target=servers[-1].serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{servers[-1].server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
 
 
-def test_every_failed_request_is_counted_with_its_reason(flaky_server, tmp_path, capsys):
-    argv = ["--base-url", flaky_server, "--model", "m", "--tokenizer", "minfer-tiny", "--num-requests", str(len(REPLIES)),
-            "--input-len", "8", "--output-len", "3", "--max-concurrency", "1", "--warmup-runs", "0", "--disable-tqdm",
-            "--json", str(tmp_path / "b.json")]
+def test_every_failed_request_is_counted_with_its_reason(stand_in_server, tmp_path, capsys):
+    argv = ["--base-url", stand_in_server(REPLIES.values()), *bench_flags(len(REPLIES)), "--json", str(tmp_path / "b.json")]
     assert bench.main(argv) == 0
     out, err = capsys.readouterr()
     report = json.loads((tmp_path / "b.json").read_text())
@@ -76,3 +86,22 @@ def test_every_failed_request_is_counted_with_its_reason(flaky_server, tmp_path,
     assert "Failed requests:                         4" in out
     assert f"bench.py: 4 of {len(REPLIES)} requests failed, the first with OSError: HTTP 429" in err
     assert "Traceback" not in err
+
+
+def test_a_request_cut_short_is_counted_and_said(stand_in_server, tmp_path, capsys):
+    """A server that stops a request before its output length (it does not honour ignore_eos, say) runs another
+    workload than the header says: its figures count the tokens it did generate, and the run says how many fell
+    short."""
+    stop = 'data: {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}\n\n'
+    cut = (200, TEXT * 2 + stop + USAGE.replace('"completion_tokens": 3', '"completion_tokens": 2') + "data: [DONE]\n\n")
+    url = stand_in_server([REPLIES["served"], cut, REPLIES["served"]])
+    assert bench.main(["--base-url", url, *bench_flags(3), "--json", str(tmp_path / "b.json")]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert [r["output_len"] for r in report["requests"]] == [3, 2, 3]
+    summary = report["summary"]
+    assert summary["completed"] == 3 and summary["failed"] == 0 and summary["cut_short"] == 1
+    assert summary["total_output_tokens"] == 8
+    assert "Requests cut short:                      1" in out
+    assert "bench.py: 1 of 3 requests generated fewer tokens than asked, the first 2 of 3" in err
+
