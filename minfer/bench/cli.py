@@ -122,8 +122,9 @@ def offline_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResu
     return results, summaries, llm.scheduler
 
 
-def online_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResult], list[dict]]:
+def online_runs(args, engine, model_dir, workloads, warm, tokenizer) -> tuple[list[RunResult], list[dict]]:
     results, summaries = [], []
+    count_tokens = (lambda text: len(tokenizer.encode(text))) if tokenizer else None  # a server with no usage
 
     def measure(endpoint: Endpoint, server: ServerProcess | None = None) -> None:
         model = endpoint.served_model(args.model)
@@ -138,7 +139,8 @@ def online_runs(args, engine, model_dir, workloads, warm) -> tuple[list[RunResul
             with EngineFeedReader(endpoint) if args.trace and k == len(workloads) - 1 else nullcontext() as feed:
                 bar = not args.disable_tqdm
                 results.append(
-                    run_online(endpoint, model, workload, args.max_concurrency, bar, f"run {k}", feed, args.n)
+                    run_online(endpoint, model, workload, args.max_concurrency, bar, f"run {k}", feed, args.n,
+                               count_tokens)
                 )
             refuse_if_all_failed(results[-1], endpoint)
             if failed := failures_line(results[-1]):  # the table counts them; here is why (--json: each one's)
@@ -256,7 +258,7 @@ def run(args) -> int:
     if args.mode == "offline":
         results, summaries, scheduler = offline_runs(args, engine, model_dir, workloads, warm)
     else:
-        (results, summaries), scheduler = online_runs(args, engine, model_dir, workloads, warm), None
+        (results, summaries), scheduler = online_runs(args, engine, model_dir, workloads, warm, tokenizer), None
 
     for short in filter(None, (cut_short_line(result.records) for result in results)):
         print(f"bench.py: {short}", file=sys.stderr)

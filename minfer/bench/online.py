@@ -10,6 +10,8 @@ a UTF-8 character), so online ITL is the gap between *text chunks*; the exact ou
 token count comes from the final usage chunk (stream_options.include_usage).
 vLLM's benchmark also times chunks with empty text; minfer.serve sends one only to
 carry finish_reason, right after the last text, where it would add a ~0 ms "gap".
+A server that sends no usage gets vLLM's count instead: its text, every choice's, tokenized
+(with no tokenizer at hand, its text chunks: fewer than its tokens where a chunk holds several).
 
 For a trace, `EngineFeedReader` also reads minfer.serve's /engine/events while the run
 goes on, so the trace gets the engine's per-step counters (other servers lack the feed).
@@ -28,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from tqdm import tqdm
@@ -206,9 +209,11 @@ class EngineFeedReader:
             self.conn.close()
 
 
-def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float, n: int = 1) -> RequestRecord:
+def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float, n: int = 1,
+                      count_tokens: Callable[[str], int] | None = None) -> RequestRecord:
     """Send one streaming completion and time its chunks (seconds since t0). With n > 1, seeded sampling
-    (n greedy choices would be one), and the chunks of choice 0 timed."""
+    (n greedy choices would be one), and the chunks of choice 0 timed. count_tokens: a text's token count, for a
+    server that sends no usage."""
     rec = RequestRecord(r.index, r.input_len, n * r.output_len, num_choices=n)
     fields = {"temperature": 0.0} if n == 1 else {"temperature": 1.0, "seed": r.index, "n": n}
     body = json.dumps(
@@ -226,6 +231,7 @@ def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float
     )
     conn = endpoint.connect()
     usage, num_chunks, last, done, ended = None, 0, None, False, set()  # ended: the choices with a finish_reason
+    texts: dict[int, list[str]] = {}  # every choice's text pieces, to count its tokens where usage is missing
     try:
         rec.submit_time = time.perf_counter() - t0
         conn.request("POST", endpoint.prefix + "/v1/completions", body, {"Content-Type": "application/json"})
@@ -243,6 +249,9 @@ def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float
             usage = msg.get("usage") or usage
             choices = msg.get("choices") or []
             ended |= {c.get("index", 0) for c in choices if c.get("finish_reason")}
+            for c in choices:
+                if isinstance(c.get("text"), str) and c["text"]:
+                    texts.setdefault(c.get("index", 0), []).append(c["text"])
             if any(c.get("text") and c.get("index", 0) == 0 for c in choices):
                 now = time.perf_counter() - t0
                 if last is None:
@@ -256,7 +265,12 @@ def stream_completion(endpoint: Endpoint, model: str, r: BenchRequest, t0: float
         if last is None:
             raise OSError("the stream ended without a single choice")
         rec.finish_time = last
-        rec.output_len = num_chunks if usage is None else token_count(usage, "completion_tokens")
+        if usage is not None:
+            rec.output_len = token_count(usage, "completion_tokens")
+        elif count_tokens is not None:
+            rec.output_len = sum(count_tokens("".join(pieces)) for pieces in texts.values())
+        else:
+            rec.output_len = sum(map(len, texts.values()))
         if isinstance(usage, dict) and usage.get("prompt_tokens") is not None:
             rec.input_len = token_count(usage, "prompt_tokens")
     except (OSError, ValueError, http.client.HTTPException) as e:
@@ -296,6 +310,7 @@ def run_online(
     desc: str = "online",
     feed: EngineFeedReader | None = None,
     n: int = 1,
+    count_tokens: Callable[[str], int] | None = None,
 ) -> RunResult:
     slots = threading.Semaphore(max_concurrency) if max_concurrency else None
     records: list[RequestRecord] = []
@@ -305,7 +320,7 @@ def run_online(
     def client(r: BenchRequest) -> None:
         try:
             try:
-                rec = stream_completion(endpoint, model, r, t0, n)
+                rec = stream_completion(endpoint, model, r, t0, n, count_tokens)
             except Exception as e:  # a reply no check foresaw: one failed request, never a lost one
                 rec = RequestRecord(r.index, r.input_len, n * r.output_len, num_choices=n, success=False,
                                     error=f"{type(e).__name__}: {e}")

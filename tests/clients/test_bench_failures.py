@@ -10,6 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from minfer.bench import cli as bench
+from minfer.models.loader import BUILTIN_MODELS
+from minfer.text.tokenizer import Tokenizer
 
 TEXT = 'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
 LAST = 'data: {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}\n\n'
@@ -105,3 +107,17 @@ def test_a_request_cut_short_is_counted_and_said(stand_in_server, tmp_path, caps
     assert "Requests cut short:                      1" in out
     assert "bench.py: 1 of 3 requests generated fewer tokens than asked, the first 2 of 3" in err
 
+
+
+def test_without_usage_the_output_is_counted_in_tokens_not_chunks(stand_in_server, tmp_path, capsys):
+    """A server that sends no usage: the output tokens are the streamed text's, tokenized (vLLM's count), not the
+    chunks, which hold several tokens each where the server speculates or batches its stream."""
+    pieces = ["Once upon a time,", " there was a dog."]
+    chunks = "".join(TEXT.replace('"text": "a"', f'"text": "{p}"') for p in pieces)
+    num_tokens = len(Tokenizer.from_dir(BUILTIN_MODELS["minfer-tiny"]).encode("".join(pieces)))
+    assert num_tokens > len(pieces)
+    url = stand_in_server([(200, chunks + LAST + "data: [DONE]\n\n")])
+    assert bench.main(["--base-url", url, *bench_flags(1, num_tokens), "--json", str(tmp_path / "b.json")]) == 0
+    capsys.readouterr()
+    summary = json.loads((tmp_path / "b.json").read_text())["summary"]
+    assert summary["total_output_tokens"] == num_tokens and summary["cut_short"] == 0
