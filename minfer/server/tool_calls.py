@@ -79,9 +79,14 @@ def format_of(template: ChatTemplate) -> ToolFormat:
 
 
 def parameters(tool: dict) -> dict:
-    """A tool's parameter schema; none given is an empty parameter list (OpenAI's reading)."""
+    """A tool's parameter schema, as the grammar holds its arguments; none given is an empty parameter list
+    (OpenAI's reading). Arguments are an object, whether or not the schema says `"type": "object"` (a bare {}
+    allows any value). The schema stands inside the call's, so it is a resource of its own (`$id`): its local
+    references ("#/$defs/City", as pydantic writes them, or "#") resolve against it, not the call's schema."""
     given = tool["function"].get("parameters")
-    return given if given is not None else {"type": "object", "properties": {}, "additionalProperties": False}
+    if given is None:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    return {"$id": f"urn:minfer:tool:{tool['function']['name']}", **given, "type": "object"}
 
 
 @dataclass

@@ -9,6 +9,7 @@ import json
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 from serving import serving, wait_all_free
 
@@ -188,6 +189,65 @@ def test_a_named_function_is_called_exactly_once(server, parallel):
     call = json.dumps({"name": "add", fmt.arguments: {"a": 1, "b": 2}})
     call = f"{fmt.open}\n{call}\n{fmt.close}" if fmt.open else call
     assert takes(call) and not takes(call + fmt.separator + call)
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+
+
+class Trip(pydantic.BaseModel):  # the SDK writes its parameters with City under $defs, and a $ref to it
+    to: City
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "Trip"}}])
+def test_a_pydantic_tool_with_defs_is_enforced_and_parses(client, server, choice):
+    """openai.pydantic_function_tool writes a nested model under $defs, referred to as "#/$defs/City" from
+    the tool's parameters: the grammar holds them where they stand inside it, so they compile and the SDK
+    parses the call."""
+    tools = [openai.pydantic_function_tool(Trip)]
+    for seed in range(3):
+        reply = client.chat.completions.parse(model=server.info.name, messages=ASK, tools=tools, tool_choice=choice,
+                                              max_tokens=120, temperature=1.0, seed=seed).choices[0]
+        assert reply.finish_reason == "tool_calls"
+        assert all(isinstance(call.function.parsed_arguments, Trip) for call in reply.message.tool_calls), reply
+    wait_all_free(server)
+
+
+def test_a_strict_tools_defs_hold_an_auto_replys_calls(server):
+    """Under "auto" the pydantic tool is strict: its calls are held to its parameters, $defs and all."""
+    info, fmt = server.info, format_of(server.info.chat_template)
+    params = parse_chat({"messages": ASK, "tools": [openai.pydantic_function_tool(Trip)]}, info).params
+    grammars = Grammars(info.tokenizer, info.tokenizer.vocab_size)
+
+    def takes(arguments):
+        body = json.dumps({"name": "Trip", fmt.arguments: arguments})
+        matcher = grammars.matcher(params.structured_outputs)
+        text = f"{fmt.open}\n{body}\n{fmt.close}" if fmt.open else body
+        return matcher.consume_tokens(info.tokenizer.encode(text)) and matcher.is_accepting()
+
+    assert takes({"to": {"name": "Rome"}, "days": 3})
+    assert not takes({"to": {"name": "Rome", "x": 1}, "days": 3}) and not takes({"to": {"name": "Barcelona"}, "days": 3})
+
+
+@pytest.mark.parametrize("parameters", [{}, {"properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}}])
+def test_parameters_without_a_type_are_still_an_object(server, parameters):
+    """A tool's parameters describe its arguments, which OpenAI's calls always hold as an object: parameters
+    that leave out `"type": "object"` (as a bare {} does) hold an enforced call's arguments to an object
+    still, never a number or a string that no client could read as arguments."""
+    info, fmt = server.info, format_of(server.info.chat_template)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    params = parse_chat({"messages": ASK, "tools": tools, "tool_choice": "required"}, info).params
+    grammars = Grammars(info.tokenizer, info.tokenizer.vocab_size)
+
+    def takes(arguments):
+        body = json.dumps({"name": "f", fmt.arguments: arguments})
+        matcher = grammars.matcher(params.structured_outputs)
+        text = f"{fmt.open}\n{body}\n{fmt.close}" if fmt.open else body
+        return matcher.consume_tokens(info.tokenizer.encode(text)) and matcher.is_accepting()
+
+    assert takes({"a": 1})
+    assert not any(map(takes, [1, "a", None, True, [1]]))
 
 
 def test_strict_tools_leave_an_auto_replys_text_free(client, server):
