@@ -146,28 +146,33 @@ def read(fmt: ToolFormat, text: str, names: set[str], final: bool, partial: bool
     """What `text` says: its content and its calls. Until `final`, only what more text cannot change:
     content that could still open a call is held back. With `partial` (calls the grammar enforces, so
     they always complete), an open call is read as far as it goes; without, it waits until it closes."""
-    pieces, calls, at = [], [], 0
+    pieces, calls, at, after_call = [], [], 0, False
     while at <= len(text):
         start = _next_call(fmt, text, at)
+        # Llama 3's separator after a call, or before one, is not content; between two blocks that are no
+        # calls, the text is the content's own (it waits while the next block may yet become a call)
+        separator = not fmt.open and after_call
         if start < 0:
-            tail = text[at:] if fmt.open or at == 0 else text[at:].lstrip(" \n\t;")  # not Llama 3's separator
+            tail = text[at:].lstrip(" \n\t;") if separator else text[at:]
             pieces.append(tail if final else tail[: len(tail) - _opening_prefix(fmt, tail)])
             break
-        if fmt.open or at == 0:  # between Llama 3's calls stands their separator, not content
-            pieces.append(text[at:start])
+        gap = "" if separator else text[at:start]
+        if fmt.open:  # Hermes' blocks are tagged: what stands between them is content
+            pieces.append(gap)
+            gap = ""
         end, after = _end_of_call(fmt, text, start, final and not partial)
         if end < 0:  # open: it may still become a call
             if partial and (call := _open_call(fmt, text[start + len(fmt.open) :])) is not None:
                 calls.append(call)
             elif final:
-                pieces.append(text[start:])
+                pieces.append(gap + text[start:])
             break
         call = _call(text[start + len(fmt.open) : end], names)
         if call is None:
-            pieces.append(text[start:after])  # not a call: its text is content, whole
+            pieces.append(gap + text[start:after])  # not a call: its text is content, whole
         else:
             calls.append(call)
-        at = after
+        after_call, at = call is not None, after
     # Stripped at both ends, whole or streaming: trailing whitespace may yet stand between two calls.
     return Reading("".join(pieces).strip(), calls)
 
@@ -212,8 +217,8 @@ def _close_outside_strings(fmt: ToolFormat, text: str, at: int) -> int:
 
 def _opening_prefix(fmt: ToolFormat, tail: str) -> int:
     """How much of the end of `tail` could be the start of a call's opening (held back, as a stop string's)."""
-    if not fmt.open:  # Llama 3's: a reply that has shown only whitespace may still be a call
-        return len(tail) if not tail.strip() else 0
+    if not fmt.open:  # Llama 3's: only whitespace, or after a block a separator, may yet stand before a call
+        return len(tail) if not tail.strip(" \n\t;") else 0
     return next((k for k in range(min(len(fmt.open) - 1, len(tail)), 0, -1) if tail.endswith(fmt.open[:k])), 0)
 
 

@@ -438,6 +438,14 @@ TAG_IN_ARGUMENT = '<tool_call>\n{"name": "add", "arguments": {"a": "x</tool_call
      [("add", '{"a": 2}'), ("get_weather", "{}")]),
     (LLAMA3_JSON, 'The answer is {"name": "add", "parameters": {}}', 'The answer is {"name": "add", "parameters": {}}',
      []),
+    # JSON that is no call is content, whole: the text between two such blocks, or after one, is its own
+    (LLAMA3_JSON, '{"a": 1}\n\n{"b": 2}', '{"a": 1}\n\n{"b": 2}', []),
+    (LLAMA3_JSON, '{"a": 1} and {"b": 2}; {"c": 3}', '{"a": 1} and {"b": 2}; {"c": 3}', []),
+    (LLAMA3_JSON, '{"name": "fly", "parameters": {}}; {"name": "fly", "parameters": {}}',
+     '{"name": "fly", "parameters": {}}; {"name": "fly", "parameters": {}}', []),
+    # beside a call, "; " is the separator of calls, not content
+    (LLAMA3_JSON, '{"name": "fly", "parameters": {}}; {"name": "add", "parameters": {}}; {"b": 2}',
+     '{"name": "fly", "parameters": {}}{"b": 2}', [("add", "{}")]),
 ])
 def test_auto_replies_read_the_same_whole_and_streamed(fmt, text, content, calls):
     whole = read(fmt, text, NAMES, final=True, partial=False)
