@@ -64,7 +64,9 @@ def grammar_text(llg, c: StructuredOutputsParams) -> str:
             raise ValueError("it ends in a lone backslash, an escape of nothing")
         return llg.LLMatcher.grammar_from_regex(c.regex)
     if c.choice is not None:
-        return llg.grammar_from("choice", c.choice)
+        # One lexeme of all the strings: as alternatives of the start rule (llguidance's "choice"), each was a
+        # parser item, and past 2,000 of them a row overflowed after the first token (grammar_dead_end)
+        return llg.grammar_from("lark", "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(s) for s in c.choice))
     return llg.grammar_from("grammar", c.grammar)  # Lark, or GBNF (converted to Lark)
 
 

@@ -160,6 +160,18 @@ def test_grammars(tiny_checkpoint, grammar, regex):
     assert all(o.finish_reason == "stop" and meets({"regex": regex}, o.text) for o in outs), [o.text for o in outs]
 
 
+def test_a_long_choice_list_is_one_of_its_strings(tiny_checkpoint):
+    """Each choice an alternative of its own in the grammar put one parser item per choice in a row, and
+    llguidance refuses a row past 2,000: 3,000 choices sharing their first letter ran into it after one
+    token and ended as grammar_dead_end. The choices are one lexeme, a matcher of all the strings at once."""
+    choices = [f"w{i}" for i in range(3000)]
+    llm = LLM(tiny_checkpoint)
+    outs = llm.generate(["Once"], constrained({"choice": choices}, max_tokens=8, temperature=1.0, seed=3, n=4),
+                        use_tqdm=False)
+    assert [o.finish_reason for o in outs] == ["stop"] * 4 and all(o.text in choices for o in outs), outs
+    assert_all_free(llm)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculative_proposals_are_checked_against_the_grammar(tiny_checkpoint, method, caplog):
     """Proposals ride the verify rows, each masked by the state the proposals before it lead to: the output
