@@ -12,7 +12,8 @@ The core calls a `Scoring` at four lines (engine/features.py names them):
   emitted (the prompt positions' are kept as soon as the step's values are read back).
 
 A prefix-cache hit must not skip prompt positions still to be scored: `seq.max_cached_tokens` follows
-what has been scored (a preempted request may reuse the blocks of what it scored already).
+what has been scored (a preempted request may reuse the blocks of what it scored already), and once the
+whole prompt is, any hit may serve (a recompute finds its generated tokens' blocks too).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Scoring:
                 seq.logprobs = []
             if seq.params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]  # the first prompt token: nothing precedes it
-                seq.max_cached_tokens = 0
+                seq.max_cached_tokens = max_cached_tokens(seq)
 
     def cap_rows(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """The chunks, those still scoring their prompt cut so that a step scores at most max_rows positions
@@ -129,7 +130,7 @@ class StepScores:
             if positions:
                 seq = chunk.seq
                 seq.prompt_logprobs += [keep_top(next(entries), seq.params.prompt_logprobs) for _ in positions]
-                seq.max_cached_tokens = len(seq.prompt_logprobs) - 1  # a hit may cover what has been scored
+                seq.max_cached_tokens = max_cached_tokens(seq)
 
 
 def missing_prompt_logprobs(seq: Sequence) -> int:
@@ -137,6 +138,12 @@ def missing_prompt_logprobs(seq: Sequence) -> int:
     if seq.prompt_logprobs is None:
         return 0
     return seq.num_prompt_tokens - len(seq.prompt_logprobs)
+
+
+def max_cached_tokens(seq: Sequence) -> int | None:
+    """How far a prefix hit may reach for seq: over the prompt positions scored so far; anywhere (None) once
+    every one is, as for a request that asks for none."""
+    return len(seq.prompt_logprobs) - 1 if missing_prompt_logprobs(seq) else None
 
 
 def prompt_positions(chunk: ScheduledChunk) -> range:

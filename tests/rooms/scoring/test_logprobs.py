@@ -88,6 +88,24 @@ def test_busy_engine_matches_transformers(tiny_checkpoint, gpt2_hf):
     llm.scheduler.check_invariants()
 
 
+def test_a_request_whose_prompt_is_scored_reuses_its_generated_blocks_after_preemption(tiny_checkpoint):
+    """Once the whole prompt is scored, a prefix hit skips nothing still to score: a preempted request's recompute
+    finds its generated tokens' blocks too, as a request without prompt logprobs does (it stopped at the prompt's)."""
+    first, second = list(range(100, 140)), list(range(200, 240))  # the second, newest, is preempted past its prompt
+    reused = []
+    for prompt_logprobs in (None, 0):
+        llm = LLM(tiny_checkpoint, block_size=4, num_kv_blocks=30)
+        params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                  SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, prompt_logprobs=prompt_logprobs)]
+        _, out = llm.generate([first, second], params, use_tqdm=False)
+        assert out.num_preemptions == 1
+        reused.append((out.num_recompute_cached_tokens, out.token_ids))
+        assert llm.stats()["num_kv_blocks_free"] == llm.stats()["num_kv_blocks_total"]
+    assert len(out.prompt_logprobs) == len(second)
+    assert reused[0][0] > len(second)  # its own generated tokens' blocks, not just its prompt's
+    assert reused[1] == reused[0]
+
+
 @pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny", "llama2-tiny"])
 def test_llama_family_matches_transformers(make_checkpoint, preset):
     path = make_checkpoint(preset)
