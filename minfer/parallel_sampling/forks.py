@@ -67,8 +67,9 @@ class Forks:
                 fork.num_computed_tokens = first.num_computed_tokens
                 self.num_copies += 1
             fork.num_cached_tokens = first.num_cached_tokens
-            if first.prompt_logprobs is not None:  # one prompt: its scores are every choice's (scoring/)
-                fork.prompt_logprobs = list(first.prompt_logprobs)
+            if first.prompt_logprobs is not None:  # one prompt: its scores, and how far a prefix hit may reach
+                fork.prompt_logprobs = list(first.prompt_logprobs)  # over them, are every choice's (scoring/)
+                fork.max_cached_tokens = first.max_cached_tokens
             batcher.start_running(fork)
             self.num_forks += 1
 

@@ -113,6 +113,21 @@ def test_a_fork_without_a_free_block_computes_the_partial_block_again(long_check
     assert_all_free(tight)
 
 
+def test_a_preempted_fork_of_a_scored_prompt_reuses_the_cached_blocks(tiny_checkpoint):
+    """A fork holds its prompt's logprobs from the start (scoring/): its prompt is scored, so a recompute after
+    a preemption reuses the cached blocks, as a fork without prompt logprobs does (it recomputed them all)."""
+    reused = []
+    for prompt_logprobs in (None, 0):
+        llm = LLM(tiny_checkpoint, block_size=4, num_kv_blocks=24)  # 40 + 40 tokens each: the second is preempted
+        params = SamplingParams(max_tokens=40, temperature=0, n=2, ignore_eos=True, prompt_logprobs=prompt_logprobs)
+        first, fork = llm.generate([list(range(100, 140))], params, use_tqdm=False)
+        assert (first.num_preemptions, fork.num_preemptions) == (0, 1)
+        reused.append((fork.num_recompute_cached_tokens, fork.token_ids))
+        assert_all_free(llm)
+    assert len(fork.prompt_logprobs) == 40 and reused[0][0] > 0
+    assert reused[1] == reused[0]
+
+
 def test_seeded_choices_replay_whatever_runs_beside_them(long_checkpoint, llm):
     prompt = prompt_of(40, seed=3)
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=5, n=4, ignore_eos=True, frequency_penalty=0.5)
