@@ -41,6 +41,15 @@ def architectures_of(path: Path, raw: dict) -> list[str]:
     return names
 
 
+def read_switch(path: Path, raw: dict, name: str, default: bool = False) -> bool:
+    """A true/false key of config.json: the default where absent; anything else, null too, refused (as transformers
+    refuses it)."""
+    value = raw.get(name, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{path}: {name} must be true or false, got {value!r}")
+    return value
+
+
 def require_positive_ints(config, names) -> None:
     """Every named field of a config read from config.json must be a positive int."""
     for name in names:
@@ -141,15 +150,15 @@ class GPT2Config:
         unsupported = [
             key
             for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention")
-            if raw.get(key)
+            if read_switch(path, raw, key)
         ]
-        if raw.get("scale_attn_weights") is False:
+        if not read_switch(path, raw, "scale_attn_weights", default=True):
             unsupported.append("scale_attn_weights=false")
         if unsupported:
             raise ValueError(f"{path}: GPT-2 variant options not supported by minfer: {', '.join(unsupported)}")
         fields = {
             "vocab_size": raw.get("vocab_size", cls.vocab_size),
-            "n_positions": raw.get("n_positions", raw.get("n_ctx", cls.n_positions)),
+            "n_positions": raw.get("n_positions", cls.n_positions),  # n_ctx is not read (transformers ignores it)
             "n_embd": raw.get("n_embd", cls.n_embd),
             "n_layer": raw.get("n_layer", cls.n_layer),
             "n_head": raw.get("n_head", cls.n_head),

@@ -11,10 +11,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import is_int
 from .config import (
     architectures_of,
     is_positive_number,
     read_config_json,
+    read_switch,
     require_positive_ints,
     require_positive_number,
 )
@@ -23,7 +25,43 @@ from .config import (
 QK_NORM = {"LlamaForCausalLM": False, "Qwen3ForCausalLM": True}
 # What Llama 3's rope_scaling must give (llama.py's rope_frequencies reads each), as transformers requires too.
 LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-SWITCHES = ("tie_word_embeddings", "attention_bias", "mlp_bias")  # config.json's booleans (null or absent: false)
+SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+# What transformers reads for a key config.json leaves out (LlamaConfig's and Qwen3Config's defaults). A null is
+# refused (as transformers refuses it), but for num_key_value_heads, and Llama's head_dim, where null derives it.
+DEFAULTS = {
+    "LlamaForCausalLM": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 2048,
+    },
+    "Qwen3ForCausalLM": {
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+    },
+}
+# config.json's booleans, false where absent; transformers' Qwen3 has no MLP biases and no mlp_bias to read.
+SWITCHES = {
+    "LlamaForCausalLM": ("tie_word_embeddings", "attention_bias", "mlp_bias"),
+    "Qwen3ForCausalLM": ("tie_word_embeddings", "attention_bias", "use_sliding_window"),
+}
 
 
 @dataclass(frozen=True)
@@ -46,19 +84,7 @@ class LlamaConfig:
     architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self):
-        require_positive_ints(
-            self,
-            (
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "num_key_value_heads",
-                "head_dim",
-                "max_position_embeddings",
-            ),
-        )
+        require_positive_ints(self, SIZES)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -118,26 +144,23 @@ class LlamaConfig:
                 raise ValueError(f"{path}: rope_scaling {kind!r} is not supported (minfer supports none and 'llama3')")
             else:
                 check_llama3_scaling(path, scaling)
-        for name in SWITCHES:
-            if raw.get(name) is not None and not isinstance(raw[name], bool):
-                raise ValueError(f"{path}: {name} must be true or false, got {raw[name]!r}")
-        heads, hidden = raw.get("num_attention_heads"), raw.get("hidden_size")
-        default_head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+        switches = {name: read_switch(path, raw, name) for name in SWITCHES[architecture]}
+        defaults = DEFAULTS[architecture]
+        fields = {name: raw.get(name, defaults.get(name)) for name in SIZES}
+        heads, hidden = fields["num_attention_heads"], fields["hidden_size"]
+        if fields["num_key_value_heads"] is None:
+            fields["num_key_value_heads"] = heads
+        if architecture == "LlamaForCausalLM" and fields["head_dim"] is None:
+            fields["head_dim"] = hidden // heads if is_int(hidden) and is_int(heads) and heads > 0 else None
         return cls(
-            vocab_size=raw.get("vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=raw.get("intermediate_size"),
-            num_hidden_layers=raw.get("num_hidden_layers"),
-            num_attention_heads=heads,
-            num_key_value_heads=heads if raw.get("num_key_value_heads") is None else raw["num_key_value_heads"],
-            head_dim=default_head_dim if raw.get("head_dim") is None else raw["head_dim"],
-            max_position_embeddings=raw.get("max_position_embeddings"),
+            **fields,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            # rope_parameters' rope_theta wins over the top-level key (transformers 5 moved it there).
+            rope_theta=rope["rope_theta"] if "rope_theta" in rope else raw.get("rope_theta", 10000.0),
             rope_scaling=scaling,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings")),
-            attention_bias=bool(raw.get("attention_bias")),
-            mlp_bias=bool(raw.get("mlp_bias")),
+            tie_word_embeddings=switches["tie_word_embeddings"],
+            attention_bias=switches["attention_bias"],
+            mlp_bias=switches.get("mlp_bias", False),
             qk_norm=QK_NORM[architecture],
             architecture=architecture,
         )
