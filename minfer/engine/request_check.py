@@ -5,7 +5,7 @@ engine's thread); a refusal is an InvalidParameter naming the field at fault."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..attention.kv_cache import cdiv
 from ..errors import InvalidParameter, is_int
@@ -47,6 +47,12 @@ def check_limits(prompt_token_ids: list[int], params: SamplingParams, limits: Re
         bad = next((t for t in ids_given or () if t >= vocab), None)  # a stop id out of the vocabulary never stops
         if bad is not None:
             raise InvalidParameter(field, f"{field} token id {bad} is not in the vocabulary [0, {vocab})")
+    if params.max_tokens is None:  # vLLM's None: as many as the context and the KV cache leave after the prompt
+        room = min(context, limits.num_blocks * limits.block_size)
+        if len(ids) >= room:
+            raise InvalidParameter("prompt", f"prompt ({len(ids)} tokens) leaves no room for output in the {room} "
+                                   f"tokens this engine holds per request", "context_length_exceeded")
+        params = replace(params, max_tokens=room - len(ids))
     if len(ids) + params.max_tokens > context:
         raise InvalidParameter("max_tokens" if len(ids) < context else "prompt", f"prompt ({len(ids)} tokens) + "
                                f"max_tokens ({params.max_tokens}) exceeds the model's context of {context} tokens",

@@ -52,7 +52,8 @@ NUM_LOGPROBS = Rule(lambda v: v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS),
                     f"None or an int in [0, {MAX_LOGPROBS}]")
 BOOL = Rule(lambda v: isinstance(v, bool), "a bool")
 RULES: dict[str, Rule] = {
-    "max_tokens": Rule(lambda v: _int(v) and v >= 1, "an int >= 1"),
+    # None, as in vLLM: as many as the context (and the KV cache) leave after the prompt; check_limits counts them
+    "max_tokens": Rule(lambda v: v is None or (_int(v) and v >= 1), "None (up to the context) or an int >= 1"),
     "temperature": Rule(lambda v: _number(v) and v >= 0, "a number >= 0", float),  # 0: greedy
     # 0: off; -1 too, as in vLLM (its scripts pass it)
     "top_k": Rule(lambda v: _int(v) and v >= -1, "an int >= 0 (or -1, off as 0 is)", lambda v: max(v, 0)),
@@ -82,7 +83,7 @@ RULES: dict[str, Rule] = {
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the context (an int once the engine has checked the request)
     temperature: float = 1.0  # 0 (below GREEDY_TEMPERATURE) means greedy
     top_k: int = 0  # 0 means disabled
     top_p: float = 1.0  # 1.0 means disabled
@@ -115,7 +116,7 @@ class SamplingParams:
                 raise InvalidParameter(f.name, f"{f.name} must be {rule.must}, got {value!r}")
             if rule.convert is not None:
                 setattr(self, f.name, rule.convert(value))
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidParameter("min_tokens", f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
                                    f"got {self.min_tokens!r}")
 

@@ -56,3 +56,7 @@ def test_invalid_params_raise_naming_the_field(kwargs, field):
         SP(**kwargs)
     assert err.value.param == field and err.value.code == "invalid_value"
     assert str(err.value).startswith(field + " ")
+
+
+def test_max_tokens_none_is_vllms_up_to_the_context():
+    assert SP(max_tokens=None).max_tokens is None and SP(max_tokens=None, min_tokens=100).min_tokens == 100

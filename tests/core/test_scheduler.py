@@ -165,3 +165,19 @@ def test_requests_that_can_never_run_are_refused(tiny_checkpoint, kwargs, messag
     with pytest.raises(ValueError, match=message):
         llm.scheduler.add_request(**kwargs)
     assert_all_free(llm)
+
+
+@pytest.mark.parametrize("max_model_len, num_kv_blocks, room", [(64, 8, 64), (100, 3, 48)])
+def test_max_tokens_none_generates_until_the_context_or_the_cache_is_full(tiny_checkpoint, max_model_len,
+                                                                          num_kv_blocks, room):
+    """vLLM's max_tokens=None: as many tokens as the context leaves after each prompt, and never more than the
+    KV cache holds (3 blocks of 16: 48 tokens)."""
+    llm = LLM(tiny_checkpoint, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, block_size=16)
+    params = SamplingParams(max_tokens=None, ignore_eos=True)
+    prompts = [[1, 2, 3], list(range(5, 25))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [room - 3, room - 20] and {o.finish_reason for o in outs} == {"length"}
+    assert params.max_tokens is None  # the caller's params, shared by both prompts, are left as they were
+    with pytest.raises(ValueError, match=f"^prompt \\({room} tokens\\) leaves no room for output in the {room} "):
+        llm.generate([[1] * room], params, use_tqdm=False)
+    assert_all_free(llm)
