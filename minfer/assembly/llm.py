@@ -24,6 +24,7 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.outputs import RequestOutput
 from ..text.chat_content import CHAT_ROLES, content_text
 from ..text.chat_template import ChatTemplate, opens_a_reply
+from ..text.tokenizer import Tokenizer
 from .build import build_engine
 
 log = logging.getLogger("minfer")
@@ -52,6 +53,11 @@ class LLM:
         self.sampling_defaults, not_applied = sampling_defaults(self.model.model_dir, config.generation_config)
         if not_applied:  # as the server's banner says: reported, never silently dropped
             log.warning("minfer: generation_config.json: not applied: %s", ", ".join(not_applied))
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The tokenizer generate() encodes text prompts with and decodes outputs with (vLLM's LLM.get_tokenizer):
+        encode(text) -> ids, decode(ids) -> text."""
+        return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() samples with when given no SamplingParams: the checkpoint's

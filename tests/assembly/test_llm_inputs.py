@@ -99,3 +99,10 @@ def test_use_tqdm_of_another_type_is_refused_naming_it(llm, use_tqdm):
     with pytest.raises(TypeError, match="use_tqdm must be"):
         llm.chat([{"role": "user", "content": "a"}], GREEDY3, use_tqdm=use_tqdm)
     assert_all_free(llm)
+
+
+def test_get_tokenizer_is_the_one_generate_encodes_and_decodes_with(llm):
+    tokenizer = llm.get_tokenizer()  # vLLM's name for it
+    ids = tokenizer.encode("Once upon")
+    out = llm.generate("Once upon", GREEDY3, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids and tokenizer.decode(out.token_ids) == out.text
