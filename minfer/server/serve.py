@@ -45,7 +45,7 @@ from ..assembly.build import build_engine, check_device
 from ..cpu.threads import cpu_threads_wanted
 from ..engine.scheduler import OnlineScheduler
 from ..models.loader import resolve_model_dir
-from ..text.chat_template import ChatTemplate, read_template_option
+from ..text.chat_template import ChatTemplate, check_template_option
 from .banner import banner_lines
 from .connection_limits import ConnectionLimits, add_arguments, limits_from_args
 from .connections import CappedHTTPServer
@@ -157,7 +157,7 @@ def create_server(
     check_device(device)  # before loading anything: a bad start fails in one line, at once
     check_port_free(host, port)
     if chat_template is not None:
-        read_template_option(chat_template)  # a mistyped file name fails now, not after the load
+        check_template_option(chat_template)  # a mistyped file name or bad Jinja fails now, not after the load
 
     def build() -> tuple[OnlineScheduler, tuple[dict, list[str]]]:
         model_dir = resolve_model_dir(config.model)  # a Hub id is fetched here

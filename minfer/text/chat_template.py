@@ -27,7 +27,7 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
-from ..errors import InvalidParameter
+from ..errors import BadSetting, InvalidParameter
 from .tokenizer_files import read_tokenizer_config, token_text
 
 # Tokens chat templates end a turn with: a chat request stops on each one its template writes.
@@ -189,10 +189,21 @@ def read_template_option(value: str) -> str:
     """--chat-template's value: a file holding the template, or the Jinja template itself."""
     path = Path(value).expanduser()
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {value!r} cannot be read as UTF-8 text: {e}") from None
     if "{{" in value or "{%" in value:
         return value
     raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template (no {{{{ or {{% in it)")
+
+
+def check_template_option(value: str) -> None:
+    """--chat-template's value read and compiled before the model loads: else a bad flag (BadSetting)."""
+    try:
+        ChatTemplate(read_template_option(value), origin=f"--chat-template {value!r}")
+    except ValueError as e:
+        raise BadSetting(str(e)) from None
 
 
 def _raise(message: str):

@@ -153,7 +153,7 @@ def test_a_bad_chat_template_fails_before_loading(tmp_path):
          "--chat-template", "missing.jinja"],
         timeout=120,
     )  # fmt: skip
-    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
         "error: --chat-template 'missing.jinja' is neither a file nor a Jinja template (no {{ or {% in it)"
     ]

@@ -359,3 +359,22 @@ def test_an_empty_key_or_name_is_refused_before_the_model_loads(flag, capsys):
 
     assert main(["--model", "/nonexistent/not-even-checked", "--port", "0", flag, " "]) == 2  # a bad argument
     assert capsys.readouterr().err.startswith(f"error: {flag} is empty: give ")
+
+
+@pytest.mark.parametrize("template, message", [
+    ("missing.jinja", "is neither a file nor a Jinja template"),
+    (b"\xff\xfe{{ messages }}", "cannot be read as UTF-8 text"),
+    ("{{ messages", "does not compile: unexpected end of template"),
+])
+def test_a_bad_chat_template_is_a_bad_flag_judged_before_the_model_loads(tmp_path, capsys, template, message):
+    """A --chat-template file that is missing, not text, or not Jinja: exit 2 in one line naming the flag, as any
+    bad flag, and before the model (here one that does not exist) is looked at."""
+    from minfer.server.serve import main
+
+    if template != "missing.jinja":
+        path = tmp_path / "template.jinja"
+        path.write_bytes(template if isinstance(template, bytes) else template.encode())
+        template = str(path)
+    assert main(["--model", "/nonexistent/not-even-checked", "--port", "0", "--chat-template", template]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --chat-template {template!r} ") and message in err and err.count("\n") == 1, err
