@@ -27,6 +27,7 @@ import torch
 from ..cpu.features import cpu_name
 from ..cpu.threads import cpu_threads_wanted, threads_chosen
 from ..engine.config import EngineConfig
+from ..errors import BadSetting
 from ..assembly.build import resolve_dtype, set_cpu_threads
 from ..assembly.llm import LLM
 from ..engine.scheduler import OnlineScheduler
@@ -47,7 +48,7 @@ from .trace import write_trace
 from .workload import STRUCTURED_OUTPUTS, build_workload, copy_texts, read_prompts, warmup_workload
 
 NO_MODEL_HINT = (
-    "bench.py: cannot load model {model!r} ({why}). Pass a local checkpoint with --model DIR; "
+    "{prog}: error: cannot load model {model!r} ({why}). Pass a local checkpoint with --model DIR; "
     "write a random GPT-2-sized one with: python -m minfer.random_model DIR --config gpt2"
 )
 
@@ -55,13 +56,14 @@ NO_MODEL_HINT = (
 def find_model_dir(args) -> Path | None:
     """The local checkpoint: always needed, except by --base-url with a served model name."""
     if args.base_url:
-        for candidate in (args.tokenizer, args.model):
+        tokenizer = args.tokenizer
+        if tokenizer and tokenizer not in BUILTIN_MODELS and not Path(tokenizer).expanduser().is_dir():
+            raise BadSetting(f"--tokenizer {tokenizer!r} is not a directory")  # not passed over for --model's
+        for candidate in (tokenizer, args.model):
             if candidate in BUILTIN_MODELS:  # a served minfer-tiny: its shipped directory has the tokenizer
                 return BUILTIN_MODELS[candidate]
             if candidate and Path(candidate).expanduser().is_dir():
                 return Path(candidate).expanduser()
-        if args.tokenizer:
-            raise FileNotFoundError(f"--tokenizer {args.tokenizer!r} is not a directory")
         return None
     try:
         return resolve_model_dir(args.model)
@@ -227,7 +229,10 @@ def run(args) -> int:
     vocab, context = (config.vocab_size, config.max_positions) if config else (None, None)
     shorter = not args.base_url and engine.max_model_len and context and engine.max_model_len < context
     context = engine.max_model_len if shorter else context  # what the engine bench runs will take
-    texts = read_prompts(args.prompt, args.prompts_file)
+    try:
+        texts = read_prompts(args.prompt, args.prompts_file)
+    except (OSError, ValueError) as e:  # --prompt or --prompts-file: a bad flag
+        raise BadSetting(str(e)) from None
     if args.workload == "copy":
         if model_dir is None:
             raise ValueError("--workload copy reads the model's heldout.txt: pass its directory as --tokenizer")
@@ -314,11 +319,14 @@ def main(argv: list[str] | None = None, prog: str = "python bench.py") -> int:
     try:
         return run(args)
     except ModelNotFoundError as e:
-        print(NO_MODEL_HINT.format(model=args.model, why=str(e).split(" (")[0]), file=sys.stderr)
+        print(NO_MODEL_HINT.format(prog=prog, model=args.model, why=str(e).split(" (")[0]), file=sys.stderr)
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as minfer generate does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # or the exit's flush fails once more
-    except (ValueError, OSError, ImportError) as e:  # bad flags, files or servers: one line, no traceback
-        print(f"bench.py: error: {e}", file=sys.stderr)
+    except BadSetting as e:  # a flag this model or run cannot take: argparse's status for a bad flag
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError, ImportError) as e:  # files or servers: one line, no traceback
+        print(f"{prog}: error: {e}", file=sys.stderr)
     return 1
 
 

@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None, prog: str = "python bench.py") -> argpars
     try:  # the engine's flags, judged before anything loads: one line, with argparse's status for a bad flag
         engine = EngineConfig.from_cli_args(args)
     except ValueError as e:
-        p.exit(2, f"bench.py: error: {e}\n")
+        p.exit(2, f"{p.prog}: error: {e}\n")
     given = [f for f in engine.to_cli_args(exclude=("model", "seed")) if f.startswith("--")]
     if args.base_url and given and not (args.baseline or args.roofline or args.profile):  # these load it here
         p.error(f"{given[0]} applies only to an engine bench runs (offline, or the minfer.serve it starts); "

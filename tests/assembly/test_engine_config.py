@@ -379,7 +379,7 @@ def test_bench_engine_flags(tiny_checkpoint, capsys):
         bench.main(["--model", str(tiny_checkpoint), "--kv-cache-memory", "lots"])
     err = capsys.readouterr().err
     assert e.value.code == 2
-    assert err.startswith("bench.py: error: --kv-cache-memory must be a size") and err.count("\n") == 1
+    assert err.startswith("python bench.py: error: --kv-cache-memory must be a size") and err.count("\n") == 1
 
 
 def test_no_quantize_lm_head_without_quantization_is_refused():

@@ -333,8 +333,8 @@ def test_online_with_no_server_there_says_why(capsys):
     for warmup in ("1", "0"):
         assert main([*argv, "--warmup-runs", warmup]) == 1
         err = capsys.readouterr().err.strip().splitlines()[-1]
-        assert err == "bench.py: error: every request to 127.0.0.1:1 failed, the first with ConnectionRefusedError: " \
-                      "[Errno 111] Connection refused"
+        assert err == "python bench.py: error: every request to 127.0.0.1:1 failed, the first with " \
+                      "ConnectionRefusedError: [Errno 111] Connection refused"
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -383,7 +383,7 @@ def test_a_prompts_file_that_is_not_utf8_is_named(tmp_path, capsys):
     from minfer.bench.cli import main
 
     (tmp_path / "p.txt").write_bytes("caf\u00e9\n".encode("latin-1"))
-    assert main(["--model", "minfer-tiny", "--prompts-file", str(tmp_path / "p.txt"), "--disable-tqdm"]) == 1
+    assert main(["--model", "minfer-tiny", "--prompts-file", str(tmp_path / "p.txt"), "--disable-tqdm"]) == 2
     assert f"prompts file {str(tmp_path / 'p.txt')!r} is not UTF-8 text: byte 0xe9 at offset 3" in capsys.readouterr().err
 
 

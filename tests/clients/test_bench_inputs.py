@@ -91,3 +91,25 @@ def test_the_median_of_runs_keeps_counts_whole():
     median = median_summary(runs)
     assert median == {"completed": 3, "failed": 0, "mean_ttft_ms": 15.0, "note": "a"}
     assert isinstance(median["completed"], int) and isinstance(median["failed"], int)
+
+
+@pytest.mark.parametrize("prog", ["python bench.py", "minfer bench"])
+@pytest.mark.parametrize("flags, status", [
+    (["--num-requests", "x"], 2),  # argparse's own
+    (["--kv-cache-memory", "lots"], 2),  # an engine flag, judged with the others
+    (["--prompts-file", "/nonexistent/prompts.txt"], 2),  # a path that names nothing: a bad flag
+    (["--base-url", "http://127.0.0.1:1", "--tokenizer", "/nonexistent/ckpt"], 2),
+    (["--max-model-len", "100000"], 2),  # a flag this model cannot take
+    (["--model", "/nonexistent/ckpt"], 1),  # no model to load, with the advice of how to get one
+    (["--base-url", "http://127.0.0.1:1", "--num-requests", "1", "--warmup-runs", "0"], 1),  # no server there
+])
+def test_every_error_is_one_line_that_starts_with_the_program_s_name(prog, flags, status, capsys):
+    """bench.py's errors began 'python bench.py: error' (argparse's) or 'bench.py: error' (its own) by where they
+    were found: one form now, argparse's `prog`, so `minfer bench` names itself too."""
+    argv = flags if "--model" in flags else ["--model", "minfer-tiny", *flags]
+    try:
+        code = bench.main([*argv, "--disable-tqdm"], prog=prog)
+    except SystemExit as e:  # argparse's errors exit
+        code = e.code
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == status and last.startswith(f"{prog}: error: "), last

@@ -18,7 +18,7 @@ def contention(*flags: str) -> subprocess.CompletedProcess:
 def test_a_failing_bench_run_says_why():
     result = contention("--", "--dtype", "nonsense")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.startswith("contention.py: bench.py exited with 2: bench.py: error: --dtype ")
+    assert result.stderr.startswith("contention.py: bench.py exited with 2: python bench.py: error: --dtype ")
 
 
 @pytest.mark.parametrize("flag", ["--rounds", "--busy"])
