@@ -59,8 +59,9 @@ class Choice:
         return CompletionDelta(seq.index, token_ids, text, seq.finish_reason, logprobs, prompt_logprobs)
 
     def output(self, request_id: str, arrival_time: float) -> RequestOutput:
+        """The choice's result, which takes its logprobs from the sequence (let_go)."""
         seq = self.seq
-        return RequestOutput(
+        out = RequestOutput(
             request_id=request_id, index=seq.index, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
             token_ids=seq.output_token_ids, text=self.text.text, finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens, num_recompute_cached_tokens=seq.num_recompute_cached_tokens,
@@ -68,6 +69,13 @@ class Choice:
             first_token_time=self.token_times[0] if self.token_times else None, token_times=self.token_times,
             finish_time=self.finish_time, logprobs=seq.logprobs, prompt_logprobs=seq.prompt_logprobs,
         )
+        self.let_go()
+        return out
+
+    def let_go(self) -> None:
+        """The sequence drops its logprobs (scoring/), handed out or discarded: the last step's chunks hold the
+        sequence while the engine idles, and a 1000-token prompt's prompt_logprobs=20 are 2.7 MB."""
+        self.seq.logprobs = self.seq.prompt_logprobs = None
 
 
 @dataclass

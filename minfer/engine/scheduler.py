@@ -347,6 +347,7 @@ class OnlineScheduler:
         for choice in request.choices:
             self.batcher.discard(choice.seq)
             choice.seq.status = Status.FINISHED
+            choice.let_go()
         if self.features.forks is not None and self.features.forks.held:  # parallel_sampling/: forks not
             self.features.forks.discard(request.choices[0].seq)  # yet started are dropped too
         del self.requests[request_id]  # forgotten last: a discard that failed midway can be tried again

@@ -158,3 +158,20 @@ def test_logprob_counts_are_checked():
         for bad in (-1, 21, 1.5, True, "3"):
             with pytest.raises(ValueError, match=field):
                 SamplingParams(**{field: bad})
+
+
+def test_an_idle_engine_keeps_no_logprobs_of_requests_handed_out_or_discarded(tiny_checkpoint):
+    """The last step's chunks (the live view's, StepStats') hold their sequences while the engine idles; the
+    sequences hold no logprobs once their outputs took them or their request was discarded (prompt_logprobs=20
+    over a 1000-token prompt were 2.7 MB, kept until the next request)."""
+    llm = LLM(tiny_checkpoint, num_kv_blocks=64)
+    sched, params = llm.scheduler, SamplingParams(max_tokens=3, prompt_logprobs=MAX_LOGPROBS, logprobs=K)
+    (out,) = llm.generate([list(range(1, 201))], params, use_tqdm=False)
+    assert len(out.prompt_logprobs) == 200 and len(out.logprobs) == 3  # the output has them
+    assert sched.last_chunks and sched.last_step.num_seqs == 1  # the last step, still there to read
+    assert [(c.seq.prompt_logprobs, c.seq.logprobs) for c in sched.last_chunks] == [(None, None)]
+    request_id = sched.add_request(prompt_token_ids=list(range(1, 101)), sampling_params=params)
+    sched.step()  # the prompt in one chunk: its logprobs are on the sequence
+    assert len(sched.last_chunks[0].seq.prompt_logprobs) == 100
+    sched.discard_request(request_id)
+    assert [(c.seq.prompt_logprobs, c.seq.logprobs) for c in sched.last_chunks] == [(None, None)]
