@@ -59,7 +59,6 @@ class Choice:
         return CompletionDelta(seq.index, token_ids, text, seq.finish_reason, logprobs, prompt_logprobs)
 
     def output(self, request_id: str, arrival_time: float) -> RequestOutput:
-        """The choice's result, which takes its logprobs from the sequence (let_go)."""
         seq = self.seq
         out = RequestOutput(
             request_id=request_id, index=seq.index, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
@@ -69,7 +68,7 @@ class Choice:
             first_token_time=self.token_times[0] if self.token_times else None, token_times=self.token_times,
             finish_time=self.finish_time, logprobs=seq.logprobs, prompt_logprobs=seq.prompt_logprobs,
         )
-        self.let_go()
+        self.let_go()  # the output holds the logprobs now
         return out
 
     def let_go(self) -> None:
