@@ -3,6 +3,8 @@ request parsers and the transport (timeouts, limits) raise them."""
 
 from __future__ import annotations
 
+from ..errors import InvalidParameter
+
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -45,3 +47,8 @@ class APIError(Exception):
 def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
     """The 400 for a bad request field, naming it (every request parser raises these)."""
     return APIError(400, message, param=param, code=code)
+
+
+def refused(e: InvalidParameter) -> APIError:
+    """The 400 for a check of a layer below (a chat message's, a tool's): its words, naming the field it names."""
+    return invalid(e.param, str(e), e.code)

@@ -1,8 +1,8 @@
 """A chat request's tools: `tools`, `tool_choice` and `parallel_tool_calls`, read and checked once.
 
 - `tools`: OpenAI's function definitions, `{"type": "function", "function": {"name", "description",
-  "parameters"}}`, the parameters a JSON schema. They render through the chat template's `tools`
-  variable, so a template that has none cannot take them (a 400 that says so).
+  "parameters"}}`, the parameters a JSON schema, checked as LLM.chat's are (text/tool_checks.py). They render
+  through the chat template's `tools` variable, so a template that has none cannot take them (a 400 that says so).
 - `tool_choice`: "auto" (the default with tools: the model's text decides, and a call it writes comes
   back in `tool_calls`), "none" (no tools rendered, content only), "required" (a call to one of the
   tools), or `{"type": "function", "function": {"name": ...}}` (a call to that one). "required" and a
@@ -25,19 +25,19 @@ still open a call held back until it cannot.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 
 from ..engine.outputs import CompletionDelta
 from ..engine.sampling_params import SamplingParams
 from ..engine.structured_outputs_params import StructuredOutputsParams
-from .api_errors import invalid
+from .api_errors import invalid, refused
+from ..errors import InvalidParameter
 from ..text.chat_template import ChatTemplate
-from .chat_messages import check_optional, show
+from ..text.tool_checks import check_tools
+from .chat_messages import show
 from .tool_calls import CallStream, ToolFormat, call_id, format_of, read
 
 READ = frozenset({"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"})  # chat's fields
-NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 CHOICES = ("none", "auto", "required")
 
 
@@ -132,20 +132,11 @@ def read_tools(body: dict, template: ChatTemplate) -> Tools | None:
         if choice is not None and choice != "none":
             raise invalid("tool_choice", "'tool_choice' needs 'tools': give the functions the model may call")
         return None
-    if not isinstance(tools, list):
-        raise invalid("tools", f"'tools' must be a list of tools, got {show(tools)}", "invalid_type")
-    for i, tool in enumerate(tools):
-        _check_tool(tool, i)
-    names = [t["function"]["name"] for t in tools]
-    twice = next((n for n in names if names.count(n) > 1), None)
-    if twice is not None:
-        raise invalid("tools", f"two tools are named {twice!r}: a call must say which one it is")
-    # The tools themselves first: a malformed one is the client's to fix, whatever this model renders.
-    if choice != "none" and not template.supports_tools:
-        raise invalid("tools", "this model's chat template does not render tools, so the model could not be told "
-                      "about them: serve it with a template that does (--chat-template), or send tool_choice "
-                      "'none'", "unsupported_parameter")
-    named = None
+    try:  # the tools themselves, then (unless none are to be rendered) that the template renders them
+        check_tools(tools, None if choice == "none" else template)
+    except InvalidParameter as e:
+        raise refused(e) from None
+    names, named = [t["function"]["name"] for t in tools], None
     if choice is None:
         choice = "auto"
     elif isinstance(choice, dict):
@@ -164,39 +155,3 @@ def read_tools(body: dict, template: ChatTemplate) -> Tools | None:
     # A named function is called once, as OpenAI's forced function is (and vLLM's), whatever parallel_tool_calls says
     parallel = choice != "function" and parallel is not False
     return Tools(tools, choice, named, parallel, format_of(template))
-
-
-def _check_tool(tool, i: int) -> None:
-    if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise invalid(f"tools[{i}]", f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{...}}}}, "
-                      f"got {show(tool)}", "invalid_type")
-    function = tool.get("function")
-    if not isinstance(function, dict):
-        raise invalid(f"tools[{i}].function", f"'tools[{i}].function' must be an object with a 'name'",
-                      "invalid_type")
-    name = function.get("name")
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        code = "missing_required_parameter" if name is None else "invalid_value"
-        raise invalid(f"tools[{i}].function.name", f"'tools[{i}].function.name' must be 1 to 64 letters, digits, "
-                      f"'_' or '-', got {show(name)}", code)
-    check_optional(function, "description", f"tools[{i}].function.description", str)
-    check_optional(function, "strict", f"tools[{i}].function.strict", bool)
-    parameters = function.get("parameters")
-    if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
-        raise invalid(f"tools[{i}].function.parameters", f"'tools[{i}].function.parameters' must be a JSON schema "
-                      f"of an object, got {show(parameters)}", "invalid_type")
-    if parameters is not None:  # what every choice reads, "auto" too (it only renders them): its shape, at least
-        _check_object_schema(parameters, f"tools[{i}].function.parameters")
-
-
-def _check_object_schema(schema: dict, param: str) -> None:
-    """An object schema's `properties` (an object of schemas) and `required` (a list of names): OpenAI refuses
-    a tool whose parameters are not a valid schema, where a template would render it into the prompt as it is."""
-    properties, required = schema.get("properties"), schema.get("required")
-    if properties is not None and not (isinstance(properties, dict)
-                                       and all(isinstance(p, (dict, bool)) for p in properties.values())):
-        raise invalid(f"{param}.properties", f"'{param}.properties' must be an object of schemas, got "
-                      f"{show(properties)}", "invalid_type")
-    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
-        raise invalid(f"{param}.required", f"'{param}.required' must be a list of property names, got "
-                      f"{show(required)}", "invalid_type")
