@@ -22,9 +22,10 @@ from ..errors import InvalidParameter
 from ..engine.generation_defaults import sampling_defaults
 from ..engine.sampling_params import SamplingParams
 from ..engine.outputs import RequestOutput
-from ..text.chat_content import CHAT_ROLES, content_text
 from ..text.chat_template import ChatTemplate, opens_a_reply
+from ..text.message_checks import checked_messages
 from ..text.tokenizer import Tokenizer
+from ..text.tool_checks import check_tools
 from .build import build_engine
 
 log = logging.getLogger("minfer")
@@ -102,26 +103,30 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, each
+        """vLLM's LLM.chat: one conversation (a list of OpenAI's messages) or a list of them, each checked and
         rendered through the checkpoint's chat template (one `role: content` line each where it has none) and
-        answered to the end of the assistant's turn, as the server's /v1/chat/completions does.
+        answered to the end of the assistant's turn, as the server's /v1/chat/completions does: the same checks,
+        in the same words (a second conversation's faults are named messages[1][...]).
         `chat_template` (a file, or the template itself) replaces the checkpoint's; `chat_template_kwargs` are
         more names the template reads (Qwen3's {"enable_thinking": False}). continue_final_message has the reply go
         on with the last message's text; add_generation_prompt, the assistant's header, defaults to its opposite
-        (both true is an error), as the server's fields do."""
+        (both true is an error), as the server's fields do. `tools`, OpenAI's function definitions, render into
+        the template as the server's do; a reply that calls one holds the call as text, in the template's format
+        (docs/structured_outputs.md), as vLLM's LLM.chat returns it."""
         add_generation_prompt = opens_a_reply(add_generation_prompt, continue_final_message)
         _check_chat_arguments(chat_template, chat_template_kwargs, add_generation_prompt, continue_final_message)
-        one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
-        conversations = [messages] if one else messages
-        if not isinstance(conversations, list) or not all(map(_is_conversation, conversations)):
-            raise InvalidParameter("messages", "messages must be a conversation (a list of {'role', 'content'} "
-                                   f"dicts) or a list of them, got {messages!r:.100}")
+        conversations = _conversations(messages)
         template = ChatTemplate.from_dir(self.model.model_dir, self.tokenizer,
                                          override=None if chat_template is None else os.fspath(chat_template))
-        prompts = [self.tokenizer.encode(template.render(_with_text_content(c), add_generation_prompt,
-                                                         chat_template_kwargs, None, continue_final_message))
-                   for c in conversations]  # the template writes BOS where it wants one
+        if tools is not None and not (isinstance(tools, list) and not tools):  # `[]` renders none, as the server's
+            check_tools(tools, template)
+            _refuse_strict(tools)
+        prompts = [self.tokenizer.encode(template.render(checked_messages(c, template, add_generation_prompt, name),
+                                                         add_generation_prompt, chat_template_kwargs, tools or None,
+                                                         continue_final_message))
+                   for name, c in conversations]  # the template writes BOS where it wants one
         per_prompt = self._params_per_prompt(sampling_params, len(prompts))
         return self.generate(prompts, [template.ending_turns(p) for p in per_prompt], use_tqdm)
 
@@ -172,20 +177,25 @@ def _check_chat_arguments(chat_template, chat_template_kwargs, add_generation_pr
             raise TypeError(f"{name} must be a bool, got {flag!r:.100}")
 
 
-def _with_text_content(conversation: list[dict]) -> list[dict]:
-    """Each message with its content as the text the server renders too: text parts joined, an assistant's null
-    content empty (InvalidParameter naming messages[i].content otherwise). A role is one the server takes: a
-    template may drop a message of any other unseen (Qwen3's does)."""
-    for i, m in enumerate(conversation):
-        if m["role"] not in CHAT_ROLES:
-            param = f"messages[{i}].role"
-            raise InvalidParameter(param, f"'{param}' must be one of {', '.join(CHAT_ROLES)}")
-    return [{**m, "content": content_text(m.get("content"), m["role"], f"messages[{i}].content")}
-            for i, m in enumerate(conversation)]
+def _refuse_strict(tools: list[dict]) -> None:
+    """A strict tool asks that the reply's calls be held to the tools, which the server does with its grammar
+    (server/tool_calls.py) and chat() does not: refused, rather than rendered and not applied."""
+    strict = next((i for i, tool in enumerate(tools) if tool["function"].get("strict") is True), None)
+    if strict is not None:
+        param = f"tools[{strict}].function.strict"
+        raise InvalidParameter(param, f"'{param}' is true, but LLM.chat holds no reply to its tools (the server "
+                               "does): leave it out, or hold the reply with SamplingParams(structured_outputs=...)",
+                               "unsupported_parameter")
 
 
-def _is_conversation(messages) -> bool:
-    return isinstance(messages, list) and bool(messages) and all(isinstance(m, dict) and "role" in m for m in messages)
+def _conversations(messages) -> list[tuple[str, object]]:
+    """chat()'s messages as (what errors call it, conversation) pairs: one conversation is `messages`, as the
+    server names it; a list of them (its first a list) is messages[0], messages[1], ..."""
+    if isinstance(messages, list) and not messages:
+        return []  # no conversations: no outputs, as generate([])
+    if isinstance(messages, list) and isinstance(messages[0], list):
+        return [(f"messages[{c}]", conversation) for c, conversation in enumerate(messages)]
+    return [("messages", messages)]
 
 
 def prompt_list(prompts) -> list[str | list[int]]:

@@ -72,11 +72,18 @@ def test_the_reply_may_continue_the_last_message_as_the_server_s_does(llm):
     assert_all_free(llm)
 
 
-@pytest.mark.parametrize("messages", ["hi", [[]], [{"content": "no role"}], [HELLO, "hi"], None])
-def test_what_is_no_conversation_is_refused_naming_messages(llm, messages):
-    with pytest.raises(InvalidParameter, match="messages must be a conversation") as e:
+@pytest.mark.parametrize("messages, param, words", [
+    ("hi", "messages", "'messages' must be a list, got \"hi\""),
+    (None, "messages", "'messages' is required"),
+    ([{"content": "no role"}], "messages[0].role", "'messages[0].role' must be one of"),
+    ([[]], "messages[0]", "'messages[0]' is empty"),  # a list of conversations, the first empty
+    ([HELLO, "hi"], "messages[1]", "'messages[1]' must be a list"),
+])
+def test_what_is_no_conversation_is_refused_naming_where(llm, messages, param, words):
+    """In the server's words (test_llm_chat_tools.py holds every check against the server's)."""
+    with pytest.raises(InvalidParameter, match="^" + re.escape(words)) as e:
         llm.chat(messages, GREEDY, use_tqdm=False)
-    assert e.value.param == "messages"
+    assert e.value.param == param
 
 
 def test_no_conversations_no_outputs(llm):
