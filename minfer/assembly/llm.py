@@ -110,9 +110,10 @@ class LLM:
         answered to the end of the assistant's turn, as the server's /v1/chat/completions does: the same checks,
         in the same words (a second conversation's faults are named messages[1][...]).
         `chat_template` (a file, or the template itself) replaces the checkpoint's; `chat_template_kwargs` are
-        more names the template reads (Qwen3's {"enable_thinking": False}). continue_final_message has the reply go
-        on with the last message's text; add_generation_prompt, the assistant's header, defaults to its opposite
-        (both true is an error), as the server's fields do. `tools`, OpenAI's function definitions, render into
+        more names the template reads (Qwen3's {"enable_thinking": False}, as the server's, the default under
+        structured outputs). continue_final_message has the reply go on with the last message's text;
+        add_generation_prompt, the assistant's header, defaults to its opposite (both true is an error), as the
+        server's fields do. `tools`, OpenAI's function definitions, render into
         the template as the server's do; a reply that calls one holds the call as text, in the template's format
         (docs/structured_outputs.md), as vLLM's LLM.chat returns it."""
         add_generation_prompt = opens_a_reply(add_generation_prompt, continue_final_message)
@@ -123,11 +124,12 @@ class LLM:
         if tools is not None and not (isinstance(tools, list) and not tools):  # `[]` renders none, as the server's
             check_tools(tools, template)
             _refuse_strict(tools)
-        prompts = [self.tokenizer.encode(template.render(checked_messages(c, template, add_generation_prompt, name),
-                                                         add_generation_prompt, chat_template_kwargs, tools or None,
-                                                         continue_final_message))
-                   for name, c in conversations]  # the template writes BOS where it wants one
-        per_prompt = self._params_per_prompt(sampling_params, len(prompts))
+        per_prompt = self._params_per_prompt(sampling_params, len(conversations))
+        prompts = [self.tokenizer.encode(template.render(
+            checked_messages(c, template, add_generation_prompt, name), add_generation_prompt,
+            chat_template_kwargs if p.structured_outputs is None else template.without_thinking(chat_template_kwargs),
+            tools or None, continue_final_message,
+        )) for (name, c), p in zip(conversations, per_prompt)]  # the template writes BOS where it wants one
         return self.generate(prompts, [template.ending_turns(p) for p in per_prompt], use_tqdm)
 
     def _params_per_prompt(self, sampling_params, num_prompts: int) -> list[SamplingParams]:

@@ -62,18 +62,10 @@ def read_constraint(body: dict) -> tuple[StructuredOutputsParams | None, str | N
 
 
 def without_thinking(body: dict, template: ChatTemplate) -> dict:
-    """The chat body to render under a constraint. Qwen3's template opens its reply with a <think> block
-    unless `enable_thinking` is false, and a constrained reply must start with what the grammar wants: so
-    a template that reads it renders with enable_thinking false, unless the request's chat_template_kwargs
-    says otherwise."""
-    if "enable_thinking" not in template.reads:
-        return body
-    variables = body.get("chat_template_kwargs")
-    if variables is None:
-        variables = {}
-    if not isinstance(variables, dict) or "enable_thinking" in variables:
-        return body  # a wrong kind is render_messages' to refuse
-    return {**body, "chat_template_kwargs": {**variables, "enable_thinking": False}}
+    """The chat body to render under a constraint: enable_thinking false where the template reads it
+    (ChatTemplate.without_thinking), unless the request's chat_template_kwargs says otherwise."""
+    variables = template.without_thinking(body.get("chat_template_kwargs"))
+    return body if variables is body.get("chat_template_kwargs") else {**body, "chat_template_kwargs": variables}
 
 
 def _response_format(value) -> dict | None:

@@ -177,6 +177,14 @@ class ChatTemplate:
         except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise ChatTemplateError(f"the chat template could not render these messages: {e}") from None
 
+    def without_thinking(self, variables):
+        """The variables to render a constrained reply with. Qwen3's template opens its reply with a <think>
+        block unless `enable_thinking` is false, and a constrained reply must start as its grammar wants: where
+        the template reads it and the caller did not set it, it is false. A wrong kind is render's to refuse."""
+        if "enable_thinking" not in self.reads or not isinstance(variables, (dict, type(None))):
+            return variables
+        return variables if "enable_thinking" in (variables or {}) else {**(variables or {}), "enable_thinking": False}
+
     def ending_turns(self, params):
         """`params` (SamplingParams) stopping at this template's end-of-turn tokens too: the reply ends with its
         turn, unless the params ignore EOS."""

@@ -6,7 +6,7 @@ import re
 import pytest
 from engine_checks import assert_all_free
 
-from minfer import LLM, SamplingParams
+from minfer import LLM, SamplingParams, StructuredOutputsParams
 from minfer.errors import InvalidParameter
 from minfer.server.chat_requests import parse_chat
 from minfer.server.requests import ModelInfo
@@ -149,3 +149,24 @@ def test_a_template_file_may_be_given_as_a_path(llm, tmp_path):
     template.write_text("{% for m in messages %}{% if m.role == 'user' %}<<{{ m.content }}>>{% endif %}{% endfor %}")
     (out,) = llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template=template)
     assert out.prompt_token_ids == llm.tokenizer.encode("<<Hello there>>")
+
+
+THINKING = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+            "{% if enable_thinking is not defined or enable_thinking %}<think>{% endif %}")
+
+
+@pytest.mark.parametrize("constrained, kwargs, thinks", [
+    (False, None, True),
+    (True, None, False),  # a constrained reply starts as its grammar wants, not with <think>
+    (True, {"enable_thinking": True}, True),  # unless the caller asks for it
+])
+def test_a_constrained_chat_renders_without_thinking_as_the_servers_does(llm, constrained, kwargs, thinks):
+    params = SamplingParams(max_tokens=2, temperature=0,
+                            structured_outputs=StructuredOutputsParams(regex="a+") if constrained else None)
+    (out,) = llm.chat(HELLO, params, use_tqdm=False, chat_template=THINKING, chat_template_kwargs=kwargs)
+    assert ("<think>" in llm.tokenizer.decode(out.prompt_token_ids)) == thinks
+    body = {"messages": HELLO, "max_tokens": 2, "temperature": 0, **({"guided_regex": "a+"} if constrained else {}),
+            **({"chat_template_kwargs": kwargs} if kwargs else {})}
+    info = ModelInfo("m", llm.tokenizer, 512, ChatTemplate(THINKING))
+    assert out.prompt_token_ids == parse_chat(body, info).prompts[0]
+    assert_all_free(llm)
