@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m minfer.quantize")
     parser.add_argument("--quantization-group-size", type=int, choices=GROUP_SIZES, help="int4: weights per scale")
     parser.add_argument("--no-quantize-lm-head", dest="quantize_lm_head", action="store_false",
                         help="keep the LM head and the token embedding (tied or not) in full precision")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
-                        help="dtype of the tensors left in full precision (norms, biases; default bfloat16)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="dtype of the tensors left in full precision (norms, biases; default float32, which "
+                        "holds fp32, bf16 and fp16 sources exactly: DST then loads in any --dtype as SRC does)")
     parser.add_argument("--force", action="store_true", help="write into a directory that holds other files")
     args = parser.parse_args(argv)
     refusal = why_not_write_into(args.dst, holds_quantized_checkpoint, "quantized checkpoint", args.force)

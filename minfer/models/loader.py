@@ -32,7 +32,7 @@ class TensorTaker(Protocol):
 
     def wants(self, name: str) -> bool: ...
 
-    def take(self, name: str, tensor: torch.Tensor) -> bool: ...  # True: it kept the tensor
+    def take(self, name: str, tensor: torch.Tensor) -> bool: ...  # True: it kept the tensor (as stored)
 
 
 class WeightLoader(Protocol):
@@ -178,7 +178,8 @@ def read_checked_weights(
     """Every tensor of the checkpoint, under the model's names (`rename`: None skips a non-weight),
     checked against `expected` (name -> shape; None: ignored if present). A missing, unexpected or
     mis-shaped tensor raises ValueError naming it: a partial load would run and produce garbage.
-    `take(name, tensor)` may keep a tensor itself instead (True): quantizing while loading, one at a time."""
+    `take(name, tensor)` may keep a tensor itself instead (True): quantizing while loading, one at a time, each
+    tensor in the precision it is stored in, on the CPU."""
     model_dir = Path(model_dir)
     state: dict[str, torch.Tensor] = {}
     taken: set[str] = set()
@@ -203,11 +204,10 @@ def read_checked_weights(
                         raise ValueError(f"tensor {key!r} in {file.name} holds {tensor.get_dtype()} values, not "
                                          "floats: a checkpoint quantized by another tool, which minfer does not read")
                     tensor = f.get_tensor(key) if take is None else read_alone(file, key)
-                    tensor = tensor.to(device=device, dtype=dtype).contiguous()
-                    if take is not None and take(name, tensor):
+                    if take is not None and take(name, tensor):  # as stored: a copy in `dtype` rounds it twice
                         taken.add(name)
                     else:
-                        state[name] = tensor
+                        state[name] = tensor.to(device=device, dtype=dtype).contiguous()
         except SafetensorError as e:
             raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
     missing = [n for n, shape in expected.items()

@@ -130,7 +130,9 @@ class StreamingQuantizer:
         return name in self.targets
 
     def take(self, name: str, tensor: torch.Tensor) -> bool:
-        """Quantize `tensor` if it is a weight to quantize (True: the loader drops its float copy)."""
+        """Quantize `tensor` if it is a weight to quantize (True: the loader drops its float copy). It comes as the
+        checkpoint stores it, whatever the model's dtype: an fp32 weight is not rounded to bf16 before its int8 or
+        int4 rounding, so the quantized weights do not depend on --dtype (a `minfer quantize` checkpoint holds them)."""
         if name not in self.targets:
             return False
         self.quantized[name] = quantize_weight(tensor, self.spec)

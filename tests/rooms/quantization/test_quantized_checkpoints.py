@@ -46,6 +46,27 @@ def test_quantized_checkpoint_round_trip(make_checkpoint, tmp_path, checkpoint, 
         LLM(str(out), quantization="int4" if method == "int8" else "int8")
 
 
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=needs_int4)])
+def test_minfer_quantize_with_its_defaults_loads_as_quantizing_at_load_in_any_dtype(make_checkpoint, tmp_path,
+                                                                                     preset, method):
+    """`minfer quantize SRC DST` then `--model DST --dtype D` is `--model SRC --quantization M --dtype D`, for an
+    fp32 source: each weight is quantized from its stored precision, not from its copy in the load's dtype, and
+    what stays full precision keeps its own (DST written in bf16 once gave fp32 loads other weights and logits)."""
+    from minfer import quantize
+
+    source, out = make_checkpoint(preset), tmp_path / "q"
+    assert quantize.main([str(source), str(out), "--quantization", method]) == 0
+    ids = torch.randint(0, 500, (1, 60))  # 60 rows: the dequantize + GEMM path, exact in fp32
+    for dtype in (torch.float32, torch.bfloat16):
+        at_load = load_model(source, dtype=dtype, weights=QuantizedWeights(QuantizationSpec(method)))
+        written = load_model(out, dtype=dtype, weights=QuantizedWeights())
+        for (name, got), (_, want) in zip(written.state_dict().items(), at_load.state_dict().items()):
+            assert torch.equal(got, want), f"{name} in {dtype}"
+        with torch.inference_mode():
+            torch.testing.assert_close(written(ids), at_load(ids), atol=0, rtol=0)
+
+
 @needs_int4
 def test_a_quantized_checkpoint_refuses_settings_it_was_not_written_with(make_checkpoint, tmp_path):
     """Its weights are quantized already: a group size or a float head it was not written with cannot be applied."""
