@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..cpu.malloc import freed_memory_returned
+from ..engine.config import GROUP_SIZES
 from ..models.loader import load_model_weights, retie, tied_parameters
 from .embedding import QuantizedEmbedding
 from .int4 import DEFAULT_GROUP_SIZE, Int4Linear, quantize_int4
@@ -62,7 +63,14 @@ def spec_from_config(raw: dict, path: Path) -> QuantizationSpec | None:
             "full-precision checkpoints (quantized as they load with --quantization int8 or int4) and the int8/int4 "
             "checkpoints `minfer quantize SRC DST --quantization int8` writes; GPTQ, AWQ and the like are not supported"
         )
-    return QuantizationSpec(qc["format"], qc.get("group_size"), bool(qc.get("quantize_lm_head", True)))
+    method, group_size, lm_head = qc["format"], qc.get("group_size"), qc.get("quantize_lm_head", True)
+    if group_size is not None and (method == "int8" or type(group_size) is not int or group_size not in GROUP_SIZES):
+        written = "none (null)" if method == "int8" else ", ".join(map(str, GROUP_SIZES))
+        raise ValueError(f"{path}: quantization_config's group_size is {group_size!r}; an {method} checkpoint minfer "
+                         f"writes has {written}")
+    if not isinstance(lm_head, bool):
+        raise ValueError(f"{path}: quantization_config's quantize_lm_head is {lm_head!r}, not true or false")
+    return QuantizationSpec(method, group_size, lm_head)
 
 
 def quantize_weight(weight: torch.Tensor, spec: QuantizationSpec) -> dict[str, torch.Tensor]:
@@ -223,6 +231,9 @@ def read_quantized_state(model_dir: Path, dtype: torch.dtype) -> tuple[dict[str,
                 tensor = f.get_tensor(key)
                 if leaf in ("qweight", "scales", "scales_and_zeros"):
                     quantized.setdefault(f"{module}.weight", {})[leaf] = tensor
+                elif not tensor.is_floating_point():  # cast, integers would load as garbage weights
+                    raise ValueError(f"{file} holds {key!r} as {tensor.dtype}, not floats: a full-precision tensor "
+                                     "of the model's (a damaged checkpoint?)")
                 else:
                     state[key] = tensor.to(dtype)
     except (SafetensorError, OSError) as e:

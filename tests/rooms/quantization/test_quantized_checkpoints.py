@@ -107,6 +107,35 @@ def test_a_corrupt_or_incomplete_quantized_checkpoint_is_refused(make_checkpoint
         load_model(out, weights=QuantizedWeights())
 
 
+@needs_int4
+def test_a_quantization_config_minfer_does_not_write_is_refused_naming_the_file(make_checkpoint, tmp_path):
+    """A hand-edited config.json: its group size is refused as the file's (it was blamed on a flag no one gave),
+    a quantize_lm_head that is no boolean is refused (bool("no") loaded it as True), and a full-precision tensor
+    stored as integers is refused as the plain loader refuses it (it loaded as garbage weights)."""
+    source = make_checkpoint()
+    out = save_quantized(load_model(source, weights=QuantizedWeights(QuantizationSpec("int4"))), source,
+                         tmp_path / "q4", QuantizationSpec("int4"))
+    config = json.loads((out / "config.json").read_text())
+    for edit, message in (
+        ({"group_size": 48}, "quantization_config's group_size is 48; an int4 checkpoint minfer writes has 32, 64"),
+        ({"group_size": 64.0}, "quantization_config's group_size is 64.0"),
+        ({"format": "int8", "group_size": 64}, "quantization_config's group_size is 64; an int8 checkpoint minfer "
+                                               "writes has none"),
+        ({"quantize_lm_head": "no"}, "quantization_config's quantize_lm_head is 'no', not true or false"),
+    ):
+        (out / "config.json").write_text(json.dumps(config | {"quantization_config": config["quantization_config"]
+                                                              | edit}))
+        with pytest.raises(ValueError, match=str(out / "config.json")) as refused:
+            LLM(str(out))
+        assert message in str(refused.value)
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["h.0.ln_1.weight"] = tensors["h.0.ln_1.weight"].to(torch.int32)
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="holds 'h.0.ln_1.weight' as torch.int32, not floats"):
+        LLM(str(out))
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_checkpoints_quantized_by_other_tools_are_refused_saying_what_runs(make_checkpoint, tmp_path, method):
     import json
