@@ -17,7 +17,8 @@ unpacked into a temporary folder at every start (Qwen3-0.6B bf16: 14-23 s agains
 in a file beside its library: the lone package copies its own into memory, and the batch package reads the lone
 one's copy instead, and drops its own file once that is recorded (shared_constants.py, `_drop_own_weights`):
 docs/performance.md has what they cost. A package Inductor fails to build is built once more without epilogue
-fusion (`_built`). Anything that fails (an export a model's modules refuse, a full disk, a package that will not
+fusion (`_built`). A package whose traced code (a file of minfer's its export ran) changed since is built
+again (`_usable`). Anything that fails (an export a model's modules refuse, a full disk, a package that will not
 load) returns why, and the step compiles in memory as before.
 """
 
@@ -44,7 +45,7 @@ from ..attention.paged import PagedBatch
 from ..cpu.malloc import freed_memory_returned
 from .artifacts import CacheEntry, open_cache, write_atomically
 from .attention import failure_line, lone_decode_tensors, with_lone_decode_tensors
-from .cache_key import common_parts
+from .cache_key import MINFER, changed_files, common_parts, file_hashes, files_called
 from .inductor_templates import templates_compiled_once
 from .paged_op import OpaqueAttention, compiled_step
 from .saved_graphs import CompileRecord, inductor_cache_in
@@ -137,10 +138,26 @@ def _drop_own_weights(batch: PackageRunner) -> None:
              folder.name)
 
 
+TRACED = "traced-files.json"  # in each package: the files of minfer's code its export ran, each with a hash
+
+
 def _usable(kind: str, path: Path, paths: dict[str, Path]) -> None:
-    """Raises ValueError where the batch package dropped its own weights for another build of the lone package."""
+    """Raises ValueError where the code the package traced changed since (minfer's version names no commit), or
+    where the batch package dropped its own weights for another build of the lone package."""
+    try:
+        traced = json.loads((path / TRACED).read_text())
+    except (OSError, ValueError):
+        raise ValueError(f"{TRACED} is missing or unreadable") from None
+    changed = changed_files(traced) if isinstance(traced, dict) else ["?"]
+    if changed:
+        raise ValueError(f"the code it traced changed since ({', '.join(_shown(file) for file in changed)})")
     if kind == "batch" and own_weights(path) is None and recorded_owner(path / SHARED) != package_id(paths["lone"]):
         raise ValueError("it dropped its own weights for the lone package's, which was built again since")
+
+
+def _shown(file: str) -> str:
+    """A traced file as the log names it: minfer/models/gpt2.py."""
+    return str(Path(file).relative_to(MINFER.parent)) if Path(file).is_relative_to(MINFER.parent) else file
 
 
 def _lone_inputs(input_ids: torch.Tensor, paged: PagedBatch) -> tuple:
@@ -189,8 +206,8 @@ def load_or_build(
                         _usable(kind, path, paths)
                         runners[kind] = _load(path)
                         continue
-                    except Exception as e:  # truncated, or from another build: built again, then replaced
-                        log.warning("minfer: the package %s is unreadable, building it again: %s", path.name, e)
+                    except Exception as e:  # truncated, from another build, or stale: built again, then replaced
+                        log.warning("minfer: the package %s cannot be loaded, building it again: %s", path.name, e)
                 if not have_lock:
                     return None, None, "another start held the package's lock too long"
                 log.info("minfer: compiling the whole forward for %s into %s (package %d of %d, once) ...", kind,
@@ -277,7 +294,8 @@ def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, 
         tokens, sampled = torch.export.Dim("tokens", min=2), torch.export.Dim("sampled", min=2)
         shapes = (None, None, slots, None) if lone else ({0: tokens}, {0: tokens}, slots, {0: sampled})
     with torch.no_grad(), compiled_step(batch):
-        program = torch.export.export(on_tensors, args, dynamic_shapes=shapes)
+        with files_called() as traced:
+            program = torch.export.export(on_tensors, args, dynamic_shapes=shapes)
         part = path.with_name(f"{path.name}.{os.getpid()}.part")
         try:
             archive = part.with_suffix(".pt2")  # AOTInductor wants the .pt2 ending
@@ -291,6 +309,7 @@ def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, 
                 package.extractall(part)
             (unpacked,) = part.iterdir()  # the archive's one top folder
             (unpacked / BUILD_ID).write_text(uuid.uuid4().hex)
+            (unpacked / TRACED).write_text(json.dumps(file_hashes(traced), indent=1))
             record_sizes(unpacked)
             if path.exists():  # unreadable: replaced
                 shutil.rmtree(path)

@@ -24,7 +24,10 @@ from engine_checks import GREEDY
 
 from minfer import LLM
 from minfer.compiled import artifacts, cache_sweep
-from minfer.compiled.packaged import BUILD_ID, SIZES, _drop_own_weights, _usable, check_sizes, package_id, record_sizes
+from minfer.compiled.cache_key import file_hashes, files_called
+from minfer.compiled.packaged import (
+    BUILD_ID, SIZES, TRACED, _drop_own_weights, _usable, check_sizes, package_id, record_sizes,
+)
 from minfer.compiled.shared_constants import SHARED, own_weights
 from minfer.compiled.precompiled import PrecompiledFunction
 from minfer.compiled.saved_graphs import trust_vector_isas, warm_up_saved
@@ -172,6 +175,7 @@ def test_a_batch_package_that_dropped_its_weights_is_built_again_with_a_new_lone
         (folder / "data" / "aotinductor" / "model" / "w.so").write_bytes(b"library")
         (folder / "data" / "aotinductor" / "model" / "w.blob").write_bytes(b"weights")
         (folder / BUILD_ID).write_text("build 1")
+        (folder / TRACED).write_text("{}")
         record_sizes(folder)
     batch = types.SimpleNamespace(package=paths["batch"], blob=own_weights(paths["batch"]))
     (paths["batch"] / SHARED).write_text(json.dumps({"owner": package_id(paths["lone"]), "constants": {}}))
@@ -184,6 +188,56 @@ def test_a_batch_package_that_dropped_its_weights_is_built_again_with_a_new_lone
     with pytest.raises(ValueError, match="built again since"):
         _usable("batch", paths["batch"], paths)
     _usable("lone", paths["lone"], paths)
+
+
+def a_package(folder: Path, traced: dict) -> Path:
+    """A package's folder as _build leaves it: a library, its weights, its build and the files its export ran."""
+    (folder / "data" / "aotinductor" / "model").mkdir(parents=True)
+    (folder / "data" / "aotinductor" / "model" / "w.blob").write_bytes(b"weights")
+    (folder / BUILD_ID).write_text("build 1")
+    (folder / TRACED).write_text(json.dumps(traced))
+    record_sizes(folder)
+    return folder
+
+
+def test_a_package_whose_traced_code_changed_is_built_again(tmp_path):
+    """A package holds the model's code as it was traced, and minfer's version names no commit: an edit to a file
+    its export ran (the model's, say) makes it unusable, built again, as a saved graph is (saved_graphs.py). A
+    package without the record (or with one cut short) is built again too."""
+    model_file = tmp_path / "model.py"
+    model_file.write_text("def forward(x):\n    return x\n")
+    paths = {"lone": a_package(tmp_path / "entry.lone", file_hashes([str(model_file)]))}
+    _usable("lone", paths["lone"], paths)
+    model_file.write_text("def forward(x):\n    return 2 * x\n")  # a fix to the model: same version, same shapes
+    with pytest.raises(ValueError, match=f"the code it traced changed since \\({model_file}\\)"):
+        _usable("lone", paths["lone"], paths)
+    model_file.unlink()
+    with pytest.raises(ValueError, match="changed since"):
+        _usable("lone", paths["lone"], paths)
+    (paths["lone"] / TRACED).write_text("{")
+    with pytest.raises(ValueError, match=f"{TRACED} is missing or unreadable"):
+        _usable("lone", paths["lone"], paths)
+
+
+def test_the_files_a_trace_ran_are_minfers_own_and_any_profiler_is_restored():
+    """What a package records (packaged.py's _build): each of minfer's files a function of which ran, a helper in
+    another file too (torch.export's stack traces leave those out); neither this file nor torch's."""
+    from minfer.attention import kv_cache
+    from minfer.attention.paged import paged_attention  # noqa: F401 (imported before: no import is recorded)
+
+    def previous(frame, event, arg):
+        pass
+
+    sys.setprofile(previous)
+    try:
+        with files_called() as files:
+            kv_cache.cdiv(5, 2)
+            torch.ones(2).sum()
+        assert sys.getprofile() is previous
+    finally:
+        sys.setprofile(None)
+    assert str(Path(kv_cache.__file__).resolve()) in files
+    assert not [f for f in files if "torch" in Path(f).parts or f == str(Path(__file__).resolve())]
 
 
 def test_a_full_disk_keeps_the_batch_packages_own_weights_and_the_packages_serve(tmp_path, monkeypatch):

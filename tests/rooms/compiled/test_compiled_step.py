@@ -3,6 +3,7 @@ most steps through the whole forward with frozen weights) give eager's tokens, n
 to eager when compiling fails."""
 
 import gc
+import json
 import logging
 from pathlib import Path
 
@@ -209,6 +210,9 @@ def test_the_whole_forward_is_packaged_once_and_loaded_after(make_checkpoint):
     assert {p.suffix for p in entry.parent.glob(entry.stem + ".*") if p.is_dir()} == {".lone", ".batch"}  # unpacked
     libraries = [so.name for kind in ("lone", "batch") for so in entry.with_name(f"{entry.stem}.{kind}").rglob("*.so")]
     assert libraries and not [p for name in libraries for p in entry.parents[1].glob(f"inductor/*/{name}")]  # once
+    for kind in ("lone", "batch"):  # the code each export ran, to build it again once that changes (_usable)
+        traced = json.loads((entry.with_name(f"{entry.stem}.{kind}") / packaged.TRACED).read_text())
+        assert {"models/llama.py", "attention/paged.py"} <= {"/".join(Path(f).parts[-2:]) for f in traced}, traced
     # one copy of the weights in memory: the batch package reads the lone one's constants (shared_constants.py),
     # but for a weight oneDNN packed, where timing chose ATen's GEMM for the batch package (fp32): its own
     lone, batch = step.packaged.lone.constants(), step.packaged.batch.constants()
