@@ -7,7 +7,8 @@ entry safely. What goes in an entry, and when, is saved_graphs.py's business; th
   MINFER_CACHE=off compiles in memory.
 - Whose: the directory is created 0700, and refused (compile in memory, one log line) where it is not the
   user's own or others may write it. An entry is pickled code and the source of native kernels; loading
-  one runs it.
+  one runs it. Inductor's own directory, where compiles outside a warm-up go, is checked alike
+  (`check_inductors_own`).
 - The key: a hash of every part an entry depends on (cache_key.py lists them). A part that changes
   names a different entry, which starts empty: it is compiled afresh, never loaded wrong.
 - Writing: to a temporary file in the same directory, fsynced, then renamed over the entry, so a reader
@@ -51,6 +52,7 @@ def cache_root() -> Path:
 def open_cache() -> tuple[Path | None, str | None]:
     """The cache's directory, created if missing and checked: (the directory, None), or (None, why it is
     not used) where it is switched off, cannot be made, or is not safe to load code from."""
+    check_inductors_own()
     if settings.CACHE.get() == OFF:
         return None, f"{settings.CACHE.name}={OFF}"
     root = cache_root()
@@ -73,6 +75,24 @@ def open_cache() -> tuple[Path | None, str | None]:
         return None, f"{root} is not writable"
     sweep_once(root / "entries")
     return root, None
+
+
+def check_inductors_own() -> None:
+    """Inductor's own cache directory is where every compile outside a warm-up writes and loads its kernels (a
+    recompile mid-serve; every compile with this cache off or refused): /tmp/torchinductor_<user> by default,
+    which another user may have made first. Where it is not safe (`unsafe`), this process compiles into a new
+    directory of its own instead, with one log line."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    directory = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        why_unsafe = unsafe(directory)
+    except OSError as e:
+        why_unsafe = f"cannot be used ({e.strerror or e})"
+    if why_unsafe:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = private = tempfile.mkdtemp(prefix="minfer-inductor-")  # 0700
+        log.warning("minfer: Inductor's cache %s %s: this process compiles into %s", directory, why_unsafe, private)
 
 
 def unsafe(path: Path) -> str | None:

@@ -380,6 +380,30 @@ def test_a_directory_others_can_write_is_refused(tmp_path, monkeypatch):
     assert "writable by other users" in why and not wrote
 
 
+def scaled_difference(x, y):
+    return (x * 3 - y).amax(0)
+
+
+def test_inductors_own_directory_others_can_write_is_not_compiled_into(tmp_path, monkeypatch, caplog):
+    """Every compile outside a warm-up (a recompile mid-serve, every one with the cache off or refused) writes and
+    loads its kernels in Inductor's own directory, /tmp/torchinductor_<user> unless told: where another user
+    made it first (here: writable by others), this process compiles into a new directory of its own."""
+    theirs = tmp_path / "torchinductor_theirs"
+    theirs.mkdir()
+    theirs.chmod(0o777)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(theirs))
+    monkeypatch.setenv("MINFER_CACHE", "off")
+    function = PrecompiledFunction(scaled_difference, "scaled_difference")  # a graph no other test compiles
+    with caplog.at_level(logging.WARNING, logger="minfer"):
+        record, _, got = start("off-theirs", function=function)
+    assert record.how == "compiled" and torch.equal(got, scaled_difference(*ARGS))
+    ours = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    assert ours != theirs and mode(ours) == "0o700" and ours.stat().st_uid == os.getuid()
+    assert "writable by other users" in caplog.text and not list(theirs.iterdir())
+    assert list(ours.rglob("*.so")) or list(ours.rglob("*.py"))  # the compile's kernels went there
+    shutil.rmtree(ours)
+
+
 def test_a_directory_of_another_user_is_refused(tmp_path, monkeypatch):
     if os.getuid() != 0:
         pytest.skip("giving a directory to another user takes root")
