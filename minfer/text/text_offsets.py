@@ -39,7 +39,7 @@ class TextOffsets:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes the token adds to the text; a special token adds its name where the text shows it."""
-        return self.tokenizer.shown_bytes(token_id) if self.specials_shown else self.tokenizer.token_bytes[token_id]
+        return self.tokenizer.shown_bytes(token_id) if self.specials_shown else self.tokenizer.text_bytes(token_id)
 
     def offsets(self, token_ids: list[int], final: bool = True) -> list[int]:
         """Each token's offset; `final`: the text ends with them (a run of byte tokens open at the end is

@@ -78,9 +78,15 @@ class Tokenizer:
             self._token_bytes = token_bytes_table(self.backend)
         return self._token_bytes
 
+    def text_bytes(self, token_id: int) -> bytes:
+        """token_bytes[id], and b'' for an id past the vocabulary: a padded embedding's row (Qwen3 has 267),
+        which the model may sample or rank in its top logprobs, and which decode() skips."""
+        table = self.token_bytes
+        return table[token_id] if 0 <= token_id < len(table) else b""
+
     def shown_bytes(self, token_id: int) -> bytes:
         """The bytes a token shows where special tokens are shown: its own, or a special token's name."""
-        return self.token_bytes[token_id] or (self.id_to_token(token_id) or "").encode()
+        return self.text_bytes(token_id) or (self.id_to_token(token_id) or "").encode()
 
     # ---- encode / decode -----------------------------------------------------------
 

@@ -182,6 +182,7 @@ def test_out_of_vocab_ids_are_ignored(tok):
     d = tok.detokenizer()
     assert [d.add(j) for j in junk] == [""] * len(junk)
     assert stream(tok, mixed)[1] == TEXTS["mixed"]
+    assert [tok.text_bytes(j) + tok.shown_bytes(j) for j in junk] == [b""] * len(junk)  # they add no bytes either
 
 
 def test_special_tokens_stream_as_nothing(tok):
