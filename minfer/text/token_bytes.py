@@ -6,7 +6,9 @@ How a vocabulary spells bytes depends on its decoder:
   GPT-2's byte table (`Ġ` is a space, `Ċ` a newline);
 - SentencePiece-style (Llama 2, Mistral, Gemma): `▁` is a space, and with byte fallback the token
   `<0x0A>` is the byte 0x0A;
-- any other decoder (WordPiece, ...): the token decoded alone, as UTF-8.
+- any other decoder (WordPiece, BPEDecoder, none): what the decoder makes of the token between two others,
+  so a WordPiece word starts with its space and `##ing` adds 'ing' (decoded alone, either is a text's first
+  token, spelt otherwise).
 Special tokens add no bytes (b"").
 """
 
@@ -75,11 +77,25 @@ def token_bytes_table(backend: tokenizers.Tokenizer) -> list[bytes]:
             continue
         if "ByteLevel" in kinds:
             table[i] = byte_level_bytes(token)
-        elif kinds <= PER_TOKEN_STEPS:
+        elif steps and kinds <= PER_TOKEN_STEPS:
             table[i] = sentencepiece_bytes(token, steps)
         else:
-            table[i] = backend.decode([i], skip_special_tokens=False).encode("utf-8")
+            table[i] = inner_bytes(backend.decoder, token)
     return table
+
+
+def inner_bytes(decoder: tokenizers.decoders.Decoder | None, token: str) -> bytes:
+    """The bytes a token adds inside a text: what the decoder makes of it between an `a` and a `b` (a text's
+    first and last tokens may be spelt otherwise: WordPiece puts no space before the first, BPEDecoder none
+    after the last). Without a decoder, decode() joins tokens with spaces."""
+    if decoder is None:
+        return f" {token}".encode("utf-8")
+    before = decoder.decode(["a"])
+    after = decoder.decode(["a", "b"])[len(before) :]
+    text = decoder.decode(["a", token, "b"])
+    if text.startswith(before) and text.endswith(after) and len(text) >= len(before) + len(after):
+        return text[len(before) : len(text) - len(after)].encode("utf-8")
+    return decoder.decode([token]).encode("utf-8")  # a decoder that reads tokens together: the token alone
 
 
 def byte_level_bytes(token: str) -> bytes:
