@@ -6,10 +6,11 @@
 
 The model is the one minfer serves (load_model, the dtype and threads the engine would use), run
 through its plain forward: the engine's step computes logits only for rows that sample, and
-perplexity needs every position's. The file is tokenized whole, as one stream (special tokens
-written in it, such as <|endoftext|>, are one id each), and scored in sliding windows of the
-model's context with a stride of half of it: every token but the first is scored once, with at
-least half a context before it once the text is that long.
+perplexity needs every position's. The file is tokenized whole, as one stream and as a prompt is
+(special tokens written in it, such as <|endoftext|>, are one id each; a tokenizer that adds a BOS,
+as Llama's do, adds it ahead, so the text's first token is scored after it), and scored in sliding
+windows of the model's context with a stride of half of it: every token but the first is scored once,
+with at least half a context before it once the text is that long.
 
 The method (Hugging Face's "perplexity of fixed-length models"): windows of `window` tokens start
 every `stride` tokens, and each window scores only the tokens no earlier window scored.
@@ -101,7 +102,7 @@ def file_perplexity(
                        weights=QuantizedWeights(spec))
     if quantize_activations:  # the weights are quantized already: this sets how int8 linears multiply
         quantize_model(model, quantization, group_size, quantize_lm_head, quantize_activations=True)
-    ids = Tokenizer.from_dir(model.model_dir).encode(text)
+    ids = Tokenizer.from_dir(model.model_dir).encode_prompt(text)  # with its BOS, as HF's method has it
     window = model.config.max_positions if window is None else window
     stride = max(1, window // 2) if stride is None else stride
     if window < 2:  # a window's first token has nothing before it: one more is the least that scores anything
