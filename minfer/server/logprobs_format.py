@@ -14,7 +14,8 @@ logprobs and, with `echo`, its prompt ahead of its text; streamed, the logprobs 
 whose text a chunk carries (tokens whose text is held back wait for the next chunk with text, or the
 choice's final chunk), and the echo in a choice's first chunk.
 
-A token's text is its own bytes decoded alone; a token that ends mid-character shows U+FFFD there,
+A token's text is its own bytes decoded alone; a token that ends mid-character shows U+FFFD there
+(tokens that share a string share a `top_logprobs` key, which holds the likeliest one's logprob),
 and chat's `bytes` gives its exact bytes. JSON has no -inf: it is written as -9999.0, as vLLM does.
 """
 
@@ -64,8 +65,9 @@ class LogprobFormatter:
                 out["top_logprobs"].append(None)
                 continue
             out["token_logprobs"].append(_finite(entry.logprob))
-            top = {self.token_text(t): _finite(lp) for t, lp in entry.top}
-            top.setdefault(text, _finite(entry.logprob))
+            top: dict[str, float] = {}
+            for t, lp in (*entry.top, (token_id, entry.logprob)):  # likeliest first: a shared string keeps the first
+                top.setdefault(self.token_text(t), _finite(lp))
             out["top_logprobs"].append(top)
         return out
 

@@ -4,6 +4,7 @@ transformers; bad inputs refused with a 4xx naming the field while the server ke
 
 import http.client
 import json
+import math
 import threading
 
 import openai
@@ -89,6 +90,23 @@ def test_max_tokens_zero_with_echo_only_scores(server, client, hf):
     assert all(len(top) in (3, 4) for top in choice.logprobs.top_logprobs[1:])
     for i in range(1, len(ids)):
         assert abs(choice.logprobs.token_logprobs[i] - ref[i - 1, ids[i]].item()) < TOL
+
+
+def test_tokens_that_share_a_string_show_the_likeliest_logprob(server, client, hf, tok):
+    """Tokens that end mid-character all read U+FFFD and share one top_logprobs key: it holds the likeliest of
+    them, so a greedy token's logprob is the key's largest (lm-eval's is_greedy) and no value is understated."""
+    ids = torch.randint(0, tok.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    c = client.completions.create(model=server.info.name, prompt=ids, echo=True, logprobs=5, max_tokens=0)
+    ref, shared = ref_logprobs(hf, ids), 0
+    for i, top in enumerate(c.choices[0].logprobs.top_logprobs[1:], start=1):
+        top5 = ref[i - 1].topk(5).indices.tolist()
+        likeliest: dict[str, float] = {}  # by string: the largest logprob of the top 5 and the prompt's token
+        for t in top5 + [ids[i]]:
+            text = tok.token_bytes[t].decode("utf-8", "replace")
+            likeliest[text] = max(likeliest.get(text, -math.inf), ref[i - 1, t].item())
+        shared += len({tok.token_bytes[t].decode("utf-8", "replace") for t in top5}) < 5
+        assert top.keys() == likeliest.keys() and all(abs(top[s] - lp) < TOL for s, lp in likeliest.items())
+    assert shared >= 5  # a vocabulary of 512 byte-level tokens: a third read U+FFFD alone
 
 
 def test_completion_logprobs_streamed_equal_whole(server, client):
