@@ -29,6 +29,12 @@ INSTALL = "pip install llguidance"
 # tabs at every gap took a random model's greedy output past 120 tokens for a two-key object.
 JSON_WHITESPACE = r"[ ]?"
 MAX_MESSAGE = 600  # characters of llguidance's error message that a 400 quotes
+# What llguidance takes in a JSON schema: integers its Python binding can hand over (a 64-bit signed or unsigned
+# integer), and number bounds it can write a pattern for (past 10^18 its range patterns fail, one side or both)
+INTEGERS = (-(2**63), 2**64 - 1)
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+BOUND_LIMIT = 10**18
+RANGE_FAILURE = "Failed to generate regex for"  # llguidance's words for a bound it cannot write a pattern for
 
 
 def import_llguidance():
@@ -51,6 +57,10 @@ def grammar_text(llg, c: StructuredOutputsParams) -> str:
         lone = next(lone_backslash_patterns(schema), None)
         if lone is not None:
             raise ValueError(f"the pattern {lone!r} ends in a lone backslash, an escape of nothing")
+        huge = next(((path, v) for path, v in numbers(schema) if isinstance(v, int) and not within(v, INTEGERS)), None)
+        if huge is not None:
+            raise ValueError(f"'{huge[0]}' is {huge[1]}, outside the integers the grammar engine takes "
+                             f"({INTEGERS[0]} to {INTEGERS[1]})")
         if c.disable_any_whitespace:
             return llg.LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
         if c.whitespace_pattern is not None:
@@ -72,6 +82,32 @@ def grammar_text(llg, c: StructuredOutputsParams) -> str:
 
 def ends_in_lone_backslash(pattern: str) -> bool:
     return (len(pattern) - len(pattern.rstrip("\\"))) % 2 == 1
+
+
+def within(value, limits: tuple[int, int]) -> bool:
+    return limits[0] <= value <= limits[1]
+
+
+def numbers(schema, path: str = ""):
+    """(where, value) for every number in a JSON schema, data (const, enum, ...) included: `where` is a dotted path
+    ("properties.x.minimum")."""
+    items = enumerate(schema) if isinstance(schema, list) else schema.items() if isinstance(schema, dict) else ()
+    for key, value in items:
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield where, value
+        else:
+            yield from numbers(value, where)
+
+
+def range_failure(schema, error: str) -> str:
+    """llguidance's message, or where it failed to write a bound's pattern, the bound that is out of its range."""
+    if RANGE_FAILURE in error:
+        for where, value in numbers(schema):
+            if where.rpartition(".")[2] in BOUNDS and not -BOUND_LIMIT < value < BOUND_LIMIT:
+                return (f"'{where}' is {value}, a bound the grammar engine cannot write a number's pattern for "
+                        "(it takes bounds between -10^18 and 10^18)")
+    return error
 
 
 def lone_backslash_patterns(schema):
@@ -122,6 +158,8 @@ class Grammars:
         matcher = llg.LLMatcher(self.llg_tokenizer(llg), text, log_level=0)  # builds without the GIL
         if matcher.is_error():  # a bad schema, an unsupported keyword, a regex that does not parse
             message = _short(matcher.get_error())
+            if c.json is not None:
+                message = range_failure(c.json, message)
             raise InvalidParameter("structured_outputs", f"the {c.kind} does not compile: {message}")
         probe = matcher.deep_copy()  # its first mask: a constraint nothing can start ([^\x00-\x{10FFFF}]) errs
         probe.compute_bitmask()

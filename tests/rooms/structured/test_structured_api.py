@@ -138,6 +138,13 @@ BAD = [  # (endpoint, fields, the param the 400 names, words in its message)
     ("completions", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "JSON schema"),
     ("completions", {"guided_decoding_backend": "xgrammar", "guided_regex": "a"}, "guided_decoding_backend",
      "not supported"),
+    # bounds past what llguidance takes: the keyword and its range named, not its "not JSON serializable"
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "integer", "minimum": 1e20}}}}, "response_format", "'minimum' is 1e+20, a bound the grammar engine"),
+    ("completions", {"guided_json": {"type": "object", "properties": {"n": {"type": "integer",
+                                                                            "maximum": 10**20}}}},
+     "guided_json", "'properties.n.maximum' is 100000000000000000000, outside the integers the grammar engine takes"),
+    ("completions", {"guided_json": {"type": "number", "maximum": -1e19}}, "guided_json", "between -10^18 and 10^18"),
 ]
 
 
