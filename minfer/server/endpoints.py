@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 
 from ..engine.outputs import RequestOutput
 from ..engine.request_check import CheckedRequest
@@ -96,6 +97,9 @@ class APIHandler(InfoEndpoints):
         try:
             return self.server.manager.check(req.prompts[i], req.params)
         except InvalidParameter as e:  # the prompt does not fit the model: a 400 naming the field
+            if req.tools is not None and e.param == "structured_outputs" and req.fields.get(e.param) == "tools":
+                e = req.tools.fault(e, lambda c: self.server.manager.check(
+                    req.prompts[i], replace(req.params, structured_outputs=c)))
             error = invalid_request(e, req.fields)
             raise (_at_index(error, i) if len(req.prompts) > 1 else error) from None
 

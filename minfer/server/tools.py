@@ -25,6 +25,7 @@ still open a call held back until it cannot.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from ..engine.outputs import CompletionDelta
@@ -35,7 +36,7 @@ from ..errors import InvalidParameter
 from ..text.chat_template import ChatTemplate
 from ..text.tool_checks import check_tools
 from .chat_messages import show
-from .tool_calls import CallStream, ToolFormat, call_id, format_of, read
+from .tool_calls import CallStream, ToolFormat, call_id, format_of, parameters, read
 
 READ = frozenset({"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"})  # chat's fields
 CHOICES = ("none", "auto", "required")
@@ -78,6 +79,26 @@ class Tools:
                           "a call's format is the tool's")
         names = [self.named] if self.named else self.names
         return StructuredOutputsParams(grammar=self.format.grammar(self.tools, names, self.parallel))
+
+    def fault(self, error: InvalidParameter, check) -> InvalidParameter:
+        """Why the tools' grammar does not compile (`error`, from the engine), named by the field at fault: the first
+        held tool whose parameters do not compile alone (`check` compiles a StructuredOutputsParams), with its
+        reason; else `error`'s first line (the rest quotes the grammar minfer wrote, not the client's)."""
+        for i, tool in enumerate(self.tools):
+            if self._holds(tool) and tool["function"].get("parameters") is not None:
+                try:
+                    check(StructuredOutputsParams(json=parameters(tool)))
+                except InvalidParameter as e:
+                    field = f"tools[{i}].function.parameters"
+                    return InvalidParameter(field, f"'{field}' is invalid: {e}", e.code)
+        reason = re.sub(r"at \d+\(\d+\): ", "", str(error).splitlines()[0])  # llguidance's line and column
+        return InvalidParameter("tools", f"'tools' is invalid: {reason}", error.code)
+
+    def _holds(self, tool: dict) -> bool:
+        """Whether the reply's grammar holds calls of `tool` to its parameters."""
+        if self.choice == "function":
+            return tool["function"]["name"] == self.named
+        return self.enforced or tool["function"].get("strict") is True
 
     def uncut(self, params: SamplingParams) -> SamplingParams:
         """`params` for a reply to these tools. Stop strings end a reply's text, never a call: an enforced reply

@@ -19,7 +19,9 @@ from minfer.structured.grammars import Grammars
 from minfer.server.requests import ModelInfo
 from minfer.text.chat_template import ChatTemplate
 from minfer.text.tokenizer import Tokenizer
+from minfer.errors import InvalidParameter
 from minfer.server.tool_calls import HERMES, LLAMA3_JSON, CallStream, format_of, read
+from minfer.server.tools import Tools
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit", "days"], "properties": {
     "city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]},
@@ -326,6 +328,8 @@ def called(call: dict) -> dict:
 CALLED_TWICE = {"role": "assistant", "content": None, "tool_calls": [
     called({})["tool_calls"][0], called({"id": "c2", "function": {"name": "now", "arguments": "{}"}})["tool_calls"][0]]}
 
+NOPE = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                     "properties": {"x": {"type": "nope"}}}}}
 BAD = [  # (fields, the param the 400 names, words in its message)
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name", "letters"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", "letters"),
@@ -343,9 +347,16 @@ BAD = [  # (fields, the param the 400 names, words in its message)
     ({"function_call": "auto"}, "function_call", "'tools'"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
      "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
-                                                                              "properties": {"x": {"type": "nope"}}}}}],
-      "tool_choice": "required"}, "tools", "nope"),
+    # an enforced tool's schema that does not compile: the tool's own field, and the reason without the grammar
+    ({"tools": [TOOLS[1], NOPE], "tool_choice": "required"}, "tools[1].function.parameters",
+     "'tools[1].function.parameters' is invalid: the json does not compile: Invalid type: nope"),
+    ({"tools": [TOOLS[1], NOPE], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tools[1].function.parameters", "Invalid type: nope"),
+    ({"tools": [TOOLS[1], {**NOPE, "function": {**NOPE["function"], "strict": True}}]},
+     "tools[1].function.parameters", "Invalid type: nope"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 1e20}}}}}], "tool_choice": "required"}, "tools[0].function.parameters",
+     "'properties.n.minimum' is 1e+20, a bound the grammar engine cannot write a number's pattern for"),
     ({"messages": [*ASK, {"role": "tool", "content": "sunny"}], "tools": TOOLS}, "messages[1].tool_call_id",
      "tool_call_id"),
     ({"messages": [*ASK, called({"function": {"name": "add"}})], "tools": TOOLS},
@@ -383,7 +394,7 @@ BAD = [  # (fields, the param the 400 names, words in its message)
 def test_bad_input_is_a_400_naming_the_field(server, fields, param, words):
     status, out = post(server, {"messages": ASK, "max_tokens": 4, **fields})
     assert status == 400 and out["error"]["param"] == param, out
-    assert words in out["error"]["message"], out["error"]["message"]
+    assert words in out["error"]["message"] and "%json" not in out["error"]["message"], out["error"]["message"]
     assert post(server, {"messages": ASK, "max_tokens": 2})[0] == 200  # and it keeps serving
     wait_all_free(server)
 
@@ -498,3 +509,14 @@ def test_tokenize_renders_tools_as_the_chat_prompt_does(client, server):
     assert with_tools > without
     assert with_tools == create(client, server, tools=TOOLS, max_tokens=1).usage.prompt_tokens
     assert without == create(client, server, max_tokens=1).usage.prompt_tokens
+
+
+def test_a_tools_grammar_no_single_tool_breaks_is_named_tools_without_the_grammar():
+    """Where every held tool's parameters compile alone, the fault is the tools' together: 'tools', with llguidance's
+    reason and not the grammar minfer wrote (nor its line and column in it)."""
+    tools = Tools([NOPE], "required", None, True, HERMES)
+    error = InvalidParameter("structured_outputs", "the grammar does not compile: at 3(7): failed to compile JSON "
+                             "schema: too deep\n   1 | start: call\n   3 | body: %json {...}")
+    fault = tools.fault(error, check=lambda constraint: None)
+    assert (fault.param, str(fault)) == ("tools", "'tools' is invalid: the grammar does not compile: failed to compile "
+                                         "JSON schema: too deep")
