@@ -120,7 +120,8 @@ class LLM:
         _check_chat_arguments(chat_template, chat_template_kwargs, add_generation_prompt, continue_final_message)
         conversations = _conversations(messages)
         template = ChatTemplate.from_dir(self.model.model_dir, self.tokenizer,
-                                         override=None if chat_template is None else os.fspath(chat_template))
+                                         override=None if chat_template is None else os.fspath(chat_template),
+                                         option="chat_template")
         if tools is not None and not (isinstance(tools, list) and not tools):  # `[]` renders none, as the server's
             check_tools(tools, template)
             _refuse_strict(tools)

@@ -59,16 +59,17 @@ CONTINUE_MARK = "MINFER_CONTINUES_HERE "
 
 
 FROM_CHECKPOINT = "the checkpoint's chat_template"  # where a template came from, for its errors
+OPTION = "--chat-template"  # the server's flag for a template of one's own; LLM.chat's argument is `chat_template`
 
 
-def _default_template(named: list) -> str:
+def _default_template(named: list, option: str) -> str:
     """tokenizer_config.json's list of named templates -> the one named "default". Without one, transformers
     refuses to render a chat: so does this, naming the templates there are, rather than render plain text."""
     names = [t.get("name") for t in named if isinstance(t, dict)]
     chosen = next((t.get("template") for t in named if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(chosen, str):
         raise ValueError(f"tokenizer_config.json lists chat templates named {', '.join(map(repr, names)) or 'nothing'}"
-                         ", but none named 'default' holding a template: pick one with --chat-template")
+                         f", but none named 'default' holding a template: pick one with {option}")
     return chosen
 
 
@@ -100,23 +101,25 @@ class ChatTemplate:
                 raise ValueError(f"{origin} does not compile: {e}") from None
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, tokenizer, override: str | None = None) -> "ChatTemplate":
+    def from_dir(cls, model_dir: str | Path, tokenizer, override: str | None = None,
+                 option: str = OPTION) -> "ChatTemplate":
         """tokenizer_config.json's chat_template (or chat_template.jinja beside it), else the plain one.
-        `override` (--chat-template: a file, or the template itself) replaces the checkpoint's."""
+        `override` (a file, or the template itself) replaces the checkpoint's; `option`, what the caller calls it
+        (the server's --chat-template, LLM.chat's chat_template), names it in errors."""
         d = Path(model_dir)
         config = read_tokenizer_config(d)
         source = config.get("chat_template")
         if isinstance(source, list) and override is None:  # several named templates: the "default" one
-            source = _default_template(source)
+            source = _default_template(source, option)
         if source is None and (d / "chat_template.jinja").is_file():
             source = (d / "chat_template.jinja").read_text(encoding="utf-8")
         if override is not None:
-            source = read_template_option(override)
+            source = read_template_option(override, option)
         if not isinstance(source, str):
             return cls(None)
         special = {k: t for k, v in config.items() if k.endswith("_token") and (t := token_text(v)) is not None}
         stops = [tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS if t in source]
-        origin = FROM_CHECKPOINT if override is None else f"--chat-template {override!r}"
+        origin = FROM_CHECKPOINT if override is None else f"{option} {override!r}"
         return cls(source, special, [i for i in stops if i is not None], origin)
 
     def render(
@@ -193,23 +196,24 @@ class ChatTemplate:
         return replace(params, stop_token_ids=[*(params.stop_token_ids or ()), *self.stop_token_ids])
 
 
-def read_template_option(value: str) -> str:
-    """--chat-template's value: a file holding the template, or the Jinja template itself."""
+def read_template_option(value: str, option: str = OPTION) -> str:
+    """The value of `option` (--chat-template, or LLM.chat's chat_template): a file holding the template, or the Jinja
+    template itself."""
     path = Path(value).expanduser()
     if path.is_file():
         try:
             return path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--chat-template {value!r} cannot be read as UTF-8 text: {e}") from None
+            raise ValueError(f"{option} {value!r} cannot be read as UTF-8 text: {e}") from None
     if "{{" in value or "{%" in value:
         return value
-    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template (no {{{{ or {{% in it)")
+    raise ValueError(f"{option} {value!r} is neither a file nor a Jinja template (no {{{{ or {{% in it)")
 
 
 def check_template_option(value: str) -> None:
     """--chat-template's value read and compiled before the model loads: else a bad flag (BadSetting)."""
     try:
-        ChatTemplate(read_template_option(value), origin=f"--chat-template {value!r}")
+        ChatTemplate(read_template_option(value), origin=f"{OPTION} {value!r}")
     except ValueError as e:
         raise BadSetting(str(e)) from None
 

@@ -57,6 +57,22 @@ def test_a_template_given_and_its_variables_are_used(llm):
     assert e.value.param == "chat_template_kwargs.add_generation_prompt"
 
 
+@pytest.mark.parametrize("given, words", [
+    ("missing.jinja", "chat_template 'missing.jinja' is neither a file nor a Jinja template"),
+    ("{{ messages", "chat_template '{{ messages' does not compile: unexpected end of template"),
+    (b"\xff{{ x }}", "cannot be read as UTF-8 text"),
+])
+def test_a_bad_template_names_the_argument_not_the_servers_flag(llm, tmp_path, given, words):
+    """LLM.chat's template is its `chat_template` argument: errors say so, not --chat-template (the server's)."""
+    if isinstance(given, bytes):  # a file, not text
+        (tmp_path / "bad.jinja").write_bytes(given)
+        given = tmp_path / "bad.jinja"
+    with pytest.raises(ValueError) as e:
+        llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template=given)
+    assert str(e.value).startswith("chat_template ") and words in str(e.value), str(e.value)
+    assert "--chat-template" not in str(e.value)
+
+
 def test_the_reply_may_continue_the_last_message_as_the_server_s_does(llm):
     started = [*HELLO, {"role": "assistant", "content": "Well, "}]
     template = ChatTemplate.from_dir(llm.model.model_dir, llm.tokenizer)
