@@ -124,39 +124,41 @@ class CacheEntry:
         self.path, self.record_path, self.lock_path = (stem.with_suffix(s) for s in (".bin", ".json", ".lock"))
 
     @contextmanager
-    def locked(self, wait_s: float = LOCK_WAIT_S) -> Iterator[bool]:
-        """Holds the entry's lock while the body reads, compiles and writes; yields False where the lock
-        could not be had within `wait_s` (or at all): the body then compiles without saving."""
+    def locked(self, wait_s: float = LOCK_WAIT_S) -> Iterator[str | None]:
+        """Holds the entry's lock while the body reads, compiles and writes; yields None, or where the lock could
+        not be had within `wait_s` (or at all) why not: the body then compiles without saving."""
         try:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as e:
-            log.info("minfer: the compile cache's lock %s cannot be opened (%s)", self.lock_path, e.strerror or e)
-            yield False
+            why = f"its lock {self.lock_path} cannot be opened ({e.strerror or e})"
+            log.info("minfer: the compile cache entry %s is not used: %s", self.path.name, why)
+            yield why
             return
         try:
             yield self._acquire(fd, wait_s)
         finally:
             os.close(fd)  # releases the lock
 
-    def _acquire(self, fd: int, wait_s: float) -> bool:
+    def _acquire(self, fd: int, wait_s: float) -> str | None:
+        """None once the lock is held, else why it is not."""
         deadline, waited = time.monotonic() + wait_s, False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 with contextlib.suppress(OSError):  # the entry is in use: the upkeep keeps it (cache_sweep.py)
                     os.utime(fd)
-                return True
+                return None
             except BlockingIOError:
                 if not waited:
                     log.info("minfer: another start is compiling %s; waiting for it", self.path.name)
                     waited = True
                 if time.monotonic() > deadline:
                     log.warning("minfer: waited %.0f s for another start's compile: compiling alone", wait_s)
-                    return False
+                    return f"another start held its lock past {wait_s:.0f} s"
                 time.sleep(0.1)
             except OSError as e:  # a filesystem without locks
                 log.info("minfer: the compile cache cannot lock %s (%s)", self.lock_path, e.strerror or e)
-                return False
+                return f"its lock {self.lock_path} cannot be taken ({e.strerror or e})"
 
     def read(self) -> bytes | None:
         """The entry's bytes; None where there is none yet. Raises OSError for a file that is there but

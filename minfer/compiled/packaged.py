@@ -199,7 +199,7 @@ def load_or_build(
         entry = CacheEntry(root, "whole-forward-package", key)
         paths = {kind: entry.path.with_name(f"{entry.path.stem}.{kind}") for kind in kinds}  # folders
         built, runners = [], {}
-        with entry.locked() as have_lock, inductor_cache_in(root / "inductor"), templates_compiled_once():
+        with entry.locked() as unlocked, inductor_cache_in(root / "inductor"), templates_compiled_once():
             for number, (kind, path) in enumerate(paths.items(), 1):
                 if path.exists():
                     try:
@@ -208,8 +208,8 @@ def load_or_build(
                         continue
                     except Exception as e:  # truncated, from another build, or stale: built again, then replaced
                         log.warning("minfer: the package %s cannot be loaded, building it again: %s", path.name, e)
-                if not have_lock:
-                    return None, None, "another start held the package's lock too long"
+                if unlocked is not None:  # built here, it could not be saved: compiled in memory instead
+                    return None, None, f"the package cannot be built into the cache: {unlocked}"
                 log.info("minfer: compiling the whole forward for %s into %s (package %d of %d, once) ...", kind,
                          path.name, number, len(paths))
                 began = time.perf_counter()
@@ -220,7 +220,7 @@ def load_or_build(
                 built.append(kind)
             runners["lone"].load_own_constants()
             if "batch" in runners:
-                _share(runners["lone"], runners["batch"], paths, may_drop=have_lock)
+                _share(runners["lone"], runners["batch"], paths, may_drop=unlocked is None)
     except Exception as e:  # an export the model refuses, a full disk, a package that does not load
         return None, None, failure_line(e)
     how = "compiled" if built else "loaded"

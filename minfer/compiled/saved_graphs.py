@@ -75,15 +75,15 @@ def warm_up_saved(
             why_not = warm_up()
         return why_not, _record(functions, start, not_saved=why_off)
     entry = CacheEntry(root, name, {"name": name, **common_parts(device), **parts})
-    with entry.locked() as have_lock, inductor_cache_in(root / "inductor"), _precompiling(functions), \
+    with entry.locked() as unlocked, inductor_cache_in(root / "inductor"), _precompiling(functions), \
             templates_compiled_once():
         _load(entry, functions)
         # Only a warm-up that torch.compiles for itself (no functions: the whole forward) is told traced or not.
         graphs_before = inductor_graph_counts()
         kernels_before = None if functions else built_kernels(root / "inductor")  # a large cache takes ms to walk
         why_not = warm_up()
-        not_saved = None if have_lock else "its lock was not to be had"
-        if why_not is None and have_lock and any(f.num_compiled for f in functions):
+        not_saved = unlocked
+        if why_not is None and unlocked is None and any(f.num_compiled for f in functions):
             not_saved = _save(entry, functions, time.perf_counter() - start)
         # torch.compile ran, found its graphs in Inductor's cache or lowered them again, and built no kernel:
         # the cache held every one. Graphs with frozen weights (--compile-model) bypass Inductor's graph cache.

@@ -23,7 +23,7 @@ import torch
 from engine_checks import GREEDY
 
 from minfer import LLM
-from minfer.compiled import artifacts, cache_sweep
+from minfer.compiled import artifacts, cache_sweep, packaged
 from minfer.compiled.cache_key import file_hashes, files_called
 from minfer.compiled.packaged import (
     BUILD_ID, SIZES, TRACED, _drop_own_weights, _usable, check_sizes, package_id, record_sizes,
@@ -483,8 +483,8 @@ def test_a_start_marks_its_entry_used_and_sweeps_the_cache_once(tmp_path, monkey
     assert "removed 1 compile cache entry unused for 30 days" in caplog.text
     entry = artifacts.CacheEntry(root, "toy", {"test": "marked"})
     an_entry(root / "entries", entry.path.stem, days_unused=45)
-    with entry.locked() as have_lock:
-        assert have_lock
+    with entry.locked() as unlocked:
+        assert unlocked is None
     assert time.time() - entry.lock_path.stat().st_mtime < DAY
     assert cache_sweep.sweep(root / "entries") == []  # marked used just now
     an_entry(root / "entries", "attention-" + "e" * 32, days_unused=45)
@@ -510,3 +510,21 @@ def test_a_second_engine_start_loads_its_compiled_graphs(tiny_checkpoint):
     eager = LLM(tiny_checkpoint, num_kv_blocks=64, attention_backend="eager")
     want = [o.token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+
+
+def test_a_lock_that_cannot_be_opened_is_the_reason_given_and_the_forward_compiles_in_memory(tmp_path, monkeypatch):
+    """An entry whose lock file cannot be opened (here a folder stands at its path; elsewhere a permission or
+    disk error) is not built into the cache: the reason given is the OSError's, not another start's lock."""
+    root = tmp_path / "cache"
+    (root / "entries").mkdir(parents=True, mode=0o700)
+    monkeypatch.setenv("MINFER_CACHE", str(root))
+
+    def entry_with_a_folder_for_its_lock(*args):
+        entry = artifacts.CacheEntry(*args)
+        entry.lock_path.mkdir()
+        return entry
+
+    monkeypatch.setattr(packaged, "CacheEntry", entry_with_a_folder_for_its_lock)
+    forward, record, why_not = packaged.load_or_build(torch.nn.Linear(2, 2), None, None, {"test": "lock"}, {})
+    assert forward is None and record is None  # the caller compiles the forward in memory instead
+    assert "lock" in why_not and os.strerror(errno.EISDIR) in why_not and "another start" not in why_not, why_not
