@@ -6,14 +6,13 @@ every later start loads them in seconds (compiled/packaged.py):
 - on a CPU with AMX, for fp32 and bf16 models and int8 and int4 (weight-only) ones: docs/performance.md
   ("By default on AMX") has the side-by-side figures, each faster at batch 1, and as fast or faster at 64
   requests and 16 streams;
-- on a CPU with AVX512-BF16 and no AMX (Zen 4, Zen 5), for bf16 models, unquantized or int4: 1.4-1.8x eager's
-  speed at batch 1 and as fast or faster at 64 requests and 16 streams, where its GEMMs autotune between
-  Inductor's templates and oneDNN ("AVX512-BF16 without AMX"). Measured on an AMX host with AMX taken away from
-  torch, oneDNN and Inductor (scripts/imitate_cpu.py); the Zen 5 VM measured before the packages had the compiled
-  forward slower than eager (12.0 against 9.3-10.1 ms/token);
-- for int8 models there, and on an AVX2-only CPU (fp32 activations) for int8 and int4 ones, a lone sequence's
-  decode alone (`lone_only`): compiled whole, int8 ran batch 1 1.3-1.6x faster but 64 requests 5-15% slower, so
-  batches and prefill stay eager, and only the lone decode's package is built (int4 on AVX2: batch 1 1.13-1.17x).
+- on a CPU with AVX512-BF16 and no AMX (Zen 4, Zen 5), for fp32 and bf16 models: on a real Zen 4, batch 1
+  1.2-1.3x (fp32) and 2.0-2.1x (bf16) eager's speed, 64 requests and 16 streams as fast (bf16) or as fast to 20%
+  faster (fp32), its GEMMs autotuned between Inductor's templates and oneDNN ("Zen 4: AVX512-BF16, no AMX");
+- for int8 and int4 models there, and on an AVX2-only CPU (fp32 activations), a lone sequence's decode alone
+  (`lone_only`): compiled whole, they ran batch 1 1.1-3x faster but 64 requests 5-18% slower (int8 on an
+  imitated Zen 4 and AVX2, int4 on a real Zen 4), so batches and prefill stay eager, and only the lone decode's
+  package is built.
 
 Elsewhere it stays off: other pairs were not measured faster without AMX; a small model (minfer-tiny, the
 tests' checkpoints) would spend its first start compiling what runs in milliseconds; fp16,
@@ -49,10 +48,10 @@ SHORT_OF_MEMORY = "building its packages takes about"  # how that reason opens: 
 # (dtype, weight quantization) pairs that compile by default, by what the CPU has
 COMPILED_ON_AMX = {(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "int8"), (torch.float32, "int8"),
                    (torch.bfloat16, "int4"), (torch.float32, "int4")}
-COMPILED_ON_AVX512_BF16 = {(torch.bfloat16, None), (torch.bfloat16, "int4")}
-# pairs whose batch package lost to eager there (int8: eager rounds batches to int8 or widens the weights, the
-# graph lowers every row count to the one-row kernel's GEMM): a lone sequence's decode alone compiles
-LONE_ONLY_ON_AVX512_BF16 = {(torch.bfloat16, "int8")}
+COMPILED_ON_AVX512_BF16 = {(torch.float32, None), (torch.bfloat16, None)}
+# pairs whose batch package lost to eager there (eager rounds batches to int8 or widens the weights, the graph
+# lowers every row count to the one-row kernel's GEMM): a lone sequence's decode alone compiles
+LONE_ONLY_ON_AVX512_BF16 = {(torch.bfloat16, "int8"), (torch.bfloat16, "int4")}
 LONE_ONLY_ON_AVX2 = {(torch.float32, "int8"), (torch.float32, "int4")}
 
 
