@@ -7,7 +7,7 @@ every later start loads them in seconds (compiled/packaged.py):
   ("By default on AMX") has the side-by-side figures, each faster at batch 1, and as fast or faster at 64
   requests and 16 streams;
 - on a CPU with AVX512-BF16 and no AMX (Zen 4, Zen 5), for fp32 and bf16 models: on a real Zen 4, batch 1
-  1.2-1.3x (fp32) and 2.0-2.1x (bf16) eager's speed, 64 requests and 16 streams as fast (bf16) or as fast to 20%
+  1.2-1.3x (fp32) and 2.0-2.4x (bf16) eager's speed, 64 requests and 16 streams as fast (bf16) or as fast to 20%
   faster (fp32), its GEMMs autotuned between Inductor's templates and oneDNN ("Zen 4: AVX512-BF16, no AMX");
 - for int8 and int4 models there, and on an AVX2-only CPU (fp32 activations), a lone sequence's decode alone
   (`lone_only`): compiled whole, they ran batch 1 1.1-3x faster but 64 requests 5-18% slower (int8 on an
