@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from minfer.models.config import GPT2Config
+from minfer.models.llama_config import SIZES
 from minfer.models.registry import read_config
 
 transformers = pytest.importorskip("transformers")
@@ -42,18 +43,7 @@ GPT2_KEYS = [
     "reorder_and_upcast_attn",
     "add_cross_attention",
 ]
-LLAMA_FACTS = [
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "max_position_embeddings",
-    "rms_norm_eps",
-    "tie_word_embeddings",
-]
+LLAMA_FACTS = [*SIZES, "rms_norm_eps", "tie_word_embeddings"]
 GPT2_FACTS = ["vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "layer_norm_epsilon",
               "activation_function", "tie_word_embeddings"]
 # Qwen3Config's 32 key/value heads where config.json gives none need more than the tiny model's 4 query heads.

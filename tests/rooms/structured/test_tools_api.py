@@ -6,6 +6,7 @@ one; every bad input is a 400 naming its field."""
 
 import http.client
 import json
+from functools import partial
 
 import jsonschema
 import openai
@@ -216,18 +217,19 @@ def test_a_pydantic_tool_with_defs_is_enforced_and_parses(client, server, choice
     wait_all_free(server)
 
 
+def a_call_is_taken(server, params, name: str, arguments) -> bool:
+    """Whether the reply's grammar (`params`) takes one call of `name` with these arguments, whole."""
+    info, fmt = server.info, format_of(server.info.chat_template)
+    body = json.dumps({"name": name, fmt.arguments: arguments})
+    matcher = Grammars(info.tokenizer, info.tokenizer.vocab_size).matcher(params.structured_outputs)
+    text = f"{fmt.open}\n{body}\n{fmt.close}" if fmt.open else body
+    return matcher.consume_tokens(info.tokenizer.encode(text)) and matcher.is_accepting()
+
+
 def test_a_strict_tools_defs_hold_an_auto_replys_calls(server):
     """Under "auto" the pydantic tool is strict: its calls are held to its parameters, $defs and all."""
-    info, fmt = server.info, format_of(server.info.chat_template)
-    params = parse_chat({"messages": ASK, "tools": [openai.pydantic_function_tool(Trip)]}, info).params
-    grammars = Grammars(info.tokenizer, info.tokenizer.vocab_size)
-
-    def takes(arguments):
-        body = json.dumps({"name": "Trip", fmt.arguments: arguments})
-        matcher = grammars.matcher(params.structured_outputs)
-        text = f"{fmt.open}\n{body}\n{fmt.close}" if fmt.open else body
-        return matcher.consume_tokens(info.tokenizer.encode(text)) and matcher.is_accepting()
-
+    params = parse_chat({"messages": ASK, "tools": [openai.pydantic_function_tool(Trip)]}, server.info).params
+    takes = partial(a_call_is_taken, server, params, "Trip")
     assert takes({"to": {"name": "Rome"}, "days": 3})
     assert not takes({"to": {"name": "Rome", "x": 1}, "days": 3}) and not takes({"to": {"name": "Barcelona"}, "days": 3})
 
@@ -237,17 +239,9 @@ def test_parameters_without_a_type_are_still_an_object(server, parameters):
     """A tool's parameters describe its arguments, which OpenAI's calls always hold as an object: parameters
     that leave out `"type": "object"` (as a bare {} does) hold an enforced call's arguments to an object
     still, never a number or a string that no client could read as arguments."""
-    info, fmt = server.info, format_of(server.info.chat_template)
     tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
-    params = parse_chat({"messages": ASK, "tools": tools, "tool_choice": "required"}, info).params
-    grammars = Grammars(info.tokenizer, info.tokenizer.vocab_size)
-
-    def takes(arguments):
-        body = json.dumps({"name": "f", fmt.arguments: arguments})
-        matcher = grammars.matcher(params.structured_outputs)
-        text = f"{fmt.open}\n{body}\n{fmt.close}" if fmt.open else body
-        return matcher.consume_tokens(info.tokenizer.encode(text)) and matcher.is_accepting()
-
+    params = parse_chat({"messages": ASK, "tools": tools, "tool_choice": "required"}, server.info).params
+    takes = partial(a_call_is_taken, server, params, "f")
     assert takes({"a": 1})
     assert not any(map(takes, [1, "a", None, True, [1]]))
 
