@@ -58,7 +58,7 @@ def open_cache() -> tuple[Path | None, str | None]:
     root = cache_root()
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        why_unsafe = unsafe(root)
+        why_unsafe = unsafe(root) or unsafe_above(root)
         if why_unsafe:
             return None, f"{root} {why_unsafe}"
         for sub in ("entries", "inductor"):
@@ -87,7 +87,7 @@ def check_inductors_own() -> None:
     directory = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        why_unsafe = unsafe(directory)
+        why_unsafe = unsafe(directory) or unsafe_above(directory)
     except OSError as e:
         why_unsafe = f"cannot be used ({e.strerror or e})"
     if why_unsafe:
@@ -105,6 +105,19 @@ def unsafe(path: Path) -> str | None:
         return f"belongs to another user (uid {info.st_uid})"
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def unsafe_above(path: Path) -> str | None:
+    """Why a folder above `path` would let another user swap `path` for a folder of theirs, or None: each must
+    be this user's or root's, and writable by no one else unless sticky (as /tmp is: there others cannot rename
+    what is not theirs)."""
+    for folder in path.resolve().parents:
+        info = folder.stat()
+        if info.st_uid not in (0, os.getuid()):
+            return f"lies in {folder}, which belongs to another user (uid {info.st_uid})"
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+            return f"lies in {folder}, which other users can write (mode {stat.S_IMODE(info.st_mode):o})"
     return None
 
 

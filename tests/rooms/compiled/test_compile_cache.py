@@ -380,6 +380,18 @@ def test_a_directory_others_can_write_is_refused(tmp_path, monkeypatch):
     assert "writable by other users" in why and not wrote
 
 
+def test_a_directory_inside_one_others_can_write_is_refused(tmp_path, monkeypatch):
+    """Others who can write a folder above the cache can rename the cache away and put theirs in its place: refused,
+    unless that folder is sticky (as /tmp is), where only its owner may rename what is in it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    why, wrote = unused(tmp_path, monkeypatch, shared / "mine")
+    assert f"lies in {shared}, which other users can write" in why and not wrote
+    shared.chmod(0o1777)
+    assert unused(tmp_path, monkeypatch, shared / "mine")[0] is None
+
+
 def scaled_difference(x, y):
     return (x * 3 - y).amax(0)
 
@@ -412,6 +424,9 @@ def test_a_directory_of_another_user_is_refused(tmp_path, monkeypatch):
     os.chown(theirs, 65534, -1)
     why, wrote = unused(tmp_path, monkeypatch, theirs)
     assert "belongs to another user" in why and not wrote
+    theirs.chmod(0o755)
+    why, wrote = unused(tmp_path, monkeypatch, theirs / "mine")  # a folder of ours in theirs: they can swap it
+    assert f"lies in {theirs}, which belongs to another user" in why and not wrote
 
 
 def test_an_unwritable_directory_compiles_in_memory(tmp_path, monkeypatch):
