@@ -1,6 +1,7 @@
 """bench.py --base-url against a server that fails some requests: each one is counted as failed, with its
-reason, and the run still reports the rest; one that ends before its length is counted and said. The server here is a stand-in that answers the k-th completion
-request in the k-th way below (--max-concurrency 1 keeps them in order)."""
+reason, and the run still reports the rest; one that ends before its length is counted and said. The server
+here is a stand-in that answers the k-th completion request in the k-th way below (--max-concurrency 1 keeps
+them in order)."""
 
 import json
 import socket
@@ -71,7 +72,8 @@ def stand_in_server():
 
 
 def test_every_failed_request_is_counted_with_its_reason(stand_in_server, tmp_path, capsys):
-    argv = ["--base-url", stand_in_server(REPLIES.values()), *bench_flags(len(REPLIES)), "--json", str(tmp_path / "b.json")]
+    argv = ["--base-url", stand_in_server(REPLIES.values()), *bench_flags(len(REPLIES)),
+            "--json", str(tmp_path / "b.json")]
     assert bench.main(argv) == 0
     out, err = capsys.readouterr()
     report = json.loads((tmp_path / "b.json").read_text())
@@ -95,7 +97,8 @@ def test_a_request_cut_short_is_counted_and_said(stand_in_server, tmp_path, caps
     workload than the header says: its figures count the tokens it did generate, and the run says how many fell
     short."""
     stop = 'data: {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}\n\n'
-    cut = (200, TEXT * 2 + stop + USAGE.replace('"completion_tokens": 3', '"completion_tokens": 2') + "data: [DONE]\n\n")
+    short_usage = USAGE.replace('"completion_tokens": 3', '"completion_tokens": 2')
+    cut = (200, TEXT * 2 + stop + short_usage + "data: [DONE]\n\n")
     url = stand_in_server([REPLIES["served"], cut, REPLIES["served"]])
     assert bench.main(["--base-url", url, *bench_flags(3), "--json", str(tmp_path / "b.json")]) == 0
     out, err = capsys.readouterr()

@@ -231,7 +231,8 @@ def test_a_strict_tools_defs_hold_an_auto_replys_calls(server):
     params = parse_chat({"messages": ASK, "tools": [openai.pydantic_function_tool(Trip)]}, server.info).params
     takes = partial(a_call_is_taken, server, params, "Trip")
     assert takes({"to": {"name": "Rome"}, "days": 3})
-    assert not takes({"to": {"name": "Rome", "x": 1}, "days": 3}) and not takes({"to": {"name": "Barcelona"}, "days": 3})
+    assert not takes({"to": {"name": "Rome", "x": 1}, "days": 3})
+    assert not takes({"to": {"name": "Barcelona"}, "days": 3})
 
 
 @pytest.mark.parametrize("parameters", [{}, {"properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}}])
