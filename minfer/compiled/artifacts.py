@@ -19,12 +19,14 @@ entry safely. What goes in an entry, and when, is saved_graphs.py's business; th
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import hashlib
 import json
 import logging
 import os
+import shutil
 import stat
 import tempfile
 import time
@@ -81,7 +83,7 @@ def check_inductors_own() -> None:
     """Inductor's own cache directory is where every compile outside a warm-up writes and loads its kernels (a
     recompile mid-serve; every compile with this cache off or refused): /tmp/torchinductor_<user> by default,
     which another user may have made first. Where it is not safe (`unsafe`), this process compiles into a new
-    directory of its own instead, with one log line."""
+    directory of its own instead, with one log line, and removes it at exit."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     directory = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
@@ -92,6 +94,7 @@ def check_inductors_own() -> None:
         why_unsafe = f"cannot be used ({e.strerror or e})"
     if why_unsafe:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = private = tempfile.mkdtemp(prefix="minfer-inductor-")  # 0700
+        atexit.register(shutil.rmtree, private, ignore_errors=True)  # this process's alone: gone with it
         log.warning("minfer: Inductor's cache %s %s: this process compiles into %s", directory, why_unsafe, private)
 
 

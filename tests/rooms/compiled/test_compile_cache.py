@@ -416,6 +416,20 @@ def test_inductors_own_directory_others_can_write_is_not_compiled_into(tmp_path,
     shutil.rmtree(ours)
 
 
+def test_a_private_inductor_directory_is_removed_at_exit(tmp_path):
+    """The directory a process compiles into, Inductor's own being unsafe, is that process's alone: it goes at exit."""
+    theirs = tmp_path / "torchinductor_theirs"
+    theirs.mkdir()
+    theirs.chmod(0o777)
+    code = ("import os; from minfer.compiled.artifacts import check_inductors_own; check_inductors_own(); "
+            "d = os.environ['TORCHINDUCTOR_CACHE_DIR']; open(os.path.join(d, 'kernel.so'), 'w').close(); print(d)")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(theirs)}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    private = Path(run.stdout.strip())
+    assert private != theirs and private.name.startswith("minfer-inductor-") and not private.exists()
+
+
 def test_a_directory_of_another_user_is_refused(tmp_path, monkeypatch):
     if os.getuid() != 0:
         pytest.skip("giving a directory to another user takes root")
