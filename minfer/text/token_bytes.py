@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from functools import lru_cache
 
 import tokenizers
@@ -72,6 +73,7 @@ def token_bytes_table(backend: tokenizers.Tokenizer) -> list[bytes]:
     kinds = {step["type"] for step in steps}
     special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
     table = [b""] * backend.get_vocab_size(with_added_tokens=True)
+    inner_bytes = inner_spelling(backend.decoder)
     for token, i in backend.get_vocab(with_added_tokens=True).items():
         if not 0 <= i < len(table) or i in special:
             continue
@@ -80,22 +82,26 @@ def token_bytes_table(backend: tokenizers.Tokenizer) -> list[bytes]:
         elif steps and kinds <= PER_TOKEN_STEPS:
             table[i] = sentencepiece_bytes(token, steps)
         else:
-            table[i] = inner_bytes(backend.decoder, token)
+            table[i] = inner_bytes(token)
     return table
 
 
-def inner_bytes(decoder: tokenizers.decoders.Decoder | None, token: str) -> bytes:
-    """The bytes a token adds inside a text: what the decoder makes of it between an `a` and a `b` (a text's
+def inner_spelling(decoder: tokenizers.decoders.Decoder | None) -> Callable[[str], bytes]:
+    """token -> the bytes it adds inside a text: what the decoder makes of it between an `a` and a `b` (a text's
     first and last tokens may be spelt otherwise: WordPiece puts no space before the first, BPEDecoder none
     after the last). Without a decoder, decode() joins tokens with spaces."""
     if decoder is None:
-        return f" {token}".encode("utf-8")
-    before = decoder.decode(["a"])
+        return lambda token: f" {token}".encode("utf-8")
+    before = decoder.decode(["a"])  # the frame around the token, the same for every one
     after = decoder.decode(["a", "b"])[len(before) :]
-    text = decoder.decode(["a", token, "b"])
-    if text.startswith(before) and text.endswith(after) and len(text) >= len(before) + len(after):
-        return text[len(before) : len(text) - len(after)].encode("utf-8")
-    return decoder.decode([token]).encode("utf-8")  # a decoder that reads tokens together: the token alone
+
+    def spelt(token: str) -> bytes:
+        text = decoder.decode(["a", token, "b"])
+        if text.startswith(before) and text.endswith(after) and len(text) >= len(before) + len(after):
+            return text[len(before) : len(text) - len(after)].encode("utf-8")
+        return decoder.decode([token]).encode("utf-8")  # a decoder that reads tokens together: the token alone
+
+    return spelt
 
 
 def byte_level_bytes(token: str) -> bytes:
