@@ -66,8 +66,9 @@ class LogprobFormatter:
                 continue
             out["token_logprobs"].append(_finite(entry.logprob))
             top: dict[str, float] = {}
-            for t, lp in (*entry.top, (token_id, entry.logprob)):  # likeliest first: a shared string keeps the first
+            for t, lp in entry.top:  # likeliest first: tokens that read the same string keep the likeliest's
                 top.setdefault(self.token_text(t), _finite(lp))
+            top.setdefault(text, _finite(entry.logprob))
             out["top_logprobs"].append(top)
         return out
 
