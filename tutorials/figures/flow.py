@@ -128,9 +128,9 @@ def thread_flow(out) -> None:
     add_request, step, has_unfinished = sched.add_request, sched.step, sched.has_unfinished
     sleeping = [False]
 
-    def recorded_add(checked, request_id=None):
-        note(f"add_request({request_id})")
-        return add_request(checked, request_id=request_id)
+    def recorded_add(checked, **fields):
+        note(f"add_request({fields.get('request_id')})")
+        return add_request(checked, **fields)
 
     def recorded_step():
         sampled = step()
@@ -151,14 +151,25 @@ def thread_flow(out) -> None:
     second_may_go = threading.Event()
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 
+    failures = []  # what went wrong on a client thread: the figure is not drawn from a run that failed
+
     def client(index: int, prompt: str) -> None:
+        try:
+            read_one_request(index, prompt)
+        except Exception as e:
+            failures.append(f"{threading.current_thread().name}: {e!r}")
+            second_may_go.set()
+
+    def read_one_request(index: int, prompt: str) -> None:
         if index:
             second_may_go.wait(30)  # the second arrives while the first runs: it joins the batch
         handle = manager.submit(manager.check(tokenizer.encode(prompt), params))
         note(f"submit(): request {handle.request_id} to the inbox, wake.set()", to="minfer-engine")
         while True:
             event = handle.next_event(timeout=30)
-            worker_said = {Accepted: "Accepted", CompletionDelta: "CompletionDelta", Done: "Done"}[type(event)]
+            if not isinstance(event, (Accepted, CompletionDelta, Done)):
+                raise RuntimeError(f"the worker answered {event!r}")
+            worker_said = type(event).__name__
             note(f"reads {worker_said}", thread=threading.current_thread().name)
             if isinstance(event, CompletionDelta) and not index:
                 second_may_go.set()
@@ -175,6 +186,8 @@ def thread_flow(out) -> None:
         t.join()
     time.sleep(0.05)  # let the worker reach its wait() and say so
     manager.shutdown()
+    if failures:
+        raise SystemExit(f"figure 11: a client's request failed: {'; '.join(failures)}")
     lanes = ["client-0", "client-1", "minfer-engine"]
     log = [entry for entry in sorted(log) if entry[1] in lanes]
 
