@@ -13,6 +13,7 @@ import torch._dynamo
 from engine_checks import generate_varied_batches
 
 from minfer import LLM, EngineConfig, SamplingParams
+from minfer.assembly import compile_choice
 from minfer.compiled import packaged
 from minfer.compiled import step as compiled_step
 from minfer.cpu import linears as cpu_linears
@@ -313,14 +314,17 @@ def test_refused_where_it_cannot_apply(settings, message):
         EngineConfig(model="minfer-tiny", **settings)
 
 
-def test_llama_with_int4_weights_is_packaged(make_checkpoint, tmp_path, monkeypatch):
-    """torch 2.13's C++ codegen asserts on a fused buffer ("buf22") for Llama with int4 weights; the package is
-    built again without epilogue fusion (packaged.py's `_built`, which logs it), and the step serves through it.
-    Each build runs with glibc returning what it frees (malloc.py): its copies of the weights do not stay, and
-    no graph of the build keeps any (packaged.py's `_forget_export_trace`)."""
+LONE_INT4 = dict(quantization="int4", num_kv_blocks=40, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def lone_int4_llama(make_checkpoint, tmp_path_factory):
+    """Llama with int4 weights, --compile-model on a CPU with AVX2 alone, whose lone decode alone is packaged
+    (assembly/compile_choice.py), built once for the tests below (a minute) in a cache of their own: the LLM, the
+    glibc mmap threshold each build of a package ran with, the last one set, and the frozen graph modules alive
+    after the start."""
     if not int4_kernel_available():
         pytest.skip("this torch has no CPU int4 kernel")
-    monkeypatch.setenv("MINFER_CACHE", str(tmp_path))
     mmap_threshold, thresholds_in_builds = [None], []
     mallopt = malloc.glibc_mallopt()
 
@@ -334,40 +338,46 @@ def test_llama_with_int4_weights_is_packaged(make_checkpoint, tmp_path, monkeypa
         return plain_build(*args)
 
     plain_build = packaged._build
-    monkeypatch.setattr(malloc, "glibc_mallopt", lambda: recorded_mallopt)
-    monkeypatch.setattr(packaged, "_build", build)
-    llm = LLM(make_checkpoint("llama-tiny"), compile_model=True, quantization="int4", num_kv_blocks=32)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MINFER_CACHE", str(tmp_path_factory.mktemp("lone-int4-cache")))
+        patch.setattr(compile_choice, "cpu_has_amx", lambda: False)
+        patch.setattr(compile_choice, "cpu_has_native_bf16", lambda: False)  # AVX2 alone: fp32 activations
+        patch.setattr(malloc, "glibc_mallopt", lambda: recorded_mallopt)
+        patch.setattr(packaged, "_build", build)
+        llm = LLM(make_checkpoint("llama-tiny"), compile_model=True, **LONE_INT4)
+        modules = [m for m in gc.get_objects() if isinstance(m, torch.nn.Module)]
+        frozen = [m for m in modules if any(name.startswith("_frozen_param") for name in m._buffers)]
+    return llm, thresholds_in_builds, mmap_threshold[0], frozen
+
+
+def test_llama_with_int4_weights_is_packaged(lone_int4_llama):
+    """torch 2.13's C++ codegen asserts on a fused buffer ("buf22") for Llama with int4 weights; the package is
+    built again without epilogue fusion (packaged.py's `_built`, which logs it), and the step serves through it.
+    Each build runs with glibc returning what it frees (malloc.py): its copies of the weights do not stay, and
+    no graph of the build keeps any (packaged.py's `_forget_export_trace`)."""
+    llm, thresholds_in_builds, last_threshold, frozen = lone_int4_llama
     step = graph_of(llm)
     assert step.off_because is None and step.packaged is not None and step.compile_record.how == "compiled"
     assert len(thresholds_in_builds) >= 2 and set(thresholds_in_builds) == {malloc.WHILE_LOADING}
-    assert mmap_threshold[0] == malloc.AFTER_LOADING  # and steps reuse the heap after
+    assert last_threshold == malloc.AFTER_LOADING  # and steps reuse the heap after
     # nor does the exported graph, whose module holds frozen copies of the weights: freed by the build itself
-    modules = [m for m in gc.get_objects() if isinstance(m, torch.nn.Module)]
-    frozen = [m for m in modules if any(name.startswith("_frozen_param") for name in m._buffers)]
     assert not frozen, [type(m).__name__ for m in frozen]
-    got = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    assert step.off_because is None and step.num_whole_steps == 6  # the prompt (batch graph), 5 decodes (lone)
-    assert len(got[0].token_ids) == 6
 
 
-def test_int8_without_amx_packages_the_lone_decode_alone(tiny_checkpoint, tmp_path, monkeypatch):
-    """Where int8's batch package lost to eager (AVX512-BF16 or AVX2 without AMX: assembly/compile_choice.py), only a
-    lone sequence's decode is packaged and compiled; batches and prefill run eager, and serve what eager serves."""
-    from minfer.assembly import compile_choice
-
-    monkeypatch.setenv("MINFER_CACHE", str(tmp_path))
-    monkeypatch.setattr(compile_choice, "cpu_has_amx", lambda: False)
-    monkeypatch.setattr(compile_choice, "cpu_has_native_bf16", lambda: False)  # AVX2 alone: fp32 activations
-    settings = dict(quantization="int8", num_kv_blocks=40, max_num_seqs=4)
-    llm = LLM(tiny_checkpoint, compile_model=True, **settings)
+def test_without_amx_quantized_weights_package_the_lone_decode_alone(lone_int4_llama, make_checkpoint):
+    """Where a quantized model's batch package lost to eager (int8 and int4 on AVX512-BF16 or AVX2 without AMX:
+    assembly/compile_choice.py), only a lone sequence's decode is packaged and compiled; batches and prefill run
+    eager, and serve what eager serves."""
+    llm = lone_int4_llama[0]
     step = graph_of(llm)
     assert step.lone_only and step.off_because is None and step.packaged is not None and step.packaged.batch is None
     entry = step.compile_record.path
     assert {p.suffix for p in entry.parent.glob(entry.stem + ".*") if p.is_dir()} == {".lone"}
+    whole, eager_steps = step.num_whole_steps, step.num_eager_steps
     alone = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
-    assert step.num_whole_steps == GREEDY.max_tokens - 1  # every decode; the prompt ran eager
+    assert step.num_whole_steps - whole == GREEDY.max_tokens - 1  # every decode; the prompt ran eager
     whole, eager_steps = step.num_whole_steps, step.num_eager_steps
     batch = llm.generate([[5, 6, 7], [9, 10, 11, 12]], GREEDY, use_tqdm=False)
     assert step.num_whole_steps == whole and step.num_eager_steps > eager_steps  # batches eager
-    eager = LLM(tiny_checkpoint, compile_model=False, **settings)
+    eager = LLM(make_checkpoint("llama-tiny"), compile_model=False, **LONE_INT4)
     assert batch[0].token_ids == alone.token_ids == eager.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
