@@ -92,6 +92,9 @@ class AttentionBackend(Protocol):
         """With captures_in_graphs: an all-decode step's metadata from static buffers, by device ops alone."""
         raise NotImplementedError(f"the {self.name} backend builds no metadata inside a CUDA graph")
 
-    def traced_lone_decode(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """With lone_decode_in_graph: a lone sequence's decode as plain torch, for a graph to trace."""
+    def traced_lone_decode(
+        self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, cache_is_input: bool = False
+    ) -> torch.Tensor:
+        """With lone_decode_in_graph: a lone sequence's decode as plain torch, for a graph to trace.
+        `cache_is_input`: the layer's cache is an input of the graph, not a view of the whole cache."""
         raise NotImplementedError(f"the {self.name} backend has no traced lone decode")

@@ -188,11 +188,14 @@ class CompiledBackend(CPUTiledBackend):
                 q = q.clone(memory_format=torch.contiguous_format)
             return self.decode_kernel(q, kv_cache, group.tables, group.lens, scale, self.block_size)
 
-    def traced_lone_decode(self, q, k, v, kv_cache, meta, scale: float) -> torch.Tensor:
+    def traced_lone_decode(self, q, k, v, kv_cache, meta, scale: float, cache_is_input: bool = False) -> torch.Tensor:
         """A lone sequence's decode step, traced into the whole-forward graph (`lone_decode_in_graph`): the
         K/V write, then paged_decode_attention, which Inductor fuses with the ops around it."""
         slots, tables, lens = lone_decode_tensors(meta)
-        torch.ops.minfer.store_kv(kv_cache, slots, k, v, self.block_size)
+        if cache_is_input:  # a package's graph (packaged.py): the write is traced in and fused too
+            store_kv_without_views(kv_cache, slots, k, v, self.block_size)
+        else:  # a layer of the whole cache (compiled in memory): the op writes it in place
+            torch.ops.minfer.store_kv(kv_cache, slots, k, v, self.block_size)
         return paged_decode_attention(q, kv_cache, tables, lens, scale, self.block_size)  # (1, H, D)
 
     def write_kv(self, kv_cache, slots, k, v) -> None:
@@ -326,9 +329,26 @@ def store_kv(kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: to
     kv_cache[:, 1].view(-1, Hkv, B, D)[blocks, :, offsets] = v
 
 
-# store_kv as an op, its mutation declared (the "!"), for a compiled graph: there it writes the cache in
-# place, where plain indexing made the compiler keep the graph functional by copying each layer's whole
-# cache. Registered directly, not with torch.library.custom_op, whose wrapper cost 19 us a call against 9.
+def store_kv_without_views(kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           block_size: int) -> None:
+    """store_kv as one index_put_ into kv_cache itself, through no view of it: where kv_cache is a graph's
+    input, the compiler writes it in place, fused with the ops around it (written through a view, a graph's
+    functional form would copy the whole cache)."""
+    B, (N, Hkv, D) = block_size, k.shape
+    blocks, offsets = slots // B, slots % B  # (N,)
+    d = torch.arange(D, device=k.device)
+    # a key's column d * B + offset of its block's (D, B) keys; a value's row offset, at offset * D + d
+    columns = torch.stack((d * B + offsets[:, None], offsets[:, None] * D + d), 1)  # (N, 2, D)
+    halves = torch.arange(2, device=k.device).view(1, 2, 1, 1)
+    heads = torch.arange(Hkv, device=k.device).view(1, 1, Hkv, 1)
+    index = (blocks.view(N, 1, 1, 1), halves, heads, columns.view(N, 2, 1, D))  # broadcast to (N, 2, Hkv, D)
+    kv_cache.index_put_(index, torch.stack((k, v), 1))  # (N, 2, Hkv, D)
+
+
+# store_kv as an op, its mutation declared (the "!"), for a graph compiled in memory, whose layers' caches are
+# views of one input: there it writes the cache in place, where plain indexing made the compiler keep the graph
+# functional by copying each layer's whole cache. Registered directly, not with torch.library.custom_op, whose
+# wrapper cost 19 us a call against 9.
 _ops = torch.library.Library("minfer", "FRAGMENT")
 _ops.define("store_kv(Tensor(a!) kv_cache, Tensor slots, Tensor k, Tensor v, int block_size) -> ()")
 _ops.impl("store_kv", store_kv, "CompositeExplicitAutograd")

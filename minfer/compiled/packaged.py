@@ -282,8 +282,12 @@ def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, 
     length) and package it."""
     meta = replace(batch.attention, backend=opaque)
     if lone and opaque.backend.lone_decode_in_graph:
-        on_tensors = _LoneOnTensors(model, meta)
-        args = _lone_inputs(rows.input_ids, batch)
+        # each layer's cache an input of its own, not a view of one, which traced_lone_decode writes in the graph
+        traced = OpaqueAttention(opaque.backend, caches_are_inputs=True)
+        on_tensors = _LoneOnTensors(model, replace(meta, backend=traced))
+        input_ids, positions, layers, *rest = _lone_inputs(rows.input_ids, batch)
+        # export reads only their shapes: empty ones take no memory
+        args = (input_ids, positions, [torch.empty_like(layer) for layer in layers], *rest)
         blocks = {0: torch.export.Dim("blocks_in_cache")}  # the cache's size follows the memory: not part of it
         per_layer = [blocks] * batch.kv_cache.kv.shape[0]
         shapes = (None, None, per_layer, None, None, {1: torch.export.Dim("blocks", min=2)}, None)

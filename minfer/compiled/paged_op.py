@@ -26,13 +26,14 @@ _step = threading.local()
 class OpaqueAttention(AttentionBackend):
     """The backend a compiled step's graph sees: the real one (`backend`) behind one opaque op."""
 
-    def __init__(self, backend: AttentionBackend):
+    def __init__(self, backend: AttentionBackend, caches_are_inputs: bool = False):
         self.backend = backend
         self.name = backend.name
+        self.caches_are_inputs = caches_are_inputs  # each layer's cache an input of the graph (packaged.py)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if q.shape[0] == 1 and self.backend.lone_decode_in_graph:
-            return self.backend.traced_lone_decode(q, k, v, kv_cache, meta, scale)  # traced into the graph
+        if q.shape[0] == 1 and self.backend.lone_decode_in_graph:  # traced into the graph
+            return self.backend.traced_lone_decode(q, k, v, kv_cache, meta, scale, self.caches_are_inputs)
         return torch.ops.minfer.paged_attention(q, k, v, kv_cache, scale)  # (N, H, D)
 
     def behind(self, paged: PagedBatch) -> PagedBatch:

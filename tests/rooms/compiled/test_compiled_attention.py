@@ -16,7 +16,7 @@ from minfer.cpu import tiled_attention as cpu_tiled
 from minfer.compiled.attention import CompiledBackend, paged_decode_attention
 from minfer.cpu.tiled_attention import CPUTiledBackend
 from minfer.attention.kv_cache import KVCache, slot_of
-from minfer.compiled.attention import BlockedKVCache, slots_to_blocks
+from minfer.compiled.attention import BlockedKVCache, slots_to_blocks, store_kv_without_views
 from minfer.attention.backend import StepLayout
 from minfer.assembly import prepare
 from minfer.models.registry import load_model
@@ -79,7 +79,8 @@ def test_the_plain_function_is_attention():
 @pytest.mark.parametrize("amx", [False, True])  # prefill context for matmuls, or for sdpa (keys in rows)
 def test_the_block_layout_stores_and_reads_what_the_slot_layout_does(monkeypatch, Hkv, D, B, amx):
     """KV writes, prefill context reads and copy-on-write, in blocks (transposed keys) and in rows of
-    slots: the same keys and values come back."""
+    slots: the same keys and values come back. A package's graph writes with store_kv_without_views, into a
+    layer's cache of its own: the same again."""
     monkeypatch.setattr(cpu_tiled, "cpu_has_amx", lambda: amx)
     config = SimpleNamespace(num_layers=2, num_kv_heads=Hkv, head_dim=D, max_positions=64)
     rows, blocks = KVCache(config, 6, B, "cpu", torch.float32), BlockedKVCache(config, 6, B, "cpu", torch.float32)
@@ -93,6 +94,9 @@ def test_the_block_layout_stores_and_reads_what_the_slot_layout_does(monkeypatch
         k, v = torch.randn(2, 6 * B, Hkv, D, generator=g)
         eager.write_kv(rows.kv[layer], slots, k, v)
         compiled.write_kv(blocks.kv[layer], slots, k, v)
+        own = torch.zeros_like(blocks.kv[layer])  # not a view: as a package's graph has a layer's cache
+        store_kv_without_views(own, slots, k, v, B)
+        torch.testing.assert_close(own[:6], blocks.kv[layer, :6], rtol=0, atol=0)
     torch.testing.assert_close(slots_to_blocks(rows.kv, B), blocks.kv, rtol=0, atol=0)
     context = torch.tensor([slot_of([4, 1, 3], p, B) for p in range(2 * B + 1)])  # a sequence's blocks 4, 1, 3
     for got, want in zip(compiled.chunk_context(blocks.kv[1], context), eager.chunk_context(rows.kv[1], context)):
