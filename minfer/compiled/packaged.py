@@ -280,11 +280,10 @@ def _built(model, opaque: OpaqueAttention, example: tuple, lone: bool, path: Pat
 def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, path: Path, options: dict) -> None:
     """Export the step of `rows` (dynamic in its token and sampled-row counts, or a lone decode's context
     length) and package it."""
-    meta = replace(batch.attention, backend=opaque)
     if lone and opaque.backend.lone_decode_in_graph:
         # each layer's cache an input of its own, not a view of one, which traced_lone_decode writes in the graph
         traced = OpaqueAttention(opaque.backend, caches_are_inputs=True)
-        on_tensors = _LoneOnTensors(model, replace(meta, backend=traced))
+        on_tensors = _LoneOnTensors(model, replace(batch.attention, backend=traced))
         input_ids, positions, layers, *rest = _lone_inputs(rows.input_ids, batch)
         # export reads only their shapes: empty ones take no memory
         args = (input_ids, positions, [torch.empty_like(layer) for layer in layers], *rest)
@@ -292,7 +291,7 @@ def _build(model, opaque: OpaqueAttention, rows, batch: PagedBatch, lone: bool, 
         per_layer = [blocks] * batch.kv_cache.kv.shape[0]
         shapes = (None, None, per_layer, None, None, {1: torch.export.Dim("blocks", min=2)}, None)
     else:
-        on_tensors = _OnTensors(model, meta)
+        on_tensors = _OnTensors(model, replace(batch.attention, backend=opaque))
         args = (rows.input_ids, rows.positions, batch.kv_cache.kv, rows.sample_rows)
         slots = {1: torch.export.Dim("slots")}  # as above
         tokens, sampled = torch.export.Dim("tokens", min=2), torch.export.Dim("sampled", min=2)

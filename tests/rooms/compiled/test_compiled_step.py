@@ -373,7 +373,7 @@ def test_without_amx_quantized_weights_package_the_lone_decode_alone(lone_int4_l
     assert step.lone_only and step.off_because is None and step.packaged is not None and step.packaged.batch is None
     entry = step.compile_record.path
     assert {p.suffix for p in entry.parent.glob(entry.stem + ".*") if p.is_dir()} == {".lone"}
-    whole, eager_steps = step.num_whole_steps, step.num_eager_steps
+    whole = step.num_whole_steps
     alone = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
     assert step.num_whole_steps - whole == GREEDY.max_tokens - 1  # every decode; the prompt ran eager
     whole, eager_steps = step.num_whole_steps, step.num_eager_steps
