@@ -20,6 +20,7 @@ from ..compiled import cuda_graphs
 from ..compiled.forward import CompiledForward
 from ..compiled.step import CompiledDecodeStep
 from ..cpu.features import cpu_has_native_bf16, cpu_has_native_fp16
+from ..cpu.huge_pages import in_huge_pages_soon
 from ..cpu.thread_share import CpuShare
 from ..cpu.threads import bound_before_minfer, cores_allowed, cpu_threads_wanted, threads_chosen
 from ..engine.config import DTYPES, EngineConfig, dtype_name
@@ -58,6 +59,8 @@ def build_engine(
         check_settings(config, model.config, model.dtype, model.device)  # before a draft's cache is built
     config = with_compile_choice(config, model)  # compile_model unset: on where it wins (compile_choice.py)
     model, attention = prepare_model(model, config)  # quantized, packed, its attention chosen and warmed up
+    if model.device.type == "cpu":  # cpu/huge_pages.py: the weights each step streams, in 2 MB pages
+        in_huge_pages_soon([*model.parameters(), *model.buffers()])
     context_len = config.max_model_len or model.config.max_positions
     draft = prepared_draft(config, model, context_len) if config.speculative_method == "draft" else None
     if model.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory is None:

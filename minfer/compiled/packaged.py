@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from ..attention.paged import PagedBatch
+from ..cpu.huge_pages import in_huge_pages_soon
 from ..cpu.malloc import freed_memory_returned
 from .artifacts import CacheEntry, open_cache, write_atomically
 from .attention import failure_line, lone_decode_tensors, with_lone_decode_tensors
@@ -223,6 +224,7 @@ def load_or_build(
                 _share(runners["lone"], runners["batch"], paths, may_drop=unlocked is None)
     except Exception as e:  # an export the model refuses, a full disk, a package that does not load
         return None, None, failure_line(e)
+    in_huge_pages_soon([t for runner in runners.values() for t in runner.constant_tensors()], "the packages' weights")
     how = "compiled" if built else "loaded"
     record = CompileRecord(how, time.perf_counter() - start, len(paths) - len(built), len(built), path=entry.path)
     return PackagedForward(runners["lone"], runners.get("batch"), opaque.backend.lone_decode_in_graph), record, None

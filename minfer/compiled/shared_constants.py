@@ -68,6 +68,10 @@ class PackageRunner:
         flat = [x for x in pytree.tree_flatten((args, {}))[0] if isinstance(x, torch.Tensor)]
         return pytree.tree_unflatten(self.runner.run(flat), self._out_spec)
 
+    def constant_tensors(self) -> list[torch.Tensor]:
+        """Every constant it reads (views of the memory that holds them), whatever their names."""
+        return list(self.runner.extract_constants_map(False).values())
+
     def constants(self) -> dict[str, torch.Tensor] | None:
         """Its constants by name (views of its memory), or None where two share a source and cannot be told apart."""
         sources = self.runner.get_constant_names_to_original_fqns()  # name -> source

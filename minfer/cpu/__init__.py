@@ -7,6 +7,7 @@
 - threads.py, cgroup.py: torch's thread count, from the cores and a container's CPU quota;
 - thread_share.py: torch's thread count kept to the cores other processes leave free;
 - openmp.py: how OpenMP threads wait, for the banner; malloc.py: glibc's thresholds after a quantizing load.
+- huge_pages.py: the weights moved into 2 MB pages, which a step's stream through them reads faster.
 
 The assembly (minfer/assembly/) chooses these from the CPU at hand; the core never imports them.
 """

@@ -47,6 +47,7 @@ ALLOWED_PEER_IMPORTS = {
     ("quantization", "minfer.cpu.malloc"): "a quantizing load returns its temporaries to the OS",
     ("compiled", "minfer.cpu.tiled_attention"): "the compiled CPU backend is the tiled one with a compiled decode",
     ("compiled", "minfer.cpu.malloc"): "a package's build returns its temporaries to the OS",
+    ("compiled", "minfer.cpu.huge_pages"): "a package's weights are read in 2 MB pages",
 }
 # The plain core: what tutorial stages 01-13 teach. None of it imports a feature room, in any form.
 CORE = ("minfer.device_errors", "minfer.errors", "minfer.host_to_device", "minfer.model_config", "minfer.settings",
