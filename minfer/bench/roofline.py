@@ -2,11 +2,11 @@
 weight bytes / memory bandwidth. Both are measured here, on the spot, next to minfer's
 measured batch-1 TPOT; the ratio says how far from the hardware limit decoding runs.
 
-Bandwidth is that of streaming-reading one large tensor (512 MiB, best of a few), on a CPU in 2 MB pages as
-minfer keeps its weights (cpu/huge_pages.py: ~35% faster than 4 KB pages on a 2-core Zen 4), the faster of two
-reads: a plain sum, and a batched matvec over one contiguous part per thread (each thread streams one
-block: ~10% faster on a 2-core Zen 3, as minfer's split one-row linears read). Decode reads weights
-and writes almost nothing. A copy's bandwidth
+Bandwidth is that of streaming-reading one large tensor (512 MiB, best of a few), on a CPU in memory given
+2 MB pages from its first touch (cpu/huge_pages.py: on a 2-core Zen 4 VM a sum read 44-52 GB/s there, 26-30 in
+pages moved after filling and 23-27 in 4 KB pages), the faster of two reads: a plain sum, and a batched
+matvec over one contiguous part per thread (each thread streams one block: ~10% faster on a 2-core Zen 3, as
+minfer's split one-row linears read). Decode reads weights and writes almost nothing. A copy's bandwidth
 (read + write bytes) is reported beside it; on a shared CPU both vary by ~20%
 from run to run, so compare figures from one run. A KV-cache read at batch 1 and
 short context is small beside the weights and is left out.
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from ..cpu.huge_pages import in_huge_pages
+from ..cpu.huge_pages import huge_page_tensor
 from ..engine.scheduler import OnlineScheduler
 from ..quantization import QuantizedEmbedding, quantization_of
 from .offline import run_offline
@@ -56,9 +56,11 @@ def best_time(op, device: torch.device, repeats: int = 5) -> float:
 def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, repeats: int = 5) -> tuple[float, float]:
     """(read, copy) bytes per second: a large tensor read (summed whole, or a part per thread), and copied
     (read + write counted)."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # touched, so no page faults are timed
-    dst = torch.zeros_like(src)
-    in_huge_pages([src, dst], "the bandwidth test's buffers")
+    if device.type == "cpu":  # in 2 MB pages from the first touch: the fastest reads a VM gives (huge_pages.py)
+        src, dst = huge_page_tensor(nbytes // 4).fill_(1.0), huge_page_tensor(nbytes // 4).zero_()
+    else:
+        src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # touched, so no page faults are timed
+        dst = torch.zeros_like(src)
     parts = torch.get_num_threads() if device.type == "cpu" else 1
     rows = 512  # each part a (rows, n / P / rows) matrix, read as one matvec: the shape of a split linear
     per_thread = src[: src.numel() // (parts * rows) * parts * rows].view(parts, rows, -1)  # (P, rows, n/P/rows)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import threading
 from collections.abc import Iterable
 from functools import cache
@@ -89,3 +90,17 @@ def in_huge_pages_soon(tensors: Iterable[torch.Tensor], what: str = "weights") -
     thread = threading.Thread(target=in_huge_pages, args=(list(tensors), what), name="minfer-huge-pages", daemon=True)
     thread.start()
     return thread
+
+
+def huge_page_tensor(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A CPU tensor in fresh memory asked for in 2 MB pages before it is first touched: its pages are huge from
+    the first write, which on a VM read faster than pages moved later (a sum: 44-52 GB/s against 26-30 on the
+    Zen 4). Plain memory where huge pages cannot be asked for. What --roofline reads to find its floor."""
+    nbytes = numel * dtype.itemsize
+    if _madvise() is None or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(numel, dtype=dtype)
+    # private and untouched (shared anonymous memory takes huge pages by another setting); the tensor keeps it alive
+    memory = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory.madvise(mmap.MADV_HUGEPAGE)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+    return torch.frombuffer(memory, dtype=dtype, count=numel, offset=-start % HUGE_PAGE)

@@ -82,3 +82,10 @@ def test_soon_moves_them_on_a_thread_of_its_own():
     huge_pages.in_huge_pages_soon([weight]).join(30)
     start = -(-weight.untyped_storage().data_ptr() // HUGE_PAGE) * HUGE_PAGE
     assert huge_bytes_at(start) >= 2 * HUGE_PAGE and torch.equal(weight, want)
+
+
+@pytest.mark.skipif(collapse_works() is not None, reason=str(collapse_works()))
+def test_a_huge_page_tensor_is_in_huge_pages_from_its_first_write():
+    t = huge_pages.huge_page_tensor(6 << 20 >> 2).fill_(2.0)  # 6 MB, its start on a 2 MB boundary
+    assert t.data_ptr() % HUGE_PAGE == 0 and t.numel() == 6 << 20 >> 2 and bool((t == 2).all())
+    assert huge_bytes_at(t.data_ptr()) >= 2 * HUGE_PAGE  # (the kernel may leave the last page small)
