@@ -52,10 +52,9 @@ def _madvise():
 
 def memory_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
     """The (start, end) addresses of these CPU tensors' storages, sorted, with neighbours merged."""
-    spans = sorted(
-        (t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
-        for t in tensors if t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn and t.numel()
-    )
+    storages = [t.untyped_storage() for t in tensors
+                if t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn and t.numel()]
+    spans = sorted((s.data_ptr(), s.data_ptr() + s.nbytes()) for s in storages)
     merged: list[list[int]] = []
     for start, end in spans:
         if merged and start <= merged[-1][1] + MERGE_GAP:
