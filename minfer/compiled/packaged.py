@@ -97,8 +97,9 @@ class PackagedForward:
 
 
 def _share(lone: PackageRunner, batch: PackageRunner, paths: dict[str, Path], may_drop: bool) -> None:
-    """The batch package reads the lone one's copy of every weight they both hold (shared_constants.py). Where
-    every one is the lone package's, as recorded, its own copy on disk is dropped (`may_drop`: under the lock)."""
+    """The batch package reads the lone one's copy of the weights where every one of its constants is the lone
+    one's (shared_constants.py), else its own. Where every one is, as recorded, its own copy on disk is dropped
+    (`may_drop`: under the lock)."""
     record, lone_id = paths["batch"] / SHARED, package_id(paths["lone"])
     try:
         shared, recorded = attach_constants(lone, batch, record, lone_id)
@@ -106,8 +107,11 @@ def _share(lone: PackageRunner, batch: PackageRunner, paths: dict[str, Path], ma
         log.warning("minfer: the packages keep a copy of the weights each: %s", failure_line(e))
         batch.load_own_constants()
         return
-    log.info("minfer: the two packages share %.0f MB of weights%s", shared / 2**20,
-             " (as recorded: the batch package's own were not read)" if recorded else "")
+    if shared:
+        log.info("minfer: the two packages share %.0f MB of weights%s", shared / 2**20,
+                 " (as recorded: the batch package's own were not read)" if recorded else "")
+    else:
+        log.info("minfer: the packages keep a copy of the weights each: the batch package packed some its own way")
     if may_drop and batch.blob is not None and recorded_owner(record) == lone_id:
         _drop_own_weights(batch)
 

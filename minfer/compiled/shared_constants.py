@@ -1,16 +1,20 @@
-"""The whole forward's two packages (packaged.py) keep one copy of the weights in memory.
+"""The whole forward's two packages (packaged.py) keep one copy of the weights in memory, where they can.
 
 A package keeps its constants (the frozen weights, packed for its GEMMs) in a file beside its library
 (AOTInductor's "binary_blob"), so it loads without them. The lone decode's package copies its own into memory
-(`load_own_constants`). The batch package holds the same packed weights: both are traced from the same model with
-the same settings, so almost every constant of one equals one of the other's, byte for byte. `attach_constants`
-hands the batch package the lone one's tensor for each of those (`equal_constants`: same bytes, dtype, shape and
-strides, aligned as its own would be), and a copy of its own for any other: only equal bytes are shared, so it
-computes exactly what it would with its own.
+(`load_own_constants`). The batch package is traced from the same model with the same settings, so its constants
+are the lone one's, byte for byte, where both packages packed a weight alike. `attach_constants` hands the batch
+package the lone one's tensor for each (`equal_constants`: same bytes, dtype, shape and strides, aligned as its
+own would be) where every one of its constants has an equal: only equal bytes are shared, so it computes exactly
+what it would with its own. Where timing chose ATen's GEMM for a layer (without AMX it can choose it for all, bf16
+too), that weight is oneDNN's packed tensor, with no equal: the batch package then reads its own file, whole.
+Sharing the rest would save a quarter of the weights (the embedding tables) and cost a warm start a second read of
+its file and a copy of the packed weights (Qwen3-0.6B bf16: 4.7 s of 15, to save 297 MB).
 
 Finding the equals means reading the batch package's own file: that is done once, by a second runner of its
-library that is let go after, and where every constant had an equal the finding is recorded beside the package
-(`SHARED`, naming the lone build it was made with). Later starts read the record and never the file.
+library that is let go after, and the verdict is recorded beside the package (`SHARED`, naming the lone build it
+was made with): which of the lone package's each constant is, or that the batch package reads its own. Later
+starts read the record, and a batch package that shares every constant never reads its file.
 
 Two AOTInductor details shape it. Its runner (not the package loader) can hand out a package's constants and
 take others: packages load through `AOTIModelContainerRunnerCpu`. It names constants by their source, and
@@ -99,7 +103,8 @@ def equal_constants(theirs: dict[str, torch.Tensor], ours: dict[str, torch.Tenso
     return equals
 
 
-SHARED = "shared-constants.json"  # beside the sharer's files: which of the owner's constants each of its own is
+SHARED = "shared-constants.json"  # beside the sharer's files: which of the owner's constants each of its own is,
+# or READS_OWN
 
 
 def own_weights(package: Path) -> Path | None:
@@ -108,52 +113,56 @@ def own_weights(package: Path) -> Path | None:
 
 
 def recorded_owner(record: Path) -> str | None:
-    """The owner build a record was made with, if there is a readable one."""
+    """The owner build whose constants a record gives the sharer, every one; None where there is no readable
+    record, or it says the sharer reads its own."""
     written = _read_record(record)
-    return None if written is None else written.get("owner")
+    return written.get("owner") if written is not None and isinstance(written.get("constants"), dict) else None
+
+
+READS_OWN = "reads its own"  # a record's verdict where some constant of the sharer's has no equal
 
 
 def attach_constants(owner: PackageRunner, sharer: PackageRunner, record: Path, owner_id: str) -> tuple[int, bool]:
-    """Give `sharer` (holding no constants yet) `owner`'s tensor for each constant they both hold, and a copy of
-    its own for any other; which are which, as `record` says where it was written for this owner, else found by
-    comparing (and recorded where every one had an equal). Where its constants cannot be told apart, it reads its
-    own. Returns (the bytes it shares, whether the record served)."""
+    """Give `sharer` (holding no constants yet) `owner`'s tensor for every one of its constants, where each has an
+    equal; else it reads its own file. Which, as `record` says where it was written for this owner, else found by
+    comparing, and recorded. Returns (the bytes it shares, whether the record served)."""
     theirs = owner.constants()
     names = _recorded(record, owner_id, theirs, sharer) if theirs is not None else None
     recorded = names is not None
-    if recorded:
-        mapping = {name: theirs[their_name] for name, their_name in names.items()}
-    else:
-        mapping, names = _compared(theirs, sharer) if theirs is not None else (None, {})
-        if mapping is None:
-            sharer.load_own_constants()
-            return 0, False
-        if len(names) == len(mapping):
-            _write_record(record, owner_id, names)
+    if not recorded and theirs is not None:
+        names = _compared(theirs, sharer)
+        _write_record(record, owner_id, names)
+    if names is None or names == READS_OWN:
+        sharer.load_own_constants()
+        return 0, recorded
+    mapping = {name: theirs[their_name] for name, their_name in names.items()}
     sharer.runner.update_constant_buffer(mapping, False, True, True)  # user-managed: they stay where they are
-    sharer.kept, sharer.shared_by = mapping, ("record" if recorded else "comparison") if names else None
-    return sum(mapping[name].nbytes for name in names), recorded
+    sharer.kept, sharer.shared_by = mapping, "record" if recorded else "comparison"
+    return sum(tensor.nbytes for tensor in mapping.values()), recorded
 
 
-def _compared(theirs: dict[str, torch.Tensor], sharer: PackageRunner) -> tuple[dict | None, dict[str, str]]:
-    """The sharer's constants: the owner's where equal, else copies of its own, read by a runner of its own that
-    goes when this returns (with its copy); and which of the owner's each equal one is. (None, {}) where the
-    sharer's constants cannot be told apart."""
+def _compared(theirs: dict[str, torch.Tensor], sharer: PackageRunner) -> dict[str, str] | str:
+    """Which of the owner's constants each of the sharer's equals, found by a runner of the sharer's own that reads
+    its file and goes when this returns; READS_OWN where some constant has no equal, or they cannot be told apart."""
     reader = sharer.reader()
     reader.load_own_constants()
     ours = reader.constants()
     if ours is None:
-        return None, {}
+        return READS_OWN
     names = equal_constants(theirs, ours)
-    return {name: theirs[names[name]] if name in names else own.clone() for name, own in ours.items()}, names
+    return names if len(names) == len(ours) else READS_OWN
 
 
-def _recorded(record: Path, owner_id: str, theirs: dict, sharer: PackageRunner) -> dict[str, str] | None:
-    """Which of the owner's constants each of the sharer's is, as the record says; None where there is no record
-    for this owner, or it does not name every constant of the sharer's, each one of `theirs`. (A sharer built
-    again is a new folder, without the record.)"""
+def _recorded(record: Path, owner_id: str, theirs: dict, sharer: PackageRunner) -> dict[str, str] | str | None:
+    """The record's verdict for this owner: which of the owner's constants each of the sharer's is (every one of
+    the sharer's, each one of `theirs`), or READS_OWN; None where there is no such record. (A sharer built again is
+    a new folder, without the record.)"""
     written = _read_record(record)
-    names = written.get("constants") if written is not None and written.get("owner") == owner_id else None
+    if written is None or written.get("owner") != owner_id:
+        return None
+    names = written.get("constants")
+    if names == READS_OWN:
+        return READS_OWN
     if not isinstance(names, dict) or set(names) != set(sharer.runner.get_constant_names_to_original_fqns()):
         return None
     return names if set(names.values()) <= set(theirs) else None
@@ -167,7 +176,7 @@ def _read_record(record: Path) -> dict | None:
     return written if isinstance(written, dict) else None
 
 
-def _write_record(record: Path, owner_id: str, names: dict[str, str]) -> None:
+def _write_record(record: Path, owner_id: str, names: dict[str, str] | str) -> None:
     with contextlib.suppress(OSError):  # a full or read-only cache: the next start compares again
         write_atomically(record, json.dumps({"owner": owner_id, "constants": names}, indent=1).encode())
 

@@ -1,14 +1,17 @@
 """shared_constants.py's rule and its record, on stand-in runners: a constant of the sharer is the owner's where
-equal (same bytes, dtype, shape and strides, aligned as a package can count on), a copy of its own otherwise; its
-own are read by a runner of its own, never by the sharer; where every one had an equal a record says which, and a
-later load reads none of its own; a package whose constants cannot be told apart reads its own.
+equal (same bytes, dtype, shape and strides, aligned as a package can count on); where every one has an equal the
+sharer is given the owner's, its own file read by a runner of its own, never by the sharer, and a record says which,
+so a later load reads none of its own; where one has none, or they cannot be told apart, the sharer reads its own
+file, and the record says so, so a later load compares no more.
 The real packages share in test_compiled_step.py (test_the_whole_forward_is_packaged_once_and_loaded_after)."""
 
 import json
 
 import torch
 
-from minfer.compiled.shared_constants import ALIGNMENT, PackageRunner, attach_constants, equal_constants
+from minfer.compiled.shared_constants import (
+    ALIGNMENT, READS_OWN, PackageRunner, attach_constants, equal_constants, recorded_owner,
+)
 
 
 class StandInRunner:
@@ -87,21 +90,29 @@ def test_only_equal_bytes_of_the_same_layout_are_equal():
     assert equal_constants(theirs, ours) == {"w2": "w"}
 
 
-def test_a_weight_packed_by_onednn_is_its_own_and_the_others_are_still_shared(tmp_path):
-    """Where timing chose ATen's GEMM for a layer of an fp32 package, its weight is oneDNN's opaque tensor: no
-    bytes to compare (torch.equal refuses it), so it has no equal and keeps a copy of its own, while every plain
-    constant beside it is still the owner's. Comparing two such weights of one shape raised, and then both
-    packages kept a copy of everything."""
+def test_a_weight_packed_by_onednn_has_no_equal_and_the_sharer_reads_its_own_as_recorded(tmp_path):
+    """Where timing chose ATen's GEMM for a layer of the batch package, its weight is oneDNN's opaque tensor: no bytes
+    to compare (torch.equal refuses it), so it has no equal. Sharing the plain ones beside it would cost a read of the
+    file and a copy of the packed ones at every start: the sharer reads its own file, once a start, and the record
+    says so, so a later start compares nothing. Comparing two such weights of one shape raised, once."""
     weight = aligned([1, 2, 3, 4, 5, 6, 7, 8]).view(2, 4)
     owner = owner_of({"w": aligned([1, 2, 3, 4]), "packed": weight.to_mkldnn()})
-    sharer = StandIn({"w0": aligned([1, 2, 3, 4]), "packed0": weight.to_mkldnn()})
-    assert equal_constants(owner.runner.active, sharer.file) == {"w0": "w"}
+    file = {"w0": aligned([1, 2, 3, 4]), "packed0": weight.to_mkldnn()}
+    assert equal_constants(owner.runner.active, file) == {"w0": "w"}
     record = tmp_path / "shared-constants.json"
-    assert attach_constants(owner, sharer, record, "owner-1") == (aligned([1, 2, 3, 4]).nbytes, False)
-    assert sharer.runner.active["w0"].data_ptr() == owner.runner.active["w"].data_ptr()
-    packed = sharer.runner.active["packed0"]
+    first = StandIn(file)
+    assert attach_constants(owner, first, record, "owner-1") == (0, False)
+    assert [r.runner.calls for r in first.readers] == [["read own"]] and first.runner.calls == ["read own"]
+    assert first.shared_by is None and first.kept == {}
+    packed = first.runner.active["packed0"]
     assert packed.is_mkldnn and packed is not owner.runner.active["packed"] and torch.equal(packed.to_dense(), weight)
-    assert not record.exists()  # its own is read at every load
+    assert first.runner.active["w0"].data_ptr() != owner.runner.active["w"].data_ptr()
+    assert json.loads(record.read_text()) == {"owner": "owner-1", "constants": READS_OWN}
+    assert recorded_owner(record) is None  # a record that gives the sharer nothing: its own file must stay
+
+    later = StandIn(file)
+    assert attach_constants(owner, later, record, "owner-1") == (0, True)
+    assert later.readers == [] and later.runner.calls == ["read own"] and later.shared_by is None
 
 
 def test_a_less_aligned_equal_constant_is_not_equal():
@@ -133,15 +144,15 @@ def test_the_first_load_compares_with_a_reader_and_records_what_later_loads_use(
     assert {name: tensor.data_ptr() for name, tensor in later.runner.active.items()} == given
 
 
-def test_a_constant_with_no_equal_is_a_copy_of_its_own_and_nothing_is_recorded(tmp_path):
-    """A constant of the sharer's own must be read from its file at every load: no record."""
+def test_a_constant_with_no_equal_leaves_the_sharer_its_own_file(tmp_path):
+    """One constant without an equal, and every constant of the sharer's is its own, read from its file."""
     owner = owner_of({"w": aligned([1, 2, 3, 4])})
     sharer = StandIn({"w0": aligned([1, 2, 3, 4]), "x": aligned([7.0, 8.0])})
     record = tmp_path / "shared-constants.json"
-    assert attach_constants(owner, sharer, record, "owner-1") == (aligned([1, 2, 3, 4]).nbytes, False)
-    assert not record.exists() and torch.equal(sharer.runner.active["x"], torch.tensor([7.0, 8.0]))
-    assert sharer.kept["x"].data_ptr() == sharer.runner.active["x"].data_ptr()  # alive as long as the package
-    assert sharer.runner.active["w0"].data_ptr() == owner.runner.active["w"].data_ptr()
+    assert attach_constants(owner, sharer, record, "owner-1") == (0, False)
+    assert sharer.runner.calls == ["read own"] and torch.equal(sharer.runner.active["x"], torch.tensor([7.0, 8.0]))
+    assert sharer.runner.active["w0"].data_ptr() != owner.runner.active["w"].data_ptr()
+    assert json.loads(record.read_text())["constants"] == READS_OWN
 
 
 def test_a_record_of_another_owner_or_of_other_constants_is_not_used(tmp_path):
@@ -167,4 +178,4 @@ def test_constants_that_cannot_be_told_apart_are_read_as_they_are(tmp_path):
     record = tmp_path / "shared-constants.json"
     assert attach_constants(owner, sharer, record, "owner-1") == (0, False)
     assert sharer.runner.calls == ["read own"] and sharer.shared_by is None and sharer.kept == {}
-    assert not record.exists()
+    assert json.loads(record.read_text())["constants"] == READS_OWN
