@@ -12,17 +12,13 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Callable, NamedTuple
 
-from ..errors import InvalidParameter
+from ..errors import InvalidParameter, is_int
 from .structured_outputs_params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # the most top tokens a request may ask for per position (OpenAI's limit)
 # Below it a temperature is greedy, as in vLLM: dividing by it leaves only the top token (or ties) a chance,
 # and far enough below, fp32 logits divided by it overflow to inf, from which nothing can be drawn.
 GREEDY_TEMPERATURE = 1e-5
-
-
-def _int(v) -> bool:  # errors.is_int again: parsing a request runs in three files (tests/server/test_request_path.py)
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _number(v) -> bool:
@@ -45,35 +41,36 @@ def _stop(v) -> bool:
 
 
 def _logit_bias(v) -> bool:
-    return isinstance(v, dict) and all(_int(t) and t >= 0 and _number(b) and -100 <= b <= 100 for t, b in v.items())
+    return isinstance(v, dict) and all(is_int(t) and t >= 0 and _number(b) and -100 <= b <= 100 for t, b in v.items())
 
 
-NUM_LOGPROBS = Rule(lambda v: v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS),
+NUM_LOGPROBS = Rule(lambda v: v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS),
                     f"None or an int in [0, {MAX_LOGPROBS}]")
 BOOL = Rule(lambda v: isinstance(v, bool), "a bool")
 RULES: dict[str, Rule] = {
     # None, as in vLLM: as many as the context (and the KV cache) leave after the prompt; check_limits counts them
-    "max_tokens": Rule(lambda v: v is None or (_int(v) and v >= 1), "None (up to the context) or an int >= 1"),
+    "max_tokens": Rule(lambda v: v is None or (is_int(v) and v >= 1), "None (up to the context) or an int >= 1"),
     "temperature": Rule(lambda v: _number(v) and v >= 0, "a number >= 0", float),  # 0: greedy
     # 0: off; -1 too, as in vLLM (its scripts pass it)
-    "top_k": Rule(lambda v: _int(v) and v >= -1, "an int >= 0 (or -1, off as 0 is)", lambda v: max(v, 0)),
+    "top_k": Rule(lambda v: is_int(v) and v >= -1, "an int >= 0 (or -1, off as 0 is)", lambda v: max(v, 0)),
     "top_p": Rule(lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]", float),  # 1: off
-    "seed": Rule(lambda v: v is None or _int(v), "None or an int"),
+    "seed": Rule(lambda v: v is None or is_int(v), "None or an int"),
     "stop": Rule(lambda v: v is None or _stop(v), "None, a non-empty str or a list of non-empty str",
                  lambda v: None if v is None else [v] if isinstance(v, str) else list(v)),
-    "stop_token_ids": Rule(lambda v: v is None or (isinstance(v, (list, tuple)) and all(_int(i) and i >= 0 for i in v)),
+    "stop_token_ids": Rule(lambda v: v is None or (isinstance(v, (list, tuple)) and all(is_int(i) and i >= 0
+                                                                                         for i in v)),
                            "None or a list of ints >= 0", lambda v: None if v is None else list(v)),
     "ignore_eos": BOOL,
     "logprobs": NUM_LOGPROBS,
     "prompt_logprobs": NUM_LOGPROBS,
-    "n": Rule(lambda v: _int(v) and v >= 1, "an int >= 1"),
+    "n": Rule(lambda v: is_int(v) and v >= 1, "an int >= 1"),
     "presence_penalty": _between(-2, 2),
     "frequency_penalty": _between(-2, 2),
     "repetition_penalty": Rule(lambda v: _number(v) and v > 0, "a number > 0", float),
     "min_p": _between(0, 1),
     "logit_bias": Rule(lambda v: v is None or _logit_bias(v), "None or {token id >= 0: a number in [-100, 100]}",
                        lambda v: {t: float(b) for t, b in v.items()} or None if v is not None else None),
-    "min_tokens": Rule(lambda v: _int(v) and v >= 0, "an int in [0, max_tokens]"),
+    "min_tokens": Rule(lambda v: is_int(v) and v >= 0, "an int in [0, max_tokens]"),
     "include_stop_str_in_output": BOOL,
     "skip_special_tokens": BOOL,
     "structured_outputs": Rule(lambda v: v is None or isinstance(v, StructuredOutputsParams),

@@ -31,12 +31,14 @@ def files_run(fn) -> set[str]:
     return seen
 
 
-def test_parsing_a_completion_runs_in_three_files(tiny_checkpoint):
+def test_parsing_a_completion_runs_in_four_files(tiny_checkpoint):
+    """The body, its sampling fields, its prompt's tokens, and errors.py's type checks: nothing else."""
     info = ModelInfo("m", Tokenizer.from_dir(tiny_checkpoint), 512)
     body = {"model": "m", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.7, "top_p": 0.9,
             "stop": ["."], "logprobs": 2, "n": 2, "seed": 3, "logit_bias": {"5": 1.0}, "stream": True}
     files = files_run(lambda: parse_completion(body, info))
-    assert files == {"minfer/server/requests.py", "minfer/engine/sampling_params.py", "minfer/text/tokenizer.py"}
+    assert files == {"minfer/server/requests.py", "minfer/engine/sampling_params.py", "minfer/text/tokenizer.py",
+                     "minfer/errors.py"}
 
 
 def test_the_engine_checks_a_server_request_once(tiny_checkpoint, monkeypatch):
