@@ -40,6 +40,10 @@ def _stop(v) -> bool:
     return isinstance(items, (list, tuple)) and all(isinstance(s, str) and s for s in items)
 
 
+def _token_ids(v) -> bool:
+    return isinstance(v, (list, tuple)) and all(is_int(i) and i >= 0 for i in v)
+
+
 def _logit_bias(v) -> bool:
     return isinstance(v, dict) and all(is_int(t) and t >= 0 and _number(b) and -100 <= b <= 100 for t, b in v.items())
 
@@ -57,8 +61,7 @@ RULES: dict[str, Rule] = {
     "seed": Rule(lambda v: v is None or is_int(v), "None or an int"),
     "stop": Rule(lambda v: v is None or _stop(v), "None, a non-empty str or a list of non-empty str",
                  lambda v: None if v is None else [v] if isinstance(v, str) else list(v)),
-    "stop_token_ids": Rule(lambda v: v is None or (isinstance(v, (list, tuple)) and all(is_int(i) and i >= 0
-                                                                                         for i in v)),
+    "stop_token_ids": Rule(lambda v: v is None or _token_ids(v),
                            "None or a list of ints >= 0", lambda v: None if v is None else list(v)),
     "ignore_eos": BOOL,
     "logprobs": NUM_LOGPROBS,
