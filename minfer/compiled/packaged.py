@@ -111,7 +111,8 @@ def _share(lone: PackageRunner, batch: PackageRunner, paths: dict[str, Path], ma
         log.info("minfer: the two packages share %.0f MB of weights%s", shared / 2**20,
                  " (as recorded: the batch package's own were not read)" if recorded else "")
     else:
-        log.info("minfer: the packages keep a copy of the weights each: the batch package packed some its own way")
+        log.info("minfer: the packages keep a copy of the weights each: not every one of the batch package's is the"
+                 " lone one's (oneDNN's packed weights never are)")
     if may_drop and batch.blob is not None and recorded_owner(record) == lone_id:
         _drop_own_weights(batch)
 
