@@ -262,12 +262,16 @@ class SchedulerManager:
             self.died_because = f"a sticky CUDA error: {str(e).strip().splitlines()[0]}"
             raise e
         log.exception("engine step failed; failing %d in-flight requests", len(self._active))
-        self._fail_all(500, "the engine failed while running this request")
+        for request_id in self._active:
+            self._drop(request_id)
         allocator = self.scheduler.allocator
         if self.scheduler.has_unfinished() or allocator.num_free_blocks != allocator.num_blocks:
-            # what no request holds any more is lost for good: a worker serving on would fail or shrink forever
+            # what no request holds any more is lost for good: a worker serving on would fail or shrink forever.
+            # Its requests are answered by the wind-down, once the worker is marked dead: a client that has its
+            # answer then finds /health saying so.
             self.died_because = "a failed step left KV blocks or sequences that could not be freed"
             raise RuntimeError(self.died_because) from e
+        self._fail_all(500, "the engine failed while running this request")
         if self.events.active:
             self.events.publish(self._recorder.update())
 

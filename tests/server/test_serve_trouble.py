@@ -231,8 +231,8 @@ def test_a_failed_step_that_leaves_blocks_behind_stops_the_worker(small_server):
     manager.scheduler.batcher.discard = lambda seq: None  # a discard that frees nothing
     fail_once(manager.scheduler.runner, "execute")
     status, _, body = call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
-    assert status in (500, 503) and body["error"]["type"] == "server_error"
-    status, _, health = call(port, "GET", "/health", headers={})
+    assert status == 503 and body["error"]["type"] == "server_error"
+    status, _, health = call(port, "GET", "/health", headers={})  # no wait: the answer came once it was dead
     assert status == 503 and "could not be freed" in health["reason"]
     assert call(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 503
 
