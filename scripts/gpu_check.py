@@ -173,7 +173,7 @@ def engines() -> int:
 def compare_engines(checkpoint: str, dtype: str) -> tuple[bool, str]:
     from minfer import LLM, SamplingParams
 
-    greedy = SamplingParams(max_tokens=48 if not DRY else 24, temperature=0, ignore_eos=True, logprobs=2)
+    greedy = SamplingParams(max_tokens=48 if not DRY else 8, temperature=0, ignore_eos=True, logprobs=2)
     # A dry run's flex is unfused (traced, no kernels): it scores every slot of the cache, so a small one.
     common = dict(dtype=dtype, max_num_seqs=32, max_num_batched_tokens=256, **({"num_kv_blocks": 160} if DRY else {}))
     eager = LLM(checkpoint, enforce_eager=True, **common)
