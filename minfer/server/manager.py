@@ -267,8 +267,7 @@ class SchedulerManager:
         allocator = self.scheduler.allocator
         if self.scheduler.has_unfinished() or allocator.num_free_blocks != allocator.num_blocks:
             # what no request holds any more is lost for good: a worker serving on would fail or shrink forever.
-            # Its requests are answered by the wind-down, once the worker is marked dead: a client that has its
-            # answer then finds /health saying so.
+            # The wind-down answers its requests once the worker is marked dead, as /health will then say.
             self.died_because = "a failed step left KV blocks or sequences that could not be freed"
             raise RuntimeError(self.died_because) from e
         self._fail_all(500, "the engine failed while running this request")
