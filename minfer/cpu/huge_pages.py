@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import mmap
 import threading
@@ -76,12 +77,23 @@ def in_huge_pages(tensors: Iterable[torch.Tensor], what: str = "weights") -> int
         if last - first < HUGE_PAGE or madvise(first, last - first, MADV_HUGEPAGE) != 0:
             continue  # too small, or not memory that can take huge pages
         asked += last - first
-        if madvise(first, last - first, MADV_COLLAPSE) == 0:
+        if _collapse(madvise, first, last - first):
             moved += last - first
     if asked:
         log.info("minfer: %s in 2 MB pages: %.0f MB%s", what, moved / 2**20,
                  "" if moved == asked else f"; {(asked - moved) / 2**20:.0f} MB could not move (read from a file?)")
     return moved
+
+
+def _collapse(madvise, start: int, length: int, tries: int = 3) -> bool:
+    """MADV_COLLAPSE, tried again where the kernel calls its failure transient (EAGAIN: a page was locked or
+    moving, as the kernel's own page scanners do now and then)."""
+    for _ in range(tries):
+        if madvise(start, length, MADV_COLLAPSE) == 0:
+            return True
+        if ctypes.get_errno() != errno.EAGAIN:
+            return False
+    return False
 
 
 def in_huge_pages_soon(tensors: Iterable[torch.Tensor], what: str = "weights") -> threading.Thread:

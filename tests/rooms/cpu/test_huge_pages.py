@@ -1,6 +1,8 @@
 """cpu/huge_pages.py: the whole 2 MB pages inside the weights' memory move into huge pages, their values kept,
 and nothing is asked for where Linux's transparent huge pages are off."""
 
+import ctypes
+import errno
 import os
 
 import pytest
@@ -58,6 +60,25 @@ def test_the_whole_pages_inside_a_weight_move_and_keep_their_values():
     assert moved == whole >= 2 * HUGE_PAGE
     assert huge_bytes_at(-(-start // HUGE_PAGE) * HUGE_PAGE) >= moved
     assert torch.equal(weight, want)
+
+
+@pytest.mark.parametrize("failures, error, moved, calls", [
+    (2, errno.EAGAIN, True, 3),  # transient (a page locked or moving, as the kernel's scanners do): tried again
+    (3, errno.EAGAIN, False, 3),  # three times at most
+    (1, errno.EINVAL, False, 1),  # memory that cannot take huge pages: not tried again
+])
+def test_a_collapse_the_kernel_calls_transient_is_tried_again(failures, error, moved, calls):
+    """CI once found 0 bytes moved where 4 MB could be: MADV_COLLAPSE fails now and then with EAGAIN."""
+    called = []
+
+    def madvise(start, length, advice):
+        called.append(advice)
+        if len(called) <= failures:
+            ctypes.set_errno(error)
+            return -1
+        return 0
+
+    assert huge_pages._collapse(madvise, 0, HUGE_PAGE) is moved and len(called) == calls
 
 
 def test_a_weight_smaller_than_a_huge_page_is_left_alone():
