@@ -11,7 +11,8 @@ Two checks, one before and one after reading an entry:
   whose modules changed since is compiled afresh (`changed_sources`). Only an edit to the code a graph
   traced recompiles it, not one anywhere in minfer. torch.export (the whole forward's packages) keeps no
   such record: the Python files whose functions ran while it traced are recorded as it runs
-  (`files_called`: minfer's own), each with a hash (`file_hashes`), and checked alike (`changed_files`).
+  (`files_called`: minfer's own, named from its folder), each with a hash (`file_hashes`), and checked alike
+  against the minfer that loads the entry (`changed_files`).
 """
 
 from __future__ import annotations
@@ -127,15 +128,18 @@ def files_called() -> Iterator[set[str]]:
         yield found
     finally:
         sys.setprofile(previous)
-        ours = {str(path) for path in map(Path.resolve, map(Path, found)) if path.is_relative_to(MINFER)}
+        # named from minfer's folder (minfer/models/gpt2.py): checked against the minfer that loads the entry,
+        # not a checkout elsewhere that built it and may hold other code
+        ours = {str(path.relative_to(MINFER.parent)) for path in map(Path.resolve, map(Path, found))
+                if path.is_relative_to(MINFER)}
         found.clear()
         found.update(ours)
 
 
 def file_hashes(files) -> dict[str, str | None]:
-    return {file: _file_hash(file) for file in sorted(files)}
+    return {file: _file_hash(str(MINFER.parent / file)) for file in sorted(files)}  # an absolute path stays
 
 
 def changed_files(saved: dict[str, str | None]) -> list[str]:
     """The files of `file_hashes` that are not as they were (or are gone)."""
-    return [file for file, digest in saved.items() if _file_hash(file) != digest]
+    return [file for file, digest in saved.items() if _file_hash(str(MINFER.parent / file)) != digest]

@@ -24,7 +24,7 @@ from engine_checks import GREEDY
 
 from minfer import LLM
 from minfer.compiled import artifacts, cache_sweep, packaged
-from minfer.compiled.cache_key import file_hashes, files_called
+from minfer.compiled.cache_key import _file_hash, changed_files, file_hashes, files_called
 from minfer.compiled.packaged import (
     BUILD_ID, SIZES, TRACED, _drop_own_weights, _usable, check_sizes, package_id, record_sizes,
 )
@@ -236,8 +236,26 @@ def test_the_files_a_trace_ran_are_minfers_own_and_any_profiler_is_restored():
         assert sys.getprofile() is previous
     finally:
         sys.setprofile(None)
-    assert str(Path(kv_cache.__file__).resolve()) in files
-    assert not [f for f in files if "torch" in Path(f).parts or f == str(Path(__file__).resolve())]
+    assert "minfer/attention/kv_cache.py" in files  # named from minfer's folder, wherever the checkout lies
+    assert all(f.startswith("minfer/") for f in files) and "torch" not in str(files), files
+    assert file_hashes(files)["minfer/attention/kv_cache.py"] == _file_hash(kv_cache.__file__)
+
+
+def test_a_package_is_judged_by_the_code_of_the_minfer_that_loads_it(tmp_path, monkeypatch):
+    """The files a package's export ran are checked in the checkout that loads it: another checkout sharing the
+    cache, whose model code differs, builds its own (the record once named the builder's files, which had not
+    changed, and the other checkout served a graph of code it does not hold); the same code anywhere loads."""
+    from minfer.compiled import cache_key
+
+    record = file_hashes(["minfer/attention/kv_cache.py"])
+    assert changed_files(record) == []
+    other = tmp_path / "checkout"  # a copy of minfer elsewhere: the same code, then an edit to it
+    shutil.copytree(cache_key.MINFER / "attention", other / "minfer" / "attention")
+    monkeypatch.setattr(cache_key, "MINFER", other / "minfer")
+    assert changed_files(record) == []
+    with open(other / "minfer" / "attention" / "kv_cache.py", "a") as f:
+        f.write("# an edit\n")
+    assert changed_files(record) == ["minfer/attention/kv_cache.py"]
 
 
 def test_a_full_disk_keeps_the_batch_packages_own_weights_and_the_packages_serve(tmp_path, monkeypatch):
