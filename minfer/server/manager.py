@@ -154,7 +154,8 @@ class SchedulerManager:
             try:
                 self._drain_inbox(refuse=message)
             finally:  # whatever state the scheduler is in, no handler may be left waiting
-                self._fail_all(503, message)
+                self._drop_all()
+                self._answer_all(503, message)
                 self._stats = self.scheduler.stats()
                 self.events.close()
                 self._close_scheduler()
@@ -210,7 +211,7 @@ class SchedulerManager:
 
     def _discard(self, request_id: str) -> None:
         self.scheduler.discard_request(request_id)
-        del self._active[request_id]  # only now: if the discard failed, the failure discards it (_fail_all)
+        del self._active[request_id]  # only now: if the discard failed, the failure discards it (_drop_all)
         self.metrics.on_aborted()
 
     def _guarded(self, work: Callable, *args) -> None:
@@ -250,7 +251,7 @@ class SchedulerManager:
             outs = self.scheduler.pop_responses(request_id)  # one per choice
             self.metrics.on_finished(outs[0])
             self._active[request_id].events.put(Done(tuple(outs)))
-            del self._active[request_id]  # only once Done is out: until then a failure answers it (_fail_all)
+            del self._active[request_id]  # only once Done is out: until then a failure answers it (_answer_all)
             finished += outs
         if self.events.active:
             self.events.publish(self._recorder.step(num_tokens, finished))
@@ -262,21 +263,24 @@ class SchedulerManager:
             self.died_because = f"a sticky CUDA error: {str(e).strip().splitlines()[0]}"
             raise e
         log.exception("engine step failed; failing %d in-flight requests", len(self._active))
-        for request_id in self._active:
-            self._drop(request_id)
+        self._drop_all()
         allocator = self.scheduler.allocator
         if self.scheduler.has_unfinished() or allocator.num_free_blocks != allocator.num_blocks:
             # what no request holds any more is lost for good: a worker serving on would fail or shrink forever.
             # The wind-down answers its requests once the worker is marked dead, as /health will then say.
             self.died_because = "a failed step left KV blocks or sequences that could not be freed"
             raise RuntimeError(self.died_because) from e
-        self._fail_all(500, "the engine failed while running this request")
+        self._answer_all(500, "the engine failed while running this request")
         if self.events.active:
             self.events.publish(self._recorder.update())
 
-    def _fail_all(self, status: int, message: str) -> None:
-        for request_id, handle in self._active.items():
+    def _drop_all(self) -> None:
+        """Discard every request in flight after a failure; they stay in `_active` until answered."""
+        for request_id in self._active:
             self._drop(request_id)
+
+    def _answer_all(self, status: int, message: str) -> None:
+        for handle in self._active.values():
             handle.events.put(Error(status, message))
         self.metrics.on_aborted(len(self._active))
         self._active.clear()
