@@ -154,8 +154,7 @@ class SchedulerManager:
             try:
                 self._drain_inbox(refuse=message)
             finally:  # whatever state the scheduler is in, no handler may be left waiting
-                self._drop_all()
-                self._answer_all(503, message)
+                self._fail_all(503, message)
                 self._stats = self.scheduler.stats()
                 self.events.close()
                 self._close_scheduler()
@@ -211,7 +210,7 @@ class SchedulerManager:
 
     def _discard(self, request_id: str) -> None:
         self.scheduler.discard_request(request_id)
-        del self._active[request_id]  # only now: if the discard failed, the failure discards it (_drop_all)
+        del self._active[request_id]  # only now: if the discard failed, the failure discards it (_fail_all)
         self.metrics.on_aborted()
 
     def _guarded(self, work: Callable, *args) -> None:
@@ -251,7 +250,7 @@ class SchedulerManager:
             outs = self.scheduler.pop_responses(request_id)  # one per choice
             self.metrics.on_finished(outs[0])
             self._active[request_id].events.put(Done(tuple(outs)))
-            del self._active[request_id]  # only once Done is out: until then a failure answers it (_answer_all)
+            del self._active[request_id]  # only once Done is out: until then a failure answers it (_fail_all)
             finished += outs
         if self.events.active:
             self.events.publish(self._recorder.step(num_tokens, finished))
@@ -273,6 +272,11 @@ class SchedulerManager:
         self._answer_all(500, "the engine failed while running this request")
         if self.events.active:
             self.events.publish(self._recorder.update())
+
+    def _fail_all(self, status: int, message: str) -> None:
+        """Discard every request in flight and answer each with an Error (the wind-down's last word)."""
+        self._drop_all()
+        self._answer_all(status, message)
 
     def _drop_all(self) -> None:
         """Discard every request in flight after a failure; they stay in `_active` until answered."""
